@@ -1,0 +1,1 @@
+"""The `loomserve` command line."""

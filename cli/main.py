@@ -1,0 +1,212 @@
+"""`loomserve`: start the worker, the gateways, or both; and run the load generator.
+
+Every option has an environment variable LOOMSERVE_<OPTION>, so compose files and the
+command line share one set of names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from cli.default_model import resolve_model
+from gateway.config import GatewayConfig
+from worker.config import KV_CACHE_TYPES, WorkerConfig
+
+CONTEXT_SETTINGS = {"auto_envvar_prefix": "LOOMSERVE", "show_default": True}
+
+
+def worker_options(func):
+    """The options that configure the worker; shared by `worker` and `serve`."""
+    options = [
+        click.option(
+            "--model",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="GGUF model file. Default: Gemma 3 270M from its PyPI package.",
+        ),
+        click.option(
+            "--gpu-layers",
+            type=int,
+            default=-1,
+            help="Layers to offload to the GPU; -1 for all (when built with a GPU backend).",
+        ),
+        click.option(
+            "--threads", type=int, default=0, help="CPU threads for llama.cpp; 0 for all cores."
+        ),
+        click.option("--flash-attn/--no-flash-attn", default=False, help="Use flash attention."),
+        click.option(
+            "--kv-cache-type",
+            type=click.Choice(KV_CACHE_TYPES),
+            default="f16",
+            help="Data type of the KV cache.",
+        ),
+        click.option("--slots", type=int, default=8, help="Sequences decoded at once."),
+        click.option(
+            "--ctx-size",
+            type=int,
+            default=4096,
+            help="Context tokens per slot, capped by the model's training context.",
+        ),
+        click.option(
+            "--max-queue",
+            type=int,
+            default=64,
+            help="Requests that may wait for a slot; beyond that they are rejected.",
+        ),
+        click.option(
+            "--batch-tokens", type=int, default=512, help="Token budget of one tick's batch."
+        ),
+        click.option(
+            "--prefill-chunk",
+            type=int,
+            default=512,
+            help="Most prompt tokens one slot prefills per tick.",
+        ),
+        click.option(
+            "--strategy",
+            default="decode-maximal",
+            help="Batching strategy: decode-maximal, prefill-priority, balanced, "
+            "or a dotted path to your own class (package.module:Class).",
+        ),
+        click.option(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="Serve the worker's Prometheus metrics on this port.",
+        ),
+        click.option(
+            "--log-ticks/--no-log-ticks", default=False, help="Log one structured event per tick."
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def gateway_options(func):
+    """The options that configure a gateway; shared by `gateway` and `serve`."""
+    options = [
+        click.option("--host", default="127.0.0.1", help="HTTP address to listen on."),
+        click.option("--port", type=int, default=8000, help="HTTP port to listen on."),
+        click.option(
+            "--served-model-name",
+            default=None,
+            help="Model name in the API. Default: the model file's name.",
+        ),
+        click.option(
+            "--api-key",
+            multiple=True,
+            help="Accepted API key (repeatable). Without any, no key is needed.",
+        ),
+        click.option(
+            "--api-key-file",
+            type=click.Path(exists=True, dir_okay=False),
+            default=None,
+            help="File of accepted API keys, one per line.",
+        ),
+        click.option(
+            "--chat-template",
+            default=None,
+            help="Jinja chat template (text or a file path) overriding the model's own.",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def log_options(func):
+    func = click.option(
+        "--log-json/--no-log-json",
+        default=None,
+        help="JSON log lines. Default: on when stderr is not a terminal.",
+    )(func)
+    return click.option("--log-level", default="info", help="Log level.")(func)
+
+
+def build_worker_config(bind: str, **opts) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=resolve_model(opts["model"]),
+        bind=bind,
+        gpu_layers=opts["gpu_layers"],
+        threads=opts["threads"],
+        flash_attn=opts["flash_attn"],
+        kv_cache_type=opts["kv_cache_type"],
+        slots=opts["slots"],
+        ctx_size=opts["ctx_size"],
+        max_queue=opts["max_queue"],
+        batch_tokens=opts["batch_tokens"],
+        prefill_chunk=opts["prefill_chunk"],
+        strategy=opts["strategy"],
+        metrics_port=opts["metrics_port"],
+        log_ticks=opts["log_ticks"],
+    )
+
+
+def build_gateway_config(worker: str, **opts) -> GatewayConfig:
+    keys = set(opts["api_key"])
+    if opts["api_key_file"]:
+        lines = Path(opts["api_key_file"]).read_text().splitlines()
+        keys.update(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    template = opts["chat_template"]
+    if template and Path(template).is_file():
+        template = Path(template).read_text()
+    return GatewayConfig(
+        model_path=resolve_model(opts["model"]),
+        worker=worker,
+        host=opts["host"],
+        port=opts["port"],
+        model_name=opts["served_model_name"],
+        api_keys=frozenset(keys),
+        chat_template=template,
+    )
+
+
+@click.group(context_settings=CONTEXT_SETTINGS)
+def main() -> None:
+    """loomserve: continuous-batching LLM serving on llama.cpp."""
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@worker_options
+@click.option("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint gateways connect to.")
+@log_options
+def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
+    """Run the model-owning worker alone."""
+    from worker.server import run_worker
+
+    from cli.logs import configure_logging
+
+    configure_logging(level=log_level, json=log_json)
+    run_worker(build_worker_config(bind, **opts))
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@gateway_options
+@click.option(
+    "--model",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The worker's GGUF model; the gateway loads its vocabulary only.",
+)
+@click.option(
+    "--worker",
+    "worker_endpoint",
+    default="tcp://127.0.0.1:5555",
+    help="ZeroMQ endpoint of the worker.",
+)
+@log_options
+def gateway(worker_endpoint: str, log_level: str, log_json: bool | None, **opts) -> None:
+    """Run one HTTP gateway alone."""
+    from gateway.server import run_gateway
+
+    from cli.logs import configure_logging
+
+    configure_logging(level=log_level, json=log_json)
+    run_gateway(build_gateway_config(worker_endpoint, **opts))
+
+
+if __name__ == "__main__":
+    main()

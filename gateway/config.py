@@ -1,0 +1,27 @@
+"""The gateway's settings, fixed at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything one gateway process needs: where the worker is, and how to speak HTTP."""
+
+    model_path: Path  # the gateway loads the vocabulary only, to own the text
+    worker: str = "tcp://127.0.0.1:5555"  # the worker's ROUTER endpoint
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # served name in /v1/models; default: the file's stem
+    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no auth
+    chat_template: str | None = None  # a Jinja template overriding the model's own
+    max_body_bytes: int = 8 * 1024 * 1024
+    heartbeat_interval: float = 1.0
+    worker_timeout: float = 3.0  # no heartbeat this long: the worker is gone
+    request_timeout: float = 600.0
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_path.stem

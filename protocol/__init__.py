@@ -1,0 +1,46 @@
+"""Wire messages between gateways and the worker, and their msgpack codec."""
+
+from protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Accepted,
+    Cancel,
+    ErrorCode,
+    Finish,
+    FinishReason,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    ModelInfo,
+    Outputs,
+    Ping,
+    Rejected,
+    SamplingParams,
+    TokenChunk,
+    WorkerError,
+)
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "PROTOCOL_VERSION",
+    "Accepted",
+    "Cancel",
+    "DecodeError",
+    "ErrorCode",
+    "Finish",
+    "FinishReason",
+    "Generate",
+    "Heartbeat",
+    "Hello",
+    "Message",
+    "ModelInfo",
+    "Outputs",
+    "Ping",
+    "Rejected",
+    "SamplingParams",
+    "TokenChunk",
+    "WorkerError",
+    "decode",
+    "encode",
+]

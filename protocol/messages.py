@@ -1,0 +1,218 @@
+"""The wire messages between gateways and the worker: plain dataclasses, nothing else.
+
+Gateway -> worker: Hello, Generate, Cancel, Ping.
+Worker -> gateway: ModelInfo, Accepted, Rejected, Outputs, Heartbeat, WorkerError.
+
+The worker speaks token ids only; text is the gateway's business.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+PROTOCOL_VERSION = 1
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # an end-of-generation token, or a stop string matched by the gateway
+    LENGTH = "length"  # max_tokens or the slot's context ran out
+    CANCELLED = "cancelled"  # the client went away or the gateway asked
+    ERROR = "error"  # the engine failed this request; see Finish.message
+
+
+class ErrorCode(StrEnum):
+    QUEUE_FULL = "queue_full"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    INVALID_REQUEST = "invalid_request"
+    DUPLICATE_REQUEST = "duplicate_request"
+    NOT_READY = "not_ready"
+    PROTOCOL_MISMATCH = "protocol_mismatch"
+    DECODE_FAILED = "decode_failed"
+    GATEWAY_LOST = "gateway_lost"
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples and when it stops. Neutral defaults: plain sampling at T=1."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None: a fresh random seed per request
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: str | None = None  # GBNF; the gateway turns JSON schemas into GBNF
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not (0.0 <= self.temperature <= 100.0) or math.isnan(self.temperature):
+            raise ValueError("temperature must be between 0 and 100")
+        if self.top_k < 0:
+            raise ValueError("top_k must be 0 (disabled) or positive")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError("top_p must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError("min_p must be in [0, 1]")
+        if not (0.0 < self.repeat_penalty <= 10.0):
+            raise ValueError("repeat_penalty must be in (0, 10]")
+        if self.repeat_last_n < -1:
+            raise ValueError("repeat_last_n must be -1 (whole context), 0 (off) or positive")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            raise ValueError("presence_penalty must be between -2 and 2")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise ValueError("frequency_penalty must be between -2 and 2")
+        if self.seed is not None and not (0 <= self.seed < 2**32):
+            raise ValueError("seed must be between 0 and 2**32 - 1")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0 or (not math.isfinite(bias) and bias != -math.inf):
+                raise ValueError("logit_bias maps token ids to finite biases (or -inf)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# --- gateway -> worker -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Hello:
+    """First message of a gateway; the worker answers with ModelInfo."""
+
+    gateway_id: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass(slots=True)
+class Generate:
+    """Run one request. request_id is unique per gateway; the worker keys it by (gateway, id)."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+
+    def __post_init__(self) -> None:
+        if not self.prompt_tokens:
+            raise ValueError("the prompt must hold at least one token")
+        if any(t < 0 for t in self.prompt_tokens):
+            raise ValueError("token ids are never negative")
+
+
+@dataclass(slots=True)
+class Cancel:
+    """Stop a request: queued or running. Unknown ids are ignored (it may have just finished)."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class Ping:
+    """Gateway heartbeat. The worker echoes sent_at in its Heartbeat for round-trip time."""
+
+    sent_at: float
+
+
+# --- worker -> gateway -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """The worker's identity, sent in answer to Hello."""
+
+    protocol_version: int
+    model_name: str
+    vocab_size: int
+    context_train: int  # the model's training context
+    slot_context: int  # tokens of context each slot has
+    slots: int
+    vocab_fingerprint: str  # sha256 over the vocabulary; gateways refuse to serve on a mismatch
+    ready: bool
+
+
+@dataclass(slots=True)
+class Accepted:
+    """The worker took the request (queued or running); it will finish exactly once."""
+
+    request_id: str
+    queue_depth: int
+
+
+@dataclass(slots=True)
+class Rejected:
+    """The worker refused the request; it never ran."""
+
+    request_id: str
+    code: str  # an ErrorCode value
+    message: str
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """New tokens of one request since the previous Outputs."""
+
+    request_id: str
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class Finish:
+    """The end of one request, with usage and timings."""
+
+    request_id: str
+    reason: str  # a FinishReason value
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_seconds: float
+    message: str = ""  # why, when reason is error
+
+
+@dataclass(slots=True)
+class Outputs:
+    """Everything one tick produced for one gateway, coalesced into one message."""
+
+    tokens: list[TokenChunk]
+    finishes: list[Finish]
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Worker liveness and load, sent to every gateway every second and in answer to Ping."""
+
+    sent_at: float
+    ping_sent_at: float  # the gateway's Ping.sent_at it answers, 0.0 if unsolicited
+    ready: bool
+    queue_depth: int
+    free_slots: int
+    running: int
+
+
+@dataclass(slots=True)
+class WorkerError:
+    """An error not tied to one request: protocol mismatch, engine failure."""
+
+    code: str  # an ErrorCode value
+    message: str
+
+
+Message = (
+    Hello
+    | Generate
+    | Cancel
+    | Ping
+    | ModelInfo
+    | Accepted
+    | Rejected
+    | Outputs
+    | Heartbeat
+    | WorkerError
+)

@@ -1,0 +1,1 @@
+"""The model-owning worker: a continuous-batching tick loop over llama.cpp."""

@@ -1,0 +1,50 @@
+"""The worker's settings, fixed at start-up."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+KV_CACHE_TYPES = ("f16", "q8_0")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Everything the worker needs to load its model and serve it."""
+
+    model_path: Path
+    bind: str = "tcp://127.0.0.1:5555"  # the ROUTER endpoint gateways connect to
+    gpu_layers: int = -1  # -1: all layers when llama.cpp has a GPU backend
+    threads: int = 0  # 0: the machine's cores
+    flash_attn: bool = False
+    kv_cache_type: str = "f16"
+    slots: int = 8
+    ctx_size: int = 4096  # tokens of context per slot, capped by the model's training context
+    max_queue: int = 64
+    batch_tokens: int = 512  # token budget of one tick's batch
+    prefill_chunk: int = 512  # most prompt tokens one slot prefills in one tick
+    strategy: str = "decode-maximal"  # a built-in name or a dotted path to a class
+    metrics_port: int | None = None  # Prometheus endpoint; None: off
+    metrics_host: str = "127.0.0.1"
+    heartbeat_interval: float = 1.0  # seconds between heartbeats to each gateway
+    gateway_timeout: float = 5.0  # a gateway silent this long is gone; its requests are cancelled
+    log_ticks: bool = False  # one structured log event per tick
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError("slots must be at least 1")
+        if self.ctx_size < 8:
+            raise ValueError("ctx_size must be at least 8")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must not be negative")
+        if self.batch_tokens < self.slots:
+            raise ValueError("batch_tokens must leave room for one decode token per slot")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
+        if self.kv_cache_type not in KV_CACHE_TYPES:
+            raise ValueError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}")
+
+    @property
+    def n_threads(self) -> int:
+        return self.threads or os.cpu_count() or 1
