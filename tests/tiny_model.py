@@ -8,17 +8,39 @@ winners: greedy outputs then do not flip between batched and single-sequence ker
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-N_EMBD = 64
-N_HEAD = 4
-N_HEAD_KV = 2
-N_LAYER = 2
-N_FF = 128
-CONTEXT_LENGTH = 1024
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The dimensions of a generated model; the defaults are the tiny test model."""
+
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_layer: int = 2
+    n_ff: int = 128
+    context_length: int = 1024
+    extra_vocab: int = 0  # synthetic pieces beyond the word list, for realistic vocab sizes
+    f16: bool = False
+
+
+TINY = ModelShape()
+# About the size of Gemma 3 270M, for benchmarks where the default model cannot travel.
+BENCH_270M = ModelShape(
+    n_embd=640,
+    n_head=4,
+    n_head_kv=1,
+    n_layer=18,
+    n_ff=2048,
+    context_length=8192,
+    extra_vocab=32000,
+    f16=True,
+)
 
 WORDS = (
     "the a an and or of to in on is it that this with for as was be are at by from "
@@ -28,7 +50,7 @@ WORDS = (
 ).split()
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
+def vocabulary(extra: int = 0) -> tuple[list[str], list[float], list[int]]:
     """Token texts, scores and types, SentencePiece style."""
     types = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"]
@@ -39,6 +61,7 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     pieces += list(".,!?;:'\"()[]{}-_/*+=<>@#%&")
     pieces += ["▁" + c for c in string.ascii_lowercase + string.ascii_uppercase + string.digits]
     pieces += ["▁" + w for w in WORDS] + [w for w in WORDS if len(w) > 1]
+    pieces += [f"▁w{i}" for i in range(extra)]
     seen: set[str] = set(tokens)
     for piece in pieces:
         if piece not in seen:
@@ -50,26 +73,28 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(k) for k in kinds]
 
 
-def write_tiny_model(path: Path, seed: int = 1234) -> Path:
-    """Write the tiny model to path and return path."""
-    tokens, scores, token_types = vocabulary()
+def write_tiny_model(path: Path, seed: int = 1234, shape: ModelShape = TINY) -> Path:
+    """Write a generated model (the tiny one unless shape says otherwise) to path."""
+    tokens, scores, token_types = vocabulary(shape.extra_vocab)
+    dtype = np.float16 if shape.f16 else np.float32
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 
     def weight(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+        values = rng.standard_normal((rows, cols), dtype=np.float32) * (gain / np.sqrt(cols))
+        return values.astype(dtype)
 
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_name("tiny-llama-test")
-    writer.add_context_length(CONTEXT_LENGTH)
-    writer.add_embedding_length(N_EMBD)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD_KV)
-    writer.add_rope_dimension_count(N_EMBD // N_HEAD)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if shape.f16 else gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -80,21 +105,25 @@ def write_tiny_model(path: Path, seed: int = 1234) -> Path:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
 
-    writer.add_tensor("token_embd.weight", weight(n_vocab, N_EMBD, gain=8.0))
-    writer.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    writer.add_tensor("output.weight", weight(n_vocab, N_EMBD, gain=6.0))
-    head_dim = N_EMBD // N_HEAD
-    for layer in range(N_LAYER):
+    writer.add_tensor("token_embd.weight", weight(n_vocab, shape.n_embd, gain=8.0))
+    writer.add_tensor("output_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+    writer.add_tensor("output.weight", weight(n_vocab, shape.n_embd, gain=6.0))
+    head_dim = shape.n_embd // shape.n_head
+    for layer in range(shape.n_layer):
         prefix = f"blk.{layer}"
-        writer.add_tensor(f"{prefix}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(f"{prefix}.attn_q.weight", weight(N_EMBD, N_EMBD))
-        writer.add_tensor(f"{prefix}.attn_k.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"{prefix}.attn_v.weight", weight(N_HEAD_KV * head_dim, N_EMBD))
-        writer.add_tensor(f"{prefix}.attn_output.weight", weight(N_EMBD, N_EMBD))
-        writer.add_tensor(f"{prefix}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        writer.add_tensor(f"{prefix}.ffn_gate.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"{prefix}.ffn_up.weight", weight(N_FF, N_EMBD))
-        writer.add_tensor(f"{prefix}.ffn_down.weight", weight(N_EMBD, N_FF))
+        writer.add_tensor(f"{prefix}.attn_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+        writer.add_tensor(f"{prefix}.attn_q.weight", weight(shape.n_embd, shape.n_embd))
+        writer.add_tensor(
+            f"{prefix}.attn_k.weight", weight(shape.n_head_kv * head_dim, shape.n_embd)
+        )
+        writer.add_tensor(
+            f"{prefix}.attn_v.weight", weight(shape.n_head_kv * head_dim, shape.n_embd)
+        )
+        writer.add_tensor(f"{prefix}.attn_output.weight", weight(shape.n_embd, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+        writer.add_tensor(f"{prefix}.ffn_gate.weight", weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_up.weight", weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_down.weight", weight(shape.n_embd, shape.n_ff))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -106,4 +135,6 @@ def write_tiny_model(path: Path, seed: int = 1234) -> Path:
 if __name__ == "__main__":
     import sys
 
-    print(write_tiny_model(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny.gguf")))
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else "tiny.gguf")
+    size = sys.argv[2] if len(sys.argv) > 2 else "tiny"
+    print(write_tiny_model(target, shape={"tiny": TINY, "bench-270m": BENCH_270M}[size]))
