@@ -20,7 +20,16 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     heartbeat_interval: float = 1.0
     worker_timeout: float = 3.0  # no heartbeat this long: the worker is gone
-    request_timeout: float = 600.0
+    request_timeout: float = 600.0  # a generation running longer ends with a 504
+    shutdown_timeout: float = 5.0  # on SIGTERM, open streams get this long before they are cut
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0 or self.worker_timeout <= 0:
+            raise ValueError("heartbeat_interval and worker_timeout must be positive")
+        if self.worker_timeout < self.heartbeat_interval:
+            raise ValueError("worker_timeout must be at least heartbeat_interval")
+        if self.max_body_bytes < 1 or self.request_timeout <= 0 or self.shutdown_timeout < 0:
+            raise ValueError("body size and timeouts must be positive")
 
     @property
     def served_model_name(self) -> str:

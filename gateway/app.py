@@ -1,0 +1,436 @@
+"""The gateway's HTTP API: OpenAI's completions, chat and models; llama-server's extras."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.client import WorkerClient
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, install_handlers, invalid_request, unavailable
+from gateway.generation import Done, Generation, TextDelta
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import AccessMiddleware, BodyLimitMiddleware
+from gateway.params import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    max_new_tokens,
+    reject_unsupported,
+    sampling_params,
+    stop_strings,
+)
+from gateway.render import DONE_EVENT, StreamChunks, chat_body, completion_body, error_event
+from gateway.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenPiece,
+)
+from gateway.tokenizer import Vocab
+from protocol.messages import ModelInfo, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+# Tokenize prompts longer than this in a thread, so one huge prompt does not stall streams.
+THREAD_TOKENIZE_CHARS = 32_768
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [
+        (400, "Invalid request, or prompt too long for the context"),
+        (401, "Missing or invalid API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (503, "Worker busy (queue full, with Retry-After) or unavailable"),
+    ]
+}
+
+
+@dataclass(slots=True)
+class Gateway:
+    """What the routes share: settings, the vocabulary, the chat template, the worker client."""
+
+    config: GatewayConfig
+    vocab: Vocab
+    template: ChatTemplate
+    client: WorkerClient
+    metrics: GatewayMetrics
+    started_at: int
+
+    def worker_info(self) -> ModelInfo:
+        """The worker's ModelInfo when it can take requests; 503 otherwise."""
+        reason = self.client.unavailable_reason()
+        if reason or self.client.info is None:
+            raise unavailable(reason or "not connected to the worker")
+        return self.client.info
+
+
+def create_app(
+    config: GatewayConfig, vocab: Vocab, client: WorkerClient, metrics: GatewayMetrics
+) -> FastAPI:
+    """The ASGI app; its lifespan connects the WorkerClient."""
+    template = ChatTemplate.for_model(
+        config.chat_template, vocab.chat_template, vocab.bos_text, vocab.eos_text
+    )
+    gateway = Gateway(config, vocab, template, client, metrics, int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.close()
+
+    app = FastAPI(
+        title="loomserve gateway",
+        summary="OpenAI-compatible completions over a continuous-batching llama.cpp worker.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    install_handlers(app)
+    app.include_router(_open_routes(gateway))
+    app.include_router(_api_routes(gateway), dependencies=[Depends(_api_key_checker(config))])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(AccessMiddleware, metrics=metrics)
+    return app
+
+
+def _api_key_checker(config: GatewayConfig) -> Callable[[Request], None]:
+    keys = [key.encode() for key in config.api_keys]
+
+    def check_api_key(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in keys):
+            raise APIError(
+                401,
+                "missing or invalid API key; send it as 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return check_api_key
+
+
+# --- open routes: probes and metrics --------------------------------------------
+
+
+def _open_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health", tags=["probes"], responses={503: ERROR_RESPONSES[503]})
+    async def health() -> JSONResponse:
+        """200 when the worker is connected, heartbeating and serves our vocabulary; else 503."""
+        reason = gateway.client.unavailable_reason()
+        if reason:
+            return unavailable(reason).response()
+        beat = gateway.client.heartbeat
+        body: dict[str, Any] = {"status": "ok"}
+        if beat is not None:
+            body |= {
+                "slots_idle": beat.free_slots,
+                "slots_processing": beat.running,
+                "queue_depth": beat.queue_depth,
+            }
+        return JSONResponse(body)
+
+    @router.get("/live", tags=["probes"])
+    async def live() -> dict[str, str]:
+        """200 whenever the gateway process runs."""
+        return {"status": "ok"}
+
+    @router.get("/metrics", tags=["probes"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics (of every gateway on this host in multiprocess mode)."""
+        content, content_type = gateway.metrics.render()
+        return Response(content, media_type=content_type)
+
+    return router
+
+
+# --- the API ----------------------------------------------------------------------
+
+
+def _api_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter(responses=ERROR_RESPONSES)
+    vocab = gateway.vocab
+
+    @router.get("/v1/models", tags=["openai"])
+    async def models() -> ModelList:
+        """The one model this server runs."""
+        info = gateway.client.info
+        card = ModelCard(
+            id=gateway.config.served_model_name,
+            created=gateway.started_at,
+            max_model_len=info.slot_context if info is not None else None,
+        )
+        return ModelList(data=[card])
+
+    @router.post("/v1/completions", tags=["openai"], response_model=Completion)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completion; streams server-sent events when `stream` is true."""
+        arrived = time.monotonic()
+        _check_model(gateway, body.model)
+        reject_unsupported(body)
+        stops = stop_strings(body.stop)
+        params = sampling_params(body, 1, vocab)
+        prompt = await _completion_prompt(vocab, body.prompt)
+        info = gateway.worker_info()
+        params.max_tokens = max_new_tokens(
+            body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(prompt), info.slot_context
+        )
+        return await _serve(gateway, request, body, "cmpl", prompt, params, stops, arrived)
+
+    @router.post("/v1/chat/completions", tags=["openai"], response_model=ChatCompletion)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion through the model's chat template; streams when `stream` is true."""
+        arrived = time.monotonic()
+        _check_model(gateway, body.model)
+        reject_unsupported(body)
+        stops = stop_strings(body.stop)
+        params = sampling_params(body, 1, vocab)
+        prompt = await _chat_prompt(gateway, body.messages)
+        info = gateway.worker_info()
+        requested = body.max_completion_tokens or body.max_tokens
+        params.max_tokens = max_new_tokens(requested, None, len(prompt), info.slot_context)
+        return await _serve(gateway, request, body, "chatcmpl", prompt, params, stops, arrived)
+
+    @router.post("/tokenize", tags=["llama.cpp"])
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of `content` (with their pieces when `with_pieces`), as llama-server."""
+        tokens = await _tokenize(vocab, body.content, body.add_special, body.parse_special)
+        if body.with_pieces:
+            pieces = [TokenPiece(id=t, piece=vocab.text_of(t)) for t in tokens]
+            return TokenizeResponse(tokens=pieces)
+        return TokenizeResponse(tokens=tokens)
+
+    @router.post("/detokenize", tags=["llama.cpp"])
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids, as llama-server."""
+        _check_token_ids(vocab, body.tokens, "tokens")
+        return DetokenizeResponse(content=vocab.detokenize(body.tokens))
+
+    return router
+
+
+def _check_model(gateway: Gateway, model: str | None) -> None:
+    name = gateway.config.served_model_name
+    if model is not None and model != name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server runs `{name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def _tokenize(vocab: Vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    if len(text) > THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(vocab.tokenize, text, add_special, parse_special)
+    return vocab.tokenize(text, add_special, parse_special)
+
+
+def _check_token_ids(vocab: Vocab, tokens: list[int], param: str) -> None:
+    bad = next((t for t in tokens if not vocab.is_valid(t)), None)
+    if bad is not None:
+        last = vocab.n_tokens - 1
+        raise invalid_request(f"token id {bad} is not in the vocabulary (0..{last})", param)
+
+
+async def _completion_prompt(vocab: Vocab, prompt: Any) -> list[int]:
+    """Token ids of a completion prompt: a string, a list of one string, or token ids."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise invalid_request("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = await _tokenize(vocab, prompt, add_special=True, parse_special=True)
+    else:
+        _check_token_ids(vocab, prompt, "prompt")
+        tokens = prompt
+    if not tokens:
+        raise invalid_request("the prompt is empty", "prompt")
+    return tokens
+
+
+async def _chat_prompt(gateway: Gateway, messages: list[ChatMessage]) -> list[int]:
+    """Token ids of the chat template rendered over the messages, with BOS once."""
+    try:
+        text = gateway.template.render([_message_dict(m) for m in messages])
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from exc
+    vocab = gateway.vocab
+    tokens = await _tokenize(vocab, text, add_special=False, parse_special=True)
+    # Templates usually write the BOS text themselves; add it only where they did not.
+    if vocab.add_bos and vocab.bos_id >= 0 and (not tokens or tokens[0] != vocab.bos_id):
+        tokens.insert(0, vocab.bos_id)
+    if not tokens:
+        raise invalid_request("the messages render to an empty prompt", "messages")
+    return tokens
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise invalid_request(
+                    f"content parts of type {part.type!r} are not supported; send text",
+                    "messages",
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    result: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name:
+        result["name"] = message.name
+    return result
+
+
+# --- running a request ------------------------------------------------------------
+
+
+async def _serve(
+    gateway: Gateway,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    id_prefix: str,
+    prompt: list[int],
+    params: SamplingParams,
+    stops: tuple[str, ...],
+    arrived: float,
+) -> Response:
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    log.debug("request", prompt_tokens=len(prompt), max_tokens=params.max_tokens)
+    generation = await Generation.start(
+        gateway.client,
+        gateway.vocab,
+        request_id,
+        prompt,
+        params,
+        stops,
+        gateway.metrics,
+        arrived,
+    )
+    chat = id_prefix == "chatcmpl"
+    model = gateway.config.served_model_name
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = StreamChunks(request_id, created, model, chat, include_usage)
+        return EventStreamResponse(_event_stream(generation, chunks), on_close=generation.close)
+    try:
+        outcome = await _until_disconnect(request, _collect(generation))
+    finally:
+        generation.close()
+    if outcome is None:
+        return Response(status_code=499)  # nobody is listening any more
+    text, done = outcome
+    render = chat_body if chat else completion_body
+    return JSONResponse(
+        render(request_id, created, model, text, done.finish_reason, done.usage).model_dump()
+    )
+
+
+async def _collect(generation: Generation) -> tuple[str, Done]:
+    parts: list[str] = []
+    async for event in generation.events():
+        if isinstance(event, TextDelta):
+            parts.append(event.text)
+        else:
+            return "".join(parts), event
+    raise AssertionError("a generation always ends with Done")
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """The result of work, or None if the client disconnects first (work is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _event_stream(generation: Generation, chunks: StreamChunks) -> AsyncIterator[str]:
+    opening = chunks.opening()
+    if opening:
+        yield opening
+    try:
+        async for event in generation.events():
+            if isinstance(event, TextDelta):
+                yield chunks.text(event.text)
+                continue
+            yield chunks.finish(event.finish_reason)
+            if chunks.include_usage:
+                yield chunks.usage(event.usage)
+        yield DONE_EVENT
+    except APIError as error:
+        log.warning("stream failed", status=error.status, error=error.message)
+        yield error_event(error)
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects, whatever the server.
+
+    Starlette only watches for the disconnect on ASGI spec < 2.4; here it is always watched,
+    and on_close runs however the stream ends, so the worker's slot is freed within a tick.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await _disconnected(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self.on_close()

@@ -1,0 +1,371 @@
+"""WorkerClient: the gateway's one DEALER socket to the worker, and the routing of its replies.
+
+Each request gets a RequestHandle: a future for Accepted/Rejected and a queue of TokenChunk
+and Finish messages. The client tracks the worker's liveness from every message it receives;
+when the worker goes silent for worker_timeout, or its connection drops, every open request
+ends with a 503 error and the client says Hello again until a worker answers. A Generate
+that the worker never confirmed is never sent again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, invalid_request, server_error, unavailable
+from gateway.metrics import GatewayMetrics
+from protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    Accepted,
+    Cancel,
+    ErrorCode,
+    Finish,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    ModelInfo,
+    Outputs,
+    Ping,
+    Rejected,
+    SamplingParams,
+    TokenChunk,
+    WorkerError,
+)
+
+log = structlog.get_logger(__name__)
+
+RequestEvent = TokenChunk | Finish
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """One request in the worker: its confirmation, then its tokens and its Finish."""
+
+    request_id: str
+    accepted: asyncio.Future[Accepted | Rejected]
+    events: asyncio.Queue[RequestEvent | APIError] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+
+    async def next_event(self) -> RequestEvent:
+        """The next TokenChunk or Finish; raises APIError (503) when the worker is lost."""
+        event = await self.events.get()
+        if isinstance(event, APIError):
+            raise event
+        return event
+
+
+class WorkerClient:
+    """Owns the DEALER socket: says Hello, pings, routes replies to requests, watches liveness."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        vocab_size: int,
+        vocab_fingerprint: str,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = f"gw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.vocab_size = vocab_size
+        self.vocab_fingerprint = vocab_fingerprint
+        self.metrics = metrics
+        self.info: ModelInfo | None = None  # the worker's answer to our latest Hello
+        self.heartbeat: Heartbeat | None = None  # the worker's latest load report
+        self.incompatible: str | None = None  # why we refuse to serve with this worker
+        self._lost_because = f"not connected to the worker at {config.worker}"
+        self._requests: dict[str, RequestHandle] = {}
+        self._last_seen = -float("inf")
+        self._last_ping = -float("inf")
+        self._context = zmq.asyncio.Context()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and start the receive, heartbeat and connection-watch loops."""
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 1024)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Queue nothing for a worker that is not connected: a message meant for a dead
+        # worker must never reach the next one.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.config.worker)
+        self._socket = sock
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(sock), name="worker-receive"),
+            asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeat"),
+            asyncio.create_task(self._watch_connection(monitor), name="worker-monitor"),
+        ]
+        log.info("connecting to worker", worker=self.config.worker, gateway_id=self.identity)
+
+    async def close(self) -> None:
+        """Stop the loops, end open requests, close the socket."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self._fail_all(unavailable("the gateway is shutting down"))
+        if self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._socket.close(linger=0)
+            self._socket = None
+        self._context.destroy(linger=0)
+
+    # --- state -----------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        """Why requests cannot be served now; None when the worker is ready for them."""
+        if self.incompatible:
+            return self.incompatible
+        if self.info is None:
+            return self._lost_because
+        if time.monotonic() - self._last_seen > self.config.worker_timeout:
+            return "the worker stopped responding"
+        ready = self.heartbeat.ready if self.heartbeat is not None else self.info.ready
+        return None if ready else "the worker is not ready yet"
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    # --- requests --------------------------------------------------------------
+
+    async def submit(
+        self, request_id: str, prompt_tokens: list[int], params: SamplingParams
+    ) -> RequestHandle:
+        """Send a Generate and wait for the worker to take it; APIError when it does not."""
+        reason = self.unavailable_reason()
+        if reason:
+            raise unavailable(reason)
+        if request_id in self._requests:
+            raise server_error(f"request id {request_id} is already in use")
+        handle = RequestHandle(request_id, asyncio.get_running_loop().create_future())
+        self._requests[request_id] = handle
+        if not self._send(Generate(request_id, prompt_tokens, params)):
+            self._requests.pop(request_id, None)
+            raise unavailable(f"not connected to the worker at {self.config.worker}")
+        try:
+            async with asyncio.timeout(self.config.worker_timeout):
+                reply = await handle.accepted
+        except TimeoutError:
+            self.cancel(handle)
+            self._requests.pop(request_id, None)
+            raise unavailable("the worker did not confirm the request in time") from None
+        except asyncio.CancelledError:
+            self.cancel(handle)
+            raise
+        if isinstance(reply, Rejected):
+            raise _rejection_error(reply)
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Ask the worker to stop a request; its Finish still arrives and is routed as usual."""
+        if handle.cancelled or handle.request_id not in self._requests:
+            return
+        handle.cancelled = True
+        self._send(Cancel(handle.request_id))
+
+    def is_open(self, handle: RequestHandle) -> bool:
+        """Whether the worker may still send for this request (no Finish yet)."""
+        return handle.request_id in self._requests
+
+    def forget(self, handle: RequestHandle) -> None:
+        """Stop routing a request's messages (after cancelling it)."""
+        self._requests.pop(handle.request_id, None)
+
+    # --- loops -----------------------------------------------------------------
+
+    async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            self._last_seen = time.monotonic()
+            try:
+                message = decode(frames)
+            except DecodeError as exc:
+                log.warning("dropped a bad frame from the worker", error=str(exc))
+                continue
+            try:
+                self._dispatch(message)
+            except Exception:
+                log.exception("failed to handle a worker message", type=type(message).__name__)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        period = min(interval, self.config.worker_timeout / 4)
+        while True:
+            now = time.monotonic()
+            if self.info is not None and now - self._last_seen > self.config.worker_timeout:
+                self._worker_lost(f"the worker sent nothing for {self.config.worker_timeout:g}s")
+            if now - self._last_ping >= interval:
+                self._last_ping = now
+                # Until a worker answers our Hello, keep saying it: a restarted worker
+                # does not know this gateway.
+                self._send(Hello(self.identity) if self.info is None else Ping(time.time()))
+            await asyncio.sleep(period)
+
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    log.info("connected to worker", worker=self.config.worker)
+                    self._send(Hello(self.identity))
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    # A dropped TCP connection loses whatever the worker sent meanwhile,
+                    # and usually means the worker process is gone.
+                    self._worker_lost("the connection to the worker closed")
+        finally:
+            monitor.close(linger=0)
+
+    # --- worker messages ----------------------------------------------------------
+
+    def _dispatch(self, message: Message) -> None:
+        match message:
+            case Outputs():
+                self._on_outputs(message)
+            case Heartbeat():
+                self.heartbeat = message
+                if message.ping_sent_at > 0 and self.metrics is not None:
+                    self.metrics.worker_rtt.observe(max(0.0, time.time() - message.ping_sent_at))
+            case Accepted():
+                handle = self._requests.get(message.request_id)
+                if handle is not None and not handle.accepted.done():
+                    handle.accepted.set_result(message)
+            case Rejected():
+                handle = self._requests.pop(message.request_id, None)
+                if handle is not None and not handle.accepted.done():
+                    handle.accepted.set_result(message)
+            case ModelInfo():
+                self._on_model_info(message)
+            case WorkerError():
+                self._on_worker_error(message)
+            case _:
+                log.warning("unexpected message from the worker", type=type(message).__name__)
+
+    def _on_outputs(self, outputs: Outputs) -> None:
+        for chunk in outputs.tokens:
+            handle = self._requests.get(chunk.request_id)
+            if handle is not None:
+                handle.events.put_nowait(chunk)
+        for finish in outputs.finishes:
+            handle = self._requests.pop(finish.request_id, None)
+            if handle is not None:
+                handle.events.put_nowait(finish)
+
+    def _on_model_info(self, info: ModelInfo) -> None:
+        problem = None
+        if info.protocol_version != PROTOCOL_VERSION:
+            problem = (
+                f"the worker speaks protocol {info.protocol_version}, this gateway "
+                f"{PROTOCOL_VERSION}; run matching versions"
+            )
+        elif info.vocab_size != self.vocab_size or info.vocab_fingerprint != self.vocab_fingerprint:
+            problem = (
+                f"the worker's model {info.model_name!r} has a different vocabulary "
+                f"({info.vocab_size} tokens) from this gateway's {self.config.model_path.name!r} "
+                f"({self.vocab_size} tokens); start both with the same model file"
+            )
+        self.incompatible = problem
+        self.info = info
+        self.heartbeat = None
+        if problem:
+            log.error("refusing to serve with this worker", reason=problem)
+        else:
+            log.info(
+                "worker ready",
+                model=info.model_name,
+                slots=info.slots,
+                slot_context=info.slot_context,
+                ready=info.ready,
+            )
+
+    def _on_worker_error(self, error: WorkerError) -> None:
+        log.error("worker error", code=error.code, message=error.message)
+        if error.code == ErrorCode.PROTOCOL_MISMATCH:
+            self.incompatible = f"the worker refused this gateway: {error.message}"
+        elif error.code == ErrorCode.GATEWAY_LOST:
+            # The worker had given up on us (and cancelled our requests): start over.
+            self._worker_lost(f"the worker dropped this gateway: {error.message}")
+
+    # --- failures ----------------------------------------------------------------
+
+    def _worker_lost(self, reason: str) -> None:
+        if self.info is None and not self._requests:
+            return
+        log.warning("worker lost", reason=reason, open_requests=len(self._requests))
+        for request_id in self._requests:
+            # Harmless if the worker is dead; frees the slots if it is merely slow.
+            self._send(Cancel(request_id))
+        self.info = None
+        self.heartbeat = None
+        self._last_ping = -float("inf")
+        self._lost_because = f"the worker at {self.config.worker} is unavailable: {reason}"
+        self._fail_all(unavailable(self._lost_because))
+
+    def _fail_all(self, error: APIError) -> None:
+        requests, self._requests = self._requests, {}
+        for handle in requests.values():
+            if not handle.accepted.done():
+                handle.accepted.set_exception(error)
+            handle.events.put_nowait(error)
+
+    def _send(self, message: Message) -> bool:
+        """Send without waiting; False when the worker is not connected (nothing is queued)."""
+        if self._socket is None:
+            return False
+        future = self._socket.send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
+        if not future.done():
+            future.add_done_callback(_log_send_failure)
+            return True
+        error = future.exception()
+        if error is not None and not isinstance(error, zmq.Again):
+            log.warning("send to worker failed", error=str(error))
+        return error is None
+
+
+def _log_send_failure(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("send to worker failed", error=str(future.exception()))
+
+
+def _rejection_error(rejected: Rejected) -> APIError:
+    """The HTTP error for a request the worker refused."""
+    match rejected.code:
+        case ErrorCode.QUEUE_FULL:
+            return unavailable(
+                f"the server is busy: {rejected.message}", code="queue_full", retry_after=1
+            )
+        case ErrorCode.PROMPT_TOO_LONG:
+            return APIError(400, rejected.message, code="context_length_exceeded")
+        case ErrorCode.INVALID_REQUEST:
+            return invalid_request(rejected.message)
+        case ErrorCode.NOT_READY:
+            return unavailable(f"the worker is not ready: {rejected.message}")
+        case _:
+            why = f"the worker refused the request ({rejected.code}): {rejected.message}"
+            return server_error(why)

@@ -1,0 +1,137 @@
+"""Request fields to the worker's SamplingParams, stop strings and grammar; 400 for bad ones.
+
+Everything a request can get wrong is caught here, before anything reaches the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+from gateway.errors import APIError, invalid_request
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from gateway.tokenizer import Vocab
+from protocol.messages import SamplingParams
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for features this server does not have, rather than silently ignoring them."""
+    if request.n not in (None, 1):
+        raise invalid_request("only n=1 is supported", "n")
+    if request.logprobs or request.top_logprobs:
+        raise invalid_request("logprobs are not supported", "logprobs")
+    if isinstance(request, CompletionRequest):
+        if request.echo:
+            raise invalid_request("echo is not supported", "echo")
+        if request.best_of not in (None, 1):
+            raise invalid_request("only best_of=1 is supported", "best_of")
+        if request.suffix:
+            raise invalid_request("suffix is not supported", "suffix")
+    elif request.tools:
+        raise invalid_request("tools are not supported", "tools")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The request's stop strings, empty ones dropped."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    return tuple(s for s in stops if s)
+
+
+def max_new_tokens(requested: int | None, default: int | None, prompt_len: int, ctx: int) -> int:
+    """Tokens to generate: as asked (or the default), capped by what the slot's context leaves."""
+    room = ctx - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room to generate. Shorten the prompt.",
+            code="context_length_exceeded",
+        )
+    if requested is not None and requested < 1:
+        raise invalid_request("max_tokens must be at least 1", "max_tokens")
+    wanted = requested if requested is not None else default
+    return room if wanted is None else min(wanted, room)
+
+
+def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) -> SamplingParams:
+    """The worker's SamplingParams; their own checks become 400s."""
+    defaults = SamplingParams()
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(request.temperature, defaults.temperature),
+            top_k=_or(request.top_k, defaults.top_k),
+            top_p=_or(request.top_p, defaults.top_p),
+            min_p=_or(request.min_p, defaults.min_p),
+            repeat_penalty=_or(request.repeat_penalty, defaults.repeat_penalty),
+            repeat_last_n=_or(request.repeat_last_n, defaults.repeat_last_n),
+            presence_penalty=_or(request.presence_penalty, defaults.presence_penalty),
+            frequency_penalty=_or(request.frequency_penalty, defaults.frequency_penalty),
+            seed=request.seed,
+            logit_bias=_logit_bias(request.logit_bias, vocab),
+            grammar=_grammar(request, vocab),
+            ignore_eos=bool(request.ignore_eos),
+        )
+    except ValueError as exc:
+        raise invalid_request(str(exc)) from exc
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab: Vocab) -> dict[int, float]:
+    result: dict[int, float] = {}
+    param = "logit_bias"
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid_request(f"logit_bias key {key!r} is not a token id", param) from None
+        if not vocab.is_valid(token_id):
+            raise invalid_request(f"logit_bias token {token_id} is not in the vocabulary", param)
+        if not (-LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT) or math.isnan(value):
+            raise invalid_request("logit_bias values must be between -100 and 100", param)
+        result[token_id] = value
+    return result
+
+
+def _grammar(request: GenerationFields, vocab: Vocab) -> str | None:
+    """A GBNF grammar from `grammar` or `response_format`, checked by llama.cpp's parser."""
+    fmt = request.response_format
+    wants_json = fmt is not None and fmt.type != "text"
+    if request.grammar and wants_json:
+        raise invalid_request("give either grammar or a JSON response_format, not both", "grammar")
+    if request.grammar:
+        grammar, param = request.grammar, "grammar"
+    elif wants_json:
+        grammar, param = _json_grammar(fmt), "response_format"
+    else:
+        return None
+    error = vocab.grammar_error(grammar)
+    if error:
+        raise invalid_request(error, param)
+    return grammar
+
+
+def _json_grammar(fmt: Any) -> str:
+    schema = fmt.schema_
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise invalid_request("json_schema needs a schema", "response_format.json_schema")
+        schema = fmt.json_schema.schema_
+    if schema is None:
+        return JSON_GBNF
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except (AssertionError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise invalid_request(f"unsupported JSON schema: {exc}", "response_format") from exc

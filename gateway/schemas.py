@@ -1,0 +1,203 @@
+"""Request and response bodies of the HTTP API, as OpenAI (and llama-server for extras) has them.
+
+Unknown request fields are ignored, as vLLM and llama-server do; fields we cannot honour
+(n > 1, logprobs, tools, ...) are declared so that a request using them gets a clear 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- requests ------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """text, json_object, or json_schema; llama-server also takes json_object with a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class GenerationFields(BaseModel):
+    """The sampling fields both endpoints share. None everywhere means "the default"."""
+
+    model: str | None = Field(default=None, description="The served model; optional.")
+    temperature: float | None = Field(default=None, description="0 is greedy. Default 1.")
+    top_p: float | None = Field(default=None, description="Nucleus sampling. Default 1.")
+    n: int | None = Field(default=None, description="Only 1 is supported.")
+    stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Token id (as a string) to a bias in [-100, 100]."
+    )
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    logprobs: bool | int | None = Field(default=None, description="Not supported.")
+    top_logprobs: int | None = Field(default=None, description="Not supported.")
+    # llama.cpp's extras
+    top_k: int | None = Field(default=None, description="0 disables. Default 0.")
+    min_p: float | None = Field(default=None, description="Default 0.")
+    repeat_penalty: float | None = Field(default=None, description="Default 1 (off).")
+    repeat_last_n: int | None = Field(default=None, description="Default 64.")
+    grammar: str | None = Field(default=None, description="A GBNF grammar with a root rule.")
+    ignore_eos: bool | None = False
+
+
+class CompletionRequest(GenerationFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A string, a list of one string, or token ids."
+    )
+    max_tokens: int | None = Field(
+        default=None, description="Default 16, as OpenAI and vLLM; capped by the slot's context."
+    )
+    echo: bool | None = Field(default=None, description="Not supported.")
+    best_of: int | None = Field(default=None, description="Only 1 is supported.")
+    suffix: str | None = Field(default=None, description="Not supported.")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(GenerationFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, description="Deprecated by OpenAI; see below.")
+    max_completion_tokens: int | None = Field(
+        default=None, description="Default: the rest of the slot's context, as vLLM."
+    )
+    tools: list[dict[str, Any]] | None = Field(default=None, description="Not supported.")
+    tool_choice: Any = Field(default=None, description="Not supported.")
+
+
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """llama-server's /detokenize."""
+
+    tokens: list[int]
+
+
+# --- responses -----------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "loomserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[TokenPiece]
+
+
+class DetokenizeResponse(BaseModel):
+    content: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,59 @@
+"""run_gateway: load the vocabulary, connect to the worker, serve HTTP until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import structlog
+import uvicorn
+
+from gateway.app import create_app
+from gateway.client import WorkerClient
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics, mark_dead
+from gateway.tokenizer import Vocab
+
+log = structlog.get_logger(__name__)
+
+
+def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> None:
+    """Serve on config.host:config.port, or on pre-bound sockets (several gateways, one port)."""
+    vocab = Vocab(config.model_path)
+    try:
+        metrics = GatewayMetrics()
+        client = WorkerClient(config, vocab.n_tokens, vocab.fingerprint(), metrics)
+        app = create_app(config, vocab, client, metrics)
+        if sockets:
+            listen = [_address(s) for s in sockets]
+        else:
+            listen = [f"http://{config.host}:{config.port}"]
+        log.info(
+            "gateway starting",
+            listen=listen,
+            worker=config.worker,
+            model=config.served_model_name,
+            gateway_id=client.identity,
+            auth=bool(config.api_keys),
+        )
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_config=None,  # uvicorn's lines go through our structlog handler
+                access_log=False,  # AccessMiddleware logs each request with its id
+                lifespan="on",
+                timeout_graceful_shutdown=config.shutdown_timeout,
+            )
+        )
+        server.run(sockets=sockets)
+        log.info("gateway stopped")
+    finally:
+        mark_dead(os.getpid())
+        vocab.close()
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{host}:{port}"

@@ -1,0 +1,130 @@
+"""The model's vocabulary without its weights: tokenize, turn tokens into text, check grammars.
+
+The gateway owns text, so it loads the GGUF with vocab_only and never touches tensors.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+from pathlib import Path
+
+import llama_cpp
+import llama_cpp._logger
+
+# The vocabulary load is chatty at INFO; the gateway only wants llama.cpp's errors.
+llama_cpp._logger.set_verbose(False)
+
+
+class Vocab:
+    """A vocab-only llama.cpp model: the tokenizer the worker uses, shared read-only."""
+
+    def __init__(self, model_path: Path) -> None:
+        llama_cpp.llama_backend_init()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)
+        if not model:
+            raise ValueError(f"cannot load the vocabulary of {model_path}")
+        self.model = model
+        self.vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_tokens: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.bos_id: int = llama_cpp.llama_vocab_bos(self.vocab)
+        self.eos_id: int = llama_cpp.llama_vocab_eos(self.vocab)
+        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.bos_text = self._special_text(self.bos_id)
+        self.eos_text = self._special_text(self.eos_id)
+        template = llama_cpp.llama_model_chat_template(model, None)
+        self.chat_template: str | None = template.decode() if template else None
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buffer = ctypes.create_string_buffer(256)
+
+    def close(self) -> None:
+        """Free the llama.cpp model; the Vocab is unusable afterwards."""
+        if self.model:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+
+    def fingerprint(self) -> str:
+        """The same sha256 over the vocabulary that the worker puts in ModelInfo."""
+        from worker.vocab import vocab_fingerprint
+
+        return vocab_fingerprint(self.vocab)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+        """Token ids of text; add_special adds BOS (and EOS) as the model wants them."""
+        data = text.encode("utf-8", errors="replace")
+        capacity = len(data) + 8
+        while True:
+            buffer = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(
+                self.vocab, data, len(data), buffer, capacity, add_special, parse_special
+            )
+            if n >= 0:
+                return buffer[:n]
+            capacity = -n
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes a generated token stands for; control tokens (BOS, EOS) render as nothing."""
+        cached = self._pieces.get(token_id)
+        if cached is None:
+            cached = self._to_piece(token_id, special=False)
+            self._pieces[token_id] = cached
+        return cached
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text of token ids with special tokens written out, as llama-server's /detokenize."""
+        data = b"".join(self._to_piece(t, special=True) for t in token_ids)
+        return data.decode("utf-8", errors="replace")
+
+    def text_of(self, token_id: int) -> str:
+        """One token's own text, special tokens written out; for /tokenize's pieces."""
+        return self._to_piece(token_id, special=True).decode("utf-8", errors="replace")
+
+    def is_valid(self, token_id: int) -> bool:
+        return 0 <= token_id < self.n_tokens
+
+    def grammar_error(self, grammar: str) -> str | None:
+        """None when llama.cpp can compile the GBNF grammar, else why not."""
+        sampler = llama_cpp.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
+        if not sampler:
+            return "the grammar does not parse (GBNF with a `root` rule expected)"
+        llama_cpp.llama_sampler_free(sampler)
+        return None
+
+    def _special_text(self, token_id: int) -> str:
+        if token_id < 0:
+            return ""
+        return llama_cpp.llama_vocab_get_text(self.vocab, token_id).decode(errors="replace")
+
+    def _to_piece(self, token_id: int, special: bool) -> bytes:
+        buffer = self._piece_buffer
+        n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buffer, len(buffer), 0, special)
+        if n < 0:
+            buffer = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buffer, -n, 0, special)
+        return buffer.raw[:n]
+
+
+class IncrementalDetokenizer:
+    """Generated tokens to text as they come, holding back bytes of an unfinished character."""
+
+    __slots__ = ("_decoder", "_vocab")
+
+    def __init__(self, vocab: Vocab) -> None:
+        self._vocab = vocab
+        # A byte-level token may carry half of a multi-byte character; the incremental
+        # decoder keeps such a tail until the next token completes it.
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: list[int]) -> str:
+        """The text that the new tokens complete."""
+        piece = self._vocab.piece
+        return self._decoder.decode(b"".join(piece(t) for t in token_ids))
+
+    def push_one(self, token_id: int) -> str:
+        return self._decoder.decode(self._vocab.piece(token_id))
+
+    def flush(self) -> str:
+        """What is held back, at the end of the stream; an unfinished character becomes U+FFFD."""
+        return self._decoder.decode(b"", final=True)

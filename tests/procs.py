@@ -1,0 +1,207 @@
+"""Start worker and gateway processes on free loopback ports for end-to-end tests.
+
+    with start_worker(model, slots=2) as worker, start_gateway(model, worker.endpoint) as gw:
+        httpx.get(gw.url + "/health")
+
+Each process logs to a file; the log's tail is printed when a `with` block fails or when a
+process does not become ready, so pytest shows it with the failure. Options are passed as
+CLI flags: `ctx_size=256` -> `--ctx-size 256`, `flash_attn=False` -> `--no-flash-attn`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import zmq
+
+from protocol.codec import decode, encode
+from protocol.messages import Hello, ModelInfo
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = Path(tempfile.gettempdir()) / "loomserve-test-logs"
+START_TIMEOUT = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Proc:
+    """A loomserve process: its command, its log file, and how to stop it."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.args = args
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
+        self._log = self.log_path.open("wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", *args],
+            cwd=REPO_ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,  # our signals only, not the terminal's
+        )
+        self.url = ""  # http://127.0.0.1:PORT for gateways
+        self.endpoint = ""  # tcp://127.0.0.1:PORT for workers
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def logs(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 60) -> str:
+        tail = "\n".join(self.logs().splitlines()[-lines:])
+        return f"--- {self.name} (pid {self.pid}) log, {self.log_path} ---\n{tail}\n"
+
+    def kill(self) -> None:
+        """SIGKILL and reap: the process gets no chance to clean up."""
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait()
+
+    def stop(self, timeout: float = 5.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited within timeout; the exit status."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        code = self.popen.wait()
+        self._log.close()
+        return code
+
+    def fail(self, message: str) -> None:
+        """Raise with the log's tail attached."""
+        raise RuntimeError(f"{message}\n{self.log_tail()}")
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            print(self.log_tail(), file=sys.stderr)
+        self.stop()
+
+
+def cli_flags(options: dict[str, Any]) -> list[str]:
+    """Keyword options as CLI flags; None leaves an option out, lists repeat it."""
+    flags: list[str] = []
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                flags += [flag, str(item)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def start_worker(
+    model: Path,
+    port: int | None = None,
+    wait: bool = True,
+    env: dict[str, str] | None = None,
+    **options: Any,
+) -> Proc:
+    """A worker on tcp://127.0.0.1:port (a free one by default), ready unless wait=False."""
+    port = port or free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    options = {"slots": 4, "ctx_size": 512, "threads": 1, **options}
+    args = ["worker", "--model", str(model), "--bind", endpoint, *cli_flags(options)]
+    proc = Proc("worker", args, env)
+    proc.endpoint = endpoint
+    if wait:
+        wait_worker_ready(proc)
+    return proc
+
+
+def start_gateway(
+    model: Path,
+    worker_endpoint: str,
+    port: int | None = None,
+    wait: bool = True,
+    env: dict[str, str] | None = None,
+    **options: Any,
+) -> Proc:
+    """A gateway on http://127.0.0.1:port; with wait, until /health says 200 (else /live)."""
+    port = port or free_port()
+    options = {"worker_timeout": 2.0, "heartbeat_interval": 0.25, **options}
+    args = [
+        "gateway",
+        "--model",
+        str(model),
+        "--worker",
+        worker_endpoint,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *cli_flags(options),
+    ]
+    proc = Proc("gateway", args, env)
+    proc.url = f"http://127.0.0.1:{port}"
+    if wait:
+        wait_http(proc, "/health")
+    return proc
+
+
+def wait_http(proc: Proc, path: str, status: int = 200, timeout: float = START_TIMEOUT) -> None:
+    """Poll GET proc.url + path until it answers status."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            proc.fail(f"{proc.name} exited with {proc.popen.returncode} before {path} was {status}")
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.get(proc.url + path, timeout=2.0)
+            if response.status_code == status:
+                return
+            last = f"{response.status_code} {response.text[:200]}"
+        time.sleep(0.05)
+    proc.fail(f"{proc.name}: {path} did not answer {status} within {timeout}s (last: {last})")
+
+
+def wait_worker_ready(proc: Proc, timeout: float = START_TIMEOUT) -> ModelInfo:
+    """Say Hello over the protocol until the worker answers a ready ModelInfo."""
+    context = zmq.Context.instance()
+    deadline = time.monotonic() + timeout
+    with context.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"probe-{os.getpid()}-{time.monotonic_ns()}".encode())
+        sock.connect(proc.endpoint)
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                proc.fail(f"worker exited with {proc.popen.returncode} before it was ready")
+            sock.send_multipart(encode(Hello(gateway_id="test-probe")))
+            if sock.poll(250):
+                message = decode(sock.recv_multipart())
+                if isinstance(message, ModelInfo) and message.ready:
+                    return message
+    proc.fail(f"worker at {proc.endpoint} not ready within {timeout}s")
+    raise AssertionError("unreachable")
