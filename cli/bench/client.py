@@ -1,0 +1,236 @@
+"""The streaming client: sends one request to an OpenAI-compatible server and times its chunks.
+
+Timing follows vLLM's benchmark: TTFT is the first chunk that carries text, each later text
+chunk adds one inter-token latency, and the end-to-end latency runs to the last event of the
+stream. Failures are values on the record, sorted by kind, never exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from cli.bench.datasets import BenchRequest
+from cli.bench.records import (
+    BAD_RESPONSE,
+    BROKEN_STREAM,
+    CONNECT_ERROR,
+    NO_OUTPUT,
+    STREAM_ERROR,
+    TIMEOUT,
+    TRANSPORT_ERROR,
+    UNFINISHED,
+    RequestRecord,
+)
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def api_root(base_url: str) -> str:
+    """The server root: users paste URLs ending in /v1 as often as not."""
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1")
+
+
+def build_payload(
+    request: BenchRequest,
+    model: str,
+    endpoint: str,
+    ignore_eos: bool,
+    temperature: float,
+    extra_body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON body of one streaming request, with usage reported at the end."""
+    payload: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.output_len,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": request.prompt}]
+        if request.system_prompt:
+            messages.insert(0, {"role": "system", "content": request.system_prompt})
+        payload["messages"] = messages
+    else:
+        prefix = f"{request.system_prompt}\n\n" if request.system_prompt else ""
+        payload["prompt"] = prefix + request.prompt
+    if ignore_eos:
+        payload["ignore_eos"] = True
+    if extra_body:
+        payload.update(extra_body)
+    return payload
+
+
+def error_message(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body, or the start of whatever came back."""
+    try:
+        error = json.loads(body).get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    except (ValueError, AttributeError):
+        pass
+    return body[:300].decode("utf-8", "replace")
+
+
+def chunk_text(event: dict[str, Any]) -> tuple[str | None, bool]:
+    """The generated text in one stream event, and whether it carries a finish reason."""
+    choices = event.get("choices")
+    if not choices:
+        return None, False
+    choice = choices[0]
+    text = choice.get("text")
+    if text is None and (delta := choice.get("delta")):
+        # A role-only first delta is an announcement, not a token: it must not count as TTFT.
+        text = delta.get("content") or delta.get("reasoning_content")
+        if not text and delta.get("tool_calls"):
+            text = "<tool_call>"
+    return text, choice.get("finish_reason") is not None
+
+
+class StreamingClient:
+    """One pooled HTTP/1.1 keep-alive connection per concurrent request, and the request loop."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        endpoint: str = "completions",
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_connections: int = 100,
+        ignore_eos: bool = True,
+        temperature: float = 0.0,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
+        if endpoint not in ENDPOINT_PATHS:
+            raise ValueError(f"endpoint must be one of {sorted(ENDPOINT_PATHS)}, got {endpoint!r}")
+        self.model = model
+        self.endpoint = endpoint
+        self.url = api_root(base_url) + ENDPOINT_PATHS[endpoint]
+        self.timeout_s = timeout_s
+        self.ignore_eos = ignore_eos
+        self.temperature = temperature
+        self.extra_body = extra_body
+        self.text_chunks = 0  # across all requests, for the live progress bar
+        # Request ids are UUIDs (some servers insist) ending in the request's index, so a
+        # server's logs can be matched with the detailed results.
+        self.id_prefix = str(uuid.uuid4())[:24]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(
+            headers=headers,
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            # The per-request deadline is enforced around the whole exchange; these only keep
+            # httpx from giving up earlier. No pool timeout: waiting for a slot is not an error.
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0), pool=None),
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def send(
+        self, request: BenchRequest, record: RequestRecord, clock_zero: float, deadline: float
+    ) -> RequestRecord:
+        """Send request, filling record; gives up at --timeout or at deadline (perf_counter)."""
+        start = time.perf_counter()
+        record.start_s = start - clock_zero
+        request_deadline = start + self.timeout_s
+        stop = min(request_deadline, deadline)
+        loop = asyncio.get_running_loop()
+        payload = build_payload(
+            request, self.model, self.endpoint, self.ignore_eos, self.temperature, self.extra_body
+        )
+        try:
+            async with asyncio.timeout_at(loop.time() + (stop - start)):
+                await self._exchange(payload, record, start)
+        except TimeoutError:
+            kind = UNFINISHED if deadline < request_deadline else TIMEOUT
+            self._fail(record, kind, f"no complete response after {stop - start:.1f} s")
+        except httpx.TimeoutException as exc:
+            self._fail(record, TIMEOUT, f"{type(exc).__name__}: {exc}")
+        except httpx.ConnectError as exc:
+            self._fail(record, CONNECT_ERROR, f"{exc}")
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.NetworkError) as exc:
+            self._fail(record, BROKEN_STREAM, f"{type(exc).__name__}: {exc}")
+        except httpx.HTTPError as exc:
+            self._fail(record, TRANSPORT_ERROR, f"{type(exc).__name__}: {exc}")
+        except (ValueError, AttributeError, TypeError) as exc:  # not JSON, or not OpenAI's shape
+            self._fail(record, BAD_RESPONSE, f"{type(exc).__name__}: {exc}")
+        return record
+
+    @staticmethod
+    def _fail(record: RequestRecord, kind: str, message: str) -> None:
+        record.error_kind = kind
+        record.error = message
+        record.e2e_s = None
+
+    async def _exchange(self, payload: dict[str, Any], record: RequestRecord, start: float) -> None:
+        """POST and read the event stream; the hot path, so it does little per chunk."""
+        record.request_id = f"{self.id_prefix}{record.index % 16**12:012x}"
+        headers = {"x-request-id": record.request_id}
+        async with self.http.stream("POST", self.url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = await response.aread()
+                record.error_kind = f"http_{response.status_code}"
+                record.error = error_message(body)
+                return
+            pending = b""
+            last_event = last_text = start
+            ended = False  # saw [DONE] or a finish reason
+            loads = json.loads
+            async for data in response.aiter_bytes():
+                now = time.perf_counter()
+                pending += data
+                if b"\n" not in data:
+                    continue
+                lines = pending.split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments (": ping"), event names
+                    body = line[5:].strip()
+                    if body == b"[DONE]":
+                        ended = True
+                        break
+                    event = loads(body)
+                    last_event = now
+                    if event.get("error"):
+                        record.error_kind = STREAM_ERROR
+                        record.error = error_message(body)
+                        return
+                    text, finished = chunk_text(event)
+                    if text:
+                        if record.ttft_s is None:
+                            record.ttft_s = now - start
+                        else:
+                            record.itl_s.append(now - last_text)
+                        last_text = now
+                        record.chunks += 1
+                        self.text_chunks += 1
+                    ended = ended or finished
+                    if usage := event.get("usage"):
+                        record.usage_reported = True
+                        record.output_tokens = usage.get("completion_tokens") or 0
+                        record.prompt_tokens = usage.get("prompt_tokens")
+                        if details := usage.get("prompt_tokens_details"):
+                            record.cached_tokens = details.get("cached_tokens")
+        if not ended:
+            record.error_kind = BROKEN_STREAM
+            record.error = "the stream ended before [DONE] or a finish reason"
+        elif record.ttft_s is None:
+            record.error_kind = NO_OUTPUT
+            record.error = "the response carried no text"
+        else:
+            record.e2e_s = last_event - start
+            if not record.usage_reported:
+                record.output_tokens = record.chunks

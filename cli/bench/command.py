@@ -1,0 +1,205 @@
+"""`loomserve bench`: the load generator's command line (also `python -m cli.bench.command`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+
+from cli.bench.metrics import parse_slos
+from cli.bench.probe import BenchSetupError
+from cli.bench.runner import LoadShape, WarmupFailed
+from cli.bench.session import DATASETS, BenchConfig, run_session
+from cli.bench.sweep import parse_sweep
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = sorted({float(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from None
+    if not all(0 < p < 100 for p in values):
+        raise click.BadParameter("percentiles must lie between 0 and 100")
+    return tuple(values)
+
+
+def _warn(message: str) -> None:
+    click.secho(f"warning: {message}", fg="yellow", err=True)
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--base-url", default="http://127.0.0.1:8000", help="The server's root URL.")
+@click.option("--model", default=None, help="Model name. Default: the first of /v1/models.")
+@click.option(
+    "--endpoint",
+    type=click.Choice(["completions", "chat"]),
+    default="completions",
+    help="/v1/completions or /v1/chat/completions.",
+)
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Bearer token to send.")
+@click.option("--dataset", type=click.Choice(DATASETS), default="random", help="Prompt source.")
+@click.option(
+    "--dataset-path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="ShareGPT-format JSON file (for --dataset sharegpt; implies it).",
+)
+@click.option("--num-prompts", type=int, default=100, help="Requests per run.")
+@click.option("--input-len", type=int, default=256, help="Prompt tokens (random, shared-prefix).")
+@click.option(
+    "--output-len",
+    type=int,
+    default=None,
+    help="Output tokens (max_tokens). Default: 128, or each ShareGPT answer's length.",
+)
+@click.option(
+    "--range-ratio",
+    type=float,
+    default=0.0,
+    help="Spread lengths uniformly over [len·(1−r), len·(1+r)].",
+)
+@click.option("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens.")
+@click.option("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts.")
+@click.option(
+    "--request-rate",
+    type=float,
+    default=math.inf,
+    help="Requests/s with Poisson arrivals; inf sends all at once.",
+)
+@click.option(
+    "--burstiness",
+    type=float,
+    default=1.0,
+    help="Gamma shape of the arrival gaps: 1 is Poisson, <1 burstier, >1 more even.",
+)
+@click.option(
+    "--max-concurrency",
+    type=int,
+    default=None,
+    help="Requests in flight at most (a closed loop when the rate is inf).",
+)
+@click.option("--num-warmups", type=int, default=1, help="Unmeasured requests sent first.")
+@click.option(
+    "--duration",
+    type=float,
+    default=3600.0,
+    help="Hard bound on each run, seconds: requests still running are cut off.",
+)
+@click.option("--timeout", type=float, default=600.0, help="Per-request limit, seconds.")
+@click.option("--seed", type=int, default=0, help="Seed for prompts and arrival times.")
+@click.option(
+    "--ignore-eos/--no-ignore-eos",
+    default=True,
+    help="Ask the server to generate exactly max_tokens (comparable runs).",
+)
+@click.option("--temperature", type=float, default=0.0, help="Sampling temperature.")
+@click.option(
+    "--tokenize/--no-tokenize",
+    default=True,
+    help="Size prompts with the server's /tokenize when it has one; else estimate.",
+)
+@click.option(
+    "--goodput",
+    multiple=True,
+    help='SLOs in ms, e.g. --goodput "ttft:500 tpot:50" (also e2el:MS); repeatable.',
+)
+@click.option("--percentiles", default="90,99", help="Percentiles to report, comma-separated.")
+@click.option("--extra-body", default=None, help="JSON object merged into every request body.")
+@click.option(
+    "--sweep",
+    default=None,
+    help="Run once per value: max-concurrency=1,4,16 or request-rate=1,2,4 (or burstiness=).",
+)
+@click.option(
+    "--result-json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write settings and summary (per sweep point) to this JSON file.",
+)
+@click.option("--save-detailed", is_flag=True, help="Also write every request to --result-json.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="PNG: TTFT/ITL distributions and throughput over time, or the sweep's curve.",
+)
+@click.option("--progress/--no-progress", default=True, help="Show a live progress bar.")
+@click.option(
+    "--self-test",
+    is_flag=True,
+    help="Measure the generator itself against a built-in instant server, and exit.",
+)
+def bench(**opts) -> None:
+    """Benchmark an OpenAI-compatible server (loomserve, llama-server, vLLM) under load."""
+    if opts["self_test"]:
+        from cli.bench.selftest import run_self_test
+
+        result = run_self_test(echo=click.echo)
+        if opts["result_json"]:
+            opts["result_json"].write_text(json.dumps({"self_test": result}, indent=2) + "\n")
+        return
+    try:
+        config = build_config(opts)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        run_session(config, echo=click.echo, warn=_warn)
+    except (BenchSetupError, WarmupFailed, ValueError) as exc:  # ValueError: a bad dataset
+        raise click.ClickException(str(exc)) from exc
+
+
+def build_config(opts: dict) -> BenchConfig:
+    """The BenchConfig for the parsed options; ValueError names what is wrong."""
+    extra_body = None
+    if opts["extra_body"]:
+        extra_body = json.loads(opts["extra_body"])
+        if not isinstance(extra_body, dict):
+            raise ValueError("--extra-body must be a JSON object")
+    dataset = opts["dataset"]
+    if opts["dataset_path"] and dataset == "random":
+        dataset = "sharegpt"  # a file given without --dataset can only mean ShareGPT
+    sweep = None
+    if opts["sweep"]:
+        parameter, values = parse_sweep(opts["sweep"])
+        sweep = (parameter, tuple(values))
+    percentiles = tuple(sorted({*_percentiles(opts["percentiles"]), 99.0}))
+    return BenchConfig(
+        base_url=opts["base_url"],
+        model=opts["model"],
+        endpoint=opts["endpoint"],
+        api_key=opts["api_key"],
+        dataset=dataset,
+        dataset_path=opts["dataset_path"],
+        num_prompts=opts["num_prompts"],
+        input_len=opts["input_len"],
+        output_len=opts["output_len"],
+        range_ratio=opts["range_ratio"],
+        prefix_len=opts["prefix_len"],
+        num_groups=opts["num_groups"],
+        shape=LoadShape(
+            request_rate=opts["request_rate"],
+            burstiness=opts["burstiness"],
+            max_concurrency=opts["max_concurrency"],
+        ),
+        sweep=sweep,
+        num_warmups=opts["num_warmups"],
+        duration_s=opts["duration"],
+        timeout_s=opts["timeout"],
+        seed=opts["seed"],
+        ignore_eos=opts["ignore_eos"],
+        temperature=opts["temperature"],
+        tokenize=opts["tokenize"],
+        slos_ms=parse_slos(opts["goodput"]),
+        percentiles=percentiles,
+        extra_body=extra_body,
+        result_json=opts["result_json"],
+        save_detailed=opts["save_detailed"],
+        plot=opts["plot"],
+        progress=opts["progress"],
+    )
+
+
+if __name__ == "__main__":
+    bench.main(prog_name="loomserve bench", auto_envvar_prefix="LOOMSERVE_BENCH")

@@ -1,0 +1,74 @@
+"""What the benchmark asks the server before the run: its model, and its tokenizer if exposed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import httpx
+
+from cli.bench.client import api_root
+
+
+class BenchSetupError(Exception):
+    """The benchmark cannot start: the server is unreachable or refuses the set-up."""
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def first_model(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> str:
+    """The id of the first model in /v1/models, as vLLM's benchmark picks it."""
+    url = api_root(base_url) + "/v1/models"
+    try:
+        response = httpx.get(url, headers=auth_headers(api_key), timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise BenchSetupError(f"cannot reach {url}: {exc}") from exc
+    if response.status_code != 200:
+        raise BenchSetupError(f"GET {url}: HTTP {response.status_code}: {response.text[:200]}")
+    models = response.json().get("data") or []
+    if not models:
+        raise BenchSetupError(f"GET {url} lists no models; pass --model")
+    return str(models[0]["id"])
+
+
+class ServerTokenizer:
+    """Counts tokens with the server's /tokenize (vLLM's and llama-server's shapes both work)."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None) -> None:
+        self.url = api_root(base_url) + "/tokenize"
+        self.model = model
+        self.http = httpx.Client(headers=auth_headers(api_key), timeout=60.0)
+        self.body_key: str | None = None  # "prompt" (vLLM) or "content" (llama-server)
+
+    def available(self) -> bool:
+        """Whether the server tokenizes; settles which request shape it speaks."""
+        for key in ("prompt", "content"):
+            try:
+                self.body_key = key
+                self.count(["hello world"])
+                return True
+            except (BenchSetupError, ValueError, KeyError, TypeError):
+                continue
+        self.body_key = None
+        return False
+
+    def count(self, texts: Sequence[str]) -> list[int]:
+        """Token counts of texts, one request each over one kept-alive connection."""
+        if self.body_key is None:
+            raise BenchSetupError("the server has no /tokenize")
+        counts = []
+        for text in texts:
+            body = {"model": self.model, self.body_key: text}
+            try:
+                response = self.http.post(self.url, json=body)
+            except httpx.HTTPError as exc:
+                raise BenchSetupError(f"POST {self.url}: {exc}") from exc
+            if response.status_code != 200:
+                raise BenchSetupError(f"POST {self.url}: HTTP {response.status_code}")
+            reply = response.json()
+            counts.append(int(reply["count"]) if "count" in reply else len(reply["tokens"]))
+        return counts
+
+    def close(self) -> None:
+        self.http.close()

@@ -1,0 +1,335 @@
+"""`loomserve bench` against a fake OpenAI server with known timings, on loopback.
+
+The fake streams its first chunk 100 ms after the request and one every 20 ms after that, on
+an absolute schedule, then usage and [DONE]; a plan keyed by request index makes chosen
+requests fail in chosen ways. Every load loop here is a few requests and a second or two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import uvicorn
+from click.testing import CliRunner
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cli.bench.client import StreamingClient
+from cli.bench.command import bench
+from cli.bench.datasets import BenchRequest
+from cli.bench.metrics import compute_metrics, pacing_stats
+from cli.bench.runner import LoadShape, RunResult, run_load
+from cli.bench.selftest import run_self_test
+
+FIRST_S = 0.100
+GAP_S = 0.020
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class FakeOpenAI:
+    """A Starlette app that streams on a fixed timetable and misbehaves on request."""
+
+    def __init__(self) -> None:
+        self.plan: dict[int, str] = {}  # request index → mode; default "ok"
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.bodies: list[dict] = []
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/v1/completions", self.generate, methods=["POST"]),
+                Route("/v1/chat/completions", self.generate, methods=["POST"]),
+            ]
+        )
+
+    def reset(self) -> None:
+        self.plan, self.in_flight, self.max_in_flight, self.bodies = {}, 0, 0, []
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        return JSONResponse({"count": len(body["prompt"].split())})
+
+    async def generate(self, request: Request) -> Response:
+        start = time.perf_counter()
+        body = await request.json()
+        self.bodies.append(body)
+        index = int(request.headers["x-request-id"][-12:], 16)  # the bench ends ids in it
+        mode = self.plan.get(index, "ok")
+        if mode == "503":
+            error = {"message": "queue full", "type": "server_error", "param": None, "code": 503}
+            return JSONResponse({"error": error}, status_code=503)
+        chat = request.url.path.endswith("/chat/completions")
+        text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        return StreamingResponse(
+            self.stream(start, mode, chat, body["max_tokens"], len(text.split())),
+            media_type="text/event-stream",
+        )
+
+    async def stream(
+        self, start: float, mode: str, chat: bool, tokens: int, prompt_tokens: int
+    ) -> AsyncIterator[bytes]:
+        def event(body: dict) -> bytes:
+            return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+        def token(i: int) -> bytes:
+            choice = {"index": 0, "finish_reason": "length" if i == tokens - 1 else None}
+            if chat:
+                choice["delta"] = {"content": f" t{i}"}
+            else:
+                choice["text"] = f" t{i}"
+            return event({"choices": [choice]})
+
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if chat:  # announced at once, before any token: must not count as the first token
+                yield event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+            first = FIRST_S * (50 if mode == "slow" else 1)
+            for i in range(tokens):
+                await asyncio.sleep(max(0.0, start + first + i * GAP_S - time.perf_counter()))
+                yield token(i)
+                if i == 1 and mode == "broken":
+                    raise RuntimeError("the fake server breaks the stream on purpose")
+                if i == 1 and mode == "truncated":
+                    return
+            if mode != "no_usage":
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": tokens,
+                    "prompt_tokens_details": {"cached_tokens": 1},
+                }
+                yield event({"choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[tuple[FakeOpenAI, str]]:
+    """The fake server on a free 127.0.0.1 port, in a thread, for this module."""
+    server_app = FakeOpenAI()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(server_app.app, log_level="critical", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.started
+    yield server_app, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=5)
+    sock.close()
+
+
+@pytest.fixture
+def server(fake: tuple[FakeOpenAI, str]) -> tuple[FakeOpenAI, str]:
+    fake[0].reset()
+    return fake
+
+
+def run(
+    url: str,
+    n: int,
+    output_len: int,
+    shape: LoadShape,
+    endpoint: str = "completions",
+    timeout_s: float = 10.0,
+    duration_s: float = 20.0,
+) -> RunResult:
+    """Run the real benchmark loop against url."""
+
+    async def go() -> RunResult:
+        client = StreamingClient(url, "fake-model", endpoint, timeout_s=timeout_s)
+        try:
+            prompts = [BenchRequest(f"prompt number {i}", 3, output_len) for i in range(n)]
+            return await run_load(client, prompts, shape, seed=0, duration_s=duration_s)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_metrics_match_the_servers_timetable(server, endpoint: str) -> None:
+    fake, url = server
+    result = run(url, n=6, output_len=6, shape=LoadShape(max_concurrency=3), endpoint=endpoint)
+    m = compute_metrics(result.records, result.duration_s)
+    assert (m.completed, m.failed) == (6, 0)
+    assert m.total_output == 36 and m.usage_missing == 0 and m.short_outputs == 0
+    assert m.total_input == 6 * 3  # from usage.prompt_tokens
+    assert m.ttft.mean_ms == pytest.approx(100.0, abs=15.0)
+    assert m.ttft.percentiles_ms[99.0] < 160.0
+    assert m.itl.count == 6 * 5
+    assert m.itl.mean_ms == pytest.approx(20.0, abs=3.0)
+    assert m.itl.median_ms == pytest.approx(20.0, abs=5.0)
+    assert m.tpot.mean_ms == pytest.approx(20.0, abs=3.0)
+    assert m.e2el.mean_ms == pytest.approx(200.0, abs=20.0)
+    # Two waves of three: about 2 × 200 ms in all.
+    assert result.duration_s == pytest.approx(0.4, abs=0.15)
+    assert m.request_throughput == pytest.approx(6 / result.duration_s)
+    assert m.output_throughput == pytest.approx(36 / result.duration_s)
+    assert fake.bodies[0]["stream_options"] == {"include_usage": True}
+    assert fake.bodies[0]["ignore_eos"] is True
+
+
+def test_failures_are_sorted_by_kind(server) -> None:
+    fake, url = server
+    fake.plan = {0: "503", 1: "broken", 2: "truncated", 3: "slow", 4: "no_usage"}
+    result = run(url, n=7, output_len=4, shape=LoadShape(), timeout_s=1.0)
+    m = compute_metrics(result.records, result.duration_s)
+    assert m.failures == {"broken_stream": 2, "http_503": 1, "timeout": 1}
+    assert m.completed == 3 and m.failed == 4
+    assert result.records[0].error == "queue full"
+    assert result.records[3].error_kind == "timeout"
+    assert result.duration_s < 2.0  # the slow one was abandoned at its timeout
+    # Without usage, the output tokens are the text chunks, and the summary says so.
+    assert result.records[4].output_tokens == 4 and not result.records[4].usage_reported
+    assert m.usage_missing == 1
+
+
+def test_poisson_pacing_offers_the_requested_rate(server) -> None:
+    _, url = server
+    result = run(url, n=20, output_len=1, shape=LoadShape(request_rate=20.0))
+    pacing = pacing_stats(result.records, 20.0)
+    last_due = max(r.scheduled_s for r in result.records)
+    assert last_due == pytest.approx(1.0)  # N/R
+    assert pacing.achieved_rate == pytest.approx(20.0, rel=0.1)
+    assert pacing.max_lag_ms < 50.0
+    assert result.duration_s == pytest.approx(1.0 + FIRST_S, abs=0.15)
+    starts = sorted(r.start_s for r in result.records)
+    assert len(set(starts)) == 20  # spread out, not sent together
+
+
+def test_max_concurrency_is_respected(server) -> None:
+    fake, url = server
+    result = run(url, n=8, output_len=3, shape=LoadShape(max_concurrency=2))
+    m = compute_metrics(result.records, result.duration_s)
+    assert m.completed == 8
+    assert fake.max_in_flight == 2
+    assert m.peak_concurrency == 2
+    assert result.duration_s == pytest.approx(4 * 0.14, abs=0.15)  # four waves of 140 ms
+
+
+def test_duration_bounds_the_run(server) -> None:
+    fake, url = server
+    fake.plan = dict.fromkeys(range(10), "slow")
+    started = time.perf_counter()
+    result = run(url, n=10, output_len=2, shape=LoadShape(request_rate=4.0), duration_s=0.8)
+    assert time.perf_counter() - started < 2.0
+    m = compute_metrics(result.records, result.duration_s)
+    assert result.duration_s == pytest.approx(0.8, abs=0.05)
+    assert m.completed == 0 and m.failed == 0
+    # Those due after 0.8 s were never sent; those sent were cut off when the time ran out.
+    due_late = sum(r.scheduled_s >= 0.8 for r in result.records)
+    assert 0 < due_late < 10
+    assert (m.not_sent, m.unfinished) == (due_late, 10 - due_late)
+
+
+def test_cli_writes_result_json_and_plot(server, tmp_path) -> None:
+    fake, url = server
+    out, plot = tmp_path / "result.json", tmp_path / "plot.png"
+    args = ["--base-url", url, "--num-prompts", "5", "--input-len", "12", "--output-len", "3"]
+    args += ["--max-concurrency", "5", "--goodput", "ttft:1000 tpot:1000", "--no-progress"]
+    args += ["--result-json", str(out), "--save-detailed", "--plot", str(plot), "--seed", "3"]
+    outcome = CliRunner().invoke(bench, args)
+    assert outcome.exit_code == 0, outcome.output
+    assert "Serving Benchmark Result" in outcome.output
+    assert "Mean TTFT (ms):" in outcome.output and "P99 ITL (ms):" in outcome.output
+    result = json.loads(out.read_text())
+    assert result["settings"]["model"] == "fake-model"  # from /v1/models
+    assert result["settings"]["token_counts"] == "server /tokenize"
+    summary = result["summary"]
+    assert summary["completed"] == 5 and summary["failed"] == 0
+    assert summary["total_input_tokens"] == 5 * 12  # sized exactly with /tokenize
+    assert summary["total_cached_tokens"] == 5
+    assert summary["request_goodput"] == pytest.approx(summary["request_throughput"])
+    for key in ("mean_ttft_ms", "median_tpot_ms", "p90_itl_ms", "p99_e2el_ms", "std_ttft_ms"):
+        assert summary[key] > 0
+    assert len(result["requests"]) == 5
+    assert len(result["requests"][0]["itl_s"]) == 2
+    assert uuid.UUID(result["requests"][0]["request_id"])  # some servers insist on UUIDs
+    assert result["generator"]["kept_up"] is True
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    assert len(fake.bodies) == 6  # one warm-up, five measured
+
+
+def test_cli_shared_prefix_and_sharegpt(server, tmp_path) -> None:
+    fake, url = server
+    out = tmp_path / "prefix.json"
+    args = ["--base-url", url, "--dataset", "shared-prefix", "--num-prompts", "6"]
+    args += ["--num-groups", "2", "--prefix-len", "40", "--input-len", "8", "--output-len", "2"]
+    args += ["--num-warmups", "0", "--no-progress", "--result-json", str(out)]
+    outcome = CliRunner().invoke(bench, args)
+    assert outcome.exit_code == 0, outcome.output
+    assert json.loads(out.read_text())["summary"]["total_input_tokens"] == 6 * (40 + 8)
+    prompts = [body["prompt"] for body in fake.bodies]
+    assert len({p.split("\n\n")[0] for p in prompts}) == 2  # two shared system prompts
+
+    fake.reset()
+    turns = [
+        {"conversations": [{"value": f"tell me a story number {i} please"}, {"value": "ok " * i}]}
+        for i in range(4, 10)
+    ]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(turns))
+    args = ["--base-url", url, "--dataset-path", str(tmp_path / "sharegpt.json")]
+    args += ["--num-prompts", "3", "--num-warmups", "0", "--no-progress", "--endpoint", "chat"]
+    outcome = CliRunner().invoke(bench, args)
+    assert outcome.exit_code == 0, outcome.output
+    assert sorted(body["max_tokens"] for body in fake.bodies) != [128] * 3  # answers' lengths
+    assert all(4 <= body["max_tokens"] <= 9 for body in fake.bodies)
+    assert len(fake.bodies) == 3
+
+
+def test_cli_sweep(server, tmp_path) -> None:
+    _, url = server
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    args = ["--base-url", url, "--model", "fake-model", "--num-prompts", "4", "--input-len", "5"]
+    args += ["--output-len", "2", "--sweep", "max-concurrency=1,4", "--no-progress"]
+    args += ["--endpoint", "chat", "--result-json", str(out), "--plot", str(plot)]
+    outcome = CliRunner().invoke(bench, args)
+    assert outcome.exit_code == 0, outcome.output
+    assert "Sweep" in outcome.output
+    sweep = json.loads(out.read_text())["sweep"]
+    assert sweep["parameter"] == "max-concurrency"
+    assert [p["value"] for p in sweep["points"]] == [1.0, 4.0]
+    one, four = (p["summary"] for p in sweep["points"])
+    assert one["completed"] == four["completed"] == 4
+    assert one["max_concurrent_requests"] == 1 and four["max_concurrent_requests"] == 4
+    assert four["request_throughput"] > 2 * one["request_throughput"]
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_cli_rejects_bad_options(server) -> None:
+    _, url = server
+    for bad in (["--goodput", "itl:5"], ["--sweep", "threads=1,2"], ["--percentiles", "150"]):
+        outcome = CliRunner().invoke(bench, ["--base-url", url, *bad])
+        assert outcome.exit_code == 2, outcome.output
+    unreachable = CliRunner().invoke(bench, ["--base-url", "http://127.0.0.1:9", "--no-progress"])
+    assert unreachable.exit_code == 1 and "cannot reach" in unreachable.output
+
+
+def test_self_test_measures_the_generator() -> None:
+    lines: list[str] = []
+    result = run_self_test(echo=lines.append, scale=0.05)
+    assert result["failed"] == 0
+    assert result["max_request_rate"] > 20 and result["max_chunk_rate"] > 500
+    assert 0 < result["cpu_us_per_chunk"] < result["cpu_us_per_request"]
+    assert math.isfinite(result["paced_achieved_rate"]) and result["paced_achieved_rate"] > 0
+    assert "Load generator self-test" in lines[-1]
