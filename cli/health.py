@@ -1,0 +1,38 @@
+"""Readiness probe of a worker over ZeroMQ: a Ping answered by a Heartbeat saying ready.
+
+Used by `loomserve worker-health`, the compose health check of the worker service.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from protocol.codec import DecodeError, decode, encode
+from protocol.messages import Heartbeat, Ping
+
+
+def probe_worker(endpoint: str, timeout: float) -> Heartbeat | None:
+    """The worker's answer to one Ping, or None when none came within `timeout` seconds."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sent_at = time.time()
+        sock.send_multipart(encode(Ping(sent_at=sent_at)))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                break
+            try:
+                message = decode(sock.recv_multipart())
+            except DecodeError:
+                continue
+            # Unsolicited heartbeats are as good an answer as the echo of our Ping.
+            if isinstance(message, Heartbeat):
+                return message
+        return None
+    finally:
+        sock.close()

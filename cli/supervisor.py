@@ -1,0 +1,261 @@
+"""Process supervision for `loomserve serve`: start the children, restart the ones that crash,
+stop them all on Ctrl-C or SIGTERM.
+
+Each child runs in its own session, so a Ctrl-C at the terminal reaches the supervisor only and
+the shutdown happens in order: the last child started stops first (gateways before the worker,
+so in-flight requests can finish), each with SIGTERM and a grace period before SIGKILL.
+On Linux each child also dies with the supervisor, even when the supervisor is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+QUICK_EXIT_SECONDS = 10.0  # a child that dies sooner than this after starting is crash-looping
+MAX_QUICK_EXITS = 5  # consecutive quick deaths before the supervisor gives up
+POLL_SECONDS = 0.1
+READY_PROBE_SECONDS = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """How to start one child process."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+
+
+@dataclass(slots=True)
+class Child:
+    """One supervised child and its restart bookkeeping."""
+
+    spec: ChildSpec
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    quick_exits: int = 0  # consecutive deaths within QUICK_EXIT_SECONDS of starting
+    restart_at: float | None = None  # when a crashed child is due to start again
+    restarts: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+
+@dataclass(slots=True)
+class _Signals:
+    """What the signal handlers saw; the supervision loop reads it."""
+
+    stop: bool = False
+    force: bool = False  # a second signal: kill everything now
+    received: list[int] = field(default_factory=list)
+
+
+class Supervisor:
+    """Keeps a fixed set of children running until asked to stop."""
+
+    def __init__(
+        self,
+        specs: Sequence[ChildSpec],
+        *,
+        stop_timeout: float = 15.0,
+        restart_delay: float = 0.5,
+        ready_probe: Callable[[], bool] | None = None,
+        on_ready: Callable[[], None] | None = None,
+        on_exit: Callable[[Child, int], None] | None = None,
+    ) -> None:
+        self.children = [Child(spec) for spec in specs]
+        self.stop_timeout = stop_timeout
+        self.restart_delay = restart_delay  # doubles with each quick death, up to 30 s
+        self.ready_probe = ready_probe
+        self.on_ready = on_ready
+        self.on_exit = on_exit
+        self._signals = _Signals()
+        self._ready = False
+        self._next_probe = 0.0
+
+    def run(self) -> int:
+        """Start every child and supervise until SIGINT/SIGTERM; the exit status to use."""
+        previous = {
+            sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            for child in self.children:
+                self._start(child)
+            status = self._supervise()
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return status
+
+    def _supervise(self) -> int:
+        while not self._signals.stop:
+            now = time.monotonic()
+            for child in self.children:
+                if child.process is None:
+                    if child.restart_at is not None and now >= child.restart_at:
+                        child.restarts += 1
+                        self._start(child)
+                    continue
+                returncode = child.process.poll()
+                if returncode is not None and not self._handle_exit(child, returncode, now):
+                    return 1
+            self._probe_readiness(now)
+            time.sleep(POLL_SECONDS)
+        log.info("stopping", signal=signal.Signals(self._signals.received[0]).name)
+        return 0
+
+    def _start(self, child: Child) -> None:
+        child.process = subprocess.Popen(
+            list(child.spec.argv),
+            env=dict(child.spec.env),
+            start_new_session=True,  # Ctrl-C at the terminal goes to the supervisor only
+            preexec_fn=_die_with_parent(),
+        )
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        log.info("started", child=child.spec.name, pid=child.process.pid)
+
+    def _handle_exit(self, child: Child, returncode: int, now: float) -> bool:
+        """Report a child's death and schedule its restart; False when it keeps crashing."""
+        pid = child.process.pid if child.process else None
+        child.process = None
+        uptime = now - child.started_at
+        child.quick_exits = child.quick_exits + 1 if uptime < QUICK_EXIT_SECONDS else 0
+        log.error(
+            "child exited",
+            child=child.spec.name,
+            pid=pid,
+            status=describe_returncode(returncode),
+            uptime_s=round(uptime, 1),
+        )
+        if self.on_exit and pid is not None:
+            self.on_exit(child, pid)
+        self._ready = False
+        if child.quick_exits >= MAX_QUICK_EXITS:
+            log.error(
+                "giving up: child keeps crashing", child=child.spec.name, crashes=MAX_QUICK_EXITS
+            )
+            return False
+        delay = min(30.0, self.restart_delay * 2**child.quick_exits)
+        child.restart_at = now + delay
+        log.warning("restarting", child=child.spec.name, in_s=delay)
+        return True
+
+    def _probe_readiness(self, now: float) -> None:
+        if self._ready or self.ready_probe is None or now < self._next_probe:
+            return
+        self._next_probe = now + READY_PROBE_SECONDS
+        if all(child.process is not None for child in self.children) and self.ready_probe():
+            self._ready = True
+            if self.on_ready:
+                self.on_ready()
+
+    def _stop_all(self) -> None:
+        """Stop the children last-started first, each with SIGTERM, then SIGKILL when late."""
+        for child in reversed(self.children):
+            if child.process is None:
+                continue
+            _signal_group(child.process, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout
+            while child.process.poll() is None and time.monotonic() < deadline:
+                if self._signals.force:
+                    break
+                time.sleep(POLL_SECONDS / 2)
+            if child.process.poll() is None:
+                log.warning("killing", child=child.spec.name, pid=child.process.pid)
+                _signal_group(child.process, signal.SIGKILL)
+                child.process.wait()
+            log.info(
+                "stopped",
+                child=child.spec.name,
+                pid=child.process.pid,
+                status=describe_returncode(child.process.returncode),
+            )
+            child.process = None
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signals.received.append(signum)
+        if self._signals.stop:
+            self._signals.force = True
+        self._signals.stop = True
+
+
+def describe_returncode(returncode: int) -> str:
+    """'exit 3' or 'killed by SIGKILL', from a Popen returncode."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGTERM the child when the supervisor dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket with SO_REUSEPORT: processes holding one share the port, and the
+    kernel spreads new connections across them."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError when anything listens on host:port.
+
+    The probe binds without SO_REUSEPORT, so it also fails on a port another loomserve holds:
+    joining that server's reuse-port group would silently split traffic between the two.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)

@@ -1,0 +1,145 @@
+"""The supervisor on plain Python children: restarts, crash loops, stop order, SIGKILL, orphans.
+
+These children are stand-ins on purpose: what is under test is process handling, not serving
+(tests/test_cli.py runs `serve` on the real worker and gateways).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cli.supervisor import MAX_QUICK_EXITS, ChildSpec, Supervisor, describe_returncode
+
+
+def python_child(name: str, code: str, workdir: Path) -> ChildSpec:
+    """A child running `code`; note() appends '<event> <pid> <ns>' lines to <workdir>/<name>.log."""
+    prelude = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        def note(event):
+            with open({str(workdir / f"{name}.log")!r}, "a") as f:
+                f.write(f"{{event}} {{os.getpid()}} {{time.time_ns()}}\\n")
+        """
+    )
+    return ChildSpec(name=name, argv=[sys.executable, "-c", prelude + code], env=dict(os.environ))
+
+
+def events(workdir: Path, name: str) -> list[tuple[str, int, int]]:
+    """(event, pid, time in ns) for each note() of the child called `name`."""
+    path = workdir / f"{name}.log"
+    if not path.exists():
+        return []
+    lines = [line.split() for line in path.read_text().splitlines()]
+    return [(event, int(pid), int(ns)) for event, pid, ns in lines]
+
+
+def signal_self_when(condition: Callable[[], bool], timeout: float = 20.0) -> threading.Thread:
+    """SIGTERM this process (the supervisor under test) once condition() holds, or at timeout."""
+
+    def wait_then_signal() -> None:
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=wait_then_signal, daemon=True)
+    thread.start()
+    return thread
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+SLEEPER = "note('start')\nsignal.signal(signal.SIGTERM, lambda *_: (note('term'), sys.exit(0)))\n"
+SLEEPER += "time.sleep(60)\n"
+
+
+def test_crashed_child_is_restarted_and_stop_goes_last_started_first(tmp_path: Path) -> None:
+    marker = tmp_path / "crashed-once"
+    crash_once = (
+        f"if not os.path.exists({str(marker)!r}):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    note('crash')\n"
+        "    sys.exit(3)\n" + SLEEPER
+    )
+    supervisor = Supervisor(
+        [python_child("first", SLEEPER, tmp_path), python_child("second", crash_once, tmp_path)],
+        restart_delay=0.05,
+    )
+    signal_self_when(lambda: len(events(tmp_path, "second")) == 2 and events(tmp_path, "first"))
+    assert supervisor.run() == 0
+
+    first, second = events(tmp_path, "first"), events(tmp_path, "second")
+    assert [event for event, _, _ in second] == ["crash", "start", "term"]
+    assert second[0][1] != second[1][1] == second[2][1]
+    assert [event for event, _, _ in first] == ["start", "term"]
+    assert supervisor.children[1].restarts == 1
+    assert second[2][2] < first[1][2], "the last started child stops first"
+    assert not any(alive(pid) for _, pid, _ in first + second)
+
+
+def test_a_child_crashing_at_start_makes_the_supervisor_give_up(tmp_path: Path) -> None:
+    supervisor = Supervisor(
+        [python_child("broken", "note('start')\nsys.exit(1)\n", tmp_path)], restart_delay=0.01
+    )
+    assert supervisor.run() == 1
+    assert len(events(tmp_path, "broken")) == MAX_QUICK_EXITS
+
+
+def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
+    stubborn = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nnote('start')\ntime.sleep(60)\n"
+    supervisor = Supervisor([python_child("stubborn", stubborn, tmp_path)], stop_timeout=0.5)
+    signal_self_when(lambda: bool(events(tmp_path, "stubborn")))
+    started = time.monotonic()
+    assert supervisor.run() == 0
+    assert time.monotonic() - started < 10
+    ((_, pid, _),) = events(tmp_path, "stubborn")
+    assert not alive(pid)
+
+
+def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from cli.supervisor import ChildSpec, Supervisor
+        code = "import os, time; open('child.pid', 'w').write(str(os.getpid())); time.sleep(60)"
+        Supervisor([ChildSpec("sleeper", [sys.executable, "-c", code], dict(os.environ))]).run()
+        """
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    pid_file = tmp_path / "child.pid"
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert alive(child)
+    supervisor.kill()
+    supervisor.wait()
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+@pytest.mark.parametrize(
+    ("returncode", "text"), [(0, "exit 0"), (3, "exit 3"), (-9, "killed by SIGKILL")]
+)
+def test_describe_returncode(returncode: int, text: str) -> None:
+    assert describe_returncode(returncode) == text

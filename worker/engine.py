@@ -1,0 +1,282 @@
+"""The engine: one llama.cpp model and context, driven through llama-cpp-python's C API.
+
+One llama_context serves every slot: n_seq_max = slots, n_ctx = slots * slot context, and
+(where llama.cpp has it) kv_unified, so all sequences share one KV cache and a slot's cells
+can be trimmed, kept or copied per sequence. n_ubatch = n_batch = the tick's token budget,
+so each tick is one forward pass that llama.cpp never splits by load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as llama
+import numpy as np
+import structlog
+
+from protocol import SamplingParams
+from worker.config import WorkerConfig
+from worker.sampling import Sampler, build_sampler
+
+log = structlog.get_logger(__name__)
+
+KV_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0}
+
+
+class EngineError(RuntimeError):
+    """The model or its context could not be set up."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """What the loaded model is and where it runs; logged at start-up, sent in ModelInfo."""
+
+    name: str
+    architecture: str
+    description: str  # llama.cpp's one-line summary, e.g. "gemma3 270M Q4_K - Medium"
+    n_params: int
+    size_bytes: int
+    n_layers: int
+    n_vocab: int
+    context_train: int
+    gpu_layers: int  # layers offloaded to a GPU; 0 on a CPU-only build
+
+    @property
+    def runs_on(self) -> str:
+        if self.gpu_layers == 0:
+            return "CPU"
+        return f"GPU ({min(self.gpu_layers, self.n_layers)}/{self.n_layers} layers)"
+
+
+class TokenBatch:
+    """One reusable llama_batch whose arrays are numpy buffers we own."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        self._n_seq_id = np.ones(capacity, dtype=np.int32)
+        # Every token belongs to exactly one sequence: seq_id[i] points at self.seq[i].
+        int32_p = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (int32_p * capacity)(
+            *(ctypes.cast(base + 4 * i, int32_p) for i in range(capacity))
+        )
+        self.struct = llama.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(int32_p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(int32_p),
+            n_seq_id=self._n_seq_id.ctypes.data_as(int32_p),
+            seq_id=self._seq_ptrs,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self.n_tokens = 0
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+
+    def add(self, token: int, pos: int, seq: int, want_logits: bool) -> int:
+        """Append one token; return its index in the batch."""
+        i = self.n_tokens
+        self.token[i] = token
+        self.pos[i] = pos
+        self.seq[i] = seq
+        self.logits[i] = want_logits
+        self.n_tokens = i + 1
+        return i
+
+    def add_run(self, tokens: list[int], first_pos: int, seq: int, logits_on_last: bool) -> int:
+        """Append consecutive tokens of one sequence; return the index of the last one."""
+        i, j = self.n_tokens, self.n_tokens + len(tokens)
+        self.token[i:j] = tokens
+        self.pos[i:j] = np.arange(first_pos, first_pos + len(tokens), dtype=np.int32)
+        self.seq[i:j] = seq
+        self.logits[i:j] = 0
+        self.logits[j - 1] = logits_on_last
+        self.n_tokens = j
+        return j - 1
+
+
+class Engine:
+    """The model, its one context, and the few llama.cpp calls the loop needs."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        llama.llama_backend_init()
+        _route_llama_logs()
+        if config.batch_invariant:
+            # ggml's tiled K-quant matmul takes over from 8 batch rows up and sums in a
+            # different order, so a sequence's numbers would depend on how many others share
+            # its batch. The per-row kernels cost little on CPU (see the worker's report).
+            os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+        self.config = config
+        self.model = self._load_model(config)
+        self.vocab = llama.llama_model_get_vocab(self.model)
+        self.description = describe(self.model, config.model_path, self._gpu_layers(config))
+        self.n_vocab = self.description.n_vocab
+        self.slot_context = min(config.ctx_size, self.description.context_train)
+        self.n_slots = config.slots
+        self.ctx = self._new_context(config)
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.batch = TokenBatch(config.batch_tokens)
+
+    # --- set-up -------------------------------------------------------------------
+
+    @staticmethod
+    def _gpu_layers(config: WorkerConfig) -> int:
+        if not llama.llama_supports_gpu_offload():
+            return 0
+        return 999 if config.gpu_layers < 0 else config.gpu_layers
+
+    def _load_model(self, config: WorkerConfig) -> llama.llama_model_p:
+        params = llama.llama_model_default_params()
+        params.n_gpu_layers = self._gpu_layers(config)
+        model = llama.llama_model_load_from_file(str(config.model_path).encode(), params)
+        if not model:
+            raise EngineError(f"llama.cpp could not load the model at {config.model_path}")
+        return model
+
+    def _new_context(self, config: WorkerConfig):
+        params = llama.llama_context_default_params()
+        fields = {name for name, _ in llama.llama_context_params._fields_}
+        params.n_ctx = self.slot_context * config.slots
+        params.n_batch = config.batch_tokens
+        params.n_ubatch = config.batch_tokens
+        params.n_seq_max = config.slots
+        params.n_threads = config.n_threads
+        params.n_threads_batch = config.n_threads
+        params.no_perf = True
+        if "kv_unified" in fields:
+            params.kv_unified = True
+        if config.kv_cache_type != "f16" and not config.flash_attn:
+            raise EngineError("a quantized KV cache (--kv-cache-type q8_0) needs --flash-attn")
+        if "flash_attn_type" in fields:
+            params.flash_attn_type = (
+                llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+                if config.flash_attn
+                else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+        else:
+            params.flash_attn = config.flash_attn
+        params.type_k = params.type_v = KV_TYPES[config.kv_cache_type]
+        ctx = llama.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise EngineError(
+                f"llama.cpp could not create a context of {params.n_ctx} tokens "
+                f"for {config.slots} slots (is there enough memory?)"
+            )
+        return ctx
+
+    # --- per request ----------------------------------------------------------------
+
+    def new_sampler(self, params: SamplingParams) -> Sampler:
+        """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
+        return build_sampler(params, self.ctx, self.vocab, self.n_vocab, self.slot_context)
+
+    def is_eog(self, token: int) -> bool:
+        return llama.llama_vocab_is_eog(self.vocab, token)
+
+    # --- per tick -----------------------------------------------------------------------
+
+    def decode(self, batch: TokenBatch) -> int:
+        """One forward pass over the batch; llama_decode's return code (0 is success)."""
+        batch.struct.n_tokens = batch.n_tokens
+        return llama.llama_decode(self.ctx, batch.struct)
+
+    # --- the KV cache -------------------------------------------------------------------
+
+    def keep_prefix(self, seq: int, n_tokens: int) -> None:
+        """Drop a sequence's cells from position n_tokens on; keep the prefix before it."""
+        llama.llama_memory_seq_rm(self.memory, seq, n_tokens, -1)
+
+    def drop_sequence(self, seq: int) -> None:
+        llama.llama_memory_seq_rm(self.memory, seq, -1, -1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """The highest position the sequence holds in the cache; -1 when it holds none."""
+        return llama.llama_memory_seq_pos_max(self.memory, seq)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return llama.llama_memory_seq_pos_min(self.memory, seq)
+
+    def kv_cells_total(self) -> int:
+        return self.slot_context * self.n_slots
+
+    # --- text (tests, benchmarks and logs; the worker itself speaks token ids) ---------
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode()
+        capacity = len(data) + 8
+        buffer = (llama.llama_token * capacity)()
+        n = llama.llama_tokenize(self.vocab, data, len(data), buffer, capacity, add_special, False)
+        if n < 0:
+            raise ValueError("text too long to tokenize")
+        return list(buffer[:n])
+
+    def detokenize(self, tokens: list[int]) -> str:
+        array = (llama.llama_token * len(tokens))(*tokens)
+        capacity = 16 * len(tokens) + 16
+        buffer = ctypes.create_string_buffer(capacity)
+        n = llama.llama_detokenize(self.vocab, array, len(tokens), buffer, capacity, True, False)
+        return buffer.raw[: max(n, 0)].decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        """Free the context and the model. The engine is unusable afterwards."""
+        if self.ctx:
+            llama.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            llama.llama_model_free(self.model)
+            self.model = None
+
+
+def describe(model, path: Path, gpu_layers: int) -> ModelDescription:
+    """The model's identity, read from its metadata."""
+    vocab = llama.llama_model_get_vocab(model)
+    n_layers = llama.llama_model_n_layer(model)
+    return ModelDescription(
+        name=_meta(model, "general.name") or path.stem,
+        architecture=_meta(model, "general.architecture") or "unknown",
+        description=_desc(model),
+        n_params=llama.llama_model_n_params(model),
+        size_bytes=llama.llama_model_size(model),
+        n_layers=n_layers,
+        n_vocab=llama.llama_vocab_n_tokens(vocab),
+        context_train=llama.llama_model_n_ctx_train(model),
+        gpu_layers=min(gpu_layers, n_layers + 1),
+    )
+
+
+def _meta(model, key: str) -> str:
+    buffer = ctypes.create_string_buffer(256)
+    n = llama.llama_model_meta_val_str(model, key.encode(), buffer, len(buffer))
+    return buffer.value.decode(errors="replace") if n >= 0 else ""
+
+
+def _desc(model) -> str:
+    buffer = ctypes.create_string_buffer(256)
+    llama.llama_model_desc(model, buffer, len(buffer))
+    return buffer.value.decode(errors="replace")
+
+
+# ggml's levels: 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous line.
+GGML_LOG_WARN, GGML_LOG_ERROR = 3, 4
+_llama_log = structlog.get_logger("llama.cpp")
+
+
+@llama.llama_log_callback
+def _forward_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    if level in (GGML_LOG_WARN, GGML_LOG_ERROR):
+        message = text.decode(errors="replace").strip()
+        if message:
+            (_llama_log.error if level == GGML_LOG_ERROR else _llama_log.warning)(message)
+
+
+def _route_llama_logs() -> None:
+    """Send llama.cpp's warnings and errors to structlog; drop its chatty info lines."""
+    llama.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))

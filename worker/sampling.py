@@ -1,0 +1,121 @@
+"""Per-request samplers: a llama.cpp sampler chain built from SamplingParams.
+
+Each request gets its own chain at acceptance and the chain is freed when the request ends,
+so grammar, penalty and RNG state never leak from one request to the next in a slot.
+Plain greedy requests (temperature 0, no penalties, bias or grammar) skip the chain and take
+the argmax of the logits directly: the same token llama.cpp's greedy sampler picks (the
+first maximum), without copying the whole vocabulary into candidate structs.
+
+Penalties see the generated tokens only, not the prompt, as in llama-server.
+"""
+
+from __future__ import annotations
+
+import llama_cpp as llama
+import numpy as np
+
+from protocol import SamplingParams
+
+
+class InvalidSampling(ValueError):
+    """The request's sampling settings cannot run on this model (bad grammar, bad token id)."""
+
+
+class Sampler:
+    """One request's sampling state; sample() picks and accepts the next token."""
+
+    __slots__ = ("_chain", "_ctx", "_n_vocab")
+
+    def __init__(self, chain: llama.llama_sampler_p | None, ctx, n_vocab: int) -> None:
+        self._chain = chain  # None: plain greedy, an argmax over the logits
+        self._ctx = ctx
+        self._n_vocab = n_vocab
+
+    def sample(self, batch_index: int) -> int:
+        """The token for the output at batch_index of the last decode."""
+        if self._chain is None:
+            logits = llama.llama_get_logits_ith(self._ctx, batch_index)
+            return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
+        # llama_sampler_sample also accepts the token into every sampler of the chain.
+        return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
+
+    def close(self) -> None:
+        if self._chain is not None:
+            llama.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return (
+        params.greedy
+        and not params.logit_bias
+        and not params.grammar
+        and not _has_penalties(params)
+    )
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.repeat_last_n != 0 and (
+        params.repeat_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
+def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama_sampler_p:
+    args = (last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty)
+    # llama.cpp added n_vocab as a first argument; older builds take the four above.
+    if len(llama.llama_sampler_init_penalties.argtypes) == 5:
+        return llama.llama_sampler_init_penalties(n_vocab, *args)
+    return llama.llama_sampler_init_penalties(*args)
+
+
+def build_sampler(
+    params: SamplingParams, ctx, vocab, n_vocab: int, slot_context: int
+) -> Sampler:
+    """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias."""
+    for token_id in params.logit_bias:
+        if token_id >= n_vocab:
+            raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
+    if _is_plain_greedy(params):
+        return Sampler(None, ctx, n_vocab)
+
+    grammar = None
+    if params.grammar:
+        # Parsed first: a bad grammar is refused before anything else is allocated.
+        grammar = llama.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
+        if not grammar:
+            raise InvalidSampling("the grammar does not parse as GBNF with a `root` rule")
+
+    stages: list[llama.llama_sampler_p] = []
+    if params.logit_bias:
+        biases = (llama.llama_logit_bias * len(params.logit_bias))(
+            *(llama.llama_logit_bias(t, b) for t, b in params.logit_bias.items())
+        )
+        stages.append(llama.llama_sampler_init_logit_bias(n_vocab, len(biases), biases))
+    if _has_penalties(params):
+        last_n = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
+        stages.append(_penalties(n_vocab, last_n, params))
+    if grammar:
+        # Before the truncating samplers, so top-k and friends choose among valid tokens.
+        stages.append(grammar)
+    if params.greedy:
+        stages.append(llama.llama_sampler_init_greedy())
+    else:
+        if params.top_k > 0:
+            stages.append(llama.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            stages.append(llama.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            stages.append(llama.llama_sampler_init_min_p(params.min_p, 1))
+        stages.append(llama.llama_sampler_init_temp(params.temperature))
+        seed = llama.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+        stages.append(llama.llama_sampler_init_dist(seed))
+
+    chain_params = llama.llama_sampler_chain_default_params()
+    chain_params.no_perf = True
+    chain = llama.llama_sampler_chain_init(chain_params)
+    for stage in stages:
+        llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
+    return Sampler(chain, ctx, n_vocab)
+
