@@ -33,7 +33,7 @@ TINY = ModelShape()
 # About the size of Gemma 3 270M, for benchmarks where the default model cannot travel.
 BENCH_270M = ModelShape(
     n_embd=640,
-    n_head=4,
+    n_head=5,  # head size 128, which every llama.cpp attention kernel supports
     n_head_kv=1,
     n_layer=18,
     n_ff=2048,

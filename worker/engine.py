@@ -21,8 +21,6 @@ from protocol import SamplingParams
 from worker.config import WorkerConfig
 from worker.sampling import Sampler, build_sampler
 
-log = structlog.get_logger(__name__)
-
 KV_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0}
 
 
@@ -167,8 +165,9 @@ class Engine:
         ctx = llama.llama_init_from_model(self.model, params)
         if not ctx:
             raise EngineError(
-                f"llama.cpp could not create a context of {params.n_ctx} tokens "
-                f"for {config.slots} slots (is there enough memory?)"
+                f"llama.cpp could not create a context of {params.n_ctx} tokens for "
+                f"{config.slots} slots with a {config.kv_cache_type} KV cache; its log above "
+                f"says why (memory, or a head size the cache type cannot hold)"
             )
         return ctx
 
@@ -190,9 +189,21 @@ class Engine:
 
     # --- the KV cache -------------------------------------------------------------------
 
-    def keep_prefix(self, seq: int, n_tokens: int) -> None:
-        """Drop a sequence's cells from position n_tokens on; keep the prefix before it."""
-        llama.llama_memory_seq_rm(self.memory, seq, n_tokens, -1)
+    def clear_cache(self) -> None:
+        """Empty every sequence of the KV cache."""
+        llama.llama_memory_clear(self.memory, True)
+
+    def keep_prefix(self, seq: int, n_tokens: int) -> bool:
+        """Drop a sequence's cells from position n_tokens on; keep the prefix before it.
+
+        False when the cache cannot cut the sequence there (some recurrent or sliding-window
+        caches); the caller then drops the whole sequence.
+        """
+        return llama.llama_memory_seq_rm(self.memory, seq, n_tokens, -1)
+
+    def copy_prefix(self, source: int, target: int, n_tokens: int) -> None:
+        """Let `target` share the source sequence's cells for positions 0..n_tokens-1."""
+        llama.llama_memory_seq_cp(self.memory, source, target, 0, n_tokens)
 
     def drop_sequence(self, seq: int) -> None:
         llama.llama_memory_seq_rm(self.memory, seq, -1, -1)

@@ -36,7 +36,6 @@ from worker.scheduler import Request, RequestKey, Scheduler, Slot
 from worker.strategies import (
     BatchPlan,
     DecodeMaximal,
-    InvalidPlan,
     SlotPhase,
     check_plan,
     load_strategy,
@@ -69,12 +68,13 @@ class TickRecord:
     """What one tick did: for the tick log line and the metrics."""
 
     tick: int
-    decode_tokens: int
-    prefill_tokens: int
+    decode_tokens: int  # one per generating slot in the batch
+    prefill_tokens: int  # prompt tokens evaluated
+    sampled_tokens: int  # new tokens produced
+    budget: int  # the batch's token budget
     slots_active: int
     queue_depth: int
     seconds: float
-    kv_cells_used: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +135,8 @@ class Worker:
         self._stopping = False
         self._outputs: dict[bytes, Outputs] = {}
         self._fallback = DecodeMaximal()
+        self._strategy_failures = 0
+        engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     # --- any thread ------------------------------------------------------------------
 
@@ -173,20 +175,24 @@ class Worker:
 
     def tick(self, block: bool = True) -> None:
         """One pass of the loop; with block, waits for input when there is nothing to do."""
+        # 1. New requests and cancellations (blocking only when there is nothing else).
+        self._take_input(block=block and not self.scheduler.has_work())
         started = time.perf_counter()
-        self._take_input(block=block and not self.scheduler.has_work())  # 1
-        self._retire_finished()  # 2
+        # 2. Free slots whose requests ended (cancelled, failed), then fill free slots.
+        self._retire_finished()
         self._admit()
-        plan = self._plan()  # 3
-        if plan.n_tokens == 0:
+        # 3. The strategy splits the token budget; the batch is built from its plan.
+        plan = self._plan()
+        if not plan.n_tokens:  # nothing to run: only finishes to send, if anything
             self._send_outputs()
             return
         sampled = self._build_batch(plan)
-        if self._forward(plan):  # 4
-            self._sample(sampled)  # 5
-        self._retire_finished()  # 6
+        # 4. One forward pass. 5. Each slot samples at its own batch index.
+        n_sampled = self._sample(sampled) if self._forward(plan) else 0
+        # 6. Requests that just ended free their slots; each gateway gets one Outputs.
+        self._retire_finished()
         self._send_outputs()
-        self._after_tick(plan, started)
+        self._after_tick(plan, n_sampled, started)
 
     # --- 1: input ----------------------------------------------------------------------
 
@@ -223,6 +229,7 @@ class Worker:
                 error = (ErrorCode.INVALID_REQUEST, str(exc))
         if error is not None:
             code, message = error
+            log.debug("request rejected", request_id=generate.request_id, code=code.value)
             self.sink.send(gateway, Rejected(generate.request_id, code.value, message))
             if self._on_reject:
                 self._on_reject(code.value)
@@ -297,8 +304,14 @@ class Worker:
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
-            # Keep the shared prefix's cells, drop the rest of the slot's old sequence.
-            self.engine.keep_prefix(admission.slot.index, admission.reused)
+            slot, reused = admission.slot, admission.reused
+            if admission.source is not None:
+                self.engine.drop_sequence(slot.index)
+                self.engine.copy_prefix(admission.source.index, slot.index, reused)
+            elif not self.engine.keep_prefix(slot.index, reused):
+                # This cache cannot keep a part of a sequence: evaluate the whole prompt.
+                self.engine.drop_sequence(slot.index)
+                slot.n_cached = admission.request.cached_tokens = 0
 
     # --- 3: plan and build the batch -------------------------------------------------
 
@@ -312,7 +325,14 @@ class Worker:
             plan = self.strategy.plan(views, budget, chunk, depth)
             check_plan(plan, views, budget)
         except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
-            log.error("strategy failed; using decode-maximal for this tick", error=str(exc))
+            self._strategy_failures += 1
+            if self._strategy_failures % 1000 == 1:  # the first, then every 1000th
+                log.error(
+                    "strategy failed; decode-maximal plans this tick",
+                    strategy=self.config.strategy,
+                    error=str(exc),
+                    failures=self._strategy_failures,
+                )
             plan = self._fallback.plan(views, budget, chunk, depth)
         return plan
 
@@ -352,7 +372,8 @@ class Worker:
 
     # --- 5: sample ----------------------------------------------------------------------
 
-    def _sample(self, sampled: list[tuple[Slot, int]]) -> None:
+    def _sample(self, sampled: list[tuple[Slot, int]]) -> int:
+        """Sample, record and check each slot's new token; return how many were sampled."""
         now = time.monotonic()
         limit = self.engine.slot_context
         for slot, batch_index in sampled:
@@ -368,11 +389,10 @@ class Worker:
                 # The end-of-generation token is counted but never sent: it is not text.
                 slot.finish(FinishReason.STOP)
                 continue
-            self._outputs_for(request.key[0]).tokens.append(
-                TokenChunk(request.request_id, [token])
-            )
+            self._outputs_for(request.key[0]).tokens.append(TokenChunk(request.request_id, [token]))
             if request.completion_tokens >= params.max_tokens or len(slot.tokens) >= limit:
                 slot.finish(FinishReason.LENGTH)
+        return len(sampled)
 
     # --- 6: emit -----------------------------------------------------------------------
 
@@ -391,7 +411,7 @@ class Worker:
         scheduler = self.scheduler
         self.load = Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running)
 
-    def _after_tick(self, plan: BatchPlan, started: float) -> None:
+    def _after_tick(self, plan: BatchPlan, n_sampled: int, started: float) -> None:
         self.tick_count += 1
         if not (self.config.log_ticks or self._on_tick):
             return
@@ -399,10 +419,11 @@ class Worker:
             tick=self.tick_count,
             decode_tokens=len(plan.decode),
             prefill_tokens=plan.n_tokens - len(plan.decode),
+            sampled_tokens=n_sampled,
+            budget=self.config.batch_tokens,
             slots_active=self.scheduler.running,
             queue_depth=self.scheduler.queue_depth,
             seconds=time.perf_counter() - started,
-            kv_cells_used=sum(slot.n_cached for slot in self.scheduler.slots),
         )
         if self.config.log_ticks:
             log.info(

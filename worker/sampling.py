@@ -70,9 +70,7 @@ def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama
     return llama.llama_sampler_init_penalties(*args)
 
 
-def build_sampler(
-    params: SamplingParams, ctx, vocab, n_vocab: int, slot_context: int
-) -> Sampler:
+def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context: int) -> Sampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias."""
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
@@ -118,4 +116,3 @@ def build_sampler(
     for stage in stages:
         llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
     return Sampler(chain, ctx, n_vocab)
-

@@ -83,11 +83,16 @@ class Slot:
 
 @dataclass(slots=True)
 class Admission:
-    """A queued request placed in a slot, reusing the first `reused` cached tokens."""
+    """A queued request placed in a slot, reusing the first `reused` tokens of a cache.
+
+    The cache is the slot's own when `source` is None; otherwise the loop copies the first
+    `reused` cells of the source slot's sequence (a busy slot running the same prefix).
+    """
 
     slot: Slot
     request: Request
     reused: int
+    source: Slot | None = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -172,11 +177,11 @@ class Scheduler:
     # --- slots ------------------------------------------------------------------------
 
     def admit(self, tick: int, now: float) -> list[Admission]:
-        """Move waiting requests into free slots, FIFO, each to the slot caching most of it."""
+        """Move waiting requests into free slots, FIFO, each where most of its prompt is cached."""
         admissions = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
-            slot, shared = self._best_slot(request.prompt)
+            slot, source, shared = self._placement(request.prompt)
             # At least the last prompt token is evaluated again: its logits give token one.
             reused = min(shared, len(request.prompt) - 1)
             slot.phase = SlotPhase.PREFILLING
@@ -190,21 +195,32 @@ class Scheduler:
             request.admitted_at = now
             request.cached_tokens = reused
             self._slot_of[request.key] = slot
-            admissions.append(Admission(slot, request, reused))
+            admissions.append(Admission(slot, request, reused, source if reused else None))
         return admissions
 
-    def _best_slot(self, prompt: list[int]) -> tuple[Slot, int]:
-        best: Slot | None = None
-        best_key = (-1, 0)
+    def _placement(self, prompt: list[int]) -> tuple[Slot, Slot | None, int]:
+        """The free slot for a prompt, the slot whose cache it copies (if not its own), and
+        how many leading prompt tokens that cache holds.
+
+        Prefer an idle slot that caches the longest prefix (no copy needed). When a busy
+        slot caches a longer one, take the least recently used idle slot and copy from it.
+        """
+        idle = [slot for slot in self.slots if slot.request is None]
+        lru = min(idle, key=lambda slot: slot.last_used_tick)
+        own, own_shared = lru, 0
+        donor, donor_shared = None, 0
         for slot in self.slots:
-            if slot.request is not None:
+            if not slot.n_cached:
                 continue
-            shared = common_prefix(slot.tokens[: slot.n_cached], prompt) if slot.n_cached else 0
-            key = (shared, -slot.last_used_tick)
-            if key > best_key:
-                best, best_key = slot, key
-        assert best is not None, "admit() only runs with a free slot"
-        return best, best_key[0]
+            shared = common_prefix(slot.tokens[: slot.n_cached], prompt)
+            if slot.request is None:
+                if (shared, -slot.last_used_tick) > (own_shared, -own.last_used_tick):
+                    own, own_shared = slot, shared
+            elif shared > donor_shared:
+                donor, donor_shared = slot, shared
+        if donor is not None and donor_shared > own_shared:
+            return lru, donor, donor_shared
+        return own, None, own_shared
 
     def release(self, slot: Slot, tick: int, keep_cache: bool) -> Request:
         """Free a finished slot; it keeps its cached tokens for reuse only if keep_cache."""
@@ -221,12 +237,6 @@ class Scheduler:
             slot.tokens = []
             slot.n_cached = 0
         return request
-
-    def forget_cache(self, slot: Slot) -> None:
-        """An idle slot's cache was dropped by the engine."""
-        assert slot.request is None
-        slot.tokens = []
-        slot.n_cached = 0
 
     def finished_slots(self) -> list[Slot]:
         return [slot for slot in self.slots if slot.request and slot.finish_reason]

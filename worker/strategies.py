@@ -61,7 +61,7 @@ class InvalidPlan(ValueError):
 
 
 def check_plan(plan: BatchPlan, slots: Sequence[SlotView], budget: int) -> None:
-    """Raise InvalidPlan unless every slot named is in the right phase and the plan fits."""
+    """Raise InvalidPlan unless the plan fits, names slots in the right phase, and progresses."""
     by_index = {view.index: view for view in slots}
     if len(set(plan.decode)) != len(plan.decode):
         raise InvalidPlan("a slot decodes twice in one tick")
@@ -79,6 +79,8 @@ def check_plan(plan: BatchPlan, slots: Sequence[SlotView], budget: int) -> None:
             )
     if plan.n_tokens > budget:
         raise InvalidPlan(f"the plan holds {plan.n_tokens} tokens, over the budget of {budget}")
+    if slots and plan.n_tokens == 0:
+        raise InvalidPlan("the plan is empty while slots have work: nothing would progress")
 
 
 def _generating(slots: Sequence[SlotView]) -> list[SlotView]:
@@ -91,9 +93,7 @@ def _prefilling(slots: Sequence[SlotView]) -> list[SlotView]:
     return sorted(views, key=lambda view: (view.admitted_tick, view.index))
 
 
-def _fill_prefill(
-    plan: BatchPlan, prefilling: list[SlotView], budget: int, chunk_size: int
-) -> int:
+def _fill_prefill(plan: BatchPlan, prefilling: list[SlotView], budget: int, chunk_size: int) -> int:
     """Give each prefilling slot up to one chunk while budget lasts; return what is left."""
     for view in prefilling:
         if budget <= 0:
@@ -169,7 +169,10 @@ def load_strategy(spec: str) -> BatchStrategy:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"cannot load strategy {spec!r}: {exc}") from exc
-    strategy = cls()
+    try:
+        strategy = cls()
+    except Exception as exc:
+        raise ValueError(f"cannot build strategy {spec!r} with no arguments: {exc}") from exc
     if not callable(getattr(strategy, "plan", None)):
         raise ValueError(f"strategy {spec!r} has no plan(slots, budget, chunk_size, queue_depth)")
     return strategy

@@ -1,0 +1,489 @@
+"""The tick loop in-process on the real llama.cpp and the tiny model: no sockets, no mocks."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from protocol import (
+    Accepted,
+    ErrorCode,
+    Finish,
+    FinishReason,
+    Generate,
+    Message,
+    Outputs,
+    Rejected,
+    SamplingParams,
+)
+from worker.config import WorkerConfig
+from worker.engine import Engine, EngineError
+from worker.loop import Worker
+from worker.strategies import BatchPlan
+
+GW = b"gw-1"
+
+
+class Collector:
+    """A Sink that keeps every message, per gateway, in order."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[bytes, Message]] = []
+        self.changed = threading.Condition()
+
+    def send(self, gateway: bytes, message: Message) -> None:
+        with self.changed:
+            self.messages.append((gateway, message))
+            self.changed.notify_all()
+
+    def flush(self) -> None:
+        pass
+
+    def of_type(self, cls, gateway: bytes = GW) -> list:
+        return [m for g, m in self.messages if g == gateway and isinstance(m, cls)]
+
+    def tokens(self, gateway: bytes = GW) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for outputs in self.of_type(Outputs, gateway):
+            for chunk in outputs.tokens:
+                out.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+        return out
+
+    def finishes(self, gateway: bytes = GW) -> dict[str, Finish]:
+        out: dict[str, Finish] = {}
+        for outputs in self.of_type(Outputs, gateway):
+            for finish in outputs.finishes:
+                assert finish.request_id not in out, "a request finished twice"
+                out[finish.request_id] = finish
+        return out
+
+    def rejected(self, gateway: bytes = GW) -> dict[str, str]:
+        return {m.request_id: m.code for m in self.of_type(Rejected, gateway)}
+
+
+@pytest.fixture
+def config(tiny_model_path: Path) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=tiny_model_path,
+        slots=8,
+        ctx_size=256,
+        max_queue=64,
+        batch_tokens=32,
+        prefill_chunk=7,
+        # One thread: the tiny model gains nothing from two, and on a busy machine
+        # threads spinning at ggml's barriers make thousands of tiny decodes crawl.
+        threads=1,
+    )
+
+
+@pytest.fixture
+def engine(config: WorkerConfig):
+    engine = Engine(config)
+    yield engine
+    engine.close()
+
+
+def new_worker(engine: Engine, config: WorkerConfig, **changes) -> tuple[Worker, Collector]:
+    collector = Collector()
+    return Worker(engine, replace(config, **changes), collector), collector
+
+
+def drain(worker: Worker, max_ticks: int = 20_000) -> None:
+    """Tick until every request has finished."""
+    for _ in range(max_ticks):
+        if not worker.scheduler.has_work() and worker.inbox.empty():
+            return
+        worker.tick(block=False)
+    raise AssertionError("the worker did not finish its requests")
+
+
+def greedy(request_id: str, prompt: list[int], max_tokens: int, **params) -> Generate:
+    params.setdefault("temperature", 0.0)
+    return Generate(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params))
+
+
+def random_requests(n: int, n_vocab: int, seed: int) -> list[Generate]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        prompt = [1] + [rng.randrange(3, n_vocab) for _ in range(rng.randrange(0, 70))]
+        max_tokens = rng.randrange(4, 40)
+        requests.append(greedy(f"r{i}", prompt, max_tokens, ignore_eos=i % 2 == 0))
+    return requests
+
+
+def run_alone(engine: Engine, config: WorkerConfig, request: Generate) -> list[int]:
+    worker, collector = new_worker(engine, config)
+    worker.submit(GW, request)
+    drain(worker)
+    return collector.tokens().get(request.request_id, [])
+
+
+def run_staggered(worker: Worker, requests: list[Generate], seed: int) -> None:
+    """Submit the requests in waves, a few ticks apart, then run them all to the end."""
+    rng = random.Random(seed)
+    pending = list(requests)
+    while pending:
+        for _ in range(rng.randrange(1, 5)):
+            if pending:
+                worker.submit(GW, pending.pop(0))
+        for _ in range(rng.randrange(0, 4)):
+            worker.tick(block=False)
+    drain(worker)
+
+
+# --- batch invariance ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("strategy", "flash_attn"),
+    [
+        ("decode-maximal", False),
+        ("prefill-priority", False),
+        ("balanced", False),
+        ("decode-maximal", True),
+    ],
+)
+def test_greedy_output_is_the_same_alone_and_batched(engine, config, strategy, flash_attn):
+    if flash_attn:
+        config = replace(config, flash_attn=True)
+        engine = Engine(config)
+    requests = random_requests(16, engine.n_vocab, seed=7)
+    alone = {r.request_id: run_alone(engine, config, r) for r in requests}
+
+    worker, collector = new_worker(engine, config, strategy=strategy)
+    run_staggered(worker, requests, seed=3)
+
+    assert collector.tokens() == {rid: toks for rid, toks in alone.items() if toks}
+    finishes = collector.finishes()
+    assert set(finishes) == set(alone)
+    for request in requests:
+        finish = finishes[request.request_id]
+        assert finish.prompt_tokens == len(request.prompt_tokens)
+        sent = len(alone[request.request_id])
+        if finish.reason == FinishReason.STOP:
+            assert finish.completion_tokens == sent + 1  # the end token, counted, not sent
+        else:
+            assert finish.reason == FinishReason.LENGTH
+            assert finish.completion_tokens == sent == request.params.max_tokens
+    # The batches really mixed prefill chunks and decode tokens of many requests.
+    assert worker.tick_count < sum(len(t) for t in alone.values())
+
+
+def test_prefix_reuse_keeps_outputs_identical(engine, config):
+    rng = random.Random(11)
+    bases = [[1] + [rng.randrange(3, engine.n_vocab) for _ in range(40)] for _ in range(4)]
+    first = [greedy(f"a{i}", [*base, 5 + i], 12) for i, base in enumerate(bases)]
+    # Extensions of the first prompts, an exact repeat, and strangers, mixed in one wave.
+    second = [greedy(f"b{i}", [*base, 5 + i, 9, 10, 11], 12) for i, base in enumerate(bases)]
+    second.append(greedy("repeat", [*bases[0], 5], 12))
+    second += [greedy(f"new{i}", [1, 30 + i, 40 + i], 12) for i in range(3)]
+
+    alone = {r.request_id: run_alone(engine, config, r) for r in first + second}
+
+    worker, collector = new_worker(engine, config)
+    run_staggered(worker, first, seed=1)
+    run_staggered(worker, second, seed=2)
+
+    assert collector.tokens() == alone
+    finishes = collector.finishes()
+    for i in range(4):
+        # The whole first prompt plus the tokens generated after it were cached.
+        assert finishes[f"b{i}"].cached_tokens >= len(bases[i]) + 1
+    assert finishes["repeat"].cached_tokens == len(bases[0])  # all but the last prompt token
+    assert all(finishes[f"new{i}"].cached_tokens <= 1 for i in range(3))
+
+
+def test_prefix_reuse_while_others_run(engine, config):
+    shared = [1, *range(100, 160)]
+    requests = [greedy(f"r{i}", [*shared, 200 + i], 20, ignore_eos=True) for i in range(12)]
+    alone = {r.request_id: run_alone(engine, config, r) for r in requests}
+    worker, collector = new_worker(engine, config, slots=3)
+    run_staggered(worker, requests, seed=5)
+    assert collector.tokens() == alone
+    assert sum(f.cached_tokens for f in collector.finishes().values()) > 0
+
+
+# --- queue, cancellation, limits ------------------------------------------------------------
+
+
+def test_a_full_queue_rejects_at_once(engine, config):
+    worker, collector = new_worker(engine, config, slots=2, max_queue=3)
+    for i in range(7):
+        worker.submit(GW, greedy(f"r{i}", [1, 5, 6], 4))
+    worker.tick(block=False)
+    accepted = collector.of_type(Accepted)
+    assert [a.request_id for a in accepted] == ["r0", "r1", "r2", "r3", "r4"]
+    assert [a.queue_depth for a in accepted] == [0, 0, 1, 2, 3]
+    assert collector.rejected() == {"r5": "queue_full", "r6": "queue_full"}
+    drain(worker)
+    assert set(collector.finishes()) == {"r0", "r1", "r2", "r3", "r4"}
+    # Once the queue drained, new requests are taken again.
+    worker.submit(GW, greedy("late", [1, 5], 2))
+    drain(worker)
+    assert collector.finishes()["late"].reason == FinishReason.LENGTH
+
+
+def test_cancelling_a_running_request_frees_its_slot_and_cells(engine, config):
+    worker, collector = new_worker(engine, config, slots=2)
+    worker.submit(GW, greedy("long", [1, *range(10, 50)], 200, ignore_eos=True))
+    worker.submit(GW, greedy("other", [1, 7, 8], 30, ignore_eos=True))
+    for _ in range(10):
+        worker.tick(block=False)
+    slot = next(s for s in worker.scheduler.slots if s.request and s.request.request_id == "long")
+    assert engine.seq_pos_max(slot.index) >= 40
+    worker.cancel(GW, "long")
+    worker.tick(block=False)
+    finish = collector.finishes()["long"]
+    assert finish.reason == FinishReason.CANCELLED and 0 < finish.completion_tokens < 200
+    assert engine.seq_pos_max(slot.index) == -1 and not slot.busy
+    assert worker.scheduler.free_slots == 1
+    drain(worker)
+    assert collector.finishes()["other"].completion_tokens == 30
+
+
+def test_cancelling_a_queued_request_never_runs_it(engine, config):
+    worker, collector = new_worker(engine, config, slots=1)
+    worker.submit(GW, greedy("first", [1, 5, 6], 20, ignore_eos=True))
+    worker.submit(GW, greedy("waiting", [1, 7], 20))
+    worker.tick(block=False)
+    worker.cancel(GW, "waiting")
+    worker.cancel(GW, "no-such-request")  # ignored: it may have just finished
+    drain(worker)
+    finishes = collector.finishes()
+    assert finishes["waiting"].reason == FinishReason.CANCELLED
+    assert finishes["waiting"].completion_tokens == 0
+    assert "waiting" not in collector.tokens()
+    assert finishes["first"].completion_tokens == 20
+
+
+def test_a_vanished_gateway_loses_all_its_requests(engine, config):
+    worker, collector = new_worker(engine, config, slots=2)
+    for i in range(4):
+        worker.submit(b"gone", greedy(f"g{i}", [1, 5 + i], 50, ignore_eos=True))
+    worker.submit(GW, greedy("stays", [1, 9], 30, ignore_eos=True))
+    worker.tick(block=False)
+    worker.tick(block=False)
+    worker.gateway_gone(b"gone")
+    drain(worker)
+    gone = collector.finishes(b"gone")
+    assert {f.reason for f in gone.values()} == {FinishReason.CANCELLED}
+    assert len(gone) == 4
+    assert collector.finishes()["stays"].completion_tokens == 30
+    assert all(engine.seq_pos_max(s.index) == s.n_cached - 1 for s in worker.scheduler.slots)
+
+
+def test_a_thousand_short_requests_leave_nothing_behind(engine, config):
+    worker, collector = new_worker(engine, config, slots=4, max_queue=1000)
+    rng = random.Random(2)
+    for i in range(1000):
+        prompt = [1] + [rng.randrange(3, engine.n_vocab) for _ in range(rng.randrange(0, 6))]
+        worker.submit(GW, greedy(f"r{i}", prompt, rng.randrange(1, 5)))
+    drain(worker)
+    finishes = collector.finishes()
+    assert len(finishes) == 1000 and not collector.rejected()
+    assert worker.scheduler.live == {} and worker.scheduler.free_slots == 4
+    for slot in worker.scheduler.slots:
+        # Only the finished request's reusable prefix stays: positions 0..n_cached-1.
+        assert not slot.busy and slot.phase.value == "idle"
+        assert engine.seq_pos_max(slot.index) == slot.n_cached - 1
+        assert engine.seq_pos_min(slot.index) in (0, -1)
+    assert sum(f.cached_tokens for f in finishes.values()) > 0
+
+
+def test_prompt_too_long_is_refused_before_it_takes_a_slot(engine, config):
+    worker, collector = new_worker(engine, config)
+    limit = engine.slot_context
+    worker.submit(GW, greedy("too-long", [1] * limit, 4))
+    worker.submit(GW, greedy("just-fits", [1] * (limit - 1), 4))
+    drain(worker)
+    assert collector.rejected() == {"too-long": "prompt_too_long"}
+    finish = collector.finishes()["just-fits"]
+    assert finish.reason == FinishReason.LENGTH and finish.completion_tokens == 1
+
+
+def test_the_slot_context_limits_generation(engine, config):
+    worker, collector = new_worker(engine, config)
+    prompt = [1, *range(10, 10 + engine.slot_context - 6)]
+    worker.submit(GW, greedy("r", prompt, 100, ignore_eos=True))
+    drain(worker)
+    finish = collector.finishes()["r"]
+    assert finish.reason == FinishReason.LENGTH
+    assert finish.prompt_tokens + finish.completion_tokens == engine.slot_context
+
+
+@pytest.mark.parametrize(
+    ("generate", "code"),
+    [
+        (greedy("bad-token", [1, 10**6], 4), ErrorCode.INVALID_REQUEST),
+        (greedy("bad-bias", [1, 2], 4, logit_bias={10**6: 1.0}), ErrorCode.INVALID_REQUEST),
+        (greedy("bad-grammar", [1, 2], 4, grammar="root ::= ("), ErrorCode.INVALID_REQUEST),
+        (greedy("no-root", [1, 2], 4, grammar='start ::= "a"'), ErrorCode.INVALID_REQUEST),
+    ],
+)
+def test_invalid_requests_are_rejected(engine, config, generate, code):
+    worker, collector = new_worker(engine, config)
+    worker.submit(GW, generate)
+    drain(worker)
+    assert collector.rejected() == {generate.request_id: code.value}
+    assert collector.finishes() == {} and worker.scheduler.free_slots == config.slots
+
+
+def test_request_ids_are_per_gateway_and_unique_while_live(engine, config):
+    worker, collector = new_worker(engine, config)
+    worker.submit(GW, greedy("same", [1, 5], 5))
+    worker.submit(GW, greedy("same", [1, 6], 5))
+    worker.submit(b"gw-2", greedy("same", [1, 5], 5))
+    drain(worker)
+    assert collector.rejected() == {"same": "duplicate_request"}
+    assert collector.tokens()["same"] == collector.tokens(b"gw-2")["same"]
+    worker.submit(GW, greedy("same", [1, 5], 5))  # finished ids may be used again
+    drain(worker)
+    assert len(collector.of_type(Accepted)) == 2
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+
+def test_an_end_of_generation_token_stops_and_is_not_sent(engine, config):
+    worker, collector = new_worker(engine, config)
+    worker.submit(GW, greedy("eos", [1, 5], 10, logit_bias={2: 100.0}))
+    worker.submit(GW, greedy("ignored", [1, 5], 4, logit_bias={2: 100.0}, ignore_eos=True))
+    drain(worker)
+    finishes = collector.finishes()
+    assert finishes["eos"].reason == FinishReason.STOP and finishes["eos"].completion_tokens == 1
+    assert "eos" not in collector.tokens()
+    assert collector.tokens()["ignored"] == [2, 2, 2, 2]
+
+
+def test_seeded_sampling_repeats_alone_and_batched(engine, config):
+    def sampled(request_id: str, seed: int) -> Generate:
+        params = SamplingParams(max_tokens=24, temperature=1.3, top_k=50, top_p=0.95, seed=seed)
+        return Generate(request_id, [1, 40, 41, 42], params)
+
+    alone = run_alone(engine, config, sampled("x", 1234))
+    worker, collector = new_worker(engine, config)
+    requests = [sampled("again", 1234), sampled("other-seed", 99)]
+    requests += [greedy(f"noise{i}", [1, 7 + i], 20) for i in range(6)]
+    run_staggered(worker, requests, seed=4)
+    tokens = collector.tokens()
+    assert tokens["again"] == alone
+    assert tokens["other-seed"] != alone
+
+
+def test_unseeded_sampling_differs_between_requests(engine, config):
+    worker, collector = new_worker(engine, config)
+    params = SamplingParams(max_tokens=24, temperature=1.5)
+    for i in range(4):
+        worker.submit(GW, Generate(f"r{i}", [1, 40, 41], params))
+    drain(worker)
+    assert len({tuple(t) for t in collector.tokens().values()}) > 1
+
+
+def test_grammar_constrains_the_output(engine, config):
+    grammar = r"""
+root   ::= "{" ws "\"count\"" ws ":" ws number ws "," ws "\"name\"" ws ":" ws string ws "}"
+number ::= [1-9] [0-9]{0,4}
+string ::= "\"" [a-z]{1,8} "\""
+ws     ::= [ ]?
+"""
+    worker, collector = new_worker(engine, config)
+    for seed in range(4):
+        params = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar)
+        worker.submit(GW, Generate(f"json{seed}", [1, 40, 41], params))
+    digits = SamplingParams(max_tokens=5, temperature=0.0, grammar="root ::= [0-9]+")
+    worker.submit(GW, Generate("digits", [1, 40], digits))
+    drain(worker)
+    tokens, finishes = collector.tokens(), collector.finishes()
+    for seed in range(4):
+        document = json.loads(engine.detokenize(tokens[f"json{seed}"]))
+        assert set(document) == {"count", "name"} and document["count"] >= 1
+        assert finishes[f"json{seed}"].reason == FinishReason.STOP  # the grammar completed
+    assert engine.detokenize(tokens["digits"]).strip().isdigit()
+
+
+def test_penalties_and_bias_shape_sampling(engine, config):
+    worker, collector = new_worker(engine, config)
+    banned = run_alone(engine, config, greedy("plain", [1, 40, 41], 8))[0]
+    worker.submit(GW, greedy("biased", [1, 40, 41], 8, logit_bias={banned: float("-inf")}))
+    worker.submit(
+        GW,
+        greedy(
+            "penalised", [1, 40, 41], 30, repeat_penalty=10.0, repeat_last_n=-1, ignore_eos=True
+        ),
+    )
+    worker.submit(
+        GW, greedy("present", [1, 40, 41], 30, presence_penalty=2.0, frequency_penalty=2.0)
+    )
+    drain(worker)
+    tokens = collector.tokens()
+    assert banned not in tokens["biased"]
+    assert len(tokens["penalised"]) == 30
+    assert tokens["present"]
+
+
+# --- failures -------------------------------------------------------------------------------
+
+
+def test_a_failed_decode_fails_its_requests_and_the_worker_serves_on(engine, config):
+    worker, collector = new_worker(engine, config)
+    real_decode = engine.decode
+    failures = iter([-1])
+
+    def failing_once(batch):
+        code = next(failures, None)
+        return real_decode(batch) if code is None else code
+
+    engine.decode = failing_once
+    worker.submit(GW, greedy("unlucky", [1, 5, 6], 5))
+    worker.submit(GW, greedy("also-unlucky", [1, 7], 5))
+    drain(worker)
+    finishes = collector.finishes()
+    for rid in ("unlucky", "also-unlucky"):
+        assert finishes[rid].reason == FinishReason.ERROR
+        assert "llama_decode failed" in finishes[rid].message
+    assert all(engine.seq_pos_max(s.index) == -1 for s in worker.scheduler.slots)
+    worker.submit(GW, greedy("later", [1, 5, 6], 5))
+    drain(worker)
+    assert collector.finishes()["later"].completion_tokens == 5
+
+
+class OverBudget:
+    """A broken user strategy: asks for more tokens than the budget."""
+
+    def plan(self, slots, budget, chunk_size, queue_depth):
+        return BatchPlan(prefill={s.index: s.prompt_remaining for s in slots if s.prompt_remaining})
+
+
+def test_an_invalid_plan_falls_back_to_decode_maximal(engine, config, monkeypatch):
+    worker, collector = new_worker(engine, config)
+    worker.strategy = OverBudget()
+    worker.submit(GW, greedy("r", [1, *range(10, 80)], 6))
+    drain(worker)
+    assert collector.finishes()["r"].completion_tokens == 6
+
+
+def test_stop_finishes_every_live_request(engine, config):
+    worker, collector = new_worker(engine, config, slots=1)
+    for i in range(3):
+        worker.submit(GW, greedy(f"r{i}", [1, 5], 10_000, ignore_eos=True))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    with collector.changed:
+        collector.changed.wait_for(lambda: len(collector.tokens().get("r0", [])) >= 5, timeout=30)
+    worker.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    finishes = collector.finishes()
+    assert {f.reason for f in finishes.values()} == {FinishReason.CANCELLED}
+    assert len(finishes) == 3
+
+
+def test_a_quantized_kv_cache_needs_flash_attention(config):
+    with pytest.raises(EngineError, match="needs --flash-attn"):
+        Engine(replace(config, kv_cache_type="q8_0"))

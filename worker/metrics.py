@@ -1,0 +1,170 @@
+"""The worker's Prometheus metrics, named `loomserve:*` in the manner of vLLM's `vllm:*`.
+
+The tick loop pays for a few counter increments and one histogram observation per tick,
+and a few more per finished request. Load gauges (queue, slots, KV cells) are read when
+Prometheus scrapes, from the loop's latest snapshot, so keeping them costs the loop nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from protocol import FinishReason
+from worker.io import IOCounters
+from worker.loop import FinishRecord, TickRecord, Worker
+
+TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+class WorkerMetrics:
+    """Every worker metric, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"loomserve:{name}", doc, labels, registry=registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"loomserve:{name}", doc, labels, registry=registry)
+
+        self.requests_waiting = gauge("num_requests_waiting", "Requests queued for a slot.")
+        self.requests_running = gauge("num_requests_running", "Requests holding a slot.")
+        self.free_slots = gauge("free_slots", "Slots without a request.")
+        self.kv_cells_used = gauge(
+            "kv_cache_cells_used", "KV cache cells holding tokens, running and reusable."
+        )
+        self.kv_cells_total = gauge("kv_cache_cells_total", "KV cache cells: slots x context.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache cells in use (0-1).")
+        self.gateways = gauge("gateways_connected", "Gateways that spoke within the timeout.")
+        self.batch_occupancy = gauge(
+            "batch_occupancy_perc", "Tokens in the latest tick's batch over its budget (0-1)."
+        )
+        self.rejected = counter(
+            "requests_rejected", "Requests refused before they ran, by reason.", ("reason",)
+        )
+        self.finished = counter(
+            "requests_finished", "Requests that finished, by finish reason.", ("reason",)
+        )
+        self.cancelled = counter("requests_cancelled", "Requests cancelled, queued or running.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens evaluated (not cached).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens of finished requests, cached or not."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens reused from a slot's cache instead of evaluated."
+        )
+        self.batch_tokens = counter(
+            "batch_tokens", "Tokens in tick batches, by kind (decode, prefill).", ("kind",)
+        )
+        self.tick_seconds = Histogram(
+            "loomserve:tick_duration_seconds",
+            "Duration of one tick: input, batch, forward pass, sampling, output.",
+            buckets=TICK_BUCKETS,
+            registry=registry,
+        )
+        self.tick_tokens = Histogram(
+            "loomserve:tick_batch_tokens",
+            "Tokens in one tick's batch.",
+            buckets=BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "loomserve:time_to_first_token_seconds",
+            "From acceptance to the first generated token.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "loomserve:request_queue_time_seconds",
+            "From acceptance to taking a slot.",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._decode = self.batch_tokens.labels(kind="decode")
+        self._prefill = self.batch_tokens.labels(kind="prefill")
+        self._finished_by_reason = {
+            r.value: self.finished.labels(reason=r.value) for r in FinishReason
+        }
+
+    def watch(self, worker: Worker, io_counters: IOCounters | None = None) -> None:
+        """Read the load gauges and IO counters from these objects at scrape time."""
+        cells_total = worker.engine.kv_cells_total()
+        self.kv_cells_total.set(cells_total)
+        self.requests_waiting.set_function(lambda: worker.load.queue_depth)
+        self.requests_running.set_function(lambda: worker.load.running)
+        self.free_slots.set_function(lambda: worker.load.free_slots)
+
+        def cells_used() -> int:
+            return sum(slot.n_cached for slot in worker.scheduler.slots)
+
+        self.kv_cells_used.set_function(cells_used)
+        self.kv_usage.set_function(lambda: cells_used() / cells_total)
+        if io_counters is not None:
+            self.registry.register(_IOCollector(io_counters))
+
+    def on_tick(self, record: TickRecord) -> None:
+        self.tick_seconds.observe(record.seconds)
+        n_tokens = record.decode_tokens + record.prefill_tokens
+        self.tick_tokens.observe(n_tokens)
+        self.batch_occupancy.set(n_tokens / record.budget)
+        self._decode.inc(record.decode_tokens)
+        self._prefill.inc(record.prefill_tokens)
+        self.prompt_tokens.inc(record.prefill_tokens)
+        self.generation_tokens.inc(record.sampled_tokens)
+
+    def on_finish(self, record: FinishRecord) -> None:
+        finish = record.finish
+        self._finished_by_reason[finish.reason].inc()
+        if finish.reason == FinishReason.CANCELLED:
+            self.cancelled.inc()
+        self.prefix_queries.inc(finish.prompt_tokens)
+        self.prefix_hits.inc(finish.cached_tokens)
+        self.queue_time.observe(finish.queue_seconds)
+        if record.ttft_seconds is not None:
+            self.ttft.observe(record.ttft_seconds)
+
+    def on_reject(self, code: str) -> None:
+        self.rejected.labels(reason=code).inc()
+
+    def on_gateways(self, count: int) -> None:
+        self.gateways.set(count)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve /metrics on host:port from a daemon thread until close()."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+class _IOCollector:
+    """The IO thread's plain counters, reported at scrape time: no locks on its hot path."""
+
+    def __init__(self, counters: IOCounters) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        dropped = CounterMetricFamily(
+            "loomserve:messages_dropped",
+            "Messages dropped, by reason: slow (gateway's queue full), gone, malformed.",
+            labels=["reason"],
+        )
+        dropped.add_metric(["slow"], self.counters.dropped_slow)
+        dropped.add_metric(["gone"], self.counters.dropped_gone)
+        dropped.add_metric(["malformed"], self.counters.malformed)
+        yield dropped
+        lost = CounterMetricFamily(
+            "loomserve:gateways_lost", "Gateways given up on: silent too long, or disconnected."
+        )
+        lost.add_metric([], self.counters.gateways_lost)
+        yield lost

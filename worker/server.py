@@ -1,0 +1,121 @@
+"""run_worker: load the model, start the IO thread and the metrics, tick until a signal."""
+
+from __future__ import annotations
+
+import signal
+
+import structlog
+import zmq
+
+from protocol import PROTOCOL_VERSION, ModelInfo
+from worker.config import WorkerConfig
+from worker.engine import Engine, EngineError
+from worker.io import WorkerIO
+from worker.loop import Worker
+from worker.metrics import WorkerMetrics
+from worker.strategies import load_strategy
+from worker.vocab import vocab_fingerprint
+
+log = structlog.get_logger(__name__)
+
+
+def run_worker(config: WorkerConfig) -> None:
+    """Serve config.model_path on config.bind until SIGINT or SIGTERM, then exit cleanly."""
+    try:
+        load_strategy(config.strategy)  # a typo in --strategy fails before the model loads
+        engine = Engine(config)
+    except (ValueError, EngineError) as exc:
+        log.error("worker cannot start", error=str(exc))
+        raise SystemExit(1) from exc
+    try:
+        _serve(config, engine)
+    finally:
+        engine.close()
+
+
+def _serve(config: WorkerConfig, engine: Engine) -> None:
+    info = ModelInfo(
+        protocol_version=PROTOCOL_VERSION,
+        model_name=engine.description.name,
+        vocab_size=engine.n_vocab,
+        context_train=engine.description.context_train,
+        slot_context=engine.slot_context,
+        slots=config.slots,
+        vocab_fingerprint=vocab_fingerprint(engine.vocab),
+        ready=True,
+    )
+    _log_start(config, engine, info)
+    metrics = WorkerMetrics() if config.metrics_port is not None else None
+    try:
+        io = WorkerIO(config, info, on_gateways=metrics.on_gateways if metrics else None)
+    except zmq.ZMQError as exc:
+        log.error("cannot bind", bind=config.bind, error=str(exc))
+        raise SystemExit(1) from exc
+    worker = Worker(
+        engine,
+        config,
+        io,
+        on_tick=metrics.on_tick if metrics else None,
+        on_finish=metrics.on_finish if metrics else None,
+        on_reject=metrics.on_reject if metrics else None,
+    )
+    if metrics is not None:
+        metrics.watch(worker, io.counters)
+        metrics.serve(config.metrics_host, config.metrics_port)
+        log.info("metrics", url=f"http://{config.metrics_host}:{config.metrics_port}/metrics")
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("stopping", signal=signal.Signals(signum).name)
+        io.ready = False
+        worker.stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    io.start(worker)
+    log.info("worker listening", bind=io.endpoint, slots=config.slots)
+    try:
+        worker.run()  # on this, the main thread, so signals reach it at once
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        io.close()
+        if metrics is not None:
+            metrics.close()
+        log.info("worker stopped", ticks=worker.tick_count)
+
+
+def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
+    model = engine.description
+    log.info(
+        "model loaded",
+        model=model.name,
+        path=str(config.model_path),
+        architecture=model.architecture,
+        description=model.description,
+        params=f"{model.n_params / 1e6:.1f}M",
+        size=f"{model.size_bytes / 2**20:.1f} MiB",
+        vocab=model.n_vocab,
+        context_train=model.context_train,
+        layers=model.n_layers,
+        runs_on=model.runs_on,
+        threads=config.n_threads,
+        vocab_fingerprint=info.vocab_fingerprint[:16],
+    )
+    log.info(
+        "serving",
+        slots=config.slots,
+        slot_context=engine.slot_context,
+        kv_cells=engine.kv_cells_total(),
+        kv_cache_type=config.kv_cache_type,
+        flash_attn=config.flash_attn,
+        batch_tokens=config.batch_tokens,
+        prefill_chunk=config.prefill_chunk,
+        max_queue=config.max_queue,
+        strategy=config.strategy,
+        batch_invariant=config.batch_invariant,
+    )
+    if config.ctx_size > engine.slot_context:
+        log.warning(
+            "ctx_size capped at the model's training context",
+            ctx_size=config.ctx_size,
+            slot_context=engine.slot_context,
+        )
