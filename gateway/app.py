@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import structlog
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
-from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway import prompts
+from gateway.chat_template import ChatTemplate
 from gateway.client import WorkerClient
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, install_handlers, invalid_request, unavailable
-from gateway.generation import Done, Generation, TextDelta
+from gateway.errors import APIError, install_handlers, unavailable
+from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import AccessMiddleware, BodyLimitMiddleware
 from gateway.params import (
@@ -32,11 +29,10 @@ from gateway.params import (
     sampling_params,
     stop_strings,
 )
-from gateway.render import DONE_EVENT, StreamChunks, chat_body, completion_body, error_event
+from gateway.render import StreamChunks, chat_body, completion_body
 from gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
-    ChatMessage,
     Completion,
     CompletionRequest,
     DetokenizeRequest,
@@ -48,13 +44,12 @@ from gateway.schemas import (
     TokenizeResponse,
     TokenPiece,
 )
+from gateway.streaming import EventStreamResponse, collect, event_stream, until_disconnect
 from gateway.tokenizer import Vocab
 from protocol.messages import ModelInfo, SamplingParams
 
 log = structlog.get_logger(__name__)
 
-# Tokenize prompts longer than this in a thread, so one huge prompt does not stall streams.
-THREAD_TOKENIZE_CHARS = 32_768
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -99,6 +94,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
+        # Several gateways may share one port: do not take connections (and answer them
+        # 503) before the worker has answered, unless it is slow to come.
+        if not await client.wait_for_worker(config.worker_timeout):
+            log.warning("no answer from the worker yet; answering 503 until it comes")
         try:
             yield
         finally:
@@ -201,7 +200,7 @@ def _api_routes(gateway: Gateway) -> APIRouter:
         reject_unsupported(body)
         stops = stop_strings(body.stop)
         params = sampling_params(body, 1, vocab)
-        prompt = await _completion_prompt(vocab, body.prompt)
+        prompt = await prompts.completion_prompt(vocab, body.prompt)
         info = gateway.worker_info()
         params.max_tokens = max_new_tokens(
             body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(prompt), info.slot_context
@@ -216,26 +215,31 @@ def _api_routes(gateway: Gateway) -> APIRouter:
         reject_unsupported(body)
         stops = stop_strings(body.stop)
         params = sampling_params(body, 1, vocab)
-        prompt = await _chat_prompt(gateway, body.messages)
+        prompt = await prompts.chat_prompt(vocab, gateway.template, body.messages)
         info = gateway.worker_info()
-        requested = body.max_completion_tokens or body.max_tokens
+        requested = body.max_completion_tokens
+        if requested is None:
+            requested = body.max_tokens
         params.max_tokens = max_new_tokens(requested, None, len(prompt), info.slot_context)
         return await _serve(gateway, request, body, "chatcmpl", prompt, params, stops, arrived)
 
     @router.post("/tokenize", tags=["llama.cpp"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of `content` (with their pieces when `with_pieces`), as llama-server."""
-        tokens = await _tokenize(vocab, body.content, body.add_special, body.parse_special)
+        tokens = await prompts.tokenize(vocab, body.content, body.add_special, body.parse_special)
         if body.with_pieces:
-            pieces = [TokenPiece(id=t, piece=vocab.text_of(t)) for t in tokens]
-            return TokenizeResponse(tokens=pieces)
+            pieces = await prompts.off_loop(len(tokens), lambda: [vocab.text_of(t) for t in tokens])
+            return TokenizeResponse(
+                tokens=[TokenPiece(id=t, piece=p) for t, p in zip(tokens, pieces, strict=True)]
+            )
         return TokenizeResponse(tokens=tokens)
 
     @router.post("/detokenize", tags=["llama.cpp"])
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids, as llama-server."""
-        _check_token_ids(vocab, body.tokens, "tokens")
-        return DetokenizeResponse(content=vocab.detokenize(body.tokens))
+        prompts.check_token_ids(vocab, body.tokens, "tokens")
+        text = await prompts.off_loop(len(body.tokens), lambda: vocab.detokenize(body.tokens))
+        return DetokenizeResponse(content=text)
 
     return router
 
@@ -249,69 +253,6 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-async def _tokenize(vocab: Vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
-    if len(text) > THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(vocab.tokenize, text, add_special, parse_special)
-    return vocab.tokenize(text, add_special, parse_special)
-
-
-def _check_token_ids(vocab: Vocab, tokens: list[int], param: str) -> None:
-    bad = next((t for t in tokens if not vocab.is_valid(t)), None)
-    if bad is not None:
-        last = vocab.n_tokens - 1
-        raise invalid_request(f"token id {bad} is not in the vocabulary (0..{last})", param)
-
-
-async def _completion_prompt(vocab: Vocab, prompt: Any) -> list[int]:
-    """Token ids of a completion prompt: a string, a list of one string, or token ids."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid_request("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        tokens = await _tokenize(vocab, prompt, add_special=True, parse_special=True)
-    else:
-        _check_token_ids(vocab, prompt, "prompt")
-        tokens = prompt
-    if not tokens:
-        raise invalid_request("the prompt is empty", "prompt")
-    return tokens
-
-
-async def _chat_prompt(gateway: Gateway, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the chat template rendered over the messages, with BOS once."""
-    try:
-        text = gateway.template.render([_message_dict(m) for m in messages])
-    except ChatTemplateError as exc:
-        raise invalid_request(str(exc), "messages") from exc
-    vocab = gateway.vocab
-    tokens = await _tokenize(vocab, text, add_special=False, parse_special=True)
-    # Templates usually write the BOS text themselves; add it only where they did not.
-    if vocab.add_bos and vocab.bos_id >= 0 and (not tokens or tokens[0] != vocab.bos_id):
-        tokens.insert(0, vocab.bos_id)
-    if not tokens:
-        raise invalid_request("the messages render to an empty prompt", "messages")
-    return tokens
-
-
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    content = message.content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise invalid_request(
-                    f"content parts of type {part.type!r} are not supported; send text",
-                    "messages",
-                )
-            parts.append(part.text)
-        content = "".join(parts)
-    result: dict[str, Any] = {"role": message.role, "content": content or ""}
-    if message.name:
-        result["name"] = message.name
-    return result
 
 
 # --- running a request ------------------------------------------------------------
@@ -346,9 +287,9 @@ async def _serve(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = StreamChunks(request_id, created, model, chat, include_usage)
-        return EventStreamResponse(_event_stream(generation, chunks), on_close=generation.close)
+        return EventStreamResponse(event_stream(generation, chunks), on_close=generation.close)
     try:
-        outcome = await _until_disconnect(request, _collect(generation))
+        outcome = await until_disconnect(request, collect(generation))
     finally:
         generation.close()
     if outcome is None:
@@ -358,79 +299,3 @@ async def _serve(
     return JSONResponse(
         render(request_id, created, model, text, done.finish_reason, done.usage).model_dump()
     )
-
-
-async def _collect(generation: Generation) -> tuple[str, Done]:
-    parts: list[str] = []
-    async for event in generation.events():
-        if isinstance(event, TextDelta):
-            parts.append(event.text)
-        else:
-            return "".join(parts), event
-    raise AssertionError("a generation always ends with Done")
-
-
-async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """The result of work, or None if the client disconnects first (work is then cancelled)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return None if task.cancelled() else task.result()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _event_stream(generation: Generation, chunks: StreamChunks) -> AsyncIterator[str]:
-    opening = chunks.opening()
-    if opening:
-        yield opening
-    try:
-        async for event in generation.events():
-            if isinstance(event, TextDelta):
-                yield chunks.text(event.text)
-                continue
-            yield chunks.finish(event.finish_reason)
-            if chunks.include_usage:
-                yield chunks.usage(event.usage)
-        yield DONE_EVENT
-    except APIError as error:
-        log.warning("stream failed", status=error.status, error=error.message)
-        yield error_event(error)
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events that stop as soon as the client disconnects, whatever the server.
-
-    Starlette only watches for the disconnect on ASGI spec < 2.4; here it is always watched,
-    and on_close runs however the stream ends, so the worker's slot is freed within a tick.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-
-                async def stream() -> None:
-                    await self.stream_response(send)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                await _disconnected(receive)
-                group.cancel_scope.cancel()
-        finally:
-            self.on_close()

@@ -66,6 +66,17 @@ class RequestHandle:
             raise event
         return event
 
+    async def next_events(self) -> list[RequestEvent | APIError]:
+        """Everything that arrived since the last call, waiting for at least one event.
+
+        Taking the whole backlog at once keeps a reader that fell behind from looping
+        without ever yielding to the event loop (and so from missing its client's disconnect).
+        """
+        events = [await self.events.get()]
+        while not self.events.empty():
+            events.append(self.events.get_nowait())
+        return events
+
 
 class WorkerClient:
     """Owns the DEALER socket: says Hello, pings, routes replies to requests, watches liveness."""
@@ -92,6 +103,7 @@ class WorkerClient:
         self._context = zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._answered = asyncio.Event()  # set by the first ModelInfo
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -116,6 +128,15 @@ class WorkerClient:
         ]
         log.info("connecting to worker", worker=self.config.worker, gateway_id=self.identity)
 
+    async def wait_for_worker(self, timeout: float) -> bool:
+        """Wait up to timeout for the worker's first ModelInfo; whether it came."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._answered.wait()
+        except TimeoutError:
+            return False
+        return True
+
     async def close(self) -> None:
         """Stop the loops, end open requests, close the socket."""
         for task in self._tasks:
@@ -134,10 +155,6 @@ class WorkerClient:
 
     # --- state -----------------------------------------------------------------
 
-    @property
-    def ready(self) -> bool:
-        return self.unavailable_reason() is None
-
     def unavailable_reason(self) -> str | None:
         """Why requests cannot be served now; None when the worker is ready for them."""
         if self.incompatible:
@@ -148,10 +165,6 @@ class WorkerClient:
             return "the worker stopped responding"
         ready = self.heartbeat.ready if self.heartbeat is not None else self.info.ready
         return None if ready else "the worker is not ready yet"
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._requests)
 
     # --- requests --------------------------------------------------------------
 
@@ -170,7 +183,9 @@ class WorkerClient:
             self._requests.pop(request_id, None)
             raise unavailable(f"not connected to the worker at {self.config.worker}")
         try:
-            async with asyncio.timeout(self.config.worker_timeout):
+            # A worker that dies fails this future at once (see _worker_lost); one that is
+            # alive but mid-way through a long tick confirms after it, so wait for that.
+            async with asyncio.timeout(self.config.request_timeout):
                 reply = await handle.accepted
         except TimeoutError:
             self.cancel(handle)
@@ -293,6 +308,7 @@ class WorkerClient:
         self.incompatible = problem
         self.info = info
         self.heartbeat = None
+        self._answered.set()
         if problem:
             log.error("refusing to serve with this worker", reason=problem)
         else:

@@ -18,7 +18,7 @@ from gateway.errors import APIError, server_error
 from gateway.metrics import GatewayMetrics
 from gateway.stop import StopMatcher
 from gateway.tokenizer import IncrementalDetokenizer, Vocab
-from protocol.messages import Finish, FinishReason, SamplingParams
+from protocol.messages import Finish, FinishReason, SamplingParams, TokenChunk
 
 log = structlog.get_logger(__name__)
 
@@ -107,33 +107,44 @@ class Generation:
         matcher = StopMatcher(self.stops)
         generated = 0
         deadline = self.arrived_at + self.timeout
+        finish: Finish | None = None
         try:
-            while True:
+            while finish is None:
                 async with asyncio.timeout_at(_loop_deadline(deadline)):
-                    event = await self.handle.next_event()
-                if isinstance(event, Finish):
-                    break
-                self._observe_tokens(len(event.token_ids))
+                    events = await self.handle.next_events()
+                self._observe_tokens(
+                    sum(len(e.token_ids) for e in events if isinstance(e, TokenChunk))
+                )
                 text = ""
-                for token_id in event.token_ids:
-                    generated += 1
-                    match = matcher.push(detokenizer.push_one(token_id))
-                    text += match.text
-                    if match.matched:
+                for position, event in enumerate(events):
+                    if isinstance(event, APIError):
                         if text:
                             yield TextDelta(text)
-                        yield await self._stopped_early(generated)
-                        return
+                        raise event
+                    if isinstance(event, Finish):
+                        finish = event
+                        break
+                    for token_id in event.token_ids:
+                        generated += 1
+                        match = matcher.push(detokenizer.push_one(token_id))
+                        text += match.text
+                        if match.matched:
+                            if text:
+                                yield TextDelta(text)
+                            later = events[position + 1 :]
+                            finish = next((e for e in later if isinstance(e, Finish)), None)
+                            yield await self._stopped_early(generated, finish)
+                            return
                 if text:
                     yield TextDelta(text)
-            if event.reason == FinishReason.ERROR:
-                raise server_error(f"the engine failed the request: {event.message}")
+            if finish.reason == FinishReason.ERROR:
+                raise server_error(f"the engine failed the request: {finish.message}")
             match = matcher.push(detokenizer.flush())
             tail = match.text + ("" if match.matched else matcher.flush())
             if tail:
                 yield TextDelta(tail)
-            reason = "length" if event.reason == FinishReason.LENGTH else "stop"
-            yield self._done(reason, event, event.completion_tokens)
+            reason = "length" if finish.reason == FinishReason.LENGTH else "stop"
+            yield self._done(reason, finish, finish.completion_tokens)
         except TimeoutError:
             self._end(client_left=False)
             raise APIError(
@@ -159,17 +170,18 @@ class Generation:
                 if self.metrics is not None:
                     self.metrics.client_disconnects.inc()
 
-    async def _stopped_early(self, generated: int) -> Done:
-        """A stop string matched: cancel in the worker and wait briefly for its usage."""
+    async def _stopped_early(self, generated: int, finish: Finish | None) -> Done:
+        """A stop string matched: cancel in the worker, and wait briefly for its usage."""
+        still_running = self.client.is_open(self.handle)
         self._end(client_left=False)
-        finish = None
-        try:
-            async with asyncio.timeout(FINISH_GRACE_SECONDS):
-                while not isinstance(finish, Finish):
-                    finish = await self.handle.next_event()
-        except (TimeoutError, APIError):
-            self.client.forget(self.handle)
-            finish = None
+        if finish is None and still_running:
+            try:
+                async with asyncio.timeout(FINISH_GRACE_SECONDS):
+                    while not isinstance(finish, Finish):
+                        finish = await self.handle.next_event()
+            except (TimeoutError, APIError):
+                self.client.forget(self.handle)
+                finish = None
         return self._done("stop", finish, generated)
 
     def _done(self, reason: str, finish: Finish | None, completion_tokens: int) -> Done:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 
 import structlog
 import uvicorn
@@ -47,7 +51,8 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
                 timeout_graceful_shutdown=config.shutdown_timeout,
             )
         )
-        server.run(sockets=sockets)
+        with _exit_cleanly_on_signals():
+            server.run(sockets=sockets)
         log.info("gateway stopped")
     finally:
         mark_dead(os.getpid())
@@ -57,3 +62,20 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
 def _address(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://{host}:{port}"
+
+
+@contextlib.contextmanager
+def _exit_cleanly_on_signals() -> Iterator[None]:
+    """Let SIGTERM/SIGINT end run_gateway with a normal return, after uvicorn's shutdown."""
+    # uvicorn re-raises the signal to the handler it found once it has shut down; the
+    # default one would kill the process (or raise KeyboardInterrupt) before our clean-up.
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

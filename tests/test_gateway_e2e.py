@@ -16,6 +16,8 @@ from tests.procs import Proc, start_gateway, start_worker
 
 SLOTS = 4
 CTX = 512
+# The second gateway overrides the chat template (the tiny model has none: ChatML then).
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 PROMPTS = [
     "once upon a time",
     "the cat and the dog",
@@ -42,7 +44,7 @@ def gateways(
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path_factory.mktemp("prometheus"))}
     with (
         start_gateway(tiny_model_path, worker.endpoint, env=env) as first,
-        start_gateway(tiny_model_path, worker.endpoint, env=env) as second,
+        start_gateway(tiny_model_path, worker.endpoint, env=env, chat_template=TEMPLATE) as second,
     ):
         print("logs:", worker.log_path, first.log_path, second.log_path)
         yield first, second
@@ -173,6 +175,24 @@ def test_chat(gateways: tuple[Proc, Proc]) -> None:
     assert chunks[-2].choices[0].finish_reason == result.choices[0].finish_reason
 
 
+def test_chat_template_override(gateways: tuple[Proc, Proc]) -> None:
+    """Chat through the override template equals a completion of the text it renders."""
+    chat = client(gateways[1]).chat.completions.create(
+        model="tiny-llama",
+        messages=[{"role": "system", "content": "hi"}, {"role": "user", "content": "hello"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    completion = client(gateways[0]).completions.create(
+        model="tiny-llama",
+        prompt="system: hi\nuser: hello\nassistant:",
+        max_tokens=12,
+        temperature=0,
+    )
+    assert chat.usage.prompt_tokens == completion.usage.prompt_tokens
+    assert chat.choices[0].message.content == completion.choices[0].text
+
+
 def test_chat_max_tokens_defaults_to_the_context(gateways: tuple[Proc, Proc]) -> None:
     result = client(gateways[0]).chat.completions.create(
         model="tiny-llama",
@@ -257,15 +277,13 @@ def test_json_schema_response_format(gateways: tuple[Proc, Proc]) -> None:
 def test_json_object_response_format(gateways: tuple[Proc, Proc]) -> None:
     result = client(gateways[1]).completions.create(
         model="tiny-llama",
-        prompt="json",
+        prompt="answer in json",  # greedy, the tiny model closes this object within 300 tokens
         max_tokens=300,
         temperature=0,
-        extra_body={"response_format": {"type": "json_object"}, "top_k": 1},
+        extra_body={"response_format": {"type": "json_object"}},
     )
-    if result.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(result.choices[0].text), dict)
-    else:  # a random model may write one long string; what it wrote is still JSON so far
-        assert result.choices[0].text.lstrip().startswith("{")
+    assert result.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(result.choices[0].text), dict)
 
 
 def test_tokenize_detokenize(gateways: tuple[Proc, Proc]) -> None:
@@ -277,29 +295,9 @@ def test_tokenize_detokenize(gateways: tuple[Proc, Proc]) -> None:
     with_bos = httpx.post(url + "/tokenize", json={"content": "hi", "add_special": True}).json()
     assert with_bos["tokens"][0] == 1
     pieces = httpx.post(url + "/tokenize", json={"content": "hello", "with_pieces": True}).json()
-    assert pieces["tokens"] == [{"id": tokens[0], "piece": " hello"}]
-
-
-def test_disconnect_frees_the_slot(gateways: tuple[Proc, Proc]) -> None:
-    """A client that leaves mid-stream gets its request cancelled in the worker at once."""
-    gateway = gateways[0]
-    wait_all_slots_free(gateway)
-    body = {
-        "prompt": PROMPTS[5],
-        "max_tokens": CTX,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with httpx.stream("POST", gateway.url + "/v1/completions", json=body) as response:
-        assert next(line for line in response.iter_lines() if line.startswith("data: "))
-    wait_all_slots_free(gateway, timeout=2.0)
-    # A non-streaming client that gives up is a disconnect too.
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(gateway.url + "/v1/completions", json={**body, "stream": False}, timeout=0.05)
-    wait_all_slots_free(gateway, timeout=2.0)
-    metrics = httpx.get(gateway.url + "/metrics").text
-    assert "loomserve:client_disconnects_total" in metrics
+    hello = httpx.post(url + "/tokenize", json={"content": "hello"}).json()["tokens"]
+    assert [p["id"] for p in pieces["tokens"]] == hello
+    assert "".join(p["piece"] for p in pieces["tokens"]) == " hello"
 
 
 def test_metrics_cover_both_gateways(gateways: tuple[Proc, Proc]) -> None:

@@ -16,8 +16,8 @@ from tests.tiny_model import ModelShape, write_tiny_model
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MAX_BODY = 64 * 1024
-CTX = 4096  # long enough that an ignore_eos generation keeps its slot busy for a while
+MAX_BODY = 256 * 1024
+CTX = 16384  # an ignore_eos generation this long keeps its slot busy for seconds
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gateway(long_model_path: Path) -> Iterator[Proc]:
-    """One slot, one queue place; the gateway wants an API key and takes 64 KiB bodies."""
+    """One slot, one queue place; the gateway wants an API key and takes 256 KiB bodies."""
     with (
         start_worker(long_model_path, slots=1, max_queue=1, ctx_size=CTX) as worker,
         start_gateway(
@@ -159,7 +159,8 @@ def test_queue_full_is_503_with_retry_after(gateway: Proc) -> None:
         running = stack.enter_context(
             httpx.stream("POST", gateway.url + "/v1/completions", json=body, headers=AUTH)
         )
-        assert next(running.iter_lines()).startswith("data: ")  # it has the slot
+        lines = running.iter_lines()  # kept: a collected iterator closes the stream
+        assert next(lines).startswith("data: ")  # it has the slot
         queued = stack.enter_context(
             httpx.stream("POST", gateway.url + "/v1/completions", json=body, headers=AUTH)
         )
@@ -190,6 +191,7 @@ def test_worker_missing_or_mismatched(tmp_path: Path, long_model_path: Path) -> 
             response = httpx.post(proc.url + "/v1/completions", json=request, timeout=10)
             error = assert_error(response, 503)
             assert error["type"] == "unavailable_error" and reason in error["message"]
+        assert nowhere.stop() == 0  # SIGTERM: a clean exit
 
 
 def wait_for_health_error(proc: Proc, reason: str, timeout: float = 30.0) -> None:

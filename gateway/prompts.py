@@ -1,0 +1,90 @@
+"""Prompts to token ids: completion prompts, chat messages through the template, checks.
+
+Long texts are tokenized in a thread, so that one huge prompt does not stall every other
+stream of this gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from gateway.chat_template import ChatTemplate, ChatTemplateError
+from gateway.errors import invalid_request
+from gateway.schemas import ChatMessage
+from gateway.tokenizer import Vocab
+
+OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
+T = TypeVar("T")
+
+
+async def tokenize(vocab: Vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    """vocab.tokenize, off the event loop for long texts."""
+    return await off_loop(len(text), lambda: vocab.tokenize(text, add_special, parse_special))
+
+
+async def off_loop(size: int, work: Callable[[], T]) -> T:
+    """work(), in a thread when size says it is big enough to stall the other streams."""
+    if size > OFF_LOOP_SIZE:
+        return await asyncio.to_thread(work)
+    return work()
+
+
+def check_token_ids(vocab: Vocab, tokens: list[int], param: str) -> None:
+    """400 naming the first id that is not in the vocabulary."""
+    bad = next((t for t in tokens if not vocab.is_valid(t)), None)
+    if bad is not None:
+        last = vocab.n_tokens - 1
+        raise invalid_request(f"token id {bad} is not in the vocabulary (0..{last})", param)
+
+
+async def completion_prompt(vocab: Vocab, prompt: Any) -> list[int]:
+    """Token ids of a completion prompt: a string, a list of one string, or token ids."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise invalid_request("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = await tokenize(vocab, prompt, add_special=True, parse_special=True)
+    else:
+        check_token_ids(vocab, prompt, "prompt")
+        tokens = prompt
+    if not tokens:
+        raise invalid_request("the prompt is empty", "prompt")
+    return tokens
+
+
+async def chat_prompt(
+    vocab: Vocab, template: ChatTemplate, messages: list[ChatMessage]
+) -> list[int]:
+    """Token ids of the chat template rendered over the messages, with BOS once."""
+    try:
+        text = template.render([_message_dict(m) for m in messages])
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from exc
+    tokens = await tokenize(vocab, text, add_special=False, parse_special=True)
+    # Templates usually write the BOS text themselves; add it only where they did not.
+    if vocab.add_bos and vocab.bos_id >= 0 and (not tokens or tokens[0] != vocab.bos_id):
+        tokens.insert(0, vocab.bos_id)
+    if not tokens:
+        raise invalid_request("the messages render to an empty prompt", "messages")
+    return tokens
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise invalid_request(
+                    f"content parts of type {part.type!r} are not supported; send text",
+                    "messages",
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    result: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name:
+        result["name"] = message.name
+    return result
