@@ -78,6 +78,11 @@ def worker_options(func):
             help="Serve the worker's Prometheus metrics on this port.",
         ),
         click.option(
+            "--metrics-host",
+            default="127.0.0.1",
+            help="Address of the metrics endpoint (0.0.0.0 for Prometheus in another container).",
+        ),
+        click.option(
             "--log-ticks/--no-log-ticks", default=False, help="Log one structured event per tick."
         ),
     ]
@@ -166,8 +171,16 @@ def build_worker_config(bind: str, **opts) -> WorkerConfig:
         prefill_chunk=opts["prefill_chunk"],
         strategy=opts["strategy"],
         metrics_port=opts["metrics_port"],
+        metrics_host=opts["metrics_host"],
         log_ticks=opts["log_ticks"],
     )
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except OSError:  # template text too long to be a file name
+        return False
 
 
 def build_gateway_config(worker: str, **opts) -> GatewayConfig:
@@ -176,7 +189,7 @@ def build_gateway_config(worker: str, **opts) -> GatewayConfig:
         lines = Path(opts["api_key_file"]).read_text().splitlines()
         keys.update(line.strip() for line in lines if line.strip() and not line.startswith("#"))
     template = opts["chat_template"]
-    if template and Path(template).is_file():
+    if template and _is_file(template):
         template = Path(template).read_text()
     return GatewayConfig(
         model_path=resolve_model(opts["model"]),

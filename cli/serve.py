@@ -47,37 +47,10 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
         endpoint = f"ipc://{workdir / 'worker.ipc'}"
         metrics_dir = workdir / "prometheus"
         metrics_dir.mkdir()
-        worker = ChildSpec(
-            name="worker",
-            argv=child_argv(
-                worker_command,
-                {**plan.options, "model": str(plan.model), "bind": endpoint},
-            ),
-            env=child_env(plan.options, drop=("PROMETHEUS_MULTIPROC_DIR",)),
-        )
-        gateway_values = {
-            **plan.options,
-            "model": str(plan.model),
-            "worker_endpoint": endpoint,
-            "host": plan.host,
-            "port": plan.port,
-            "reuse_port": True,
-        }
-        gateways = [
-            ChildSpec(
-                name=f"gateway-{index}",
-                argv=child_argv(gateway_command, gateway_values),
-                env=child_env(plan.options, extra={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}),
-            )
-            for index in range(1, plan.gateways + 1)
-        ]
+        children = child_specs(plan, endpoint, metrics_dir, worker_command, gateway_command)
         url = f"http://{_url_host(plan.host)}:{plan.port}"
         log.info(
-            "serving",
-            url=url,
-            gateways=plan.gateways,
-            worker=endpoint,
-            model=str(plan.model),
+            "starting", url=url, gateways=plan.gateways, worker=endpoint, model=str(plan.model)
         )
 
         def on_exit(child: Child, pid: int) -> None:
@@ -85,7 +58,7 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
                 _forget_gateway_metrics(pid, metrics_dir)
 
         supervisor = Supervisor(
-            [worker, *gateways],
+            children,
             ready_probe=lambda: health_ok(_probe_host(plan.host), plan.port),
             on_ready=lambda: log.info("ready", url=url, openai_base_url=f"{url}/v1"),
             on_exit=on_exit,
@@ -93,6 +66,41 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
         return supervisor.run()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def child_specs(
+    plan: ServePlan,
+    endpoint: str,
+    metrics_dir: Path,
+    worker_command: click.Command,
+    gateway_command: click.Command,
+) -> list[ChildSpec]:
+    """The worker, then the gateways; on the way down, the gateways stop first."""
+    worker_values = {**plan.options, "model": str(plan.model), "bind": endpoint}
+    worker = ChildSpec(
+        name="worker",
+        argv=child_argv(worker_command, worker_values),
+        env=child_env(plan.options, drop=("PROMETHEUS_MULTIPROC_DIR",)),
+    )
+    gateway_values = {
+        **plan.options,
+        "model": str(plan.model),
+        "worker_endpoint": endpoint,
+        "host": plan.host,
+        "port": plan.port,
+        "reuse_port": True,
+    }
+    gateway_env = child_env(plan.options, extra={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
+    gateways = [
+        ChildSpec(
+            f"gateway-{index}",
+            child_argv(gateway_command, gateway_values),
+            gateway_env,
+            stop_stage=1,  # before the worker, so open streams can end
+        )
+        for index in range(1, plan.gateways + 1)
+    ]
+    return [worker, *gateways]
 
 
 def child_argv(command: click.Command, values: Mapping[str, Any]) -> list[str]:

@@ -2,16 +2,14 @@
 stop them all on Ctrl-C or SIGTERM.
 
 Each child runs in its own session, so a Ctrl-C at the terminal reaches the supervisor only and
-the shutdown happens in order: the last child started stops first (gateways before the worker,
-so in-flight requests can finish), each with SIGTERM and a grace period before SIGKILL.
+the shutdown happens in stages: the gateways first, together, then the worker (so in-flight
+requests can finish), each stage with SIGTERM and a grace period before SIGKILL.
 On Linux each child also dies with the supervisor, even when the supervisor is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
 import socket
@@ -29,7 +27,6 @@ QUICK_EXIT_SECONDS = 10.0  # a child that dies sooner than this after starting i
 MAX_QUICK_EXITS = 5  # consecutive quick deaths before the supervisor gives up
 POLL_SECONDS = 0.1
 READY_PROBE_SECONDS = 0.5
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +36,7 @@ class ChildSpec:
     name: str
     argv: Sequence[str]
     env: Mapping[str, str]
+    stop_stage: int = 0  # higher stages stop first; children in one stage stop together
 
 
 @dataclass(slots=True)
@@ -123,10 +121,9 @@ class Supervisor:
 
     def _start(self, child: Child) -> None:
         child.process = subprocess.Popen(
-            list(child.spec.argv),
+            _dying_with_parent(child.spec.argv),
             env=dict(child.spec.env),
             start_new_session=True,  # Ctrl-C at the terminal goes to the supervisor only
-            preexec_fn=_die_with_parent(),
         )
         child.started_at = time.monotonic()
         child.restart_at = None
@@ -168,27 +165,38 @@ class Supervisor:
                 self.on_ready()
 
     def _stop_all(self) -> None:
-        """Stop the children last-started first, each with SIGTERM, then SIGKILL when late."""
-        for child in reversed(self.children):
-            if child.process is None:
-                continue
-            _signal_group(child.process, signal.SIGTERM)
+        """Stop the children stage by stage, highest first: SIGTERM to the whole stage at
+        once, then SIGKILL to those still running after stop_timeout."""
+        for stage in sorted({child.spec.stop_stage for child in self.children}, reverse=True):
+            running = [
+                child
+                for child in self.children
+                if child.spec.stop_stage == stage and child.process is not None
+            ]
+            for child in running:
+                _signal_group(child.process, signal.SIGTERM)
             deadline = time.monotonic() + self.stop_timeout
-            while child.process.poll() is None and time.monotonic() < deadline:
-                if self._signals.force:
+            while any(child.process.poll() is None for child in running):
+                if self._signals.force or time.monotonic() >= deadline:
                     break
                 time.sleep(POLL_SECONDS / 2)
-            if child.process.poll() is None:
-                log.warning("killing", child=child.spec.name, pid=child.process.pid)
-                _signal_group(child.process, signal.SIGKILL)
-                child.process.wait()
-            log.info(
-                "stopped",
-                child=child.spec.name,
-                pid=child.process.pid,
-                status=describe_returncode(child.process.returncode),
-            )
-            child.process = None
+            for child in running:
+                self._reap(child)
+
+    def _reap(self, child: Child) -> None:
+        process = child.process
+        assert process is not None
+        if process.poll() is None:
+            log.warning("killing", child=child.spec.name, pid=process.pid)
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+        log.info(
+            "stopped",
+            child=child.spec.name,
+            pid=process.pid,
+            status=describe_returncode(process.returncode),
+        )
+        child.process = None
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signals.received.append(signum)
@@ -212,19 +220,22 @@ def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(process.pid, sig)
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn asking Linux to SIGTERM the child when the supervisor dies."""
+def _dying_with_parent(argv: Sequence[str]) -> list[str]:
+    """argv behind a small Python prelude that asks Linux to SIGTERM the child when the
+    supervisor dies, then execs it (same pid). A prelude, not preexec_fn: running Python
+    between fork and exec is unsafe in a process with threads."""
     if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    parent = os.getpid()
+        return list(argv)
+    return [sys.executable, "-c", _PDEATHSIG_PRELUDE, str(os.getpid()), *argv]
 
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the supervisor died before prctl took effect
-            os._exit(1)
 
-    return preexec
+_PDEATHSIG_PRELUDE = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the supervisor died before prctl took effect
+    sys.exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:

@@ -67,7 +67,8 @@ class Proc:
         return self.popen.poll() is None
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def log_tail(self, lines: int = 60) -> str:

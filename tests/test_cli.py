@@ -277,6 +277,7 @@ def served(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     handle = Served(process, f"http://127.0.0.1:{port}", port, log_path)
     try:
         wait_until(handle.healthy, 90, "serve never became healthy", handle)
+        wait_until(lambda: listeners(port) == 2, 30, "the second gateway never listened", handle)
         yield handle
     finally:
         if process.poll() is None:
@@ -287,7 +288,6 @@ def served(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def test_serve_answers_through_one_port_shared_by_two_gateways(served: Served) -> None:
     children = children_of(served.process.pid)
     assert sorted(role(c) for c in children.values()) == ["gateway", "gateway", "worker"]
-    assert listeners(served.port) == 2
     response = served.completion()
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"]
@@ -331,15 +331,15 @@ def test_serve_restarts_a_killed_gateway(served: Served) -> None:
 def test_sigterm_stops_serve_and_all_its_children(served: Served) -> None:
     children = children_of(served.process.pid)
     assert len(children) == 3
-    serving = next(e for e in served.events() if e.get("event") == "serving")
-    workdir = Path(serving["worker"].removeprefix("ipc://")).parent
+    starting = next(e for e in served.events() if e.get("event") == "starting")
+    workdir = Path(starting["worker"].removeprefix("ipc://")).parent
     assert workdir.exists()
     served.process.send_signal(signal.SIGTERM)
     assert served.process.wait(timeout=30) == 0, served.log_tail()
     assert all(gone(pid) for pid in children), "serve left processes behind"
     assert not workdir.exists(), "serve left its temp dir behind"
     stopped = [e["child"] for e in served.events() if e.get("event") == "stopped"]
-    assert stopped == ["gateway-2", "gateway-1", "worker"]
+    assert sorted(stopped[:2]) == ["gateway-1", "gateway-2"] and stopped[2] == "worker"
 
 
 def test_serve_refuses_a_port_in_use(tiny_model_path: Path) -> None:
@@ -363,3 +363,14 @@ def test_serve_rejects_a_missing_model(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "no model file" in result.stderr
+
+
+def test_worker_health_fails_without_a_worker() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "cli.main", "worker-health", "--worker", endpoint]
+    result = subprocess.run(
+        [*argv, "--timeout", "0.3"],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert f"no answer from {endpoint}" in result.stderr

@@ -21,7 +21,7 @@ import pytest
 from cli.supervisor import MAX_QUICK_EXITS, ChildSpec, Supervisor, describe_returncode
 
 
-def python_child(name: str, code: str, workdir: Path) -> ChildSpec:
+def python_child(name: str, code: str, workdir: Path, stop_stage: int = 0) -> ChildSpec:
     """A child running `code`; note() appends '<event> <pid> <ns>' lines to <workdir>/<name>.log."""
     prelude = textwrap.dedent(
         f"""
@@ -31,7 +31,8 @@ def python_child(name: str, code: str, workdir: Path) -> ChildSpec:
                 f.write(f"{{event}} {{os.getpid()}} {{time.time_ns()}}\\n")
         """
     )
-    return ChildSpec(name=name, argv=[sys.executable, "-c", prelude + code], env=dict(os.environ))
+    argv = [sys.executable, "-c", prelude + code]
+    return ChildSpec(name=name, argv=argv, env=dict(os.environ), stop_stage=stop_stage)
 
 
 def events(workdir: Path, name: str) -> list[tuple[str, int, int]]:
@@ -70,7 +71,7 @@ SLEEPER = "note('start')\nsignal.signal(signal.SIGTERM, lambda *_: (note('term')
 SLEEPER += "time.sleep(60)\n"
 
 
-def test_crashed_child_is_restarted_and_stop_goes_last_started_first(tmp_path: Path) -> None:
+def test_crashed_child_is_restarted_and_higher_stages_stop_first(tmp_path: Path) -> None:
     marker = tmp_path / "crashed-once"
     crash_once = (
         f"if not os.path.exists({str(marker)!r}):\n"
@@ -79,7 +80,10 @@ def test_crashed_child_is_restarted_and_stop_goes_last_started_first(tmp_path: P
         "    sys.exit(3)\n" + SLEEPER
     )
     supervisor = Supervisor(
-        [python_child("first", SLEEPER, tmp_path), python_child("second", crash_once, tmp_path)],
+        [
+            python_child("first", SLEEPER, tmp_path),
+            python_child("second", crash_once, tmp_path, stop_stage=1),
+        ],
         restart_delay=0.05,
     )
     signal_self_when(lambda: len(events(tmp_path, "second")) == 2 and events(tmp_path, "first"))
@@ -90,8 +94,24 @@ def test_crashed_child_is_restarted_and_stop_goes_last_started_first(tmp_path: P
     assert second[0][1] != second[1][1] == second[2][1]
     assert [event for event, _, _ in first] == ["start", "term"]
     assert supervisor.children[1].restarts == 1
-    assert second[2][2] < first[1][2], "the last started child stops first"
+    assert second[2][2] < first[1][2], "stage 1 stops before stage 0"
     assert not any(alive(pid) for _, pid, _ in first + second)
+
+
+def test_children_of_one_stage_stop_together(tmp_path: Path) -> None:
+    # Each takes 1 s to stop; one after the other would take 3 s.
+    slow_stop = (
+        "note('start')\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), note('term'), sys.exit(0)))\n"
+        "time.sleep(60)\n"
+    )
+    supervisor = Supervisor(
+        [python_child(f"child{i}", slow_stop, tmp_path, stop_stage=1) for i in range(3)]
+    )
+    signal_self_when(lambda: all(events(tmp_path, f"child{i}") for i in range(3)))
+    assert supervisor.run() == 0
+    terms = [events(tmp_path, f"child{i}")[-1][2] for i in range(3)]
+    assert (max(terms) - min(terms)) / 1e9 < 0.8
 
 
 def test_a_child_crashing_at_start_makes_the_supervisor_give_up(tmp_path: Path) -> None:

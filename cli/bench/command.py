@@ -10,6 +10,7 @@ import click
 
 from cli.bench.metrics import parse_slos
 from cli.bench.probe import BenchSetupError
+from cli.bench.report import write_json
 from cli.bench.runner import LoadShape, WarmupFailed
 from cli.bench.session import DATASETS, BenchConfig, run_session
 from cli.bench.sweep import parse_sweep
@@ -138,7 +139,7 @@ def bench(**opts) -> None:
 
         result = run_self_test(echo=click.echo)
         if opts["result_json"]:
-            opts["result_json"].write_text(json.dumps({"self_test": result}, indent=2) + "\n")
+            write_json(opts["result_json"], {"self_test": result})
         return
     try:
         config = build_config(opts)

@@ -31,6 +31,8 @@ WORDS = (
     "wood fire earth summer winter spring autumn north south east west bread apple horse bird"
 ).split()
 
+FILLER = "a"  # tops a prompt up to its exact length
+
 TokenCounter = Callable[[Sequence[str]], list[int]]
 """Counts the tokens of each text, as the server's tokenizer would."""
 
@@ -66,12 +68,13 @@ def tokens_per_word(count: TokenCounter, rng: random.Random) -> float:
 
 
 def word_prompts(
-    rng: random.Random, targets: Sequence[int], count: TokenCounter, rounds: int = 2
+    rng: random.Random, targets: Sequence[int], count: TokenCounter, rounds: int = 4
 ) -> list[tuple[str, int]]:
     """Texts of random words whose token counts are near targets; returns (text, tokens) pairs.
 
-    After a first guess from the average cost of a word, each text is measured and grown or cut
-    in proportion to its error, a couple of rounds: exact enough with a real tokenizer.
+    After a first guess from the average cost of a word, each text is measured: one too long
+    loses whole words until it is short, one too short gains words, and the last few tokens
+    are one-letter words, which cost a token each in any vocabulary we know.
     """
     ratio = tokens_per_word(count, rng)
     words = [[rng.choice(WORDS) for _ in range(max(1, round(t / ratio)))] for t in targets]
@@ -83,11 +86,12 @@ def word_prompts(
             break
         for i in wrong:
             error = targets[i] - counts[i]
-            change = round(error / ratio) or (1 if error > 0 else -1)
-            if change > 0:
-                words[i].extend(rng.choice(WORDS) for _ in range(change))
+            if error < 0:
+                del words[i][max(1, len(words[i]) - math.ceil(-error / ratio)) :]
+            elif error >= 2 * ratio:
+                words[i].extend(rng.choice(WORDS) for _ in range(int(error / ratio)))
             else:
-                del words[i][max(1, len(words[i]) + change) :]
+                words[i].extend([FILLER] * error)
             texts[i] = " ".join(words[i])
         remeasured = count([texts[i] for i in wrong])
         for i, c in zip(wrong, remeasured, strict=True):

@@ -56,7 +56,7 @@ async def _measure(url: str, scale: float) -> SelfTestResult:
     def prompts(n: int, output_len: int) -> list[BenchRequest]:
         return [BenchRequest("hello " * 8, 8, output_len)] * max(2, round(n * scale))
 
-    client = StreamingClient(url, MODEL, max_connections=64, timeout_s=60.0)
+    client = StreamingClient(url, MODEL, timeout_s=60.0)
     try:
         await run_load(client, prompts(50, 1), LoadShape(max_concurrency=32), 0, progress=False)
         requests = await run_load(

@@ -146,14 +146,12 @@ async def run_shapes(
 ) -> list[RunResult]:
     """Warm up once, then run each load shape over the same prompts."""
     shapes = config.shapes()
-    caps = [s.max_concurrency or len(requests) for s in shapes]
     client = StreamingClient(
         config.base_url,
         model,
         endpoint=config.endpoint,
         api_key=config.api_key,
         timeout_s=config.timeout_s,
-        max_connections=max(caps),
         ignore_eos=config.ignore_eos,
         temperature=config.temperature,
         extra_body=config.extra_body,
