@@ -88,7 +88,9 @@ def worker_loop(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -
 @click.option("--runs", default=5, show_default=True, help="Timed runs per case (median).")
 @click.option("--tokens", default=64, show_default=True, help="New tokens per sequence.")
 @click.option("--threads", default=0, show_default=True, help="llama.cpp threads; 0: all.")
-@click.option("--flash-attn/--no-flash-attn", default=False, show_default=True)
+@click.option(
+    "--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True
+)
 @click.option(
     "--sizes",
     default=",".join(map(str, BATCH_SIZES)),
@@ -96,7 +98,7 @@ def worker_loop(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -
     help="Comma-separated numbers of concurrent sequences; the first is the scaling baseline.",
 )
 def main(
-    model: str | None, runs: int, tokens: int, threads: int, flash_attn: bool, sizes: str
+    model: str | None, runs: int, tokens: int, threads: int, flash_attn: str, sizes: str
 ) -> None:
     """Engine alone vs the worker's tick loop at 1, 4 and 16 concurrent sequences."""
     configure_logging(level="warning")

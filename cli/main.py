@@ -13,7 +13,7 @@ import click
 from cli.bench.command import bench
 from cli.default_model import resolve_model
 from gateway.config import GatewayConfig
-from worker.config import KV_CACHE_TYPES, WorkerConfig
+from worker.config import FLASH_ATTN_MODES, KV_CACHE_TYPES, WorkerConfig
 
 CONTEXT_SETTINGS = {"auto_envvar_prefix": "LOOMSERVE", "show_default": True}
 
@@ -36,7 +36,12 @@ def worker_options(func):
         click.option(
             "--threads", type=int, default=0, help="CPU threads for llama.cpp; 0 for all cores."
         ),
-        click.option("--flash-attn/--no-flash-attn", default=False, help="Use flash attention."),
+        click.option(
+            "--flash-attn",
+            type=click.Choice(FLASH_ATTN_MODES),
+            default="auto",
+            help="Flash attention; auto: where the backend has it, as llama-server does.",
+        ),
         click.option(
             "--kv-cache-type",
             type=click.Choice(KV_CACHE_TYPES),

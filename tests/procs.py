@@ -5,7 +5,7 @@
 
 Each process logs to a file; the log's tail is printed when a `with` block fails or when a
 process does not become ready, so pytest shows it with the failure. Options are passed as
-CLI flags: `ctx_size=256` -> `--ctx-size 256`, `flash_attn=False` -> `--no-flash-attn`.
+CLI flags: `ctx_size=256` -> `--ctx-size 256`, `log_json=False` -> `--no-log-json`.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def test_a_quantized_kv_cache_with_flash_attention(model_path: Path):
         ctx_size=128,
         threads=1,
         kv_cache_type="q8_0",
-        flash_attn=True,
+        flash_attn="on",
     )
     engine = Engine(config)
     try:

@@ -143,15 +143,15 @@ def run_staggered(worker: Worker, requests: list[Generate], seed: int) -> None:
 @pytest.mark.parametrize(
     ("strategy", "flash_attn"),
     [
-        ("decode-maximal", False),
-        ("prefill-priority", False),
-        ("balanced", False),
-        ("decode-maximal", True),
+        ("decode-maximal", "off"),
+        ("prefill-priority", "off"),
+        ("balanced", "off"),
+        ("decode-maximal", "on"),
     ],
 )
 def test_greedy_output_is_the_same_alone_and_batched(engine, config, strategy, flash_attn):
-    if flash_attn:
-        config = replace(config, flash_attn=True)
+    if flash_attn != config.flash_attn:
+        config = replace(config, flash_attn=flash_attn)
         engine = Engine(config)
     requests = random_requests(16, engine.n_vocab, seed=7)
     alone = {r.request_id: run_alone(engine, config, r) for r in requests}
@@ -486,4 +486,4 @@ def test_stop_finishes_every_live_request(engine, config):
 
 def test_a_quantized_kv_cache_needs_flash_attention(config):
     with pytest.raises(EngineError, match="needs --flash-attn"):
-        Engine(replace(config, kv_cache_type="q8_0"))
+        Engine(replace(config, kv_cache_type="q8_0", flash_attn="off"))

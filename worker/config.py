@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KV_CACHE_TYPES = ("f16", "q8_0")
+# "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
+FLASH_ATTN_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +19,7 @@ class WorkerConfig:
     bind: str = "tcp://127.0.0.1:5555"  # the ROUTER endpoint gateways connect to
     gpu_layers: int = -1  # -1: all layers when llama.cpp has a GPU backend
     threads: int = 0  # 0: the machine's cores
-    flash_attn: bool = False
+    flash_attn: str = "auto"
     kv_cache_type: str = "f16"
     slots: int = 8
     ctx_size: int = 4096  # tokens of context per slot, capped by the model's training context
@@ -45,6 +47,8 @@ class WorkerConfig:
             raise ValueError("batch_tokens must leave room for one decode token per slot")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
+        if self.flash_attn not in FLASH_ATTN_MODES:
+            raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
         if self.kv_cache_type not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}")
 

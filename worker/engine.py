@@ -22,6 +22,11 @@ from worker.config import WorkerConfig
 from worker.sampling import Sampler, build_sampler
 
 KV_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0}
+FLASH_ATTN_TYPES = {
+    "auto": getattr(llama, "LLAMA_FLASH_ATTN_TYPE_AUTO", -1),
+    "on": getattr(llama, "LLAMA_FLASH_ATTN_TYPE_ENABLED", 1),
+    "off": getattr(llama, "LLAMA_FLASH_ATTN_TYPE_DISABLED", 0),
+}
 
 
 class EngineError(RuntimeError):
@@ -151,16 +156,14 @@ class Engine:
         params.no_perf = True
         if "kv_unified" in fields:
             params.kv_unified = True
-        if config.kv_cache_type != "f16" and not config.flash_attn:
-            raise EngineError("a quantized KV cache (--kv-cache-type q8_0) needs --flash-attn")
-        if "flash_attn_type" in fields:
-            params.flash_attn_type = (
-                llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
-                if config.flash_attn
-                else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if config.kv_cache_type != "f16" and config.flash_attn == "off":
+            raise EngineError(
+                "a quantized KV cache (--kv-cache-type q8_0) needs --flash-attn on or auto"
             )
-        else:
-            params.flash_attn = config.flash_attn
+        if "flash_attn_type" in fields:
+            params.flash_attn_type = FLASH_ATTN_TYPES[config.flash_attn]
+        else:  # llama-cpp-python before flash_attn_type: a plain switch, no "auto"
+            params.flash_attn = config.flash_attn != "off"
         params.type_k = params.type_v = KV_TYPES[config.kv_cache_type]
         ctx = llama.llama_init_from_model(self.model, params)
         if not ctx:
