@@ -216,6 +216,16 @@ def test_ping_is_answered_with_a_heartbeat(gateway: Gateway):
     assert beat.ready and beat.free_slots == 2 and beat.queue_depth == 0 and beat.running == 0
 
 
+def test_a_probe_that_never_said_hello_is_answered_but_not_a_gateway(
+    gateway: Gateway, metrics_port: int
+):
+    before = scrape(metrics_port)[("loomserve:gateways_connected", ())]
+    gateway.send(Ping(sent_at=42.0))
+    beat = gateway.wait_for(lambda m: isinstance(m, Heartbeat) and m.ping_sent_at == 42.0)
+    assert beat.ready
+    assert scrape(metrics_port)[("loomserve:gateways_connected", ())] == before
+
+
 def test_malformed_frames_are_dropped_and_the_worker_serves_on(gateway: Gateway, worker: Proc):
     gateway.hello()
     for frames in (

@@ -210,6 +210,11 @@ class WorkerIO:
                 ),
             )
             return
+        if isinstance(message, Ping) and gateway not in self._last_seen:
+            # A probe that never said Hello (`loomserve worker-health`, a readiness wait):
+            # answer it, but it is no gateway, so its silence later means nothing.
+            self._send_now(gateway, self._heartbeat_message(message.sent_at))
+            return
         self._remember(gateway, now)
         if isinstance(message, Generate):
             self.worker.submit(gateway, message)
