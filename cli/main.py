@@ -88,6 +88,17 @@ def worker_options(func):
             help="Address of the metrics endpoint (0.0.0.0 for Prometheus in another container).",
         ),
         click.option(
+            "--gateway-timeout",
+            type=click.FloatRange(min=0.1),
+            default=5.0,
+            help="Seconds a gateway may be silent before its requests are cancelled.",
+        ),
+        click.option(
+            "--batch-invariant/--no-batch-invariant",
+            default=True,
+            help="Prefer CPU kernels whose results do not depend on the batch's size.",
+        ),
+        click.option(
             "--log-ticks/--no-log-ticks", default=False, help="Log one structured event per tick."
         ),
     ]
@@ -177,6 +188,8 @@ def build_worker_config(bind: str, **opts) -> WorkerConfig:
         strategy=opts["strategy"],
         metrics_port=opts["metrics_port"],
         metrics_host=opts["metrics_host"],
+        gateway_timeout=opts["gateway_timeout"],
+        batch_invariant=opts["batch_invariant"],
         log_ticks=opts["log_ticks"],
     )
 

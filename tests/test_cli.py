@@ -120,11 +120,19 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
     monkeypatch.setenv("LOOMSERVE_MODEL", str(tiny_model_path))
     monkeypatch.setenv("LOOMSERVE_SLOTS", "3")
     monkeypatch.setenv("LOOMSERVE_STRATEGY", "balanced")
+    monkeypatch.setenv("LOOMSERVE_GATEWAY_TIMEOUT", "2.5")
+    monkeypatch.setenv("LOOMSERVE_FLASH_ATTN", "off")
+    monkeypatch.setenv("LOOMSERVE_BATCH_INVARIANT", "false")
     monkeypatch.setenv("LOOMSERVE_API_KEY", "first second")
     monkeypatch.setenv("LOOMSERVE_WORKER_ENDPOINT", "tcp://10.0.0.7:5555")
     worker_params = parse("worker", [])
     worker = build_worker_config(worker_params.pop("bind"), **worker_params)
     assert (worker.model_path, worker.slots, worker.strategy) == (tiny_model_path, 3, "balanced")
+    assert (worker.gateway_timeout, worker.flash_attn, worker.batch_invariant) == (
+        2.5,
+        "off",
+        False,
+    )
     gateway_params = parse("gateway", [])
     gateway = build_gateway_config(gateway_params.pop("worker_endpoint"), **gateway_params)
     assert gateway.worker == "tcp://10.0.0.7:5555"
