@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.codec import decode, encode
 from protocol.messages import Hello, ModelInfo
@@ -31,12 +32,25 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = Path(tempfile.gettempdir()) / "loomserve-test-logs"
 START_TIMEOUT = 60.0
 
+# Prometheus samples keyed by metric name and sorted labels.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def scrape_metrics(url: str) -> Samples:
+    """Every sample a Prometheus endpoint serves right now."""
+    text = httpx.get(url, timeout=5.0).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 class Proc:

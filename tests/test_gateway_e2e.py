@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Proc, start_gateway, start_worker
+from tests.procs import Proc, Samples, free_port, scrape_metrics, start_gateway, start_worker
 
 SLOTS = 4
 CTX = 512
@@ -31,8 +31,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_model_path: Path) -> Iterator[Proc]:
-    with start_worker(tiny_model_path, slots=SLOTS, ctx_size=CTX) as proc:
+def worker_metrics_url() -> str:
+    return f"http://127.0.0.1:{free_port()}/metrics"
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model_path: Path, worker_metrics_url: str) -> Iterator[Proc]:
+    port = int(worker_metrics_url.split(":")[-1].split("/")[0])
+    with start_worker(tiny_model_path, slots=SLOTS, ctx_size=CTX, metrics_port=port) as proc:
         yield proc
 
 
@@ -322,3 +328,73 @@ def test_metrics_cover_both_gateways(gateways: tuple[Proc, Proc]) -> None:
         "loomserve:prompt_tokens_total",
     ]:
         assert name in text, name
+
+
+def test_metrics_move_by_what_was_served(
+    gateways: tuple[Proc, Proc], worker_metrics_url: str
+) -> None:
+    """Token counters equal the usage the clients got, on the gateways' shared /metrics and
+    the worker's; scrapes during traffic see the counters only grow; a bad request is a 400."""
+    first = gateways[0]
+    wait_all_slots_free(first)
+    gateway_before = scrape_metrics(first.url + "/metrics")
+    worker_before = scrape_metrics(worker_metrics_url)
+    generated = "loomserve:generation_tokens_total", ()
+
+    def request(i: int) -> dict:
+        if i % 3 == 0:  # streamed, with usage in the last event
+            stream = client(gateways[i % 2]).completions.create(
+                model="tiny-llama",
+                prompt=PROMPTS[i],
+                max_tokens=40 + i,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            return [chunk for chunk in stream][-1].usage.model_dump()
+        return greedy(gateways[i % 2], PROMPTS[i], max_tokens=40 + i).usage.model_dump()
+
+    during: list[float] = []
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(request, i) for i in range(8)]
+        while not all(f.done() for f in futures):
+            during.append(scrape_metrics(first.url + "/metrics")[generated])
+        usages = [f.result() for f in futures]
+    too_long = httpx.post(
+        first.url + "/v1/completions", json={"prompt": "hello " * 2000, "max_tokens": 4}
+    )
+    assert too_long.status_code == 400
+    gateway_after = scrape_metrics(first.url + "/metrics")
+    worker_after = scrape_metrics(worker_metrics_url)
+
+    def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    completion_tokens = sum(u["completion_tokens"] for u in usages)
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    assert completion_tokens == sum(40 + i for i in range(8))
+    assert during == sorted(during)
+    assert all(gateway_before[generated] <= seen <= gateway_after[generated] for seen in during)
+    for before, after in [(gateway_before, gateway_after), (worker_before, worker_after)]:
+        assert moved(before, after, "loomserve:generation_tokens_total") == completion_tokens
+    assert moved(gateway_before, gateway_after, "loomserve:prompt_tokens_total") == prompt_tokens
+    # The worker counts the prompt tokens it evaluated; the rest came from its prefix cache.
+    evaluated = moved(worker_before, worker_after, "loomserve:prompt_tokens_total")
+    cached = moved(worker_before, worker_after, "loomserve:prefix_cache_hits_total")
+    assert evaluated + cached == prompt_tokens
+    assert moved(worker_before, worker_after, "loomserve:prefix_cache_queries_total") == (
+        prompt_tokens
+    )
+    route = "/v1/completions"
+    http = "loomserve:http_requests_total"
+    assert moved(gateway_before, gateway_after, http, route=route, status="200") == 8
+    assert moved(gateway_before, gateway_after, http, route=route, status="400") == 1
+    latency = "loomserve:e2e_request_latency_seconds_count"
+    assert moved(gateway_before, gateway_after, latency) == 8
+    assert gateway_after["loomserve:requests_in_flight", ()] == 0
+    finished = "loomserve:requests_finished_total"
+    assert moved(worker_before, worker_after, finished, reason="length") == 8
+    # Bad input never reached the worker.
+    assert moved(worker_before, worker_after, "loomserve:requests_rejected_total") == 0

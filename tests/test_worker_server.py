@@ -12,12 +12,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import llama_cpp as llama
 import msgpack
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import (
     PROTOCOL_VERSION,
@@ -38,7 +36,7 @@ from protocol import (
     decode,
     encode,
 )
-from tests.procs import REPO_ROOT, Proc, free_port, start_worker
+from tests.procs import REPO_ROOT, Proc, Samples, free_port, scrape_metrics, start_worker
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.loop import Worker
@@ -388,14 +386,8 @@ def test_sigterm_cancels_live_requests_and_exits_cleanly(tiny_model_path: Path):
             gateway.close()
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the worker's /metrics, keyed by name and labels."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+def scrape(port: int) -> Samples:
+    return scrape_metrics(f"http://127.0.0.1:{port}/metrics")
 
 
 def test_metrics_count_what_the_worker_did(gateway: Gateway, metrics_port: int):
