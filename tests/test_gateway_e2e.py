@@ -398,3 +398,19 @@ def test_metrics_move_by_what_was_served(
     assert moved(worker_before, worker_after, finished, reason="length") == 8
     # Bad input never reached the worker.
     assert moved(worker_before, worker_after, "loomserve:requests_rejected_total") == 0
+
+
+def test_readme_lists_every_metric(gateways: tuple[Proc, Proc], worker_metrics_url: str) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    served = {*scrape_metrics(gateways[0].url + "/metrics"), *scrape_metrics(worker_metrics_url)}
+    names = {histogram_name(name) for name, _ in served if not name.endswith("_created")}
+    missing = sorted(n for n in names if f"`{n}`" not in readme and f"`{n}{{" not in readme)
+    assert not missing, f"README.md does not describe {missing}"
+
+
+def histogram_name(sample: str) -> str:
+    """The metric a sample belongs to: a histogram's name for its _bucket, _count and _sum."""
+    for suffix in ("_bucket", "_count", "_sum"):
+        if sample.endswith(suffix):
+            return sample.removesuffix(suffix)
+    return sample
