@@ -28,6 +28,7 @@ from cli.bench.client import StreamingClient
 from cli.bench.command import bench
 from cli.bench.datasets import BenchRequest
 from cli.bench.metrics import compute_metrics, pacing_stats
+from cli.bench.probe import ServerTokenizer
 from cli.bench.runner import LoadShape, RunResult, run_load
 from cli.bench.selftest import run_self_test
 
@@ -44,6 +45,7 @@ class FakeOpenAI:
         self.in_flight = 0
         self.max_in_flight = 0
         self.bodies: list[dict] = []
+        self.llama_server_tokenize = False  # /tokenize in llama-server's shape
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self.models),
@@ -55,12 +57,15 @@ class FakeOpenAI:
 
     def reset(self) -> None:
         self.plan, self.in_flight, self.max_in_flight, self.bodies = {}, 0, 0, []
+        self.llama_server_tokenize = False
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()
+        if self.llama_server_tokenize:  # {"content"} in, {"tokens"} out; other keys ignored
+            return JSONResponse({"tokens": list(range(len(body.get("content", "").split())))})
         return JSONResponse({"count": len(body["prompt"].split())})
 
     async def generate(self, request: Request) -> Response:
@@ -333,3 +338,17 @@ def test_self_test_measures_the_generator() -> None:
     assert 0 < result["cpu_us_per_chunk"] < result["cpu_us_per_request"]
     assert math.isfinite(result["paced_achieved_rate"]) and result["paced_achieved_rate"] > 0
     assert "Load generator self-test" in lines[-1]
+
+
+@pytest.mark.parametrize("llama_server", [False, True])
+def test_server_tokenizer_speaks_vllm_and_llama_server(server, llama_server: bool) -> None:
+    fake, url = server
+    fake.llama_server_tokenize = llama_server
+    tokenizer = ServerTokenizer(url, "fake-model", None)
+    try:
+        assert tokenizer.available()
+        assert tokenizer.body_key == ("content" if llama_server else "prompt")
+        assert tokenizer.count(["one two three", "four"]) == [3, 1]
+    finally:
+        tokenizer.close()
+        fake.reset()

@@ -46,8 +46,9 @@ class ServerTokenizer:
         for key in ("prompt", "content"):
             try:
                 self.body_key = key
-                self.count(["hello world"])
-                return True
+                # llama-server ignores a key it does not know and tokenizes "": zero tokens.
+                if self.count(["hello world"])[0] > 0:
+                    return True
             except (BenchSetupError, ValueError, KeyError, TypeError):
                 continue
         self.body_key = None
