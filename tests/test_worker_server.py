@@ -135,7 +135,7 @@ def gateway(worker: Proc, request: pytest.FixtureRequest) -> Iterator[Gateway]:
     gw.close()
 
 
-def test_hello_answers_model_info(gateway: Gateway, tiny_model_path: Path):
+def test_hello_answers_model_info(gateway: Gateway, worker: Proc, tiny_model_path: Path):
     params = llama.llama_model_default_params()
     params.vocab_only = True
     model = llama.llama_model_load_from_file(str(tiny_model_path).encode(), params)
@@ -153,6 +153,8 @@ def test_hello_answers_model_info(gateway: Gateway, tiny_model_path: Path):
         vocab_fingerprint=fingerprint,
         ready=True,
     )
+    log = worker.log_path.read_text()
+    assert '"event": "loading model"' in log and '"percent": 100' in log
 
 
 def test_another_protocol_version_is_refused(gateway: Gateway):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import structlog
 from protocol import SamplingParams
 from worker.config import WorkerConfig
 from worker.sampling import Sampler, build_sampler
+
+log = structlog.get_logger(__name__)
 
 KV_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0}
 FLASH_ATTN_TYPES = {
@@ -139,6 +142,8 @@ class Engine:
     def _load_model(self, config: WorkerConfig) -> llama.llama_model_p:
         params = llama.llama_model_default_params()
         params.n_gpu_layers = self._gpu_layers(config)
+        progress = LoadProgress(config.model_path)
+        params.progress_callback = progress.callback
         model = llama.llama_model_load_from_file(str(config.model_path).encode(), params)
         if not model:
             raise EngineError(f"llama.cpp could not load the model at {config.model_path}")
@@ -278,16 +283,42 @@ def _desc(model) -> str:
     return buffer.value.decode(errors="replace")
 
 
+class LoadProgress:
+    """Logs a model load in quarters: a large model takes long enough to wonder."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.logged = -1  # the last quarter logged
+        self.started = time.monotonic()
+        # Held here so the C callback outlives the load.
+        self.callback = llama.llama_progress_callback(self._on_progress)
+
+    def _on_progress(self, progress: float, _user_data: ctypes.c_void_p) -> bool:
+        quarter = int(progress * 4)
+        if quarter > self.logged:
+            self.logged = quarter
+            log.info(
+                "loading model",
+                path=str(self.path),
+                percent=quarter * 25,
+                seconds=round(time.monotonic() - self.started, 1),
+            )
+        return True  # false would abort the load
+
+
 # ggml's levels: 1 debug, 2 info, 3 warn, 4 error, 5 continues the previous line.
 GGML_LOG_WARN, GGML_LOG_ERROR = 3, 4
 _llama_log = structlog.get_logger("llama.cpp")
+# With one KV cache shared by all slots, llama.cpp compares the whole cache with the training
+# context and warns; each slot is held to its own share, so the warning says nothing true.
+UNIFIED_CACHE_FALSE_ALARM = "possible training context overflow"
 
 
 @llama.llama_log_callback
 def _forward_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     if level in (GGML_LOG_WARN, GGML_LOG_ERROR):
         message = text.decode(errors="replace").strip()
-        if message:
+        if message and UNIFIED_CACHE_FALSE_ALARM not in message:
             (_llama_log.error if level == GGML_LOG_ERROR else _llama_log.warning)(message)
 
 
