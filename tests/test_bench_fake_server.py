@@ -303,7 +303,8 @@ def test_cli_shared_prefix_and_sharegpt(server, tmp_path) -> None:
 
 
 def test_cli_sweep(server, tmp_path) -> None:
-    _, url = server
+    fake, url = server
+    fake.reset()
     out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
     args = ["--base-url", url, "--model", "fake-model", "--num-prompts", "4", "--input-len", "5"]
     args += ["--output-len", "2", "--sweep", "max-concurrency=1,4", "--no-progress"]
@@ -319,6 +320,9 @@ def test_cli_sweep(server, tmp_path) -> None:
     assert one["max_concurrent_requests"] == 1 and four["max_concurrent_requests"] == 4
     assert four["request_throughput"] > 2 * one["request_throughput"]
     assert plot.read_bytes().startswith(PNG_MAGIC)
+    # Each point draws its own prompts, so a prompt cache cannot favour the later one.
+    prompts = [json.dumps(body["messages"]) for body in fake.bodies[1:]]  # after the warm-up
+    assert len(prompts) == 8 and not set(prompts[:4]) & set(prompts[4:])
 
 
 def test_cli_rejects_bad_options(server) -> None:

@@ -84,8 +84,8 @@ class BenchConfig:
         return sweep_shapes(self.shape, parameter, list(values))
 
 
-def build_requests(config: BenchConfig, count: TokenCounter) -> list[BenchRequest]:
-    """The prompts of the configured dataset."""
+def build_requests(config: BenchConfig, count: TokenCounter, seed: int) -> list[BenchRequest]:
+    """The prompts of the configured dataset, drawn with this seed."""
     output_len = config.output_len or DEFAULT_OUTPUT_LEN
     if config.dataset == "random":
         return random_dataset(
@@ -93,7 +93,7 @@ def build_requests(config: BenchConfig, count: TokenCounter) -> list[BenchReques
             config.input_len,
             output_len,
             config.range_ratio,
-            config.seed,
+            seed,
             count,
         )
     if config.dataset == "shared-prefix":
@@ -104,13 +104,11 @@ def build_requests(config: BenchConfig, count: TokenCounter) -> list[BenchReques
             config.input_len,
             output_len,
             config.range_ratio,
-            config.seed,
+            seed,
             count,
         )
     assert config.dataset_path is not None
-    return sharegpt_dataset(
-        config.dataset_path, config.num_prompts, config.output_len, config.seed, count
-    )
+    return sharegpt_dataset(config.dataset_path, config.num_prompts, config.output_len, seed, count)
 
 
 def settings_dict(config: BenchConfig, model: str, token_counts: str) -> dict[str, Any]:
@@ -142,9 +140,12 @@ def describe_shape(shape: LoadShape) -> str:
 
 
 async def run_shapes(
-    config: BenchConfig, model: str, requests: list[BenchRequest], echo: Callable[..., None]
+    config: BenchConfig,
+    model: str,
+    prompt_sets: list[list[BenchRequest]],
+    echo: Callable[..., None],
 ) -> list[RunResult]:
-    """Warm up once, then run each load shape over the same prompts."""
+    """Warm up once, then run each load shape over its own prompts."""
     shapes = config.shapes()
     client = StreamingClient(
         config.base_url,
@@ -159,9 +160,9 @@ async def run_shapes(
     try:
         if config.num_warmups:
             echo(f"Warming up with {config.num_warmups} requests...")
-            await warm_up(client, requests[0], config.num_warmups, shapes[0].max_concurrency)
+            await warm_up(client, prompt_sets[0][0], config.num_warmups, shapes[0].max_concurrency)
         runs = []
-        for shape in shapes:
+        for shape, requests in zip(shapes, prompt_sets, strict=True):
             echo(f"Running {len(requests)} requests: {describe_shape(shape)}")
             runs.append(
                 await run_load(
@@ -191,9 +192,15 @@ def run_session(
     try:
         if config.tokenize and tokenizer.available():
             count, token_counts = tokenizer.count, "server /tokenize"
-        requests = build_requests(config, count)
+        # Each sweep point draws its own prompts: a server's prompt cache must not turn the
+        # prompts of one point into cache hits at the next.
+        prompt_sets = [
+            build_requests(config, count, config.seed + point)
+            for point in range(len(config.shapes()))
+        ]
     finally:
         tokenizer.close()
+    requests = prompt_sets[0]
     if len(requests) < config.num_prompts:
         warn(f"the dataset yielded {len(requests)} usable prompts of {config.num_prompts} asked")
     mean_in = sum(r.prompt_len for r in requests) / len(requests)
@@ -203,7 +210,7 @@ def run_session(
         f"{len(requests)} prompts, ~{mean_in:.0f} input tokens ({token_counts}), "
         f"{mean_out:.0f} output tokens"
     )
-    runs = asyncio.run(run_shapes(config, model, requests, echo))
+    runs = asyncio.run(run_shapes(config, model, prompt_sets, echo))
 
     points: list[dict[str, Any]] = []
     summaries: list[BenchmarkMetrics] = []
