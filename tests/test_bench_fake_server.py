@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ from cli.bench.command import bench
 from cli.bench.datasets import BenchRequest
 from cli.bench.metrics import compute_metrics, pacing_stats
 from cli.bench.probe import ServerTokenizer
+from cli.bench.records import RequestRecord
 from cli.bench.runner import LoadShape, RunResult, run_load
 from cli.bench.selftest import run_self_test
 
@@ -356,3 +358,48 @@ def test_server_tokenizer_speaks_vllm_and_llama_server(server, llama_server: boo
     finally:
         tokenizer.close()
         fake.reset()
+
+
+def test_a_kept_alive_connection_the_server_dropped_is_dialled_again() -> None:
+    """Like llama-server's idle timeout racing a new request: the server reads the second
+    request on a kept-alive connection and closes it unanswered; the client dials again."""
+    event = json.dumps(
+        {
+            "choices": [{"index": 0, "text": " hi", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }
+    )
+    body = f"data: {event}\n\ndata: [DONE]\n\n".encode()
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    answer += b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        for answered in (True, False):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: (\d+)", head, re.IGNORECASE)[1])
+            await reader.readexactly(length)
+            if answered:
+                writer.write(answer)
+                await writer.drain()
+        writer.close()
+
+    async def main() -> list[RequestRecord]:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = StreamingClient(url, "fake-model", "completions", timeout_s=10)
+        records = [RequestRecord(index=i, expected_prompt_len=3, max_tokens=1) for i in range(3)]
+        try:
+            for record in records:
+                now = time.perf_counter()
+                await client.send(BenchRequest("a prompt", 3, 1), record, now, now + 10)
+        finally:
+            await client.aclose()
+            server.close()
+        return records
+
+    records = asyncio.run(main())
+    assert [(r.error_kind, r.output_tokens) for r in records] == [(None, 1)] * 3
+    assert connections == 3  # the first, then one more after each dropped request

@@ -8,6 +8,7 @@ stream. Failures are values on the record, sorted by kind, never exceptions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -96,6 +97,10 @@ def chunk_text(event: dict[str, Any]) -> tuple[str | None, bool]:
     return text, choice.get("finish_reason") is not None
 
 
+class StaleConnection(Exception):
+    """A kept-alive connection turned out closed before the server answered anything."""
+
+
 class StreamingClient:
     """Streams requests over HTTP/1.1 keep-alive connections, one per request in flight.
 
@@ -133,10 +138,13 @@ class StreamingClient:
         self.idle: list[httpx.AsyncClient] = []  # connections free for the next request
         self.connections: list[httpx.AsyncClient] = []
 
-    def _connection(self) -> httpx.AsyncClient:
-        """A free kept-alive connection, or a new one when all are busy."""
+    def _connection(self) -> tuple[httpx.AsyncClient, bool]:
+        """A free kept-alive connection, or a new one when all are busy; and whether reused."""
         if self.idle:
-            return self.idle.pop()
+            return self.idle.pop(), True
+        return self._new_connection(), False
+
+    def _new_connection(self) -> httpx.AsyncClient:
         connection = httpx.AsyncClient(
             headers=self.headers,
             verify=self.ssl_context,
@@ -166,10 +174,17 @@ class StreamingClient:
         payload = build_payload(
             request, self.model, self.endpoint, self.ignore_eos, self.temperature, self.extra_body
         )
-        connection = self._connection()
+        connection, reused = self._connection()
         try:
             async with asyncio.timeout_at(loop.time() + (stop - start)):
-                await self._exchange(connection, payload, record, start)
+                try:
+                    await self._exchange(connection, payload, record, start, reused)
+                except StaleConnection:
+                    # The server had closed this kept-alive connection (llama-server does
+                    # after a few seconds idle) and never saw the request: dial anew, once.
+                    self.idle.append(connection)
+                    connection = self._new_connection()
+                    await self._exchange(connection, payload, record, start, reused=False)
         except TimeoutError:
             kind = UNFINISHED if deadline < request_deadline else TIMEOUT
             self._fail(record, kind, f"no complete response after {stop - start:.1f} s")
@@ -199,11 +214,20 @@ class StreamingClient:
         payload: dict[str, Any],
         record: RequestRecord,
         start: float,
+        reused: bool,
     ) -> None:
         """POST and read the event stream; the hot path, so it does little per chunk."""
         record.request_id = f"{self.id_prefix}{record.index % 16**12:012x}"
         headers = {"x-request-id": record.request_id}
-        async with connection.stream("POST", self.url, json=payload, headers=headers) as response:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                response = await stack.enter_async_context(
+                    connection.stream("POST", self.url, json=payload, headers=headers)
+                )
+            except httpx.RemoteProtocolError as exc:
+                if reused and "without sending a response" in str(exc):
+                    raise StaleConnection from exc
+                raise
             if response.status_code != 200:
                 body = await response.aread()
                 record.error_kind = f"http_{response.status_code}"
