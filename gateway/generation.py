@@ -199,9 +199,11 @@ class Generation:
         return Done(reason, usage)
 
     def _observe_tokens(self, count: int) -> None:
+        if not count:  # a batch of events with only a Finish in it
+            return
         now = time.monotonic()
         m = self.metrics
-        if m is not None and count:
+        if m is not None:
             if self._first_token_at is None:
                 m.time_to_first_token.observe(now - self.arrived_at)
             else:
