@@ -91,6 +91,7 @@ def worker_loop(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -
 @click.option(
     "--flash-attn", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True
 )
+@click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True)
 @click.option(
     "--sizes",
     default=",".join(map(str, BATCH_SIZES)),
@@ -98,7 +99,13 @@ def worker_loop(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -
     help="Comma-separated numbers of concurrent sequences; the first is the scaling baseline.",
 )
 def main(
-    model: str | None, runs: int, tokens: int, threads: int, flash_attn: str, sizes: str
+    model: str | None,
+    runs: int,
+    tokens: int,
+    threads: int,
+    flash_attn: str,
+    batch_invariant: bool,
+    sizes: str,
 ) -> None:
     """Engine alone vs the worker's tick loop at 1, 4 and 16 concurrent sequences."""
     configure_logging(level="warning")
@@ -110,6 +117,7 @@ def main(
         batch_tokens=512,
         threads=threads,
         flash_attn=flash_attn,
+        batch_invariant=batch_invariant,
     )
     engine = Engine(config)
     # Every prompt is prefilled in one batch in both paths: keep them within the budget.

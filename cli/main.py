@@ -96,7 +96,8 @@ def worker_options(func):
         click.option(
             "--batch-invariant/--no-batch-invariant",
             default=True,
-            help="Prefer CPU kernels whose results do not depend on the batch's size.",
+            help="Greedy output the same alone and batched: a KV stream per slot and per-row "
+            "CPU kernels. Off: one shared KV cache (prefixes copy between busy slots).",
         ),
         click.option(
             "--log-ticks/--no-log-ticks", default=False, help="Log one structured event per tick."

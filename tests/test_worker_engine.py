@@ -175,7 +175,11 @@ def test_greedy_output_is_the_same_alone_and_batched(engine, config, strategy, f
     assert worker.tick_count < sum(len(t) for t in alone.values())
 
 
-def test_prefix_reuse_keeps_outputs_identical(engine, config):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_prefix_reuse_keeps_outputs_identical(engine, config, batch_invariant):
+    if batch_invariant != config.batch_invariant:
+        config = replace(config, batch_invariant=batch_invariant)
+        engine = Engine(config)
     rng = random.Random(11)
     bases = [[1] + [rng.randrange(3, engine.n_vocab) for _ in range(40)] for _ in range(4)]
     first = [greedy(f"a{i}", [*base, 5 + i], 12) for i, base in enumerate(bases)]
@@ -195,11 +199,20 @@ def test_prefix_reuse_keeps_outputs_identical(engine, config):
     for i in range(4):
         # The whole first prompt plus the tokens generated after it were cached.
         assert finishes[f"b{i}"].cached_tokens >= len(bases[i]) + 1
-    assert finishes["repeat"].cached_tokens == len(bases[0])  # all but the last prompt token
+    # b0 holds the slot that cached a0's prompt when the repeat arrives: only a cache shared
+    # by all slots lets the repeat copy it (all but the last prompt token).
+    assert finishes["repeat"].cached_tokens == (0 if batch_invariant else len(bases[0]))
     assert all(finishes[f"new{i}"].cached_tokens <= 1 for i in range(3))
 
 
-def test_prefix_reuse_while_others_run(engine, config):
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_prefix_reuse_while_others_run(engine, config, batch_invariant):
+    """Separate KV streams reuse a slot's own cache; one shared cache also copies prefixes
+    from busy slots. Either way the outputs are those of each request alone."""
+    if batch_invariant != config.batch_invariant:
+        config = replace(config, batch_invariant=batch_invariant)
+        engine = Engine(config)
+    assert engine.copies_between_slots is not batch_invariant
     shared = [1, *range(100, 160)]
     requests = [greedy(f"r{i}", [*shared, 200 + i], 20, ignore_eos=True) for i in range(12)]
     alone = {r.request_id: run_alone(engine, config, r) for r in requests}

@@ -32,8 +32,9 @@ class WorkerConfig:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each gateway
     gateway_timeout: float = 5.0  # a gateway silent this long is gone; its requests are cancelled
     log_ticks: bool = False  # one structured log event per tick
-    # Prefer CPU kernels whose results do not depend on how many rows share a batch (ggml's
-    # per-row K-quant matmul instead of its tiled one), so batching changes no output.
+    # A request's greedy output must not depend on what shares its batch: give each slot its
+    # own KV stream and use CPU kernels that compute every row alike (see Engine). Off: one
+    # KV cache shared by all slots (prefixes copy between busy slots) and the fastest kernels.
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:

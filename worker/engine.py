@@ -1,9 +1,15 @@
 """The engine: one llama.cpp model and context, driven through llama-cpp-python's C API.
 
 One llama_context serves every slot: n_seq_max = slots, n_ctx = slots * slot context, and
-(where llama.cpp has it) kv_unified, so all sequences share one KV cache and a slot's cells
-can be trimmed, kept or copied per sequence. n_ubatch = n_batch = the tick's token budget,
-so each tick is one forward pass that llama.cpp never splits by load.
+n_batch = n_ubatch = the tick's token budget, so each tick is one llama_decode.
+
+Batch invariance (the default) decides how the KV cache and the CPU kernels are set up.
+With it each slot has its own KV stream (kv_unified off, as llama-server runs), so a
+sequence's cells sit at the same indices, and its attention sums in the same order, as when
+it runs alone; weights are not repacked (ggml's repacked K-quant kernels take another path
+for one row than for four), and the tiled matmul is off. llama.cpp then cannot copy part
+of one stream into another, so prefixes are reused only from a slot's own cache. Without
+it all slots share one cache and a prompt may also copy a busy slot's prefix.
 """
 
 from __future__ import annotations
@@ -118,7 +124,7 @@ class Engine:
         if config.batch_invariant:
             # ggml's tiled K-quant matmul takes over from 8 batch rows up and sums in a
             # different order, so a sequence's numbers would depend on how many others share
-            # its batch. The per-row kernels cost little on CPU (see the worker's report).
+            # its batch.
             os.environ.setdefault("GGML_CPU_TILED_MM", "0")
         self.config = config
         self.model = self._load_model(config)
@@ -129,6 +135,8 @@ class Engine:
         self.n_slots = config.slots
         self.ctx = self._new_context(config)
         self.memory = llama.llama_get_memory(self.ctx)
+        # Whether one slot's cells can be copied into another's (one KV cache for all).
+        self.copies_between_slots = not config.batch_invariant
         self.batch = TokenBatch(config.batch_tokens)
 
     # --- set-up -------------------------------------------------------------------
@@ -142,6 +150,8 @@ class Engine:
     def _load_model(self, config: WorkerConfig) -> llama.llama_model_p:
         params = llama.llama_model_default_params()
         params.n_gpu_layers = self._gpu_layers(config)
+        # Repacked weights compute one row (gemv) differently from blocks of four (gemm).
+        params.use_extra_bufts = not config.batch_invariant
         progress = LoadProgress(config.model_path)
         params.progress_callback = progress.callback
         model = llama.llama_model_load_from_file(str(config.model_path).encode(), params)
@@ -160,7 +170,7 @@ class Engine:
         params.n_threads_batch = config.n_threads
         params.no_perf = True
         if "kv_unified" in fields:
-            params.kv_unified = True
+            params.kv_unified = not config.batch_invariant
         if config.kv_cache_type != "f16" and config.flash_attn == "off":
             raise EngineError(
                 "a quantized KV cache (--kv-cache-type q8_0) needs --flash-attn on or auto"
