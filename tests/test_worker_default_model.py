@@ -102,17 +102,26 @@ def test_batched_greedy_is_isolated_and_repeatable(engine: Engine):
     assert time.monotonic() - started < 60
 
 
-def test_greedy_tokens_are_the_same_alone_and_batched(engine: Engine):
-    texts = [*PROMPTS, *OTHER_NEIGHBOURS, "My favourite food is"]
+def test_greedy_tokens_are_the_same_alone_and_batched(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+):
+    # The last two start like the first: their prefix is copied from a busy slot's cache.
+    texts = [*PROMPTS, *OTHER_NEIGHBOURS, f"{PROMPTS[0]} Paris, and", f"{PROMPTS[0]} a city"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     requests = [Generate(f"r{i}", engine.tokenize(t), params) for i, t in enumerate(texts)]
     # Small prompt chunks: prompts are prefilled over several ticks beside others' decodes.
     config = replace(engine.config, prefill_chunk=8)
     alone = {r.request_id: run_alone(engine, config, r) for r in requests}
+    copied: list[int] = []  # prefix lengths copied from a busy slot's KV stream
+    copy_prefix = engine.copy_prefix
+    monkeypatch.setattr(
+        engine, "copy_prefix", lambda *args: (copied.append(args[2]), copy_prefix(*args))
+    )
     collector = Collector()
     worker = Worker(engine, config, collector)
-    run_staggered(worker, requests, seed=3)  # 8 requests in waves through 4 slots
+    run_staggered(worker, requests, seed=3)  # 9 requests in waves through 4 slots
     assert collector.tokens() == alone
+    assert copied and collector.finishes()["r8"].cached_tokens == 6
 
 
 def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):

@@ -7,9 +7,9 @@ Batch invariance (the default) decides how the KV cache and the CPU kernels are 
 With it each slot has its own KV stream (kv_unified off, as llama-server runs), so a
 sequence's cells sit at the same indices, and its attention sums in the same order, as when
 it runs alone; weights are not repacked (ggml's repacked K-quant kernels take another path
-for one row than for four), and the tiled matmul is off. llama.cpp then cannot copy part
-of one stream into another, so prefixes are reused only from a slot's own cache. Without
-it all slots share one cache and a prompt may also copy a busy slot's prefix.
+for one row than for four), and the tiled matmul is off. A prefix copied from a busy slot
+then costs a copy of that slot's stream, as llama.cpp copies between streams only whole.
+Without it all slots share one cache, and a copied prefix shares the source's cells.
 """
 
 from __future__ import annotations
@@ -135,8 +135,6 @@ class Engine:
         self.n_slots = config.slots
         self.ctx = self._new_context(config)
         self.memory = llama.llama_get_memory(self.ctx)
-        # Whether one slot's cells can be copied into another's (one KV cache for all).
-        self.copies_between_slots = not config.batch_invariant
         self.batch = TokenBatch(config.batch_tokens)
 
     # --- set-up -------------------------------------------------------------------
@@ -220,8 +218,15 @@ class Engine:
         return llama.llama_memory_seq_rm(self.memory, seq, n_tokens, -1)
 
     def copy_prefix(self, source: int, target: int, n_tokens: int) -> None:
-        """Let `target` share the source sequence's cells for positions 0..n_tokens-1."""
-        llama.llama_memory_seq_cp(self.memory, source, target, 0, n_tokens)
+        """Give `target` the source sequence's cells for positions 0..n_tokens-1."""
+        if self.config.batch_invariant:
+            # Between KV streams llama.cpp copies only a whole stream (on the next decode);
+            # the target then drops what lies past the prefix. A memory copy of one slot's
+            # cache is far cheaper than evaluating the prefix again.
+            llama.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+            llama.llama_memory_seq_rm(self.memory, target, n_tokens, -1)
+        else:  # one cache: the cells are shared, nothing is copied
+            llama.llama_memory_seq_cp(self.memory, source, target, 0, n_tokens)
 
     def drop_sequence(self, seq: int) -> None:
         llama.llama_memory_seq_rm(self.memory, seq, -1, -1)

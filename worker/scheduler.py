@@ -113,13 +113,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Scheduler:
     """Slots plus a bounded FIFO of requests waiting for one."""
 
-    def __init__(
-        self, n_slots: int, max_queue: int, slot_context: int, copy_between_slots: bool = True
-    ) -> None:
+    def __init__(self, n_slots: int, max_queue: int, slot_context: int) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
         self.max_queue = max_queue
         self.slot_context = slot_context
-        self.copy_between_slots = copy_between_slots  # may a prompt copy a busy slot's prefix
         self.waiting: deque[Request] = deque()
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
         self._slot_of: dict[RequestKey, Slot] = {}
@@ -205,20 +202,18 @@ class Scheduler:
         """The free slot for a prompt, the slot whose cache it copies (if not its own), and
         how many leading prompt tokens that cache holds.
 
-        Prefer an idle slot that caches the longest prefix (no copy needed). When copies
-        are allowed and a busy slot caches a longer one, take the least recently used idle
-        slot and copy from it.
+        Prefer an idle slot that caches the longest prefix (no copy needed). When a busy
+        slot caches a longer one, take the least recently used idle slot and copy from it.
         """
         idle = [slot for slot in self.slots if slot.request is None]
         lru = min(idle, key=lambda slot: slot.last_used_tick)
         own, own_shared = lru, 0
         donor, donor_shared = None, 0
         for slot in self.slots:
-            busy = slot.request is not None
-            if not slot.n_cached or (busy and not self.copy_between_slots):
+            if not slot.n_cached:
                 continue
             shared = common_prefix(slot.tokens[: slot.n_cached], prompt)
-            if not busy:
+            if slot.request is None:
                 if (shared, -slot.last_used_tick) > (own_shared, -own.last_used_tick):
                     own, own_shared = slot, shared
             elif shared > donor_shared:
