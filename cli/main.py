@@ -97,7 +97,7 @@ def worker_options(func):
             "--batch-invariant/--no-batch-invariant",
             default=True,
             help="Greedy output the same alone and batched: a KV stream per slot and per-row "
-            "CPU kernels. Off: one shared KV cache (prefixes copy between busy slots).",
+            "CPU kernels. Off: one KV cache shared by all slots and the fastest kernels.",
         ),
         click.option(
             "--log-ticks/--no-log-ticks", default=False, help="Log one structured event per tick."

@@ -34,7 +34,7 @@ class WorkerConfig:
     log_ticks: bool = False  # one structured log event per tick
     # A request's greedy output must not depend on what shares its batch: give each slot its
     # own KV stream and use CPU kernels that compute every row alike (see Engine). Off: one
-    # KV cache shared by all slots (prefixes copy between busy slots) and the fastest kernels.
+    # KV cache shared by all slots and the fastest kernels.
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:
