@@ -92,15 +92,21 @@ def test_a_prompt_goes_to_the_slot_caching_its_longest_prefix():
     assert admission.request.cached_tokens == 4 and admission.slot.n_cached == 4
 
 
-def test_a_busy_slots_longer_prefix_is_copied_into_a_free_slot():
-    scheduler = Scheduler(n_slots=2, max_queue=4, slot_context=64)
+@pytest.mark.parametrize(("min_copy_tokens", "copied"), [(1, True), (4, True), (5, False)])
+def test_a_busy_slots_longer_prefix_is_copied_when_it_saves_enough(
+    min_copy_tokens: int, copied: bool
+):
+    scheduler = Scheduler(n_slots=2, max_queue=4, slot_context=64, min_copy_tokens=min_copy_tokens)
     scheduler.enqueue(request("running", [1, 2, 3, 4, 5, 6]))
     (running,) = scheduler.admit(tick=0, now=0.0)
     running.slot.n_cached = 6  # its prompt is in the cache; it is generating now
     scheduler.enqueue(request("next", [1, 2, 3, 4, 9]))
     (admission,) = scheduler.admit(tick=1, now=0.0)
     assert admission.slot is not running.slot
-    assert admission.source is running.slot and admission.reused == 4
+    if copied:  # 4 shared tokens
+        assert admission.source is running.slot and admission.reused == 4
+    else:
+        assert admission.source is None and admission.reused == 0
 
 
 def test_the_last_prompt_token_is_always_evaluated_again():

@@ -30,6 +30,7 @@ from worker.sampling import Sampler, build_sampler
 
 log = structlog.get_logger(__name__)
 
+MIN_STREAM_COPY_TOKENS = 16
 KV_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0}
 FLASH_ATTN_TYPES = {
     "auto": getattr(llama, "LLAMA_FLASH_ATTN_TYPE_AUTO", -1),
@@ -135,6 +136,9 @@ class Engine:
         self.n_slots = config.slots
         self.ctx = self._new_context(config)
         self.memory = llama.llama_get_memory(self.ctx)
+        # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
+        # from about a dozen prompt tokens that need not be evaluated again.
+        self.min_copy_tokens = MIN_STREAM_COPY_TOKENS if config.batch_invariant else 1
         self.batch = TokenBatch(config.batch_tokens)
 
     # --- set-up -------------------------------------------------------------------

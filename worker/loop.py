@@ -125,7 +125,9 @@ class Worker:
         self.config = config
         self.sink = sink
         self.strategy = load_strategy(config.strategy)
-        self.scheduler = Scheduler(config.slots, config.max_queue, engine.slot_context)
+        self.scheduler = Scheduler(
+            config.slots, config.max_queue, engine.slot_context, engine.min_copy_tokens
+        )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
         self.load = Load(queue_depth=0, free_slots=config.slots, running=0)

@@ -113,10 +113,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Scheduler:
     """Slots plus a bounded FIFO of requests waiting for one."""
 
-    def __init__(self, n_slots: int, max_queue: int, slot_context: int) -> None:
+    def __init__(
+        self, n_slots: int, max_queue: int, slot_context: int, min_copy_tokens: int = 1
+    ) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
         self.max_queue = max_queue
         self.slot_context = slot_context
+        # A busy slot's prefix is copied only when it saves at least this many tokens.
+        self.min_copy_tokens = min_copy_tokens
         self.waiting: deque[Request] = deque()
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
         self._slot_of: dict[RequestKey, Slot] = {}
@@ -203,7 +207,8 @@ class Scheduler:
         how many leading prompt tokens that cache holds.
 
         Prefer an idle slot that caches the longest prefix (no copy needed). When a busy
-        slot caches a longer one, take the least recently used idle slot and copy from it.
+        slot caches a prefix longer by min_copy_tokens or more, take the least recently used
+        idle slot and copy from it.
         """
         idle = [slot for slot in self.slots if slot.request is None]
         lru = min(idle, key=lambda slot: slot.last_used_tick)
@@ -218,7 +223,7 @@ class Scheduler:
                     own, own_shared = slot, shared
             elif shared > donor_shared:
                 donor, donor_shared = slot, shared
-        if donor is not None and donor_shared > own_shared:
+        if donor is not None and donor_shared - own_shared >= self.min_copy_tokens:
             return lru, donor, donor_shared
         return own, None, own_shared
 
