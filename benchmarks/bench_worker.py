@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 
 import click
-import llama_cpp as llama
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -50,22 +48,22 @@ class NullSink:
 def engine_alone(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -> float:
     """Seconds for (a): prefill every sequence in one batch, then n_tokens decode steps."""
     engine.clear_cache()
-    batch, n_vocab, ctx = engine.batch, engine.n_vocab, engine.ctx
+    batch = engine.batch
     started = time.perf_counter()
     batch.clear()
-    last = [batch.add_run(prompt, 0, seq, True) for seq in range(n_seqs)]
-    tokens = [0] * n_seqs
+    for seq in range(n_seqs):
+        batch.add_run(prompt, 0, seq, True)
     pos = len(prompt)
     for step in range(n_tokens):
         if engine.decode(batch) != 0:
             raise RuntimeError("llama_decode failed")
-        for seq in range(n_seqs):
-            logits = llama.llama_get_logits_ith(ctx, last[seq])
-            tokens[seq] = int(np.ctypeslib.as_array(logits, shape=(n_vocab,)).argmax())
+        # Every sequence asked for logits at one token, so row seq is sequence seq's.
+        tokens = engine.output_logits(n_seqs).argmax(axis=1).tolist()
         if step == n_tokens - 1:
             break
         batch.clear()
-        last = [batch.add(tokens[seq], pos, seq, True) for seq in range(n_seqs)]
+        for seq in range(n_seqs):
+            batch.add(tokens[seq], pos, seq, True)
         pos += 1
     return time.perf_counter() - started
 

@@ -197,6 +197,11 @@ class Engine:
         """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
         return build_sampler(params, self.ctx, self.vocab, self.n_vocab, self.slot_context)
 
+    def output_logits(self, n_outputs: int) -> np.ndarray:
+        """The last decode's logits, one row per token that asked for them, in batch order."""
+        pointer = llama.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(pointer, shape=(n_outputs, self.n_vocab))
+
     def is_eog(self, token: int) -> bool:
         return llama.llama_vocab_is_eog(self.vocab, token)
 

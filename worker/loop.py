@@ -378,9 +378,12 @@ class Worker:
         """Sample, record and check each slot's new token; return how many were sampled."""
         now = time.monotonic()
         limit = self.engine.slot_context
-        for slot, batch_index in sampled:
+        # Logits were asked for exactly where a token is sampled, so output row i belongs to
+        # sampled[i]: one view of them all instead of one per slot.
+        logits = self.engine.output_logits(len(sampled))
+        for row, (slot, batch_index) in enumerate(sampled):
             request = slot.request
-            token = request.sampler.sample(batch_index)
+            token = request.sampler.sample(batch_index, logits[row])
             request.completion_tokens += 1
             if not request.first_token_at:
                 request.first_token_at = now

@@ -24,18 +24,16 @@ class InvalidSampling(ValueError):
 class Sampler:
     """One request's sampling state; sample() picks and accepts the next token."""
 
-    __slots__ = ("_chain", "_ctx", "_n_vocab")
+    __slots__ = ("_chain", "_ctx")
 
-    def __init__(self, chain: llama.llama_sampler_p | None, ctx, n_vocab: int) -> None:
+    def __init__(self, chain: llama.llama_sampler_p | None, ctx) -> None:
         self._chain = chain  # None: plain greedy, an argmax over the logits
         self._ctx = ctx
-        self._n_vocab = n_vocab
 
-    def sample(self, batch_index: int) -> int:
-        """The token for the output at batch_index of the last decode."""
+    def sample(self, batch_index: int, logits: np.ndarray) -> int:
+        """The token for the output at batch_index of the last decode, whose logits these are."""
         if self._chain is None:
-            logits = llama.llama_get_logits_ith(self._ctx, batch_index)
-            return int(np.ctypeslib.as_array(logits, shape=(self._n_vocab,)).argmax())
+            return int(logits.argmax())
         # llama_sampler_sample also accepts the token into every sampler of the chain.
         return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
 
@@ -76,7 +74,7 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
     if _is_plain_greedy(params):
-        return Sampler(None, ctx, n_vocab)
+        return Sampler(None, ctx)
 
     grammar = None
     if params.grammar:
@@ -115,4 +113,4 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     chain = llama.llama_sampler_chain_init(chain_params)
     for stage in stages:
         llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
-    return Sampler(chain, ctx, n_vocab)
+    return Sampler(chain, ctx)
