@@ -119,3 +119,9 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
             ctx_size=config.ctx_size,
             slot_context=engine.slot_context,
         )
+    if config.batch_invariant and config.flash_attn == "off":
+        # Without flash attention the softmax sums a row over the whole padded KV window.
+        log.warning(
+            "batch invariance needs flash attention: with --flash-attn off a greedy output "
+            "can differ alone and batched"
+        )
