@@ -376,6 +376,8 @@ class Worker:
 
     def _sample(self, sampled: list[tuple[Slot, int]]) -> int:
         """Sample, record and check each slot's new token; return how many were sampled."""
+        if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
+            return 0
         now = time.monotonic()
         limit = self.engine.slot_context
         # Logits were asked for exactly where a token is sampled, so output row i belongs to
