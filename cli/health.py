@@ -10,8 +10,8 @@ import time
 
 import zmq
 
-from protocol.codec import DecodeError, decode, encode
-from protocol.messages import Heartbeat, Ping
+from loomserve.protocol.codec import DecodeError, decode, encode
+from loomserve.protocol.messages import Heartbeat, Ping
 
 
 def probe_worker(endpoint: str, timeout: float) -> Heartbeat | None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import click
 
-from cli.bench.command import bench
-from cli.default_model import resolve_model
-from gateway.config import GatewayConfig
-from worker.config import FLASH_ATTN_MODES, KV_CACHE_TYPES, WorkerConfig
+from loomserve.cli.bench.command import bench
+from loomserve.cli.default_model import resolve_model
+from loomserve.gateway.config import GatewayConfig
+from loomserve.worker.config import FLASH_ATTN_MODES, KV_CACHE_TYPES, WorkerConfig
 
 CONTEXT_SETTINGS = {"auto_envvar_prefix": "LOOMSERVE", "show_default": True}
 
@@ -236,8 +236,8 @@ def main() -> None:
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     """Run the model-owning worker alone."""
-    from cli.logs import configure_logging
-    from worker.server import run_worker
+    from loomserve.cli.logs import configure_logging
+    from loomserve.worker.server import run_worker
 
     configure_logging(level=log_level, json=log_json)
     run_worker(build_worker_config(bind, **opts))
@@ -267,9 +267,9 @@ def gateway(
     worker_endpoint: str, reuse_port: bool, log_level: str, log_json: bool | None, **opts
 ) -> None:
     """Run one HTTP gateway alone."""
-    from cli.logs import configure_logging
-    from cli.supervisor import reuse_port_socket
-    from gateway.server import run_gateway
+    from loomserve.cli.logs import configure_logging
+    from loomserve.cli.supervisor import reuse_port_socket
+    from loomserve.gateway.server import run_gateway
 
     configure_logging(level=log_level, json=log_json)
     config = build_gateway_config(worker_endpoint, **opts)
@@ -289,9 +289,9 @@ def gateway(
 @log_options
 def serve(gateways: int, log_level: str, log_json: bool | None, **opts) -> None:
     """Run everything on this machine: one worker and --gateways gateways, supervised."""
-    from cli import serve as serving
-    from cli.logs import configure_logging
-    from cli.supervisor import check_port_free
+    from loomserve.cli import serve as serving
+    from loomserve.cli.logs import configure_logging
+    from loomserve.cli.supervisor import check_port_free
 
     configure_logging(level=log_level, json=log_json)
     try:
@@ -323,7 +323,7 @@ def serve(gateways: int, log_level: str, log_json: bool | None, **opts) -> None:
 @click.option("--timeout", type=float, default=3.0, help="Seconds to wait for the answer.")
 def worker_health(worker_endpoint: str, timeout: float) -> None:
     """Exit 0 when the worker answers a Ping and its model is loaded; for health checks."""
-    from cli.health import probe_worker
+    from loomserve.cli.health import probe_worker
 
     beat = probe_worker(worker_endpoint, timeout)
     if beat is None:

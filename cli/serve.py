@@ -21,7 +21,7 @@ from typing import Any
 import click
 import structlog
 
-from cli.supervisor import Child, ChildSpec, Supervisor
+from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -104,12 +104,12 @@ def child_specs(
 
 
 def child_argv(command: click.Command, values: Mapping[str, Any]) -> list[str]:
-    """`python -m cli.main <command> --opt value ...` for the options the command has.
+    """`python -m loomserve.cli.main <command> --opt value ...` for the options the command has.
 
     Every value goes on the command line, defaults included: the child inherits the
     environment, and an env var there must not override what serve was told.
     """
-    argv = [sys.executable, "-P", "-m", "cli.main", str(command.name)]
+    argv = [sys.executable, "-P", "-m", "loomserve.cli.main", str(command.name)]
     for param in command.params:
         if not isinstance(param, click.Option) or param.name not in values:
             continue

@@ -14,23 +14,23 @@ import structlog
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway import prompts
-from gateway.chat_template import ChatTemplate
-from gateway.client import WorkerClient
-from gateway.config import GatewayConfig
-from gateway.errors import APIError, install_handlers, unavailable
-from gateway.generation import Generation
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import AccessMiddleware, BodyLimitMiddleware
-from gateway.params import (
+from loomserve.gateway import prompts
+from loomserve.gateway.chat_template import ChatTemplate
+from loomserve.gateway.client import WorkerClient
+from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.errors import APIError, install_handlers, unavailable
+from loomserve.gateway.generation import Generation
+from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.middleware import AccessMiddleware, BodyLimitMiddleware
+from loomserve.gateway.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     max_new_tokens,
     reject_unsupported,
     sampling_params,
     stop_strings,
 )
-from gateway.render import StreamChunks, chat_body, completion_body
-from gateway.schemas import (
+from loomserve.gateway.render import StreamChunks, chat_body, completion_body
+from loomserve.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -44,9 +44,9 @@ from gateway.schemas import (
     TokenizeResponse,
     TokenPiece,
 )
-from gateway.streaming import EventStreamResponse, collect, event_stream, until_disconnect
-from gateway.tokenizer import Vocab
-from protocol.messages import ModelInfo, SamplingParams
+from loomserve.gateway.streaming import EventStreamResponse, collect, event_stream, until_disconnect
+from loomserve.gateway.tokenizer import Vocab
+from loomserve.protocol.messages import ModelInfo, SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -22,11 +22,11 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from gateway.config import GatewayConfig
-from gateway.errors import APIError, invalid_request, server_error, unavailable
-from gateway.metrics import GatewayMetrics
-from protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
-from protocol.messages import (
+from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.errors import APIError, invalid_request, server_error, unavailable
+from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
+from loomserve.protocol.messages import (
     PROTOCOL_VERSION,
     Accepted,
     Cancel,

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from gateway.client import RequestHandle, WorkerClient
-from gateway.errors import APIError, server_error
-from gateway.metrics import GatewayMetrics
-from gateway.stop import StopMatcher
-from gateway.tokenizer import IncrementalDetokenizer, Vocab
-from protocol.messages import Finish, FinishReason, SamplingParams, TokenChunk
+from loomserve.gateway.client import RequestHandle, WorkerClient
+from loomserve.gateway.errors import APIError, server_error
+from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.stop import StopMatcher
+from loomserve.gateway.tokenizer import IncrementalDetokenizer, Vocab
+from loomserve.protocol.messages import Finish, FinishReason, SamplingParams, TokenChunk
 
 log = structlog.get_logger(__name__)
 

@@ -7,8 +7,8 @@ import time
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError, invalid_request
-from gateway.metrics import GatewayMetrics
+from loomserve.gateway.errors import APIError, invalid_request
+from loomserve.gateway.metrics import GatewayMetrics
 
 log = structlog.get_logger(__name__)
 

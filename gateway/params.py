@@ -11,10 +11,10 @@ from typing import Any
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from gateway.errors import APIError, invalid_request
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
-from gateway.tokenizer import Vocab
-from protocol.messages import SamplingParams
+from loomserve.gateway.errors import APIError, invalid_request
+from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from loomserve.gateway.tokenizer import Vocab
+from loomserve.protocol.messages import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions

@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gateway.chat_template import ChatTemplate, ChatTemplateError
-from gateway.errors import invalid_request
-from gateway.schemas import ChatMessage
-from gateway.tokenizer import Vocab
+from loomserve.gateway.chat_template import ChatTemplate, ChatTemplateError
+from loomserve.gateway.errors import invalid_request
+from loomserve.gateway.schemas import ChatMessage
+from loomserve.gateway.tokenizer import Vocab
 
 OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
 T = TypeVar("T")

@@ -6,16 +6,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import APIError
-from gateway.generation import Usage
-from gateway.schemas import (
+from loomserve.gateway.errors import APIError
+from loomserve.gateway.generation import Usage
+from loomserve.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     Completion,
     CompletionChoice,
 )
-from gateway.schemas import Usage as UsageBody
+from loomserve.gateway.schemas import Usage as UsageBody
 
 DONE_EVENT = "data: [DONE]\n\n"
 

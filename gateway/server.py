@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import structlog
 import uvicorn
 
-from gateway.app import create_app
-from gateway.client import WorkerClient
-from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics, mark_dead
-from gateway.tokenizer import Vocab
+from loomserve.gateway.app import create_app
+from loomserve.gateway.client import WorkerClient
+from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.metrics import GatewayMetrics, mark_dead
+from loomserve.gateway.tokenizer import Vocab
 
 log = structlog.get_logger(__name__)
 

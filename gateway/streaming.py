@@ -17,9 +17,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.errors import APIError
-from gateway.generation import Done, Generation, TextDelta
-from gateway.render import DONE_EVENT, StreamChunks, error_event
+from loomserve.gateway.errors import APIError
+from loomserve.gateway.generation import Done, Generation, TextDelta
+from loomserve.gateway.render import DONE_EVENT, StreamChunks, error_event
 
 log = structlog.get_logger(__name__)
 

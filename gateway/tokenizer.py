@@ -12,6 +12,8 @@ from pathlib import Path
 import llama_cpp
 import llama_cpp._logger
 
+from loomserve.protocol.vocab import vocab_fingerprint
+
 # The vocabulary load is chatty at INFO; the gateway only wants llama.cpp's errors.
 llama_cpp._logger.set_verbose(False)
 
@@ -47,9 +49,11 @@ class Vocab:
 
     def fingerprint(self) -> str:
         """The same sha256 over the vocabulary that the worker puts in ModelInfo."""
-        from worker.vocab import vocab_fingerprint
-
-        return vocab_fingerprint(self.vocab)
+        get_text, get_attr = llama_cpp.llama_vocab_get_text, llama_cpp.llama_vocab_get_attr
+        return vocab_fingerprint(
+            (get_text(self.vocab, token) or b"", get_attr(self.vocab, token))
+            for token in range(llama_cpp.llama_vocab_n_tokens(self.vocab))
+        )
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
         """Token ids of text; add_special adds BOS (and EOS) as the model wants them."""

@@ -1,7 +1,7 @@
 """Wire messages between gateways and the worker, and their msgpack codec."""
 
-from protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
-from protocol.messages import (
+from loomserve.protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
+from loomserve.protocol.messages import (
     PROTOCOL_VERSION,
     Accepted,
     Cancel,

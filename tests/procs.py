@@ -25,8 +25,8 @@ import httpx
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.codec import decode, encode
-from protocol.messages import Hello, ModelInfo
+from loomserve.protocol.codec import decode, encode
+from loomserve.protocol.messages import Hello, ModelInfo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = Path(tempfile.gettempdir()) / "loomserve-test-logs"
@@ -63,7 +63,7 @@ class Proc:
         self.log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("wb")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", *args],
+            [sys.executable, "-m", "loomserve.cli.main", *args],
             cwd=REPO_ROOT,
             stdout=self._log,
             stderr=subprocess.STDOUT,

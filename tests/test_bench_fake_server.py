@@ -25,14 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from cli.bench.client import StreamingClient
-from cli.bench.command import bench
-from cli.bench.datasets import BenchRequest
-from cli.bench.metrics import compute_metrics, pacing_stats
-from cli.bench.probe import ServerTokenizer
-from cli.bench.records import RequestRecord
-from cli.bench.runner import LoadShape, RunResult, run_load
-from cli.bench.selftest import run_self_test
+from loomserve.cli.bench.client import StreamingClient
+from loomserve.cli.bench.command import bench
+from loomserve.cli.bench.datasets import BenchRequest
+from loomserve.cli.bench.metrics import compute_metrics, pacing_stats
+from loomserve.cli.bench.probe import ServerTokenizer
+from loomserve.cli.bench.records import RequestRecord
+from loomserve.cli.bench.runner import LoadShape, RunResult, run_load
+from loomserve.cli.bench.selftest import run_self_test
 
 FIRST_S = 0.100
 GAP_S = 0.020

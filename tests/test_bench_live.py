@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.bench.command import bench
+from loomserve.cli.bench.command import bench
 from tests.procs import Proc, start_gateway, start_worker
 
 

@@ -9,16 +9,16 @@ import random
 import numpy as np
 import pytest
 
-from cli.bench.arrivals import arrival_offsets
-from cli.bench.client import build_payload, chunk_text, error_message
-from cli.bench.datasets import (
+from loomserve.cli.bench.arrivals import arrival_offsets
+from loomserve.cli.bench.client import build_payload, chunk_text, error_message
+from loomserve.cli.bench.datasets import (
     BenchRequest,
     random_dataset,
     sample_lengths,
     shared_prefix_dataset,
     sharegpt_dataset,
 )
-from cli.bench.metrics import (
+from loomserve.cli.bench.metrics import (
     compute_metrics,
     distribution,
     meets_slos,
@@ -28,10 +28,10 @@ from cli.bench.metrics import (
     peak_concurrency,
     tpot_s,
 )
-from cli.bench.records import NOT_SENT, TIMEOUT, UNFINISHED, RequestRecord
-from cli.bench.report import write_json
-from cli.bench.runner import LoadShape
-from cli.bench.sweep import parse_sweep, sweep_shapes
+from loomserve.cli.bench.records import NOT_SENT, TIMEOUT, UNFINISHED, RequestRecord
+from loomserve.cli.bench.report import write_json
+from loomserve.cli.bench.runner import LoadShape
+from loomserve.cli.bench.sweep import parse_sweep, sweep_shapes
 
 
 def done(

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from cli.main import main
+from loomserve.cli.main import main
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def candidate_values(option: click.Option, tmp_path: Path) -> list[str]:
 def test_gateway_and_worker_configs_are_built_from_environment_variables(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cli.main import build_gateway_config, build_worker_config
+    from loomserve.cli.main import build_gateway_config, build_worker_config
 
     monkeypatch.setenv("LOOMSERVE_MODEL", str(tiny_model_path))
     monkeypatch.setenv("LOOMSERVE_SLOTS", "3")
@@ -151,7 +151,7 @@ def test_every_third_party_import_is_a_declared_dependency() -> None:
     missing = {}
     for path in (p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
         for module in imported_modules(path):
-            if module in stdlib or module in PACKAGES or module == "__future__":
+            if module in stdlib or module in ("loomserve", "__future__"):
                 continue
             names = {normalize(d) for d in distributions.get(module, [module])}
             if not names & declared:
@@ -160,16 +160,24 @@ def test_every_third_party_import_is_a_declared_dependency() -> None:
 
 
 def test_the_distribution_holds_every_package() -> None:
+    """Every folder with Python in it installs as loomserve.<folder path>, from that folder."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    include = config["tool"]["setuptools"]["packages"]["find"]["include"]
-    for package_dir in (p.parent for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
-        dotted = ".".join(package_dir.relative_to(ROOT).parts)
-        assert (package_dir / "__init__.py").exists(), f"{dotted} is not a package"
-        assert any(
-            re.fullmatch(pattern.replace(".", r"\.").replace("*", ".*"), dotted)
-            for pattern in include
-        ), f"{dotted} is left out of the distribution"
-    assert config["project"]["scripts"]["loomserve"] == "cli.main:main"
+    packages = config["tool"]["setuptools"]["packages"]
+    package_dir = config["tool"]["setuptools"]["package-dir"]
+    for folder in {p.parent for package in PACKAGES for p in (ROOT / package).rglob("*.py")}:
+        dotted = "loomserve." + ".".join(folder.relative_to(ROOT).parts)
+        assert (folder / "__init__.py").exists(), f"{dotted} is not a package"
+        assert dotted in packages, f"{dotted} is left out of the distribution"
+    assert package_dir == {f"loomserve.{package}": package for package in PACKAGES}
+    assert config["project"]["scripts"]["loomserve"] == "loomserve.cli.main:main"
+
+
+def test_bare_package_names_are_banned() -> None:
+    """ruff refuses `import worker`: installed, only loomserve.worker exists."""
+    banned = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"][
+        "flake8-tidy-imports"
+    ]["banned-api"]
+    assert set(banned) == set(PACKAGES)
 
 
 def requirement_name(requirement: str) -> str:
@@ -209,7 +217,9 @@ def children_of(pid: int) -> dict[int, list[str]]:
 
 
 def role(cmdline: list[str]) -> str:
-    return cmdline[cmdline.index("cli.main") + 1] if "cli.main" in cmdline else "?"
+    return (
+        cmdline[cmdline.index("loomserve.cli.main") + 1] if "loomserve.cli.main" in cmdline else "?"
+    )
 
 
 def gone(pid: int) -> bool:
@@ -274,7 +284,7 @@ def clean_env() -> dict[str, str]:
 def served(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    argv = [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_path)]
+    argv = [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(tiny_model_path)]
     argv += ["--gateways", "2", "--port", str(port), "--slots", "4", "--ctx-size", "512"]
     argv += ["--threads", "1", "--worker-timeout", "1", "--heartbeat-interval", "0.25"]
     argv += ["--log-json"]
@@ -356,7 +366,7 @@ def test_serve_refuses_a_port_in_use(tiny_model_path: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_path),
+            [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(tiny_model_path),
              "--port", str(port)],
             cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -366,7 +376,8 @@ def test_serve_refuses_a_port_in_use(tiny_model_path: Path) -> None:
 
 def test_serve_rejects_a_missing_model(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", "serve", "--model", str(tmp_path / "nope.gguf")],
+        [sys.executable, "-m", "loomserve.cli.main", "serve",
+         "--model", str(tmp_path / "nope.gguf")],
         cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2
@@ -375,7 +386,7 @@ def test_serve_rejects_a_missing_model(tmp_path: Path) -> None:
 
 def test_worker_health_fails_without_a_worker() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    argv = [sys.executable, "-m", "cli.main", "worker-health", "--worker", endpoint]
+    argv = [sys.executable, "-m", "loomserve.cli.main", "worker-health", "--worker", endpoint]
     result = subprocess.run(
         [*argv, "--timeout", "0.3"],
         cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60,

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from cli.main import main
+from loomserve.cli.main import main
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,8 +168,8 @@ def exported_metric_names() -> set[str]:
     """Every sample name the worker and a gateway export."""
     from prometheus_client import CollectorRegistry
 
-    from gateway.metrics import GatewayMetrics
-    from worker.metrics import WorkerMetrics
+    from loomserve.gateway.metrics import GatewayMetrics
+    from loomserve.worker.metrics import WorkerMetrics
 
     registries: list[CollectorRegistry] = [GatewayMetrics().registry, WorkerMetrics().registry]
     names = set()
@@ -258,7 +258,7 @@ class LocalCompose:
     def command(self, words: list[str], container: Container) -> list[str]:
         local = [self.localize(str(word), container) for word in words]
         if local[0] == "loomserve":
-            return [sys.executable, "-m", "cli.main", *local[1:]]
+            return [sys.executable, "-m", "loomserve.cli.main", *local[1:]]
         if local[0] in {"python", "python3"}:
             return [sys.executable, *local[1:]]
         return local

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from llama_cpp import llama_vocab_get_text
 
-from gateway.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
-from gateway.errors import APIError
-from gateway.params import max_new_tokens, sampling_params, stop_strings
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.stop import StopMatcher
-from gateway.tokenizer import IncrementalDetokenizer, Vocab
+from loomserve.gateway.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from loomserve.gateway.errors import APIError
+from loomserve.gateway.params import max_new_tokens, sampling_params, stop_strings
+from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from loomserve.gateway.stop import StopMatcher
+from loomserve.gateway.tokenizer import IncrementalDetokenizer, Vocab
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import math
 import msgpack
 import pytest
 
-from protocol import (
+from loomserve.protocol import (
     Accepted,
     Cancel,
     DecodeError,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from protocol import FinishReason, SamplingParams
-from worker.scheduler import Request, Scheduler, common_prefix
-from worker.strategies import SlotPhase
+from loomserve.protocol import FinishReason, SamplingParams
+from loomserve.worker.scheduler import Request, Scheduler, common_prefix
+from loomserve.worker.strategies import SlotPhase
 
 GW = b"gateway-1"
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from worker.strategies import (
+from loomserve.worker.strategies import (
     Balanced,
     BatchPlan,
     DecodeMaximal,
@@ -134,7 +134,12 @@ def test_load_strategy_by_name(spec, cls):
 
 @pytest.mark.parametrize(
     "spec",
-    ["fastest", "no_such_module:Thing", "worker.strategies:Nope", "worker.strategies:SlotPhase"],
+    [
+        "fastest",
+        "no_such_module:Thing",
+        "loomserve.worker.strategies:Nope",
+        "loomserve.worker.strategies:SlotPhase",
+    ],
 )
 def test_load_strategy_refuses_unknown_names(spec):
     with pytest.raises(ValueError):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.supervisor import MAX_QUICK_EXITS, ChildSpec, Supervisor, describe_returncode
+from loomserve.cli.supervisor import MAX_QUICK_EXITS, ChildSpec, Supervisor, describe_returncode
 
 
 def python_child(name: str, code: str, workdir: Path, stop_stage: int = 0) -> ChildSpec:
@@ -138,7 +138,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
         f"""
         import os, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-        from cli.supervisor import ChildSpec, Supervisor
+        from loomserve.cli.supervisor import ChildSpec, Supervisor
         code = "import os, time; open('child.pid', 'w').write(str(os.getpid())); time.sleep(60)"
         Supervisor([ChildSpec("sleeper", [sys.executable, "-c", code], dict(os.environ))]).run()
         """

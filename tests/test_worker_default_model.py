@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from cli.default_model import default_model_path
-from protocol import Generate, Hello, ModelInfo, Outputs, SamplingParams
+from loomserve.cli.default_model import default_model_path
+from loomserve.protocol import Generate, Hello, ModelInfo, Outputs, SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine
+from loomserve.worker.loop import Worker
 from tests.procs import start_worker
 from tests.test_worker_engine import Collector, drain, run_alone, run_staggered
 from tests.test_worker_server import Gateway
-from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.loop import Worker
 
 pytestmark = pytest.mark.default_model
 

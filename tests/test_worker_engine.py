@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import (
+from loomserve.protocol import (
     Accepted,
     ErrorCode,
     Finish,
@@ -21,10 +21,10 @@ from protocol import (
     Rejected,
     SamplingParams,
 )
-from worker.config import WorkerConfig
-from worker.engine import Engine, EngineError
-from worker.loop import Worker
-from worker.strategies import BatchPlan
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine, EngineError
+from loomserve.worker.loop import Worker
+from loomserve.worker.strategies import BatchPlan
 
 GW = b"gw-1"
 

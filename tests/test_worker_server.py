@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import llama_cpp as llama
 import msgpack
 import pytest
 import zmq
 
-from protocol import (
+from loomserve.gateway.tokenizer import Vocab
+from loomserve.protocol import (
     PROTOCOL_VERSION,
     Accepted,
     Cancel,
@@ -36,11 +36,10 @@ from protocol import (
     decode,
     encode,
 )
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine
+from loomserve.worker.loop import Worker
 from tests.procs import REPO_ROOT, Proc, Samples, free_port, scrape_metrics, start_worker
-from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.loop import Worker
-from worker.vocab import vocab_fingerprint
 
 TIMEOUT = 20.0
 
@@ -136,13 +135,12 @@ def gateway(worker: Proc, request: pytest.FixtureRequest) -> Iterator[Gateway]:
 
 
 def test_hello_answers_model_info(gateway: Gateway, worker: Proc, tiny_model_path: Path):
-    params = llama.llama_model_default_params()
-    params.vocab_only = True
-    model = llama.llama_model_load_from_file(str(tiny_model_path).encode(), params)
+    # The gateway's vocab-only copy must hash to what the worker announces.
+    vocab = Vocab(tiny_model_path)
     try:
-        fingerprint = vocab_fingerprint(llama.llama_model_get_vocab(model))
+        fingerprint = vocab.fingerprint()
     finally:
-        llama.llama_model_free(model)
+        vocab.close()
     assert gateway.hello() == ModelInfo(
         protocol_version=PROTOCOL_VERSION,
         model_name="tiny-llama-test",

@@ -24,9 +24,9 @@ import llama_cpp as llama
 import numpy as np
 import structlog
 
-from protocol import SamplingParams
-from worker.config import WorkerConfig
-from worker.sampling import Sampler, build_sampler
+from loomserve.protocol import SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.sampling import Sampler, build_sampler
 
 log = structlog.get_logger(__name__)
 
@@ -201,6 +201,14 @@ class Engine:
         """The last decode's logits, one row per token that asked for them, in batch order."""
         pointer = llama.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(pointer, shape=(n_outputs, self.n_vocab))
+
+    def vocab_tokens(self) -> list[tuple[bytes, int]]:
+        """Every token's (text, attribute bits) in id order, for protocol.vocab_fingerprint."""
+        get_text, get_attr = llama.llama_vocab_get_text, llama.llama_vocab_get_attr
+        return [
+            (get_text(self.vocab, token) or b"", get_attr(self.vocab, token))
+            for token in range(llama.llama_vocab_n_tokens(self.vocab))
+        ]
 
     def is_eog(self, token: int) -> bool:
         return llama.llama_vocab_is_eog(self.vocab, token)

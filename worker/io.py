@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
-from protocol import (
+from loomserve.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Cancel,
@@ -38,8 +38,8 @@ from protocol import (
     decode,
     encode,
 )
-from worker.config import WorkerConfig
-from worker.loop import Load, Worker
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.loop import Load, Worker
 
 log = structlog.get_logger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import structlog
 
-from protocol import (
+from loomserve.protocol import (
     Accepted,
     ErrorCode,
     Finish,
@@ -29,11 +29,11 @@ from protocol import (
     Rejected,
     TokenChunk,
 )
-from worker.config import WorkerConfig
-from worker.engine import Engine
-from worker.sampling import InvalidSampling
-from worker.scheduler import Request, RequestKey, Scheduler, Slot
-from worker.strategies import (
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine
+from loomserve.worker.sampling import InvalidSampling
+from loomserve.worker.scheduler import Request, RequestKey, Scheduler, Slot
+from loomserve.worker.strategies import (
     BatchPlan,
     DecodeMaximal,
     SlotPhase,

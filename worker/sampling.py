@@ -14,7 +14,7 @@ from __future__ import annotations
 import llama_cpp as llama
 import numpy as np
 
-from protocol import SamplingParams
+from loomserve.protocol import SamplingParams
 
 
 class InvalidSampling(ValueError):

@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from protocol import FinishReason, SamplingParams
-from worker.strategies import SlotPhase, SlotView
+from loomserve.protocol import FinishReason, SamplingParams
+from loomserve.worker.strategies import SlotPhase, SlotView
 
 RequestKey = tuple[bytes, str]  # (gateway identity, request id): ids are unique per gateway
 

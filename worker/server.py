@@ -7,14 +7,14 @@ import signal
 import structlog
 import zmq
 
-from protocol import PROTOCOL_VERSION, ModelInfo
-from worker.config import WorkerConfig
-from worker.engine import Engine, EngineError
-from worker.io import WorkerIO
-from worker.loop import Worker
-from worker.metrics import WorkerMetrics
-from worker.strategies import load_strategy
-from worker.vocab import vocab_fingerprint
+from loomserve.protocol import PROTOCOL_VERSION, ModelInfo
+from loomserve.protocol.vocab import vocab_fingerprint
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine, EngineError
+from loomserve.worker.io import WorkerIO
+from loomserve.worker.loop import Worker
+from loomserve.worker.metrics import WorkerMetrics
+from loomserve.worker.strategies import load_strategy
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ def _serve(config: WorkerConfig, engine: Engine) -> None:
         context_train=engine.description.context_train,
         slot_context=engine.slot_context,
         slots=config.slots,
-        vocab_fingerprint=vocab_fingerprint(engine.vocab),
+        vocab_fingerprint=vocab_fingerprint(engine.vocab_tokens()),
         ready=True,
     )
     _log_start(config, engine, info)

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from cli.bench.datasets import BenchRequest
-from cli.bench.records import (
+from loomserve.cli.bench.datasets import BenchRequest
+from loomserve.cli.bench.records import (
     BAD_RESPONSE,
     BROKEN_STREAM,
     CONNECT_ERROR,

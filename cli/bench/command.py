@@ -1,4 +1,7 @@
-"""`loomserve bench`: the load generator's command line (also `python -m cli.bench.command`)."""
+"""`loomserve bench`: the load generator's command line.
+
+Also `python -m loomserve.cli.bench.command`.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +11,12 @@ from pathlib import Path
 
 import click
 
-from cli.bench.metrics import parse_slos
-from cli.bench.probe import BenchSetupError
-from cli.bench.report import write_json
-from cli.bench.runner import LoadShape, WarmupFailed
-from cli.bench.session import DATASETS, BenchConfig, run_session
-from cli.bench.sweep import parse_sweep
+from loomserve.cli.bench.metrics import parse_slos
+from loomserve.cli.bench.probe import BenchSetupError
+from loomserve.cli.bench.report import write_json
+from loomserve.cli.bench.runner import LoadShape, WarmupFailed
+from loomserve.cli.bench.session import DATASETS, BenchConfig, run_session
+from loomserve.cli.bench.sweep import parse_sweep
 
 
 def _percentiles(text: str) -> tuple[float, ...]:
@@ -135,7 +138,7 @@ def _warn(message: str) -> None:
 def bench(**opts) -> None:
     """Benchmark an OpenAI-compatible server (loomserve, llama-server, vLLM) under load."""
     if opts["self_test"]:
-        from cli.bench.selftest import run_self_test
+        from loomserve.cli.bench.selftest import run_self_test
 
         result = run_self_test(echo=click.echo)
         if opts["result_json"]:

@@ -2,7 +2,7 @@
 
 It streams max_tokens one-word chunks, then usage and [DONE], with no model behind it and as
 little work per chunk as raw asyncio streams allow. Run it in its own process:
-`python -m cli.bench.instant_server [--port N]` prints "listening on PORT" when ready.
+`python -m loomserve.cli.bench.instant_server [--port N]` prints "listening on PORT" when ready.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from cli.bench.client import api_root
+from loomserve.cli.bench.client import api_root
 
 
 class BenchSetupError(Exception):

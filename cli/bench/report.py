@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from cli.bench.metrics import BenchmarkMetrics, Distribution, PacingStats, output_timeline
-from cli.bench.records import RequestRecord
-from cli.bench.runner import RunResult
+from loomserve.cli.bench.metrics import BenchmarkMetrics, Distribution, PacingStats, output_timeline
+from loomserve.cli.bench.records import RequestRecord
+from loomserve.cli.bench.runner import RunResult
 
 WIDTH = 50
 LATENCIES = (

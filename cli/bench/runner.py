@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from cli.bench.arrivals import arrival_offsets, follow_schedule
-from cli.bench.client import StreamingClient
-from cli.bench.datasets import BenchRequest
-from cli.bench.records import NOT_SENT, RequestRecord
+from loomserve.cli.bench.arrivals import arrival_offsets, follow_schedule
+from loomserve.cli.bench.client import StreamingClient
+from loomserve.cli.bench.datasets import BenchRequest
+from loomserve.cli.bench.records import NOT_SENT, RequestRecord
 
 
 class WarmupFailed(Exception):

@@ -14,11 +14,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from cli.bench.client import StreamingClient
-from cli.bench.datasets import BenchRequest
-from cli.bench.instant_server import MODEL
-from cli.bench.metrics import compute_metrics, pacing_stats
-from cli.bench.runner import LoadShape, RunResult, run_load
+from loomserve.cli.bench.client import StreamingClient
+from loomserve.cli.bench.datasets import BenchRequest
+from loomserve.cli.bench.instant_server import MODEL
+from loomserve.cli.bench.metrics import compute_metrics, pacing_stats
+from loomserve.cli.bench.runner import LoadShape, RunResult, run_load
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class SelfTestResult:
 def start_instant_server() -> tuple[subprocess.Popen[str], int]:
     """Start the instant server in a child process; return it and its port."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "cli.bench.instant_server", "--port", "0"],
+        [sys.executable, "-m", "loomserve.cli.bench.instant_server", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -10,9 +10,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cli.bench import report
-from cli.bench.client import StreamingClient
-from cli.bench.datasets import (
+from loomserve.cli.bench import report
+from loomserve.cli.bench.client import StreamingClient
+from loomserve.cli.bench.datasets import (
     BenchRequest,
     TokenCounter,
     approximate_token_counts,
@@ -20,10 +20,10 @@ from cli.bench.datasets import (
     shared_prefix_dataset,
     sharegpt_dataset,
 )
-from cli.bench.metrics import BenchmarkMetrics, compute_metrics, pacing_stats
-from cli.bench.probe import ServerTokenizer, first_model
-from cli.bench.runner import LoadShape, RunResult, run_load, warm_up
-from cli.bench.sweep import sweep_shapes
+from loomserve.cli.bench.metrics import BenchmarkMetrics, compute_metrics, pacing_stats
+from loomserve.cli.bench.probe import ServerTokenizer, first_model
+from loomserve.cli.bench.runner import LoadShape, RunResult, run_load, warm_up
+from loomserve.cli.bench.sweep import sweep_shapes
 
 DATASETS = ("random", "shared-prefix", "sharegpt")
 DEFAULT_OUTPUT_LEN = 128

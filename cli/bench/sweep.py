@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from cli.bench.runner import LoadShape
+from loomserve.cli.bench.runner import LoadShape
 
 SWEEPABLE = {
     "max-concurrency": "max_concurrency",
