@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import os
 import shutil
-import site
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -138,15 +137,10 @@ def child_env(
     drop: tuple[str, ...] = (),
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The supervisor's environment, plus secrets and the path to this copy of loomserve."""
+    """The supervisor's environment (children import loomserve as it does), plus secrets."""
     env = {key: value for key, value in os.environ.items() if key not in drop}
     for name in SECRET_OPTIONS & values.keys():
         env[f"LOOMSERVE_{name.upper()}"] = " ".join(values[name] or ())
-    # `python -P` keeps the working directory off sys.path, so a stray ./cli cannot shadow
-    # ours; a source checkout that is not installed is found through PYTHONPATH instead.
-    root = str(Path(__file__).resolve().parent.parent)
-    if root not in {*site.getsitepackages(), site.getusersitepackages()}:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.update(extra or {})
     return env
 
