@@ -6,16 +6,23 @@ command line share one set of names.
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any
 
 import click
 
-from loomserve.cli.bench.command import bench
 from loomserve.cli.default_model import resolve_model
 from loomserve.gateway.config import GatewayConfig
 from loomserve.worker.config import FLASH_ATTN_MODES, KV_CACHE_TYPES, WorkerConfig
 
 CONTEXT_SETTINGS = {"auto_envvar_prefix": "LOOMSERVE", "show_default": True}
+
+
+def default_of(config: type, name: str) -> Any:
+    """A setting's default, declared once: on its config dataclass."""
+    setting = next(f for f in fields(config) if f.name == name)
+    return setting.default if setting.default is not MISSING else setting.default_factory()
 
 
 def worker_options(func):
@@ -30,77 +37,90 @@ def worker_options(func):
         click.option(
             "--gpu-layers",
             type=int,
-            default=-1,
+            default=default_of(WorkerConfig, "gpu_layers"),
             help="Layers to offload to the GPU; -1 for all (when built with a GPU backend).",
         ),
         click.option(
-            "--threads", type=int, default=0, help="CPU threads for llama.cpp; 0 for all cores."
+            "--threads",
+            type=int,
+            default=default_of(WorkerConfig, "threads"),
+            help="CPU threads for llama.cpp; 0 for all cores.",
         ),
         click.option(
             "--flash-attn",
             type=click.Choice(FLASH_ATTN_MODES),
-            default="auto",
+            default=default_of(WorkerConfig, "flash_attn"),
             help="Flash attention; auto: where the backend has it, as llama-server does.",
         ),
         click.option(
             "--kv-cache-type",
             type=click.Choice(KV_CACHE_TYPES),
-            default="f16",
+            default=default_of(WorkerConfig, "kv_cache_type"),
             help="Data type of the KV cache.",
         ),
-        click.option("--slots", type=int, default=8, help="Sequences decoded at once."),
+        click.option(
+            "--slots",
+            type=int,
+            default=default_of(WorkerConfig, "slots"),
+            help="Sequences decoded at once.",
+        ),
         click.option(
             "--ctx-size",
             type=int,
-            default=4096,
+            default=default_of(WorkerConfig, "ctx_size"),
             help="Context tokens per slot, capped by the model's training context.",
         ),
         click.option(
             "--max-queue",
             type=int,
-            default=64,
+            default=default_of(WorkerConfig, "max_queue"),
             help="Requests that may wait for a slot; beyond that they are rejected.",
         ),
         click.option(
-            "--batch-tokens", type=int, default=512, help="Token budget of one tick's batch."
+            "--batch-tokens",
+            type=int,
+            default=default_of(WorkerConfig, "batch_tokens"),
+            help="Token budget of one tick's batch.",
         ),
         click.option(
             "--prefill-chunk",
             type=int,
-            default=512,
+            default=default_of(WorkerConfig, "prefill_chunk"),
             help="Most prompt tokens one slot prefills per tick.",
         ),
         click.option(
             "--strategy",
-            default="decode-maximal",
+            default=default_of(WorkerConfig, "strategy"),
             help="Batching strategy: decode-maximal, prefill-priority, balanced, "
             "or a dotted path to your own class (package.module:Class).",
         ),
         click.option(
             "--metrics-port",
             type=int,
-            default=None,
+            default=default_of(WorkerConfig, "metrics_port"),
             help="Serve the worker's Prometheus metrics on this port.",
         ),
         click.option(
             "--metrics-host",
-            default="127.0.0.1",
+            default=default_of(WorkerConfig, "metrics_host"),
             help="Address of the metrics endpoint (0.0.0.0 for Prometheus in another container).",
         ),
         click.option(
             "--gateway-timeout",
             type=click.FloatRange(min=0.1),
-            default=5.0,
+            default=default_of(WorkerConfig, "gateway_timeout"),
             help="Seconds a gateway may be silent before its requests are cancelled.",
         ),
         click.option(
             "--batch-invariant/--no-batch-invariant",
-            default=True,
+            default=default_of(WorkerConfig, "batch_invariant"),
             help="Greedy output the same alone and batched: a KV stream per slot and per-row "
             "CPU kernels. Off: one KV cache shared by all slots and the fastest kernels.",
         ),
         click.option(
-            "--log-ticks/--no-log-ticks", default=False, help="Log one structured event per tick."
+            "--log-ticks/--no-log-ticks",
+            default=default_of(WorkerConfig, "log_ticks"),
+            help="Log one structured event per tick.",
         ),
     ]
     for option in reversed(options):
@@ -111,11 +131,18 @@ def worker_options(func):
 def gateway_options(func):
     """The options that configure a gateway; shared by `gateway` and `serve`."""
     options = [
-        click.option("--host", default="127.0.0.1", help="HTTP address to listen on."),
-        click.option("--port", type=int, default=8000, help="HTTP port to listen on."),
+        click.option(
+            "--host", default=default_of(GatewayConfig, "host"), help="HTTP address to listen on."
+        ),
+        click.option(
+            "--port",
+            type=int,
+            default=default_of(GatewayConfig, "port"),
+            help="HTTP port to listen on.",
+        ),
         click.option(
             "--served-model-name",
-            default=None,
+            default=default_of(GatewayConfig, "model_name"),
             help="Model name in the API. Default: the model file's name.",
         ),
         click.option(
@@ -137,25 +164,31 @@ def gateway_options(func):
         click.option(
             "--max-body-bytes",
             type=click.IntRange(min=1),
-            default=8 * 1024 * 1024,
+            default=default_of(GatewayConfig, "max_body_bytes"),
             help="Largest request body accepted; a larger one gets 413.",
         ),
         click.option(
             "--heartbeat-interval",
             type=click.FloatRange(min=0.01),
-            default=1.0,
+            default=default_of(GatewayConfig, "heartbeat_interval"),
             help="Seconds between the gateway's pings to the worker.",
         ),
         click.option(
             "--worker-timeout",
             type=click.FloatRange(min=0.05),
-            default=3.0,
+            default=default_of(GatewayConfig, "worker_timeout"),
             help="Seconds without a word from the worker before it counts as down (503).",
+        ),
+        click.option(
+            "--shutdown-timeout",
+            type=click.FloatRange(min=0),
+            default=default_of(GatewayConfig, "shutdown_timeout"),
+            help="On SIGTERM, seconds open streams get to finish before they are cut off.",
         ),
         click.option(
             "--request-timeout",
             type=click.FloatRange(min=0.1),
-            default=600.0,
+            default=default_of(GatewayConfig, "request_timeout"),
             help="Longest a generation may run before it is cut off with a 504.",
         ),
     ]
@@ -174,25 +207,10 @@ def log_options(func):
 
 
 def build_worker_config(bind: str, **opts) -> WorkerConfig:
-    return WorkerConfig(
-        model_path=resolve_model(opts["model"]),
-        bind=bind,
-        gpu_layers=opts["gpu_layers"],
-        threads=opts["threads"],
-        flash_attn=opts["flash_attn"],
-        kv_cache_type=opts["kv_cache_type"],
-        slots=opts["slots"],
-        ctx_size=opts["ctx_size"],
-        max_queue=opts["max_queue"],
-        batch_tokens=opts["batch_tokens"],
-        prefill_chunk=opts["prefill_chunk"],
-        strategy=opts["strategy"],
-        metrics_port=opts["metrics_port"],
-        metrics_host=opts["metrics_host"],
-        gateway_timeout=opts["gateway_timeout"],
-        batch_invariant=opts["batch_invariant"],
-        log_ticks=opts["log_ticks"],
-    )
+    """A WorkerConfig from the command's options: every field an option of the same name sets."""
+    settings = {f.name: opts[f.name] for f in fields(WorkerConfig) if f.name in opts}
+    settings.update(model_path=resolve_model(opts["model"]), bind=bind)
+    return WorkerConfig(**settings)
 
 
 def _is_file(text: str) -> bool:
@@ -222,6 +240,7 @@ def build_gateway_config(worker: str, **opts) -> GatewayConfig:
         heartbeat_interval=opts["heartbeat_interval"],
         worker_timeout=opts["worker_timeout"],
         request_timeout=opts["request_timeout"],
+        shutdown_timeout=opts["shutdown_timeout"],
     )
 
 
@@ -232,7 +251,15 @@ def main() -> None:
 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @worker_options
-@click.option("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint gateways connect to.")
+@click.option(
+    "--bind", default=default_of(WorkerConfig, "bind"), help="ZeroMQ endpoint gateways connect to."
+)
+@click.option(
+    "--heartbeat-interval",
+    type=click.FloatRange(min=0.01),
+    default=default_of(WorkerConfig, "heartbeat_interval"),
+    help="Seconds between the worker's heartbeats to each gateway.",
+)
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     """Run the model-owning worker alone."""
@@ -335,7 +362,25 @@ def worker_health(worker_endpoint: str, timeout: float) -> None:
     )
 
 
-main.add_command(bench)
+def _bench_command() -> click.Command:
+    """`loomserve bench`, or a command that says how to install it: it is an extra."""
+    try:
+        from loomserve.cli.bench.command import bench
+    except ImportError as exc:
+        missing = exc.name
+
+        @click.command("bench", context_settings={"ignore_unknown_options": True})
+        @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+        def bench(args: tuple[str, ...]) -> None:
+            """The load generator (needs `pip install 'loomserve[bench]'`)."""
+            raise click.ClickException(
+                f"loomserve bench needs {missing}: pip install 'loomserve[bench]'"
+            )
+
+    return bench
+
+
+main.add_command(_bench_command())
 
 
 def _show_envvars(group: click.Group) -> None:

@@ -145,7 +145,8 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
 def test_every_third_party_import_is_a_declared_dependency() -> None:
     """`pip install .` on a fresh machine must bring everything the packages import."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {requirement_name(r) for r in project["dependencies"]}
+    server = {requirement_name(r) for r in project["dependencies"]}
+    bench = server | {requirement_name(r) for r in project["optional-dependencies"]["bench"]}
     distributions = importlib.metadata.packages_distributions()
     stdlib = sys.stdlib_module_names
     missing = {}
@@ -154,6 +155,8 @@ def test_every_third_party_import_is_a_declared_dependency() -> None:
             if module in stdlib or module in ("loomserve", "__future__"):
                 continue
             names = {normalize(d) for d in distributions.get(module, [module])}
+            # The load generator may use its extra; nothing else may.
+            declared = bench if "bench" in path.relative_to(ROOT).parts else server
             if not names & declared:
                 missing.setdefault(module, []).append(str(path.relative_to(ROOT)))
     assert not missing, f"imported but not in [project] dependencies: {missing}"
@@ -393,3 +396,16 @@ def test_worker_health_fails_without_a_worker() -> None:
     )  # fmt: skip
     assert result.returncode == 1
     assert f"no answer from {endpoint}" in result.stderr
+
+
+def test_bench_without_its_extra_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from loomserve.cli.main import _bench_command
+
+    for name in [m for m in sys.modules if m.startswith(("loomserve.cli.bench", "tqdm"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as if `pip install loomserve` alone
+    result = CliRunner().invoke(_bench_command(), ["--base-url", "http://127.0.0.1:1"])
+    assert result.exit_code == 1
+    assert "pip install 'loomserve[bench]'" in result.output
