@@ -29,7 +29,8 @@ from loomserve.gateway.params import (
     sampling_params,
     stop_strings,
 )
-from loomserve.gateway.render import StreamChunks, chat_body, completion_body
+from loomserve.gateway.render import StreamChunks, response_body
+from loomserve.gateway.request import ApiBody, GenerationRequest
 from loomserve.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -46,7 +47,7 @@ from loomserve.gateway.schemas import (
 )
 from loomserve.gateway.streaming import EventStreamResponse, collect, event_stream, until_disconnect
 from loomserve.gateway.tokenizer import Vocab
-from loomserve.protocol.messages import ModelInfo, SamplingParams
+from loomserve.protocol.messages import ModelInfo
 
 log = structlog.get_logger(__name__)
 
@@ -193,35 +194,14 @@ def _api_routes(gateway: Gateway) -> APIRouter:
         return ModelList(data=[card])
 
     @router.post("/v1/completions", tags=["openai"], response_model=Completion)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, http: Request) -> Response:
         """Text completion; streams server-sent events when `stream` is true."""
-        arrived = time.monotonic()
-        _check_model(gateway, body.model)
-        reject_unsupported(body)
-        stops = stop_strings(body.stop)
-        params = sampling_params(body, 1, vocab)
-        prompt = await prompts.completion_prompt(vocab, body.prompt)
-        info = gateway.worker_info()
-        params.max_tokens = max_new_tokens(
-            body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, len(prompt), info.slot_context
-        )
-        return await _serve(gateway, request, body, "cmpl", prompt, params, stops, arrived)
+        return await _generate(gateway, http, body)
 
     @router.post("/v1/chat/completions", tags=["openai"], response_model=ChatCompletion)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         """Chat completion through the model's chat template; streams when `stream` is true."""
-        arrived = time.monotonic()
-        _check_model(gateway, body.model)
-        reject_unsupported(body)
-        stops = stop_strings(body.stop)
-        params = sampling_params(body, 1, vocab)
-        prompt = await prompts.chat_prompt(vocab, gateway.template, body.messages)
-        info = gateway.worker_info()
-        requested = body.max_completion_tokens
-        if requested is None:
-            requested = body.max_tokens
-        params.max_tokens = max_new_tokens(requested, None, len(prompt), info.slot_context)
-        return await _serve(gateway, request, body, "chatcmpl", prompt, params, stops, arrived)
+        return await _generate(gateway, http, body)
 
     @router.post("/tokenize", tags=["llama.cpp"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -258,44 +238,51 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 # --- running a request ------------------------------------------------------------
 
 
-async def _serve(
-    gateway: Gateway,
-    request: Request,
-    body: CompletionRequest | ChatCompletionRequest,
-    id_prefix: str,
-    prompt: list[int],
-    params: SamplingParams,
-    stops: tuple[str, ...],
-    arrived: float,
-) -> Response:
-    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    structlog.contextvars.bind_contextvars(request_id=request_id)
-    log.debug("request", prompt_tokens=len(prompt), max_tokens=params.max_tokens)
-    generation = await Generation.start(
-        gateway.client,
-        gateway.vocab,
-        request_id,
-        prompt,
-        params,
-        stops,
-        gateway.metrics,
-        arrived,
-    )
-    chat = id_prefix == "chatcmpl"
-    model = gateway.config.served_model_name
-    created = int(time.time())
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = StreamChunks(request_id, created, model, chat, include_usage)
+async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
+    """Check the request, run it in the worker, answer as one body or as a stream."""
+    request = await _prepare(gateway, body)
+    structlog.contextvars.bind_contextvars(request_id=request.id)
+    log.debug("request", prompt_tokens=len(request.prompt), max_tokens=request.params.max_tokens)
+    generation = await Generation.start(gateway.client, gateway.vocab, request, gateway.metrics)
+    if request.stream:
+        chunks = StreamChunks(request)
         return EventStreamResponse(event_stream(generation, chunks), on_close=generation.close)
     try:
-        outcome = await until_disconnect(request, collect(generation))
+        outcome = await until_disconnect(http, collect(generation))
     finally:
         generation.close()
     if outcome is None:
         return Response(status_code=499)  # nobody is listening any more
     text, done = outcome
-    render = chat_body if chat else completion_body
-    return JSONResponse(
-        render(request_id, created, model, text, done.finish_reason, done.usage).model_dump()
+    return JSONResponse(response_body(request, text, done).model_dump())
+
+
+async def _prepare(gateway: Gateway, body: ApiBody) -> GenerationRequest:
+    """The GenerationRequest of a body; every 4xx the gateway can tell by itself comes here."""
+    arrived = time.monotonic()
+    vocab = gateway.vocab
+    _check_model(gateway, body.model)
+    reject_unsupported(body)
+    stops = stop_strings(body.stop)
+    params = sampling_params(body, 1, vocab)
+    if isinstance(body, ChatCompletionRequest):
+        prompt = await prompts.chat_prompt(vocab, gateway.template, body.messages)
+        requested = body.max_completion_tokens
+        if requested is None:
+            requested = body.max_tokens
+        default, id_prefix = None, "chatcmpl"
+    else:
+        prompt = await prompts.completion_prompt(vocab, body.prompt)
+        requested, default, id_prefix = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "cmpl"
+    info = gateway.worker_info()
+    params.max_tokens = max_new_tokens(requested, default, len(prompt), info.slot_context)
+    return GenerationRequest(
+        id=f"{id_prefix}-{uuid.uuid4().hex}",
+        body=body,
+        prompt=prompt,
+        params=params,
+        stops=stops,
+        model=gateway.config.served_model_name,
+        arrived_at=arrived,
+        created=int(time.time()),
     )

@@ -3,8 +3,11 @@
 Each request gets a RequestHandle: a future for Accepted/Rejected and a queue of TokenChunk
 and Finish messages. The client tracks the worker's liveness from every message it receives;
 when the worker goes silent for worker_timeout, or its connection drops, every open request
-ends with a 503 error and the client says Hello again until a worker answers. A Generate
+ends with WorkerLost and the client says Hello again until a worker answers. A Generate
 that the worker never confirmed is never sent again.
+
+The client speaks the protocol only: it raises the transport errors of worker_errors, and
+knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.errors import APIError, invalid_request, server_error, unavailable
 from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.worker_errors import (
+    WorkerClientError,
+    WorkerLost,
+    WorkerRejected,
+    WorkerTimeout,
+    WorkerUnavailable,
+)
 from loomserve.protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
 from loomserve.protocol.messages import (
     PROTOCOL_VERSION,
@@ -40,7 +49,6 @@ from loomserve.protocol.messages import (
     Outputs,
     Ping,
     Rejected,
-    SamplingParams,
     TokenChunk,
     WorkerError,
 )
@@ -55,27 +63,46 @@ class RequestHandle:
     """One request in the worker: its confirmation, then its tokens and its Finish."""
 
     request_id: str
+    deadline: float  # time.monotonic() past which waiting for output raises WorkerTimeout
     accepted: asyncio.Future[Accepted | Rejected]
-    events: asyncio.Queue[RequestEvent | APIError] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[RequestEvent | WorkerClientError] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
 
     async def next_event(self) -> RequestEvent:
-        """The next TokenChunk or Finish; raises APIError (503) when the worker is lost."""
-        event = await self.events.get()
-        if isinstance(event, APIError):
+        """The next TokenChunk or Finish; raises WorkerLost or WorkerTimeout."""
+        event = await self._get()
+        if isinstance(event, WorkerClientError):
             raise event
         return event
 
-    async def next_events(self) -> list[RequestEvent | APIError]:
+    async def next_events(self) -> list[RequestEvent]:
         """Everything that arrived since the last call, waiting for at least one event.
 
         Taking the whole backlog at once keeps a reader that fell behind from looping
         without ever yielding to the event loop (and so from missing its client's disconnect).
+        An error comes last in the queue: the events before it are handed out first, and
+        the next call raises it.
         """
-        events = [await self.events.get()]
+        events = [await self.next_event()]
         while not self.events.empty():
-            events.append(self.events.get_nowait())
+            event = self.events.get_nowait()
+            if isinstance(event, WorkerClientError):
+                self.events.put_nowait(event)  # nothing follows an error: order is kept
+                break
+            events.append(event)
         return events
+
+    async def _get(self) -> RequestEvent | WorkerClientError:
+        loop = asyncio.get_running_loop()
+        # loop.time() is time.monotonic() on every platform we run on; stay explicit.
+        when = loop.time() + (self.deadline - time.monotonic())
+        try:
+            async with asyncio.timeout_at(when):
+                return await self.events.get()
+        except TimeoutError:
+            raise WorkerTimeout(
+                "the request took longer than the server's request timeout"
+            ) from None
 
 
 class WorkerClient:
@@ -145,7 +172,7 @@ class WorkerClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        self._fail_all(unavailable("the gateway is shutting down"))
+        self._fail_all(WorkerLost("the gateway is shutting down"))
         if self._socket is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.disable_monitor()
@@ -168,20 +195,24 @@ class WorkerClient:
 
     # --- requests --------------------------------------------------------------
 
-    async def submit(
-        self, request_id: str, prompt_tokens: list[int], params: SamplingParams
-    ) -> RequestHandle:
-        """Send a Generate and wait for the worker to take it; APIError when it does not."""
+    async def submit(self, generate: Generate, deadline: float) -> RequestHandle:
+        """Send a Generate and wait for the worker to take it.
+
+        Raises WorkerUnavailable or WorkerRejected (the request never ran), or WorkerLost.
+        The handle's reads raise WorkerTimeout once `deadline` (time.monotonic()) passes.
+        """
         reason = self.unavailable_reason()
         if reason:
-            raise unavailable(reason)
+            raise WorkerUnavailable(reason)
+        request_id = generate.request_id
         if request_id in self._requests:
-            raise server_error(f"request id {request_id} is already in use")
-        handle = RequestHandle(request_id, asyncio.get_running_loop().create_future())
+            raise ValueError(f"request id {request_id} is already in use")
+        accepted = asyncio.get_running_loop().create_future()
+        handle = RequestHandle(request_id, deadline, accepted)
         self._requests[request_id] = handle
-        if not self._send(Generate(request_id, prompt_tokens, params)):
+        if not self._send(generate):
             self._requests.pop(request_id, None)
-            raise unavailable(f"not connected to the worker at {self.config.worker}")
+            raise WorkerUnavailable(f"not connected to the worker at {self.config.worker}")
         try:
             # A worker that dies fails this future at once (see _worker_lost); one that is
             # alive but mid-way through a long tick confirms after it, so wait for that.
@@ -190,12 +221,12 @@ class WorkerClient:
         except TimeoutError:
             self.cancel(handle)
             self._requests.pop(request_id, None)
-            raise unavailable("the worker did not confirm the request in time") from None
+            raise WorkerUnavailable("the worker did not confirm the request in time") from None
         except asyncio.CancelledError:
             self.cancel(handle)
             raise
         if isinstance(reply, Rejected):
-            raise _rejection_error(reply)
+            raise WorkerRejected(reply.code, reply.message)
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
@@ -341,9 +372,9 @@ class WorkerClient:
         self.heartbeat = None
         self._last_ping = -float("inf")
         self._lost_because = f"the worker at {self.config.worker} is unavailable: {reason}"
-        self._fail_all(unavailable(self._lost_because))
+        self._fail_all(WorkerLost(self._lost_because))
 
-    def _fail_all(self, error: APIError) -> None:
+    def _fail_all(self, error: WorkerClientError) -> None:
         requests, self._requests = self._requests, {}
         for handle in requests.values():
             if not handle.accepted.done():
@@ -367,21 +398,3 @@ class WorkerClient:
 def _log_send_failure(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("send to worker failed", error=str(future.exception()))
-
-
-def _rejection_error(rejected: Rejected) -> APIError:
-    """The HTTP error for a request the worker refused."""
-    match rejected.code:
-        case ErrorCode.QUEUE_FULL:
-            return unavailable(
-                f"the server is busy: {rejected.message}", code="queue_full", retry_after=1
-            )
-        case ErrorCode.PROMPT_TOO_LONG:
-            return APIError(400, rejected.message, code="context_length_exceeded")
-        case ErrorCode.INVALID_REQUEST:
-            return invalid_request(rejected.message)
-        case ErrorCode.NOT_READY:
-            return unavailable(f"the worker is not ready: {rejected.message}")
-        case _:
-            why = f"the worker refused the request ({rejected.code}): {rejected.message}"
-            return server_error(why)

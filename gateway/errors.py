@@ -1,4 +1,7 @@
-"""HTTP errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""HTTP errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Also the one place where the WorkerClient's transport errors become HTTP statuses.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loomserve.gateway.worker_errors import (
+    WorkerClientError,
+    WorkerFailed,
+    WorkerLost,
+    WorkerRejected,
+    WorkerTimeout,
+    WorkerUnavailable,
+)
+from loomserve.protocol.messages import ErrorCode
 
 log = structlog.get_logger(__name__)
 
@@ -58,12 +71,41 @@ def server_error(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
 
+def worker_error(error: WorkerClientError) -> APIError:
+    """The HTTP error for what went wrong between the gateway and the worker."""
+    match error:
+        case WorkerUnavailable() | WorkerLost():
+            return unavailable(error.message)
+        case WorkerRejected(code=ErrorCode.QUEUE_FULL):
+            return unavailable(
+                f"the server is busy: {error.message}", code="queue_full", retry_after=1
+            )
+        case WorkerRejected(code=ErrorCode.PROMPT_TOO_LONG):
+            return APIError(400, error.message, code="context_length_exceeded")
+        case WorkerRejected(code=ErrorCode.INVALID_REQUEST):
+            return invalid_request(error.message)
+        case WorkerRejected(code=ErrorCode.NOT_READY):
+            return unavailable(f"the worker is not ready: {error.message}")
+        case WorkerRejected(code=code):
+            return server_error(f"the worker refused the request ({code}): {error.message}")
+        case WorkerFailed():
+            return server_error(f"the engine failed the request: {error.message}")
+        case WorkerTimeout():
+            return APIError(504, error.message, code="timeout")
+        case _:
+            return server_error(error.message)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Answer every error, validation and routing ones included, in the OpenAI shape."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(WorkerClientError)
+    async def _worker_error(request: Request, exc: WorkerClientError) -> JSONResponse:
+        return worker_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -6,16 +6,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from loomserve.gateway.assembly import Done
 from loomserve.gateway.errors import APIError
-from loomserve.gateway.generation import Usage
+from loomserve.gateway.request import GenerationRequest
 from loomserve.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
     Completion,
     CompletionChoice,
+    Usage,
 )
-from loomserve.gateway.schemas import Usage as UsageBody
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -34,60 +35,44 @@ def error_event(error: APIError) -> str:
 class StreamChunks:
     """The chunks of one streamed response: the role (chat), text deltas, the finish, usage."""
 
-    request_id: str
-    created: int
-    model: str
-    chat: bool
-    include_usage: bool
+    request: GenerationRequest
 
     def opening(self) -> str | None:
         """Chat streams open with the assistant's role, as OpenAI's do."""
-        if not self.chat:
+        if not self.request.chat:
             return None
         return self._choice({"delta": {"role": "assistant", "content": ""}}, None)
 
     def text(self, text: str) -> str:
-        if self.chat:
+        if self.request.chat:
             return self._choice({"delta": {"content": text}}, None)
         return self._choice({"text": text}, None)
 
     def finish(self, reason: str) -> str:
-        return self._choice({"delta": {}} if self.chat else {"text": ""}, reason)
+        return self._choice({"delta": {}} if self.request.chat else {"text": ""}, reason)
 
     def usage(self, usage: Usage) -> str:
-        return sse({**self._head(), "choices": [], "usage": usage.to_dict()})
+        return sse({**self._head(), "choices": [], "usage": usage.model_dump()})
 
     def _choice(self, body: dict[str, Any], reason: str | None) -> str:
         choice = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
         payload = {**self._head(), "choices": [choice]}
-        if self.include_usage:
+        if self.request.include_usage:
             payload["usage"] = None
         return sse(payload)
 
     def _head(self) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+        r = self.request
+        kind = "chat.completion.chunk" if r.chat else "text_completion"
+        return {"id": r.id, "object": kind, "created": r.created, "model": r.model}
 
 
-def completion_body(
-    request_id: str, created: int, model: str, text: str, reason: str, usage: Usage
-) -> Completion:
-    """A whole /v1/completions response."""
-    choice = CompletionChoice(text=text, finish_reason=reason)
-    return Completion(
-        id=request_id, created=created, model=model, choices=[choice], usage=_usage(usage)
-    )
-
-
-def chat_body(
-    request_id: str, created: int, model: str, text: str, reason: str, usage: Usage
-) -> ChatCompletion:
-    """A whole /v1/chat/completions response."""
-    choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
-    return ChatCompletion(
-        id=request_id, created=created, model=model, choices=[choice], usage=_usage(usage)
-    )
-
-
-def _usage(usage: Usage) -> UsageBody:
-    return UsageBody.model_validate(usage.to_dict())
+def response_body(request: GenerationRequest, text: str, done: Done) -> Completion | ChatCompletion:
+    """The whole response of a request that does not stream."""
+    head = {"id": request.id, "created": request.created, "model": request.model}
+    if request.chat:
+        message = AssistantMessage(content=text)
+        chat_choice = ChatChoice(message=message, finish_reason=done.finish_reason)
+        return ChatCompletion(**head, choices=[chat_choice], usage=done.usage)
+    choice = CompletionChoice(text=text, finish_reason=done.finish_reason)
+    return Completion(**head, choices=[choice], usage=done.usage)

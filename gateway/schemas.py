@@ -123,10 +123,22 @@ class PromptTokensDetails(BaseModel):
 
 
 class Usage(BaseModel):
+    """Token counts of a response: the one usage type of the gateway, as OpenAI shapes it."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        """Usage from the three counts the worker reports; the total follows from them."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
 
 
 class CompletionChoice(BaseModel):

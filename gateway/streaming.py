@@ -17,9 +17,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loomserve.gateway.errors import APIError
-from loomserve.gateway.generation import Done, Generation, TextDelta
+from loomserve.gateway.assembly import Done, TextDelta
+from loomserve.gateway.errors import worker_error
+from loomserve.gateway.generation import Generation
 from loomserve.gateway.render import DONE_EVENT, StreamChunks, error_event
+from loomserve.gateway.worker_errors import WorkerClientError
 
 log = structlog.get_logger(__name__)
 
@@ -66,10 +68,11 @@ async def event_stream(generation: Generation, chunks: StreamChunks) -> AsyncIte
                 yield chunks.text(event.text)
                 continue
             yield chunks.finish(event.finish_reason)
-            if chunks.include_usage:
+            if chunks.request.include_usage:
                 yield chunks.usage(event.usage)
         yield DONE_EVENT
-    except APIError as error:
+    except WorkerClientError as failure:
+        error = worker_error(failure)
         log.warning("stream failed", status=error.status, error=error.message)
         yield error_event(error)
 

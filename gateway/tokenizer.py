@@ -8,6 +8,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 from pathlib import Path
+from typing import Protocol
 
 import llama_cpp
 import llama_cpp._logger
@@ -110,12 +111,18 @@ class Vocab:
         return buffer.raw[:n]
 
 
+class Pieces(Protocol):
+    """What turning generated tokens into text needs of a vocabulary (Vocab has it)."""
+
+    def piece(self, token_id: int) -> bytes: ...
+
+
 class IncrementalDetokenizer:
     """Generated tokens to text as they come, holding back bytes of an unfinished character."""
 
     __slots__ = ("_decoder", "_vocab")
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Pieces) -> None:
         self._vocab = vocab
         # A byte-level token may carry half of a multi-byte character; the incremental
         # decoder keeps such a tail until the next token completes it.

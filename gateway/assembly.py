@@ -1,0 +1,87 @@
+"""One sequence's text from its generated tokens: detokenizing, stop strings, finish, usage.
+
+Pure: no socket, no clock, no event loop. Generation feeds it what the worker sends, and
+sends on what it gives back; a test can feed it by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from loomserve.gateway.schemas import Usage
+from loomserve.gateway.stop import StopMatcher
+from loomserve.gateway.tokenizer import IncrementalDetokenizer, Pieces
+from loomserve.gateway.worker_errors import WorkerFailed
+from loomserve.protocol.messages import Finish, FinishReason
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """New text for the client (never empty)."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class Done:
+    """The end of a sequence: OpenAI's finish reason, and the usage."""
+
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+
+
+class TextAssembly:
+    """Feed `push` the tokens as they come, then call `done` once.
+
+    Text that may be the start of a stop string is held back until it is known not to be;
+    a matched stop string is dropped, and so is everything generated after it.
+    """
+
+    __slots__ = ("_detokenizer", "_matcher", "generated", "prompt_len", "stopped")
+
+    def __init__(self, vocab: Pieces, stops: tuple[str, ...], prompt_len: int) -> None:
+        self._detokenizer = IncrementalDetokenizer(vocab)
+        self._matcher = StopMatcher(stops)
+        self.prompt_len = prompt_len
+        self.generated = 0  # tokens taken, up to and including the one that completed a stop
+        self.stopped = False  # a stop string matched: the worker should be cancelled
+
+    def push(self, token_ids: list[int]) -> str:
+        """The text these tokens complete that is safe to send; "" once stopped."""
+        if self.stopped:
+            return ""
+        parts: list[str] = []
+        for token_id in token_ids:
+            self.generated += 1
+            match = self._matcher.push(self._detokenizer.push_one(token_id))
+            parts.append(match.text)
+            if match.matched:
+                self.stopped = True
+                break
+        return "".join(parts)
+
+    def done(self, finish: Finish | None) -> tuple[str, Done]:
+        """The last text (may be "") and the Done, given the worker's Finish.
+
+        finish may be None only after a stop string, when the worker's Finish never came:
+        the usage then counts what the gateway saw. Raises WorkerFailed for an engine error.
+        """
+        if self.stopped:
+            return "", Done("stop", self._usage(finish, self.generated))
+        if finish is None:
+            raise ValueError("a sequence that did not stop needs the worker's Finish")
+        if finish.reason == FinishReason.ERROR:
+            raise WorkerFailed(finish.message)
+        match = self._matcher.push(self._detokenizer.flush())
+        tail = match.text + ("" if match.matched else self._matcher.flush())
+        # The worker's cancelled (by us or because it dropped this gateway) reads as stop.
+        reason: Literal["stop", "length"] = (
+            "length" if finish.reason == FinishReason.LENGTH else "stop"
+        )
+        return tail, Done(reason, self._usage(finish, finish.completion_tokens))
+
+    def _usage(self, finish: Finish | None, completion_tokens: int) -> Usage:
+        if finish is None:
+            return Usage.of(self.prompt_len, completion_tokens, 0)
+        return Usage.of(finish.prompt_tokens, completion_tokens, finish.cached_tokens)
