@@ -1,0 +1,173 @@
+"""The gateway's request path without sockets: text assembly, the worker errors' HTTP statuses,
+and a request handle's event order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loomserve.gateway.assembly import Done, TextAssembly
+from loomserve.gateway.client import RequestHandle
+from loomserve.gateway.errors import worker_error
+from loomserve.gateway.request import GenerationRequest
+from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from loomserve.gateway.worker_errors import (
+    WorkerFailed,
+    WorkerLost,
+    WorkerRejected,
+    WorkerTimeout,
+    WorkerUnavailable,
+)
+from loomserve.protocol.messages import ErrorCode, Finish, FinishReason, SamplingParams, TokenChunk
+
+# A vocabulary of byte strings: words, and the two halves of "é" (0xC3 0xA9) on their own.
+PIECES = {0: b"", 1: b"Hello", 2: b" world", 3: b" ST", 4: b"OP", 5: b"\xc3", 6: b"\xa9", 7: b"!"}
+
+
+class FakePieces:
+    """The one method of a vocabulary that text assembly uses."""
+
+    def piece(self, token_id: int) -> bytes:
+        return PIECES[token_id]
+
+
+def assembly(stops: tuple[str, ...] = (), prompt_len: int = 5) -> TextAssembly:
+    return TextAssembly(FakePieces(), stops, prompt_len)
+
+
+def finish(reason: FinishReason, completion: int, prompt: int = 5, cached: int = 2) -> Finish:
+    return Finish("r", reason, prompt, completion, cached, queue_seconds=0.0)
+
+
+def test_text_and_the_workers_usage() -> None:
+    text = assembly()
+    assert text.push([1]) == "Hello"
+    assert text.push([2, 7]) == " world!"
+    assert text.done(finish(FinishReason.LENGTH, 3)) == (
+        "",
+        Done("length", Usage.of(prompt_tokens=5, completion_tokens=3, cached_tokens=2)),
+    )
+
+
+def test_split_characters_wait_for_their_last_byte() -> None:
+    text = assembly()
+    assert text.push([5]) == ""
+    assert text.push([6, 7]) == "é!"
+    text.push([5])  # a character the model never finished
+    tail, done = text.done(finish(FinishReason.STOP, 4))
+    assert (tail, done.finish_reason) == ("\ufffd", "stop")
+
+
+def test_stop_string_across_tokens_drops_it_and_what_follows() -> None:
+    text = assembly(stops=(" STOP",))
+    assert text.push([1, 3]) == "Hello"  # " ST" may start the stop string: held back
+    assert not text.stopped
+    assert text.push([4, 2, 7]) == ""  # " STOP" matched; " world!" is never seen
+    assert (text.stopped, text.generated) == (True, 3)
+    assert text.push([2]) == ""
+    # The worker's Finish never came (cancelled too late): count what the gateway saw.
+    assert text.done(None) == ("", Done("stop", Usage.of(5, 3, 0)))
+
+
+def test_stop_usage_takes_prompt_and_cache_from_the_workers_finish() -> None:
+    text = assembly(stops=("world",))
+    assert text.push([1, 2, 7]) == "Hello "
+    # The worker counted the token after the stop too; the client only got two.
+    _, done = text.done(finish(FinishReason.CANCELLED, 3, prompt=9, cached=4))
+    assert done == Done("stop", Usage.of(9, 2, 4))
+
+
+def test_a_false_start_of_a_stop_string_is_released_at_the_end() -> None:
+    text = assembly(stops=(" STOP",))
+    assert text.push([1, 3]) == "Hello"
+    assert text.done(finish(FinishReason.LENGTH, 2)) == (" ST", Done("length", Usage.of(5, 2, 2)))
+
+
+def test_cancelled_reads_as_stop_and_an_engine_error_raises() -> None:
+    _, done = assembly().done(finish(FinishReason.CANCELLED, 0))
+    assert done.finish_reason == "stop"
+    failed = Finish("r", FinishReason.ERROR, 5, 1, 0, 0.0, message="decode failed")
+    with pytest.raises(WorkerFailed, match="decode failed"):
+        assembly().done(failed)
+    with pytest.raises(ValueError):
+        assembly().done(None)  # only a stopped sequence may end without the Finish
+
+
+def test_usage_shape() -> None:
+    assert Usage.of(7, 3, 2).model_dump() == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (WorkerUnavailable("not connected"), 503, "worker_unavailable"),
+        (WorkerLost("connection closed"), 503, "worker_unavailable"),
+        (WorkerRejected(ErrorCode.QUEUE_FULL, "64 waiting"), 503, "queue_full"),
+        (WorkerRejected(ErrorCode.NOT_READY, "warming up"), 503, "worker_unavailable"),
+        (WorkerRejected(ErrorCode.PROMPT_TOO_LONG, "too long"), 400, "context_length_exceeded"),
+        (WorkerRejected(ErrorCode.INVALID_REQUEST, "bad"), 400, "invalid_request"),
+        (WorkerRejected(ErrorCode.DUPLICATE_REQUEST, "twice"), 500, "internal_error"),
+        (WorkerFailed("decode failed"), 500, "internal_error"),
+        (WorkerTimeout("too slow"), 504, "timeout"),
+    ],
+)
+def test_worker_errors_become_http_statuses(error: Exception, status: int, code: str) -> None:
+    api_error = worker_error(error)
+    assert (api_error.status, api_error.code) == (status, code)
+    assert api_error.body()["error"]["message"].endswith(error.message)
+    if status == 503:
+        assert api_error.headers == {"Retry-After": "1"}
+
+
+def test_a_handle_hands_out_tokens_before_the_loss_that_followed_them() -> None:
+    async def scenario() -> None:
+        handle = RequestHandle(
+            "r", time.monotonic() + 5, asyncio.get_running_loop().create_future()
+        )
+        handle.events.put_nowait(TokenChunk("r", [1]))
+        handle.events.put_nowait(TokenChunk("r", [2]))
+        handle.events.put_nowait(WorkerLost("gone"))
+        assert await handle.next_events() == [TokenChunk("r", [1]), TokenChunk("r", [2])]
+        with pytest.raises(WorkerLost):
+            await handle.next_events()
+
+    asyncio.run(scenario())
+
+
+def test_a_handle_times_out_at_its_deadline() -> None:
+    async def scenario() -> None:
+        handle = RequestHandle(
+            "r", time.monotonic() + 0.05, asyncio.get_running_loop().create_future()
+        )
+        with pytest.raises(WorkerTimeout):
+            await handle.next_event()
+
+    asyncio.run(scenario())
+
+
+def test_the_request_knows_its_api_by_the_body_type() -> None:
+    params = SamplingParams(max_tokens=4)
+    chat_body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chat = GenerationRequest("chatcmpl-1", chat_body, [1, 2], params, (), "m", 0.0, 0)
+    plain = GenerationRequest(
+        "cmpl-1", CompletionRequest(prompt="hi"), [1], params, (), "m", 0.0, 0
+    )
+    assert (chat.chat, chat.stream, chat.include_usage) == (True, True, True)
+    assert (plain.chat, plain.stream, plain.include_usage) == (False, False, False)
+    generate = chat.to_worker()
+    assert (generate.request_id, generate.prompt_tokens, generate.params) == (
+        "chatcmpl-1",
+        [1, 2],
+        params,
+    )
