@@ -29,7 +29,7 @@ from loomserve.cli.logs import configure_logging
 from loomserve.protocol import Generate, Message, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
-from loomserve.worker.loop import Worker
+from loomserve.worker.loop import TickLoop
 
 BATCH_SIZES = (1, 4, 16)
 PROMPT = "Once upon a time, in a small village by the river, there lived"
@@ -70,14 +70,14 @@ def engine_alone(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) 
 
 def worker_loop(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -> float:
     """Seconds for (b): n_seqs requests through the tick loop, from submit to Finish."""
-    worker = Worker(engine, engine.config, NullSink())
+    loop = TickLoop(engine, engine.config, NullSink())
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     for i in range(n_seqs):
-        worker.submit(b"bench", Generate(f"r{i}", prompt, params))
-    worker.tick()
-    while worker.scheduler.has_work():
-        worker.tick()
+        loop.submit(b"bench", Generate(f"r{i}", prompt, params))
+    loop.tick()
+    while loop.scheduler.has_work():
+        loop.tick()
     return time.perf_counter() - started
 
 

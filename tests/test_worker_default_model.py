@@ -18,7 +18,7 @@ from loomserve.cli.default_model import default_model_path
 from loomserve.protocol import Generate, Hello, ModelInfo, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
-from loomserve.worker.loop import Worker
+from loomserve.worker.loop import TickLoop
 from tests.procs import start_worker
 from tests.test_worker_engine import Collector, drain, run_alone, run_staggered
 from tests.test_worker_server import Gateway
@@ -78,11 +78,11 @@ def engine(model_path: Path):
 def run_together(engine: Engine, texts: list[str], max_tokens: int = 16) -> dict[str, list[int]]:
     """All requests submitted before the first tick, so every run has the same batches."""
     collector = Collector()
-    worker = Worker(engine, engine.config, collector)
+    loop = TickLoop(engine, engine.config, collector)
     for i, text in enumerate(texts):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        worker.submit(b"gw", Generate(f"r{i}", engine.tokenize(text), params))
-    drain(worker)
+        loop.submit(b"gw", Generate(f"r{i}", engine.tokenize(text), params))
+    drain(loop)
     return collector.tokens(b"gw")
 
 
@@ -119,8 +119,8 @@ def test_greedy_tokens_are_the_same_alone_and_batched(
         engine, "copy_prefix", lambda *args: (copied.append(args[2]), copy_prefix(*args))
     )
     collector = Collector()
-    worker = Worker(engine, config, collector)
-    run_staggered(worker, requests, seed=3)  # 9 requests in waves through 4 slots
+    loop = TickLoop(engine, config, collector)
+    run_staggered(loop, requests, seed=3)  # 9 requests in waves through 4 slots
     assert collector.tokens() == alone
     shared = len(engine.tokenize(story))
     assert copied == [shared] and collector.finishes()["r8"].cached_tokens == shared
@@ -128,10 +128,10 @@ def test_greedy_tokens_are_the_same_alone_and_batched(
 
 def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):
     collector = Collector()
-    worker = Worker(engine, engine.config, collector)
+    loop = TickLoop(engine, engine.config, collector)
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    worker.submit(b"gw", Generate("a", engine.tokenize(PROMPTS[0]), params))
-    drain(worker)
+    loop.submit(b"gw", Generate("a", engine.tokenize(PROMPTS[0]), params))
+    drain(loop)
     per_tick = [len(m.tokens) for m in collector.of_type(Outputs, b"gw") if m.tokens]
     assert per_tick == [1] * 6  # one token per tick, each in its own Outputs
     assert collector.finishes(b"gw")["a"].completion_tokens == 6

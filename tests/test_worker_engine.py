@@ -23,7 +23,7 @@ from loomserve.protocol import (
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine, EngineError
-from loomserve.worker.loop import Worker
+from loomserve.worker.loop import TickLoop
 from loomserve.worker.strategies import BatchPlan
 
 GW = b"gw-1"
@@ -88,17 +88,17 @@ def engine(config: WorkerConfig):
     engine.close()
 
 
-def new_worker(engine: Engine, config: WorkerConfig, **changes) -> tuple[Worker, Collector]:
+def new_loop(engine: Engine, config: WorkerConfig, **changes) -> tuple[TickLoop, Collector]:
     collector = Collector()
-    return Worker(engine, replace(config, **changes), collector), collector
+    return TickLoop(engine, replace(config, **changes), collector), collector
 
 
-def drain(worker: Worker, max_ticks: int = 20_000) -> None:
+def drain(loop: TickLoop, max_ticks: int = 20_000) -> None:
     """Tick until every request has finished."""
     for _ in range(max_ticks):
-        if not worker.scheduler.has_work() and worker.inbox.empty():
+        if not loop.scheduler.has_work() and loop.inbox.empty():
             return
-        worker.tick(block=False)
+        loop.tick(block=False)
     raise AssertionError("the worker did not finish its requests")
 
 
@@ -118,23 +118,23 @@ def random_requests(n: int, n_vocab: int, seed: int) -> list[Generate]:
 
 
 def run_alone(engine: Engine, config: WorkerConfig, request: Generate) -> list[int]:
-    worker, collector = new_worker(engine, config)
-    worker.submit(GW, request)
-    drain(worker)
+    loop, collector = new_loop(engine, config)
+    loop.submit(GW, request)
+    drain(loop)
     return collector.tokens().get(request.request_id, [])
 
 
-def run_staggered(worker: Worker, requests: list[Generate], seed: int) -> None:
+def run_staggered(loop: TickLoop, requests: list[Generate], seed: int) -> None:
     """Submit the requests in waves, a few ticks apart, then run them all to the end."""
     rng = random.Random(seed)
     pending = list(requests)
     while pending:
         for _ in range(rng.randrange(1, 5)):
             if pending:
-                worker.submit(GW, pending.pop(0))
+                loop.submit(GW, pending.pop(0))
         for _ in range(rng.randrange(0, 4)):
-            worker.tick(block=False)
-    drain(worker)
+            loop.tick(block=False)
+    drain(loop)
 
 
 # --- batch invariance ---------------------------------------------------------------------
@@ -156,8 +156,8 @@ def test_greedy_output_is_the_same_alone_and_batched(engine, config, strategy, f
     requests = random_requests(16, engine.n_vocab, seed=7)
     alone = {r.request_id: run_alone(engine, config, r) for r in requests}
 
-    worker, collector = new_worker(engine, config, strategy=strategy)
-    run_staggered(worker, requests, seed=3)
+    loop, collector = new_loop(engine, config, strategy=strategy)
+    run_staggered(loop, requests, seed=3)
 
     assert collector.tokens() == {rid: toks for rid, toks in alone.items() if toks}
     finishes = collector.finishes()
@@ -172,7 +172,7 @@ def test_greedy_output_is_the_same_alone_and_batched(engine, config, strategy, f
             assert finish.reason == FinishReason.LENGTH
             assert finish.completion_tokens == sent == request.params.max_tokens
     # The batches really mixed prefill chunks and decode tokens of many requests.
-    assert worker.tick_count < sum(len(t) for t in alone.values())
+    assert loop.tick_count < sum(len(t) for t in alone.values())
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
@@ -190,9 +190,9 @@ def test_prefix_reuse_keeps_outputs_identical(engine, config, batch_invariant):
 
     alone = {r.request_id: run_alone(engine, config, r) for r in first + second}
 
-    worker, collector = new_worker(engine, config)
-    run_staggered(worker, first, seed=1)
-    run_staggered(worker, second, seed=2)
+    loop, collector = new_loop(engine, config)
+    run_staggered(loop, first, seed=1)
+    run_staggered(loop, second, seed=2)
 
     assert collector.tokens() == alone
     finishes = collector.finishes()
@@ -215,8 +215,8 @@ def test_prefix_reuse_while_others_run(engine, config, batch_invariant):
     shared = [1, *range(100, 160)]
     requests = [greedy(f"r{i}", [*shared, 200 + i], 20, ignore_eos=True) for i in range(12)]
     alone = {r.request_id: run_alone(engine, config, r) for r in requests}
-    worker, collector = new_worker(engine, config, slots=3)
-    run_staggered(worker, requests, seed=5)
+    loop, collector = new_loop(engine, config, slots=3)
+    run_staggered(loop, requests, seed=5)
     assert collector.tokens() == alone
     assert sum(f.cached_tokens for f in collector.finishes().values()) > 0
 
@@ -225,48 +225,48 @@ def test_prefix_reuse_while_others_run(engine, config, batch_invariant):
 
 
 def test_a_full_queue_rejects_at_once(engine, config):
-    worker, collector = new_worker(engine, config, slots=2, max_queue=3)
+    loop, collector = new_loop(engine, config, slots=2, max_queue=3)
     for i in range(7):
-        worker.submit(GW, greedy(f"r{i}", [1, 5, 6], 4))
-    worker.tick(block=False)
+        loop.submit(GW, greedy(f"r{i}", [1, 5, 6], 4))
+    loop.tick(block=False)
     accepted = collector.of_type(Accepted)
     assert [a.request_id for a in accepted] == ["r0", "r1", "r2", "r3", "r4"]
     assert [a.queue_depth for a in accepted] == [0, 0, 1, 2, 3]
     assert collector.rejected() == {"r5": "queue_full", "r6": "queue_full"}
-    drain(worker)
+    drain(loop)
     assert set(collector.finishes()) == {"r0", "r1", "r2", "r3", "r4"}
     # Once the queue drained, new requests are taken again.
-    worker.submit(GW, greedy("late", [1, 5], 2))
-    drain(worker)
+    loop.submit(GW, greedy("late", [1, 5], 2))
+    drain(loop)
     assert collector.finishes()["late"].reason == FinishReason.LENGTH
 
 
 def test_cancelling_a_running_request_frees_its_slot_and_cells(engine, config):
-    worker, collector = new_worker(engine, config, slots=2)
-    worker.submit(GW, greedy("long", [1, *range(10, 50)], 200, ignore_eos=True))
-    worker.submit(GW, greedy("other", [1, 7, 8], 30, ignore_eos=True))
+    loop, collector = new_loop(engine, config, slots=2)
+    loop.submit(GW, greedy("long", [1, *range(10, 50)], 200, ignore_eos=True))
+    loop.submit(GW, greedy("other", [1, 7, 8], 30, ignore_eos=True))
     for _ in range(10):
-        worker.tick(block=False)
-    slot = next(s for s in worker.scheduler.slots if s.request and s.request.request_id == "long")
+        loop.tick(block=False)
+    slot = next(s for s in loop.scheduler.slots if s.request and s.request.request_id == "long")
     assert engine.seq_pos_max(slot.index) >= 40
-    worker.cancel(GW, "long")
-    worker.tick(block=False)
+    loop.cancel(GW, "long")
+    loop.tick(block=False)
     finish = collector.finishes()["long"]
     assert finish.reason == FinishReason.CANCELLED and 0 < finish.completion_tokens < 200
     assert engine.seq_pos_max(slot.index) == -1 and not slot.busy
-    assert worker.scheduler.free_slots == 1
-    drain(worker)
+    assert loop.scheduler.free_slots == 1
+    drain(loop)
     assert collector.finishes()["other"].completion_tokens == 30
 
 
 def test_cancelling_a_queued_request_never_runs_it(engine, config):
-    worker, collector = new_worker(engine, config, slots=1)
-    worker.submit(GW, greedy("first", [1, 5, 6], 20, ignore_eos=True))
-    worker.submit(GW, greedy("waiting", [1, 7], 20))
-    worker.tick(block=False)
-    worker.cancel(GW, "waiting")
-    worker.cancel(GW, "no-such-request")  # ignored: it may have just finished
-    drain(worker)
+    loop, collector = new_loop(engine, config, slots=1)
+    loop.submit(GW, greedy("first", [1, 5, 6], 20, ignore_eos=True))
+    loop.submit(GW, greedy("waiting", [1, 7], 20))
+    loop.tick(block=False)
+    loop.cancel(GW, "waiting")
+    loop.cancel(GW, "no-such-request")  # ignored: it may have just finished
+    drain(loop)
     finishes = collector.finishes()
     assert finishes["waiting"].reason == FinishReason.CANCELLED
     assert finishes["waiting"].completion_tokens == 0
@@ -275,55 +275,55 @@ def test_cancelling_a_queued_request_never_runs_it(engine, config):
 
 
 def test_a_vanished_gateway_loses_all_its_requests(engine, config):
-    worker, collector = new_worker(engine, config, slots=2)
+    loop, collector = new_loop(engine, config, slots=2)
     for i in range(4):
-        worker.submit(b"gone", greedy(f"g{i}", [1, 5 + i], 50, ignore_eos=True))
-    worker.submit(GW, greedy("stays", [1, 9], 30, ignore_eos=True))
-    worker.tick(block=False)
-    worker.tick(block=False)
-    worker.gateway_gone(b"gone")
-    drain(worker)
+        loop.submit(b"gone", greedy(f"g{i}", [1, 5 + i], 50, ignore_eos=True))
+    loop.submit(GW, greedy("stays", [1, 9], 30, ignore_eos=True))
+    loop.tick(block=False)
+    loop.tick(block=False)
+    loop.gateway_gone(b"gone")
+    drain(loop)
     gone = collector.finishes(b"gone")
     assert {f.reason for f in gone.values()} == {FinishReason.CANCELLED}
     assert len(gone) == 4
     assert collector.finishes()["stays"].completion_tokens == 30
-    assert all(engine.seq_pos_max(s.index) == s.n_cached - 1 for s in worker.scheduler.slots)
+    assert all(engine.seq_pos_max(s.index) == s.n_in_cache - 1 for s in loop.scheduler.slots)
 
 
 def test_a_thousand_short_requests_leave_nothing_behind(engine, config):
-    worker, collector = new_worker(engine, config, slots=4, max_queue=1000)
+    loop, collector = new_loop(engine, config, slots=4, max_queue=1000)
     rng = random.Random(2)
     for i in range(1000):
         prompt = [1] + [rng.randrange(3, engine.n_vocab) for _ in range(rng.randrange(0, 6))]
-        worker.submit(GW, greedy(f"r{i}", prompt, rng.randrange(1, 5)))
-    drain(worker)
+        loop.submit(GW, greedy(f"r{i}", prompt, rng.randrange(1, 5)))
+    drain(loop)
     finishes = collector.finishes()
     assert len(finishes) == 1000 and not collector.rejected()
-    assert worker.scheduler.live == {} and worker.scheduler.free_slots == 4
-    for slot in worker.scheduler.slots:
-        # Only the finished request's reusable prefix stays: positions 0..n_cached-1.
+    assert loop.scheduler.live == {} and loop.scheduler.free_slots == 4
+    for slot in loop.scheduler.slots:
+        # Only the finished request's reusable prefix stays: positions 0..n_in_cache-1.
         assert not slot.busy and slot.phase.value == "idle"
-        assert engine.seq_pos_max(slot.index) == slot.n_cached - 1
+        assert engine.seq_pos_max(slot.index) == slot.n_in_cache - 1
         assert engine.seq_pos_min(slot.index) in (0, -1)
     assert sum(f.cached_tokens for f in finishes.values()) > 0
 
 
 def test_prompt_too_long_is_refused_before_it_takes_a_slot(engine, config):
-    worker, collector = new_worker(engine, config)
+    loop, collector = new_loop(engine, config)
     limit = engine.slot_context
-    worker.submit(GW, greedy("too-long", [1] * limit, 4))
-    worker.submit(GW, greedy("just-fits", [1] * (limit - 1), 4))
-    drain(worker)
+    loop.submit(GW, greedy("too-long", [1] * limit, 4))
+    loop.submit(GW, greedy("just-fits", [1] * (limit - 1), 4))
+    drain(loop)
     assert collector.rejected() == {"too-long": "prompt_too_long"}
     finish = collector.finishes()["just-fits"]
     assert finish.reason == FinishReason.LENGTH and finish.completion_tokens == 1
 
 
 def test_the_slot_context_limits_generation(engine, config):
-    worker, collector = new_worker(engine, config)
+    loop, collector = new_loop(engine, config)
     prompt = [1, *range(10, 10 + engine.slot_context - 6)]
-    worker.submit(GW, greedy("r", prompt, 100, ignore_eos=True))
-    drain(worker)
+    loop.submit(GW, greedy("r", prompt, 100, ignore_eos=True))
+    drain(loop)
     finish = collector.finishes()["r"]
     assert finish.reason == FinishReason.LENGTH
     assert finish.prompt_tokens + finish.completion_tokens == engine.slot_context
@@ -339,23 +339,23 @@ def test_the_slot_context_limits_generation(engine, config):
     ],
 )
 def test_invalid_requests_are_rejected(engine, config, generate, code):
-    worker, collector = new_worker(engine, config)
-    worker.submit(GW, generate)
-    drain(worker)
+    loop, collector = new_loop(engine, config)
+    loop.submit(GW, generate)
+    drain(loop)
     assert collector.rejected() == {generate.request_id: code.value}
-    assert collector.finishes() == {} and worker.scheduler.free_slots == config.slots
+    assert collector.finishes() == {} and loop.scheduler.free_slots == config.slots
 
 
 def test_request_ids_are_per_gateway_and_unique_while_live(engine, config):
-    worker, collector = new_worker(engine, config)
-    worker.submit(GW, greedy("same", [1, 5], 5))
-    worker.submit(GW, greedy("same", [1, 6], 5))
-    worker.submit(b"gw-2", greedy("same", [1, 5], 5))
-    drain(worker)
+    loop, collector = new_loop(engine, config)
+    loop.submit(GW, greedy("same", [1, 5], 5))
+    loop.submit(GW, greedy("same", [1, 6], 5))
+    loop.submit(b"gw-2", greedy("same", [1, 5], 5))
+    drain(loop)
     assert collector.rejected() == {"same": "duplicate_request"}
     assert collector.tokens()["same"] == collector.tokens(b"gw-2")["same"]
-    worker.submit(GW, greedy("same", [1, 5], 5))  # finished ids may be used again
-    drain(worker)
+    loop.submit(GW, greedy("same", [1, 5], 5))  # finished ids may be used again
+    drain(loop)
     assert len(collector.of_type(Accepted)) == 2
 
 
@@ -363,10 +363,10 @@ def test_request_ids_are_per_gateway_and_unique_while_live(engine, config):
 
 
 def test_an_end_of_generation_token_stops_and_is_not_sent(engine, config):
-    worker, collector = new_worker(engine, config)
-    worker.submit(GW, greedy("eos", [1, 5], 10, logit_bias={2: 100.0}))
-    worker.submit(GW, greedy("ignored", [1, 5], 4, logit_bias={2: 100.0}, ignore_eos=True))
-    drain(worker)
+    loop, collector = new_loop(engine, config)
+    loop.submit(GW, greedy("eos", [1, 5], 10, logit_bias={2: 100.0}))
+    loop.submit(GW, greedy("ignored", [1, 5], 4, logit_bias={2: 100.0}, ignore_eos=True))
+    drain(loop)
     finishes = collector.finishes()
     assert finishes["eos"].reason == FinishReason.STOP and finishes["eos"].completion_tokens == 1
     assert "eos" not in collector.tokens()
@@ -379,21 +379,21 @@ def test_seeded_sampling_repeats_alone_and_batched(engine, config):
         return Generate(request_id, [1, 40, 41, 42], params)
 
     alone = run_alone(engine, config, sampled("x", 1234))
-    worker, collector = new_worker(engine, config)
+    loop, collector = new_loop(engine, config)
     requests = [sampled("again", 1234), sampled("other-seed", 99)]
     requests += [greedy(f"noise{i}", [1, 7 + i], 20) for i in range(6)]
-    run_staggered(worker, requests, seed=4)
+    run_staggered(loop, requests, seed=4)
     tokens = collector.tokens()
     assert tokens["again"] == alone
     assert tokens["other-seed"] != alone
 
 
 def test_unseeded_sampling_differs_between_requests(engine, config):
-    worker, collector = new_worker(engine, config)
+    loop, collector = new_loop(engine, config)
     params = SamplingParams(max_tokens=24, temperature=1.5)
     for i in range(4):
-        worker.submit(GW, Generate(f"r{i}", [1, 40, 41], params))
-    drain(worker)
+        loop.submit(GW, Generate(f"r{i}", [1, 40, 41], params))
+    drain(loop)
     assert len({tuple(t) for t in collector.tokens().values()}) > 1
 
 
@@ -404,13 +404,13 @@ number ::= [1-9] [0-9]{0,4}
 string ::= "\"" [a-z]{1,8} "\""
 ws     ::= [ ]?
 """
-    worker, collector = new_worker(engine, config)
+    loop, collector = new_loop(engine, config)
     for seed in range(4):
         params = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar)
-        worker.submit(GW, Generate(f"json{seed}", [1, 40, 41], params))
+        loop.submit(GW, Generate(f"json{seed}", [1, 40, 41], params))
     digits = SamplingParams(max_tokens=5, temperature=0.0, grammar="root ::= [0-9]+")
-    worker.submit(GW, Generate("digits", [1, 40], digits))
-    drain(worker)
+    loop.submit(GW, Generate("digits", [1, 40], digits))
+    drain(loop)
     tokens, finishes = collector.tokens(), collector.finishes()
     for seed in range(4):
         document = json.loads(engine.detokenize(tokens[f"json{seed}"]))
@@ -420,19 +420,17 @@ ws     ::= [ ]?
 
 
 def test_penalties_and_bias_shape_sampling(engine, config):
-    worker, collector = new_worker(engine, config)
+    loop, collector = new_loop(engine, config)
     banned = run_alone(engine, config, greedy("plain", [1, 40, 41], 8))[0]
-    worker.submit(GW, greedy("biased", [1, 40, 41], 8, logit_bias={banned: float("-inf")}))
-    worker.submit(
+    loop.submit(GW, greedy("biased", [1, 40, 41], 8, logit_bias={banned: float("-inf")}))
+    loop.submit(
         GW,
         greedy(
             "penalised", [1, 40, 41], 30, repeat_penalty=10.0, repeat_last_n=-1, ignore_eos=True
         ),
     )
-    worker.submit(
-        GW, greedy("present", [1, 40, 41], 30, presence_penalty=2.0, frequency_penalty=2.0)
-    )
-    drain(worker)
+    loop.submit(GW, greedy("present", [1, 40, 41], 30, presence_penalty=2.0, frequency_penalty=2.0))
+    drain(loop)
     tokens = collector.tokens()
     assert banned not in tokens["biased"]
     assert len(tokens["penalised"]) == 30
@@ -443,7 +441,7 @@ def test_penalties_and_bias_shape_sampling(engine, config):
 
 
 def test_a_failed_decode_fails_its_requests_and_the_worker_serves_on(engine, config):
-    worker, collector = new_worker(engine, config)
+    loop, collector = new_loop(engine, config)
     real_decode = engine.decode
     failures = iter([-1])
 
@@ -452,16 +450,16 @@ def test_a_failed_decode_fails_its_requests_and_the_worker_serves_on(engine, con
         return real_decode(batch) if code is None else code
 
     engine.decode = failing_once
-    worker.submit(GW, greedy("unlucky", [1, 5, 6], 5))
-    worker.submit(GW, greedy("also-unlucky", [1, 7], 5))
-    drain(worker)
+    loop.submit(GW, greedy("unlucky", [1, 5, 6], 5))
+    loop.submit(GW, greedy("also-unlucky", [1, 7], 5))
+    drain(loop)
     finishes = collector.finishes()
     for rid in ("unlucky", "also-unlucky"):
         assert finishes[rid].reason == FinishReason.ERROR
         assert "llama_decode failed" in finishes[rid].message
-    assert all(engine.seq_pos_max(s.index) == -1 for s in worker.scheduler.slots)
-    worker.submit(GW, greedy("later", [1, 5, 6], 5))
-    drain(worker)
+    assert all(engine.seq_pos_max(s.index) == -1 for s in loop.scheduler.slots)
+    loop.submit(GW, greedy("later", [1, 5, 6], 5))
+    drain(loop)
     assert collector.finishes()["later"].completion_tokens == 5
 
 
@@ -473,22 +471,22 @@ class OverBudget:
 
 
 def test_an_invalid_plan_falls_back_to_decode_maximal(engine, config, monkeypatch):
-    worker, collector = new_worker(engine, config)
-    worker.strategy = OverBudget()
-    worker.submit(GW, greedy("r", [1, *range(10, 80)], 6))
-    drain(worker)
+    loop, collector = new_loop(engine, config)
+    loop.scheduler.strategy = OverBudget()
+    loop.submit(GW, greedy("r", [1, *range(10, 80)], 6))
+    drain(loop)
     assert collector.finishes()["r"].completion_tokens == 6
 
 
 def test_stop_finishes_every_live_request(engine, config):
-    worker, collector = new_worker(engine, config, slots=1)
+    loop, collector = new_loop(engine, config, slots=1)
     for i in range(3):
-        worker.submit(GW, greedy(f"r{i}", [1, 5], 10_000, ignore_eos=True))
-    thread = threading.Thread(target=worker.run)
+        loop.submit(GW, greedy(f"r{i}", [1, 5], 10_000, ignore_eos=True))
+    thread = threading.Thread(target=loop.run)
     thread.start()
     with collector.changed:
         collector.changed.wait_for(lambda: len(collector.tokens().get("r0", [])) >= 5, timeout=30)
-    worker.stop()
+    loop.stop()
     thread.join(timeout=30)
     assert not thread.is_alive()
     finishes = collector.finishes()

@@ -38,7 +38,7 @@ from loomserve.protocol import (
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
-from loomserve.worker.loop import Worker
+from loomserve.worker.loop import TickLoop
 from tests.procs import REPO_ROOT, Proc, Samples, free_port, scrape_metrics, start_worker
 
 TIMEOUT = 20.0
@@ -199,7 +199,7 @@ def _in_process(engine: Engine, generate: Generate) -> list[int]:
             pass
 
     sink = Sink()
-    loop = Worker(engine, engine.config, sink)
+    loop = TickLoop(engine, engine.config, sink)
     loop.submit(b"gw", generate)
     loop.tick()
     while loop.scheduler.has_work():

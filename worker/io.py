@@ -39,7 +39,7 @@ from loomserve.protocol import (
     encode,
 )
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.loop import Load, Worker
+from loomserve.worker.loop import Load, TickLoop
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +71,7 @@ class WorkerIO:
         on_gateways: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
-        self.worker: Worker | None = None
+        self.loop: TickLoop | None = None
         self.model_info = model_info
         self.counters = IOCounters()
         self.ready = True
@@ -102,9 +102,9 @@ class WorkerIO:
         """The address actually bound (a tcp://...:0 bind gets its port here)."""
         return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def start(self, worker: Worker) -> None:
-        """Serve: hand inbound work to this worker, whose sink this object is."""
-        self.worker = worker
+    def start(self, loop: TickLoop) -> None:
+        """Serve: hand inbound work to this tick loop, whose sink this object is."""
+        self.loop = loop
         self._thread.start()
 
     def close(self) -> None:
@@ -217,9 +217,9 @@ class WorkerIO:
             return
         self._remember(gateway, now)
         if isinstance(message, Generate):
-            self.worker.submit(gateway, message)
+            self.loop.submit(gateway, message)
         elif isinstance(message, Cancel):
-            self.worker.cancel(gateway, message.request_id)
+            self.loop.cancel(gateway, message.request_id)
         elif isinstance(message, Ping):
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
         else:
@@ -264,7 +264,7 @@ class WorkerIO:
             self._send_now(gateway, beat)
 
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
-        load: Load = self.worker.load
+        load: Load = self.loop.load
         return Heartbeat(
             sent_at=time.time(),
             ping_sent_at=ping_sent_at,
@@ -282,7 +282,7 @@ class WorkerIO:
             del self._lost[next(iter(self._lost))]
         self.counters.gateways_lost += 1
         log.warning("gateway lost; cancelling its requests", gateway=_name(gateway), why=why)
-        self.worker.gateway_gone(gateway)
+        self.loop.gateway_gone(gateway)
         if self._on_gateways:
             self._on_gateways(len(self._last_seen))
 

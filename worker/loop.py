@@ -1,11 +1,12 @@
 """The tick loop: one llama_decode per tick over every slot with work (ADR 006).
 
-A Worker owns the engine, the scheduler and the strategy, and runs on one thread. Other
+A TickLoop owns the engine and the scheduler, and runs on one thread. Other
 threads hand it work through submit(), cancel(), gateway_gone() and stop(), which only put
 items on a queue.Queue; it blocks on that queue whenever it has nothing to do. Everything it
 says goes to a Sink: Accepted and Rejected at once, and per tick one Outputs per gateway with
 that gateway's new tokens and finishes. No socket here (io.py owns those), so the loop runs
-and is tested in-process.
+and is tested in-process. It keeps no slot state: the scheduler decides and records every
+change of a request's state; the loop hands the engine what those decisions need.
 """
 
 from __future__ import annotations
@@ -22,28 +23,18 @@ from loomserve.protocol import (
     Accepted,
     ErrorCode,
     Finish,
-    FinishReason,
     Generate,
     Message,
     Outputs,
     Rejected,
-    TokenChunk,
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.sampling import InvalidSampling
-from loomserve.worker.scheduler import Request, RequestKey, Scheduler, Slot
-from loomserve.worker.strategies import (
-    BatchPlan,
-    DecodeMaximal,
-    SlotPhase,
-    check_plan,
-    load_strategy,
-)
+from loomserve.worker.scheduler import Release, Request, RequestKey, Scheduler, Slot, Step
+from loomserve.worker.strategies import load_strategy
 
 log = structlog.get_logger(__name__)
-
-KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound for reuse
 
 
 class Sink(Protocol):
@@ -109,7 +100,7 @@ class _GatewayGone:
 _STOP = object()
 
 
-class Worker:
+class TickLoop:
     """The continuous-batching loop over one engine."""
 
     def __init__(
@@ -124,9 +115,12 @@ class Worker:
         self.engine = engine
         self.config = config
         self.sink = sink
-        self.strategy = load_strategy(config.strategy)
         self.scheduler = Scheduler(
-            config.slots, config.max_queue, engine.slot_context, engine.min_copy_tokens
+            config.slots,
+            config.max_queue,
+            engine.slot_context,
+            engine.min_copy_tokens,
+            load_strategy(config.strategy),
         )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
@@ -136,8 +130,6 @@ class Worker:
         self._on_reject = on_reject
         self._stopping = False
         self._outputs: dict[bytes, Outputs] = {}
-        self._fallback = DecodeMaximal()
-        self._strategy_failures = 0
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     # --- any thread ------------------------------------------------------------------
@@ -166,13 +158,11 @@ class Worker:
                 # A bug must not take the other requests down with it: fail the running
                 # ones, whose state may be half-updated, and keep serving.
                 log.exception("tick failed; failing the running requests")
-                for slot in self.scheduler.busy_slots():
-                    slot.finish(FinishReason.ERROR, "internal error in the worker's tick")
-                self._retire_finished()
+                self.scheduler.fail_running("internal error in the worker's tick")
+                self._release_finished()
                 self._send_outputs()
-        for key in list(self.scheduler.live):
-            self._cancel(key)
-        self._retire_finished()
+        self.scheduler.cancel_all()
+        self._release_finished()
         self._send_outputs()
 
     def tick(self, block: bool = True) -> None:
@@ -180,21 +170,21 @@ class Worker:
         # 1. New requests and cancellations (blocking only when there is nothing else).
         self._take_input(block=block and not self.scheduler.has_work())
         started = time.perf_counter()
-        # 2. Free slots whose requests ended (cancelled, failed), then fill free slots.
-        self._retire_finished()
+        # 2. Release requests that ended (cancelled, failed), then fill free slots.
+        self._release_finished()
         self._admit()
-        # 3. The strategy splits the token budget; the batch is built from its plan.
-        plan = self._plan()
-        if not plan.n_tokens:  # nothing to run: only finishes to send, if anything
+        # 3. The scheduler's strategy splits the token budget into runs of slot tokens.
+        step = self.scheduler.schedule(self.config.batch_tokens, self.config.prefill_chunk)
+        if not step.n_tokens:  # nothing to run: only finishes to send, if anything
             self._send_outputs()
             return
-        sampled = self._build_batch(plan)
+        sampled = self._build_batch(step)
         # 4. One forward pass. 5. Each slot samples at its own batch index.
-        n_sampled = self._sample(sampled) if self._forward(plan) else 0
+        n_sampled = self._sample(sampled) if self._forward(step) else 0
         # 6. Requests that just ended free their slots; each gateway gets one Outputs.
-        self._retire_finished()
+        self._release_finished()
         self._send_outputs()
-        self._after_tick(plan, n_sampled, started)
+        self._after_tick(step, n_sampled, started)
 
     # --- 1: input ----------------------------------------------------------------------
 
@@ -209,10 +199,11 @@ class Worker:
             elif isinstance(item, _Submit):
                 self._accept(item.gateway, item.generate)
             elif isinstance(item, _Cancel):
-                self._cancel((item.gateway, item.request_id))
+                # Unknown ids are ignored: the request may have just finished.
+                self.scheduler.cancel((item.gateway, item.request_id))
             elif isinstance(item, _GatewayGone):
                 for key in self.scheduler.keys_of(item.gateway):
-                    self._cancel(key)
+                    self.scheduler.cancel(key)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -264,39 +255,21 @@ class Worker:
             return ErrorCode.QUEUE_FULL, f"all slots are busy and {self.config.max_queue} wait"
         return None
 
-    def _cancel(self, key: RequestKey) -> None:
-        request = self.scheduler.cancel(key)
-        if request is not None:  # it was still queued; a running one finishes in phase 2
-            self._finished(request, FinishReason.CANCELLED, "")
+    # --- 2: release and admit -------------------------------------------------------
 
-    # --- 2: finish and admit -------------------------------------------------------
-
-    def _retire_finished(self) -> None:
-        for slot in self.scheduler.finished_slots():
-            reason, message = slot.finish_reason, slot.finish_message
-            keep = reason in KEEPS_CACHE
-            if not keep:
-                self.engine.drop_sequence(slot.index)
-            request = self.scheduler.release(slot, self.tick_count, keep_cache=keep)
-            self._finished(request, reason, message)
-
-    def _finished(self, request: Request, reason: FinishReason, message: str) -> None:
-        request.sampler.close()
+    def _release_finished(self) -> None:
         now = time.monotonic()
-        started = request.admitted_at or now
-        finish = Finish(
-            request_id=request.request_id,
-            reason=reason.value,
-            prompt_tokens=len(request.prompt),
-            completion_tokens=request.completion_tokens,
-            cached_tokens=request.cached_tokens,
-            queue_seconds=started - request.arrived_at,
-            message=message,
-        )
-        self._outputs_for(request.key[0]).finishes.append(finish)
-        first = request.first_token_at
+        for release in self.scheduler.release_finished(self.tick_count, now):
+            if release.drop_sequence is not None:
+                self.engine.drop_sequence(release.drop_sequence)
+            release.request.sampler.close()
+            self._outputs_for(release.request.gateway).finishes.append(release.finish)
+            self._finished(release, now)
+
+    def _finished(self, release: Release, now: float) -> None:
+        request, first = release.request, release.request.first_token_at
         record = FinishRecord(
-            finish=finish,
+            finish=release.finish,
             ttft_seconds=first - request.arrived_at if first else None,
             decode_seconds=now - first if first else 0.0,
         )
@@ -306,99 +279,60 @@ class Worker:
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
-            slot, reused = admission.slot, admission.reused
+            slot, reused = admission.slot.index, admission.reused
             if admission.source is not None:
-                self.engine.drop_sequence(slot.index)
-                self.engine.copy_prefix(admission.source.index, slot.index, reused)
-            elif not self.engine.keep_prefix(slot.index, reused):
+                self.engine.drop_sequence(slot)
+                self.engine.copy_prefix(admission.source.index, slot, reused)
+            elif not self.engine.keep_prefix(slot, reused):
                 # This cache cannot keep a part of a sequence: evaluate the whole prompt.
-                self.engine.drop_sequence(slot.index)
-                slot.n_cached = admission.request.cached_tokens = 0
+                self.engine.drop_sequence(slot)
+                self.scheduler.prefix_lost(admission)
 
-    # --- 3: plan and build the batch -------------------------------------------------
+    # --- 3: the batch ----------------------------------------------------------------
 
-    def _plan(self) -> BatchPlan:
-        views = self.scheduler.views()
-        if not views:
-            return BatchPlan()
-        budget, chunk = self.config.batch_tokens, self.config.prefill_chunk
-        depth = self.scheduler.queue_depth
-        try:
-            plan = self.strategy.plan(views, budget, chunk, depth)
-            check_plan(plan, views, budget)
-        except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
-            self._strategy_failures += 1
-            if self._strategy_failures % 1000 == 1:  # the first, then every 1000th
-                log.error(
-                    "strategy failed; decode-maximal plans this tick",
-                    strategy=self.config.strategy,
-                    error=str(exc),
-                    failures=self._strategy_failures,
-                )
-            plan = self._fallback.plan(views, budget, chunk, depth)
-        return plan
-
-    def _build_batch(self, plan: BatchPlan) -> list[tuple[Slot, int]]:
+    def _build_batch(self, step: Step) -> list[tuple[Slot, int]]:
         """Fill the engine's batch; return the slots to sample and their batch indices."""
-        batch, slots = self.engine.batch, self.scheduler.slots
+        batch = self.engine.batch
         batch.clear()
         sampled = []
-        for index in plan.decode:
-            slot = slots[index]
-            sampled.append((slot, batch.add(slot.tokens[-1], slot.n_cached, index, True)))
-        for index, n_tokens in plan.prefill.items():
-            slot = slots[index]
-            start, end = slot.n_cached, slot.n_cached + n_tokens
-            # Logits only where a token is sampled: the last prompt token.
-            last = batch.add_run(slot.tokens[start:end], start, index, end == slot.n_prompt)
-            if end == slot.n_prompt:
-                sampled.append((slot, last))
+        for run in step.runs:
+            seq = run.slot.index
+            if len(run.tokens) == 1:  # a decode token: the cheaper single add
+                last = batch.add(run.tokens[0], run.start, seq, run.sample)
+            else:
+                last = batch.add_run(run.tokens, run.start, seq, run.sample)
+            if run.sample:
+                sampled.append((run.slot, last))
         return sampled
 
     # --- 4: forward --------------------------------------------------------------------
 
-    def _forward(self, plan: BatchPlan) -> bool:
+    def _forward(self, step: Step) -> bool:
         code = self.engine.decode(self.engine.batch)
-        slots = self.scheduler.slots
         if code != 0:
-            message = f"llama_decode failed with code {code}"
-            log.error("decode failed", code=code, slots=[*plan.decode, *plan.prefill])
-            for index in (*plan.decode, *plan.prefill):
-                slots[index].finish(FinishReason.ERROR, message)
+            log.error("decode failed", code=code, slots=[run.slot.index for run in step.runs])
+            self.scheduler.fail(step, f"llama_decode failed with code {code}")
             return False
-        for index in plan.decode:
-            slots[index].n_cached += 1
-        for index, n_tokens in plan.prefill.items():
-            slots[index].n_cached += n_tokens
+        self.scheduler.advance(step)
         return True
 
     # --- 5: sample ----------------------------------------------------------------------
 
     def _sample(self, sampled: list[tuple[Slot, int]]) -> int:
-        """Sample, record and check each slot's new token; return how many were sampled."""
+        """Sample each slot's new token and hand it to the scheduler; return how many."""
         if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
             return 0
         now = time.monotonic()
-        limit = self.engine.slot_context
+        is_eog, record_token = self.engine.is_eog, self.scheduler.record_token
         # Logits were asked for exactly where a token is sampled, so output row i belongs to
         # sampled[i]: one view of them all instead of one per slot.
         logits = self.engine.output_logits(len(sampled))
         for row, (slot, batch_index) in enumerate(sampled):
             request = slot.request
             token = request.sampler.sample(batch_index, logits[row])
-            request.completion_tokens += 1
-            if not request.first_token_at:
-                request.first_token_at = now
-            slot.phase = SlotPhase.GENERATING
-            slot.tokens.append(token)
-            params = request.params
-            if not params.ignore_eos and self.engine.is_eog(token):
-                # The end-of-generation token is counted but never sent: it is not text.
-                slot.finish(FinishReason.STOP)
-                continue
-            self._outputs_for(request.key[0]).tokens.append(TokenChunk(request.request_id, [token]))
-            if request.completion_tokens >= params.max_tokens or len(slot.tokens) >= limit:
-                slot.finish(FinishReason.LENGTH)
+            chunk = record_token(slot, token, is_eog(token), now)
+            if chunk is not None:
+                self._outputs_for(request.gateway).tokens.append(chunk)
         return len(sampled)
 
     # --- 6: emit -----------------------------------------------------------------------
@@ -418,10 +352,11 @@ class Worker:
         scheduler = self.scheduler
         self.load = Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running)
 
-    def _after_tick(self, plan: BatchPlan, n_sampled: int, started: float) -> None:
+    def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1
         if not (self.config.log_ticks or self._on_tick):
             return
+        plan = step.plan
         record = TickRecord(
             tick=self.tick_count,
             decode_tokens=len(plan.decode),

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from loomserve.protocol import FinishReason
 from loomserve.worker.io import IOCounters
-from loomserve.worker.loop import FinishRecord, TickRecord, Worker
+from loomserve.worker.loop import FinishRecord, TickLoop, TickRecord
 
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -93,16 +93,16 @@ class WorkerMetrics:
             r.value: self.finished.labels(reason=r.value) for r in FinishReason
         }
 
-    def watch(self, worker: Worker, io_counters: IOCounters | None = None) -> None:
+    def watch(self, loop: TickLoop, io_counters: IOCounters | None = None) -> None:
         """Read the load gauges and IO counters from these objects at scrape time."""
-        cells_total = worker.engine.kv_cells_total()
+        cells_total = loop.engine.kv_cells_total()
         self.kv_cells_total.set(cells_total)
-        self.requests_waiting.set_function(lambda: worker.load.queue_depth)
-        self.requests_running.set_function(lambda: worker.load.running)
-        self.free_slots.set_function(lambda: worker.load.free_slots)
+        self.requests_waiting.set_function(lambda: loop.load.queue_depth)
+        self.requests_running.set_function(lambda: loop.load.running)
+        self.free_slots.set_function(lambda: loop.load.free_slots)
 
         def cells_used() -> int:
-            return sum(slot.n_cached for slot in worker.scheduler.slots)
+            return sum(slot.n_in_cache for slot in loop.scheduler.slots)
 
         self.kv_cells_used.set_function(cells_used)
         self.kv_usage.set_function(lambda: cells_used() / cells_total)

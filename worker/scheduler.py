@@ -1,11 +1,15 @@
-"""Slots and the waiting queue: who runs, who waits, and what each slot holds in the KV cache.
+"""Slots and the waiting queue: the whole life of a request, from its queue to its Finish.
 
 Plain Python over a deque and a list of slots, like nano-vllm's scheduler: no llama.cpp and
-no ZeroMQ here, so it is tested without a model. The loop does the engine calls each
-decision implies (trim a slot's cache on admission, drop it on release).
+no ZeroMQ here, so it is tested without a model. The scheduler owns every state change of a
+slot, in the order a tick makes them: admit waiting requests, plan the batch's runs of tokens
+(the strategy splits the budget), advance the slots after the forward pass, record each
+sampled token (deciding EOS, max_tokens and the context limit), and release the requests that
+ended. The loop does the engine work each decision implies; the decisions that touch the
+engine come back as values (Admission, Release) so that it stays explicit.
 
-A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_cached` tokens
-have their keys and values in the cache at positions 0..n_cached-1. A slot that finishes
+A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
+have their keys and values in the cache at positions 0..n_in_cache-1. A slot that finishes
 normally keeps that cache, so a later prompt with the same beginning skips those tokens
 (prefix reuse, like llama-server's cache_prompt).
 """
@@ -13,13 +17,25 @@ normally keeps that cache, so a later prompt with the same beginning skips those
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from loomserve.protocol import FinishReason, SamplingParams
-from loomserve.worker.strategies import SlotPhase, SlotView
+import structlog
+
+from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenChunk
+from loomserve.worker.strategies import (
+    BatchPlan,
+    BatchStrategy,
+    DecodeMaximal,
+    SlotPhase,
+    SlotView,
+    check_plan,
+)
+
+log = structlog.get_logger(__name__)
 
 RequestKey = tuple[bytes, str]  # (gateway identity, request id): ids are unique per gateway
+
+KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound for reuse
 
 
 @dataclass(slots=True)
@@ -33,12 +49,16 @@ class Request:
     sampler: object = None  # the engine's sampler chain, built at acceptance
     admitted_at: float = 0.0
     first_token_at: float = 0.0
-    cached_tokens: int = 0  # prompt tokens whose KV was reused from an earlier request
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from an earlier request
     completion_tokens: int = 0
 
     @property
     def request_id(self) -> str:
         return self.key[1]
+
+    @property
+    def gateway(self) -> bytes:
+        return self.key[0]
 
 
 @dataclass(slots=True)
@@ -49,16 +69,16 @@ class Slot:
     phase: SlotPhase = SlotPhase.IDLE
     request: Request | None = None
     tokens: list[int] = field(default_factory=list)
-    n_cached: int = 0
+    n_in_cache: int = 0  # tokens[:n_in_cache] have their KV in the cache
     n_prompt: int = 0
     admitted_tick: int = 0
     last_used_tick: int = -1  # idle slots are reused least recently used first
-    finish_reason: FinishReason | None = None  # set when the request ends; freed next tick
+    finish_reason: FinishReason | None = None  # set when the request ends; released next
     finish_message: str = ""
 
     @property
     def prompt_remaining(self) -> int:
-        return self.n_prompt - self.n_cached if self.phase is SlotPhase.PREFILLING else 0
+        return self.n_prompt - self.n_in_cache if self.phase is SlotPhase.PREFILLING else 0
 
     @property
     def busy(self) -> bool:
@@ -75,7 +95,7 @@ class Slot:
         )
 
     def finish(self, reason: FinishReason, message: str = "") -> None:
-        """Mark the request over; the loop frees the slot at the start of the next tick."""
+        """Mark the request over (the first reason wins); release_finished frees the slot."""
         if self.finish_reason is None:
             self.finish_reason = reason
             self.finish_message = message
@@ -85,14 +105,46 @@ class Slot:
 class Admission:
     """A queued request placed in a slot, reusing the first `reused` tokens of a cache.
 
-    The cache is the slot's own when `source` is None; otherwise the loop copies the first
-    `reused` cells of the source slot's sequence (a busy slot running the same prefix).
+    The cache is the slot's own when `source` is None: the engine keeps that sequence's first
+    `reused` cells and drops the rest. Otherwise the engine drops the slot's sequence and
+    copies the first `reused` cells of the source slot's (a busy slot running the same prefix).
     """
 
     slot: Slot
     request: Request
     reused: int
     source: Slot | None = None
+
+
+@dataclass(slots=True)
+class Run:
+    """Consecutive tokens of one slot in this tick's batch."""
+
+    slot: Slot
+    tokens: list[int]
+    start: int  # the cache position of tokens[0]
+    sample: bool  # a token is sampled from the last token's logits
+
+
+@dataclass(slots=True)
+class Step:
+    """One tick's work, as planned: the strategy's plan and the runs that carry it out."""
+
+    plan: BatchPlan
+    runs: list[Run] = field(default_factory=list)  # decode runs, then prompt chunks
+
+    @property
+    def n_tokens(self) -> int:
+        return self.plan.n_tokens
+
+
+@dataclass(slots=True)
+class Release:
+    """A request that ended and left its slot or the queue, and what its end asks of the loop."""
+
+    request: Request
+    finish: Finish  # for the request's gateway
+    drop_sequence: int | None  # the slot whose cells the engine drops; None when kept or unused
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -111,19 +163,28 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    """Slots plus a bounded FIFO of requests waiting for one."""
+    """Slots plus a bounded FIFO of requests waiting for one, and each request's life in them."""
 
     def __init__(
-        self, n_slots: int, max_queue: int, slot_context: int, min_copy_tokens: int = 1
+        self,
+        n_slots: int,
+        max_queue: int,
+        slot_context: int,
+        min_copy_tokens: int = 1,
+        strategy: BatchStrategy | None = None,
     ) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
         self.max_queue = max_queue
         self.slot_context = slot_context
         # A busy slot's prefix is copied only when it saves at least this many tokens.
         self.min_copy_tokens = min_copy_tokens
+        self.strategy: BatchStrategy = strategy or DecodeMaximal()
         self.waiting: deque[Request] = deque()
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
         self._slot_of: dict[RequestKey, Slot] = {}
+        self._cancelled_waiting: list[Request] = []  # left the queue; released next
+        self._fallback = DecodeMaximal()
+        self._strategy_failures = 0
 
     # --- counts -----------------------------------------------------------------------
 
@@ -140,17 +201,14 @@ class Scheduler:
         return len(self.slots) - len(self._slot_of)
 
     def has_work(self) -> bool:
-        """Whether a tick would do anything: a busy slot or a waiting request."""
-        return bool(self._slot_of) or bool(self.waiting)
-
-    def busy_slots(self) -> Iterator[Slot]:
-        return (slot for slot in self.slots if slot.request is not None)
+        """Whether a tick would do anything: a busy slot, a waiting or an unreleased request."""
+        return bool(self._slot_of) or bool(self.waiting) or bool(self._cancelled_waiting)
 
     def views(self) -> list[SlotView]:
         """What the strategy sees: the slots with work this tick."""
         return [slot.view() for slot in self.slots if slot.request and not slot.finish_reason]
 
-    # --- requests in ------------------------------------------------------------------
+    # --- requests in and out ----------------------------------------------------------
 
     def can_enqueue(self) -> bool:
         """Whether one more request fits: a free slot for it, or room in the queue."""
@@ -162,23 +220,31 @@ class Scheduler:
         self.live[request.key] = request
         return max(0, len(self.waiting) - self.free_slots)
 
-    def cancel(self, key: RequestKey) -> Request | None:
-        """Cancel a request. A queued one is removed and returned; a running one is marked."""
+    def cancel(self, key: RequestKey) -> bool:
+        """Cancel a live request, queued or running; False when there is none by that key.
+
+        Either way its Finish comes from the next release_finished.
+        """
         request = self.live.get(key)
         if request is None:
-            return None
+            return False
         slot = self._slot_of.get(key)
         if slot is not None:
             slot.finish(FinishReason.CANCELLED)
-            return None
-        self.waiting.remove(request)
-        del self.live[key]
-        return request
+        else:
+            self.waiting.remove(request)
+            del self.live[key]
+            self._cancelled_waiting.append(request)
+        return True
+
+    def cancel_all(self) -> None:
+        for key in list(self.live):
+            self.cancel(key)
 
     def keys_of(self, gateway: bytes) -> list[RequestKey]:
         return [key for key in self.live if key[0] == gateway]
 
-    # --- slots ------------------------------------------------------------------------
+    # --- admit ------------------------------------------------------------------------
 
     def admit(self, tick: int, now: float) -> list[Admission]:
         """Move waiting requests into free slots, FIFO, each where most of its prompt is cached."""
@@ -191,16 +257,20 @@ class Scheduler:
             slot.phase = SlotPhase.PREFILLING
             slot.request = request
             slot.tokens = list(request.prompt)
-            slot.n_cached = reused
+            slot.n_in_cache = reused
             slot.n_prompt = len(request.prompt)
             slot.admitted_tick = tick
             slot.finish_reason = None
             slot.finish_message = ""
             request.admitted_at = now
-            request.cached_tokens = reused
+            request.prefix_hit_tokens = reused
             self._slot_of[request.key] = slot
             admissions.append(Admission(slot, request, reused, source if reused else None))
         return admissions
+
+    def prefix_lost(self, admission: Admission) -> None:
+        """The engine could not keep the admitted slot's prefix: its whole prompt is evaluated."""
+        admission.slot.n_in_cache = admission.request.prefix_hit_tokens = 0
 
     def _placement(self, prompt: list[int]) -> tuple[Slot, Slot | None, int]:
         """The free slot for a prompt, the slot whose cache it copies (if not its own), and
@@ -215,9 +285,9 @@ class Scheduler:
         own, own_shared = lru, 0
         donor, donor_shared = None, 0
         for slot in self.slots:
-            if not slot.n_cached:
+            if not slot.n_in_cache:
                 continue
-            shared = common_prefix(slot.tokens[: slot.n_cached], prompt)
+            shared = common_prefix(slot.tokens[: slot.n_in_cache], prompt)
             if slot.request is None:
                 if (shared, -slot.last_used_tick) > (own_shared, -own.last_used_tick):
                     own, own_shared = slot, shared
@@ -227,21 +297,128 @@ class Scheduler:
             return lru, donor, donor_shared
         return own, None, own_shared
 
-    def release(self, slot: Slot, tick: int, keep_cache: bool) -> Request:
-        """Free a finished slot; it keeps its cached tokens for reuse only if keep_cache."""
+    # --- plan the batch -----------------------------------------------------------------
+
+    def schedule(self, budget: int, chunk_size: int) -> Step:
+        """This tick's runs: the strategy splits the budget, decode runs come first."""
+        views = self.views()
+        if not views:
+            return Step(BatchPlan())
+        plan = self._plan(views, budget, chunk_size)
+        slots = self.slots
+        runs = []
+        for index in plan.decode:
+            slot = slots[index]
+            runs.append(Run(slot, slot.tokens[-1:], slot.n_in_cache, True))
+        for index, n_tokens in plan.prefill.items():
+            slot = slots[index]
+            start, end = slot.n_in_cache, slot.n_in_cache + n_tokens
+            # Logits only where a token is sampled: the last prompt token.
+            runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt))
+        return Step(plan, runs)
+
+    def _plan(self, views: list[SlotView], budget: int, chunk_size: int) -> BatchPlan:
+        depth = self.queue_depth
+        try:
+            plan = self.strategy.plan(views, budget, chunk_size, depth)
+            check_plan(plan, views, budget)
+        except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
+            self._strategy_failures += 1
+            if self._strategy_failures % 1000 == 1:  # the first, then every 1000th
+                log.error(
+                    "strategy failed; decode-maximal plans this tick",
+                    strategy=getattr(self.strategy, "name", type(self.strategy).__qualname__),
+                    error=str(exc),
+                    failures=self._strategy_failures,
+                )
+            plan = self._fallback.plan(views, budget, chunk_size, depth)
+        return plan
+
+    # --- after the forward pass ---------------------------------------------------------
+
+    def advance(self, step: Step) -> None:
+        """The forward pass put every run's tokens in the cache."""
+        for run in step.runs:
+            run.slot.n_in_cache += len(run.tokens)
+
+    def fail(self, step: Step, message: str) -> None:
+        """The forward pass failed: every request in it ends with an error."""
+        for run in step.runs:
+            run.slot.finish(FinishReason.ERROR, message)
+
+    def fail_running(self, message: str) -> None:
+        """Every running request ends with an error (its state may be half-updated)."""
+        for slot in self.slots:
+            if slot.request is not None:
+                slot.finish(FinishReason.ERROR, message)
+
+    def record_token(
+        self, slot: Slot, token: int, end_of_generation: bool, now: float
+    ) -> TokenChunk | None:
+        """Append a sampled token and end the request if it must; return the chunk to send.
+
+        An end-of-generation token (unless the request ignores EOS) is counted but not sent:
+        it is not text. max_tokens and the slot's context end a request after its token.
+        """
         request = slot.request
-        assert request is not None
+        request.completion_tokens += 1
+        if not request.first_token_at:
+            request.first_token_at = now
+        slot.phase = SlotPhase.GENERATING
+        slot.tokens.append(token)
+        params = request.params
+        if end_of_generation and not params.ignore_eos:
+            slot.finish(FinishReason.STOP)
+            return None
+        if request.completion_tokens >= params.max_tokens or len(slot.tokens) >= self.slot_context:
+            slot.finish(FinishReason.LENGTH)
+        return TokenChunk(request.request_id, [token])
+
+    # --- release ------------------------------------------------------------------------
+
+    def release_finished(self, tick: int, now: float) -> list[Release]:
+        """Free every request that ended: cancelled in the queue first, then finished slots.
+
+        A slot that finished normally keeps its evaluated tokens for prefix reuse; any other
+        end drops its cells (Release.drop_sequence).
+        """
+        releases = [
+            Release(request, self._finish(request, FinishReason.CANCELLED, "", now), None)
+            for request in self._cancelled_waiting
+        ]
+        self._cancelled_waiting.clear()
+        for slot in self.slots:
+            request, reason = slot.request, slot.finish_reason
+            if request is None or reason is None:
+                continue
+            keep = reason in KEEPS_CACHE
+            finish = self._finish(request, reason, slot.finish_message, now)
+            self._release(slot, tick, keep)
+            releases.append(Release(request, finish, None if keep else slot.index))
+        return releases
+
+    def _release(self, slot: Slot, tick: int, keep_cache: bool) -> None:
+        request = slot.request
         del self._slot_of[request.key]
         del self.live[request.key]
         slot.request = None
         slot.phase = SlotPhase.IDLE
         slot.last_used_tick = tick
         if keep_cache:
-            del slot.tokens[slot.n_cached :]
+            del slot.tokens[slot.n_in_cache :]
         else:
             slot.tokens = []
-            slot.n_cached = 0
-        return request
+            slot.n_in_cache = 0
 
-    def finished_slots(self) -> list[Slot]:
-        return [slot for slot in self.slots if slot.request and slot.finish_reason]
+    @staticmethod
+    def _finish(request: Request, reason: FinishReason, message: str, now: float) -> Finish:
+        started = request.admitted_at or now
+        return Finish(
+            request_id=request.request_id,
+            reason=reason.value,
+            prompt_tokens=len(request.prompt),
+            completion_tokens=request.completion_tokens,
+            cached_tokens=request.prefix_hit_tokens,
+            queue_seconds=started - request.arrived_at,
+            message=message,
+        )

@@ -12,7 +12,7 @@ from loomserve.protocol.vocab import vocab_fingerprint
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine, EngineError
 from loomserve.worker.io import WorkerIO
-from loomserve.worker.loop import Worker
+from loomserve.worker.loop import TickLoop
 from loomserve.worker.metrics import WorkerMetrics
 from loomserve.worker.strategies import load_strategy
 
@@ -51,7 +51,7 @@ def _serve(config: WorkerConfig, engine: Engine) -> None:
     except zmq.ZMQError as exc:
         log.error("cannot bind", bind=config.bind, error=str(exc))
         raise SystemExit(1) from exc
-    worker = Worker(
+    loop = TickLoop(
         engine,
         config,
         io,
@@ -60,27 +60,27 @@ def _serve(config: WorkerConfig, engine: Engine) -> None:
         on_reject=metrics.on_reject if metrics else None,
     )
     if metrics is not None:
-        metrics.watch(worker, io.counters)
+        metrics.watch(loop, io.counters)
         metrics.serve(config.metrics_host, config.metrics_port)
         log.info("metrics", url=f"http://{config.metrics_host}:{config.metrics_port}/metrics")
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("stopping", signal=signal.Signals(signum).name)
         io.ready = False
-        worker.stop()
+        loop.stop()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    io.start(worker)
+    io.start(loop)
     log.info("worker listening", bind=io.endpoint, slots=config.slots)
     try:
-        worker.run()  # on this, the main thread, so signals reach it at once
+        loop.run()  # on this, the main thread, so signals reach it at once
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         io.close()
         if metrics is not None:
             metrics.close()
-        log.info("worker stopped", ticks=worker.tick_count)
+        log.info("worker stopped", ticks=loop.tick_count)
 
 
 def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
