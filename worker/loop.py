@@ -179,7 +179,8 @@ class TickLoop:
             self._send_outputs()
             return
         sampled = self._build_batch(step)
-        # 4. One forward pass. 5. Each slot samples at its own batch index.
+        # 4. One forward pass; the scheduler advances each slot's cache.
+        # 5. Each slot samples at its own batch index; the scheduler records the token.
         n_sampled = self._sample(sampled) if self._forward(step) else 0
         # 6. Requests that just ended free their slots; each gateway gets one Outputs.
         self._release_finished()
@@ -291,7 +292,8 @@ class TickLoop:
     # --- 3: the batch ----------------------------------------------------------------
 
     def _build_batch(self, step: Step) -> list[tuple[Slot, int]]:
-        """Fill the engine's batch; return the slots to sample and their batch indices."""
+        """Fill the engine's batch from the runs, in their order; return the slots to sample
+        and their batch indices, in batch order (the order of the output logits' rows)."""
         batch = self.engine.batch
         batch.clear()
         sampled = []
