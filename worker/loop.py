@@ -1,4 +1,6 @@
-"""The tick loop: one llama_decode per tick over every slot with work (ADR 006, summarised in docs/life-of-a-request.md).
+"""The tick loop: one llama_decode per tick over every slot with work (ADR 006).
+
+ADR 006 and 008 are summarised in docs/life-of-a-request.md.
 
 A TickLoop owns the engine and the scheduler, and runs on one thread. Other
 threads hand it work through submit(), cancel(), gateway_gone() and stop(), which only put
