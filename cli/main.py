@@ -313,8 +313,16 @@ def gateway(
     default=1,
     help="Gateway processes sharing the HTTP port.",
 )
+@click.option(
+    "--max-restart-delay",
+    type=click.FloatRange(min=0.0),
+    default=30.0,
+    help="Longest wait, in seconds, before restarting a child that keeps crashing.",
+)
 @log_options
-def serve(gateways: int, log_level: str, log_json: bool | None, **opts) -> None:
+def serve(
+    gateways: int, max_restart_delay: float, log_level: str, log_json: bool | None, **opts
+) -> None:
     """Run everything on this machine: one worker and --gateways gateways, supervised."""
     from loomserve.cli import serve as serving
     from loomserve.cli.logs import configure_logging
@@ -335,7 +343,12 @@ def serve(gateways: int, log_level: str, log_json: bool | None, **opts) -> None:
             f"cannot listen on {opts['host']}:{opts['port']}: {exc}"
         ) from exc
     plan = serving.ServePlan(
-        model=model, host=opts["host"], port=opts["port"], gateways=gateways, options=options
+        model=model,
+        host=opts["host"],
+        port=opts["port"],
+        gateways=gateways,
+        options=options,
+        max_restart_delay=max_restart_delay,
     )
     raise SystemExit(serving.serve(plan, worker_command=worker, gateway_command=gateway))
 

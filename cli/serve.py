@@ -37,6 +37,7 @@ class ServePlan:
     port: int
     gateways: int
     options: Mapping[str, Any]  # option values by name, for the worker's and gateways' commands
+    max_restart_delay: float = 30.0  # the cap on the doubling delay before a restart
 
 
 def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click.Command) -> int:
@@ -61,6 +62,7 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
             ready_probe=lambda: health_ok(_probe_host(plan.host), plan.port),
             on_ready=lambda: log.info("ready", url=url, openai_base_url=f"{url}/v1"),
             on_exit=on_exit,
+            max_restart_delay=plan.max_restart_delay,
         )
         return supervisor.run()
     finally:

@@ -1,6 +1,11 @@
 """Process supervision for `loomserve serve`: start the children, restart the ones that crash,
 stop them all on Ctrl-C or SIGTERM.
 
+A child that crashes is restarted after a delay that doubles with each quick death, up to a
+cap, for as long as it takes: one child's crash loop must not stop the others serving. Only a
+child that has never come up (it died within seconds of every start before serve was ever
+ready: a bad model file, a bad option) makes the supervisor give up, so start-up fails fast.
+
 Each child runs in its own session, so a Ctrl-C at the terminal reaches the supervisor only and
 the shutdown happens in stages: the gateways first, together, then the worker (so in-flight
 requests can finish), each stage with SIGTERM and a grace period before SIGKILL.
@@ -24,7 +29,8 @@ import structlog
 log = structlog.get_logger(__name__)
 
 QUICK_EXIT_SECONDS = 10.0  # a child that dies sooner than this after starting is crash-looping
-MAX_QUICK_EXITS = 5  # consecutive quick deaths before the supervisor gives up
+MAX_QUICK_EXITS = 5  # consecutive quick deaths of a never-up child before giving up
+MAX_RESTART_DELAY = 30.0
 POLL_SECONDS = 0.1
 READY_PROBE_SECONDS = 0.5
 
@@ -49,6 +55,9 @@ class Child:
     quick_exits: int = 0  # consecutive deaths within QUICK_EXIT_SECONDS of starting
     restart_at: float | None = None  # when a crashed child is due to start again
     restarts: int = 0
+    # Ran QUICK_EXIT_SECONDS, or was running when serve was ready: it can start, so a crash
+    # later is retried for ever rather than taken for bad configuration.
+    ever_up: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -73,13 +82,15 @@ class Supervisor:
         *,
         stop_timeout: float = 15.0,
         restart_delay: float = 0.5,
+        max_restart_delay: float = MAX_RESTART_DELAY,
         ready_probe: Callable[[], bool] | None = None,
         on_ready: Callable[[], None] | None = None,
         on_exit: Callable[[Child, int], None] | None = None,
     ) -> None:
         self.children = [Child(spec) for spec in specs]
         self.stop_timeout = stop_timeout
-        self.restart_delay = restart_delay  # doubles with each quick death, up to 30 s
+        self.restart_delay = restart_delay  # doubles with each quick death
+        self.max_restart_delay = max_restart_delay
         self.ready_probe = ready_probe
         self.on_ready = on_ready
         self.on_exit = on_exit
@@ -112,7 +123,10 @@ class Supervisor:
                         self._start(child)
                     continue
                 returncode = child.process.poll()
-                if returncode is not None and not self._handle_exit(child, returncode, now):
+                if returncode is None:
+                    if now - child.started_at >= QUICK_EXIT_SECONDS:
+                        child.ever_up = True
+                elif not self._handle_exit(child, returncode, now):
                     return 1
             self._probe_readiness(now)
             time.sleep(POLL_SECONDS)
@@ -130,7 +144,7 @@ class Supervisor:
         log.info("started", child=child.spec.name, pid=child.process.pid)
 
     def _handle_exit(self, child: Child, returncode: int, now: float) -> bool:
-        """Report a child's death and schedule its restart; False when it keeps crashing."""
+        """Report a child's death and schedule its restart; False when it never came up."""
         pid = child.process.pid if child.process else None
         child.process = None
         uptime = now - child.started_at
@@ -144,15 +158,23 @@ class Supervisor:
         )
         if self.on_exit and pid is not None:
             self.on_exit(child, pid)
+        if self._ready:
+            log.warning("not ready: a child is down", child=child.spec.name)
         self._ready = False
-        if child.quick_exits >= MAX_QUICK_EXITS:
+        if child.quick_exits >= MAX_QUICK_EXITS and not child.ever_up:
             log.error(
-                "giving up: child keeps crashing", child=child.spec.name, crashes=MAX_QUICK_EXITS
+                "giving up: child never came up", child=child.spec.name, crashes=MAX_QUICK_EXITS
             )
             return False
-        delay = min(30.0, self.restart_delay * 2**child.quick_exits)
+        delay = min(self.max_restart_delay, self.restart_delay * 2**child.quick_exits)
         child.restart_at = now + delay
-        log.warning("restarting", child=child.spec.name, in_s=delay)
+        log.warning(
+            "restarting",
+            child=child.spec.name,
+            in_s=round(delay, 3),
+            quick_exits=child.quick_exits,
+            restarts=child.restarts,
+        )
         return True
 
     def _probe_readiness(self, now: float) -> None:
@@ -161,6 +183,8 @@ class Supervisor:
         self._next_probe = now + READY_PROBE_SECONDS
         if all(child.process is not None for child in self.children) and self.ready_probe():
             self._ready = True
+            for child in self.children:
+                child.ever_up = True
             if self.on_ready:
                 self.on_ready()
 

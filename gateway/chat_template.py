@@ -79,5 +79,5 @@ class ChatTemplate:
             )
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, RecursionError) as exc:
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc

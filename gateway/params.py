@@ -1,22 +1,23 @@
-"""Request fields to the worker's SamplingParams, stop strings and grammar; 400 for bad ones.
+"""Request fields to the worker's SamplingParams and stop strings; 400 for bad ones.
 
 Everything a request can get wrong is caught here, before anything reaches the worker.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-
 from loomserve.gateway.errors import APIError, invalid_request
+from loomserve.gateway.grammar import request_grammar
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from loomserve.gateway.tokenizer import Vocab
+from loomserve.protocol.limits import MAX_LOGIT_BIAS
 from loomserve.protocol.messages import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+# Matching holds back the longest tail that starts a stop string, checked per token.
+MAX_STOP_CHARS = 512
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 LOGIT_BIAS_LIMIT = 100.0
 
@@ -43,6 +44,8 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise invalid_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid_request(f"stop strings may be at most {MAX_STOP_CHARS} characters", "stop")
     return tuple(s for s in stops if s)
 
 
@@ -78,7 +81,7 @@ def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) ->
             frequency_penalty=_or(request.frequency_penalty, defaults.frequency_penalty),
             seed=request.seed,
             logit_bias=_logit_bias(request.logit_bias, vocab),
-            grammar=_grammar(request, vocab),
+            grammar=request_grammar(request, vocab),
             ignore_eos=bool(request.ignore_eos),
         )
     except ValueError as exc:
@@ -92,6 +95,8 @@ def _or(value: Any, default: Any) -> Any:
 def _logit_bias(bias: dict[str, float] | None, vocab: Vocab) -> dict[int, float]:
     result: dict[int, float] = {}
     param = "logit_bias"
+    if bias and len(bias) > MAX_LOGIT_BIAS:
+        raise invalid_request(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens", param)
     for key, value in (bias or {}).items():
         try:
             token_id = int(key)
@@ -103,35 +108,3 @@ def _logit_bias(bias: dict[str, float] | None, vocab: Vocab) -> dict[int, float]
             raise invalid_request("logit_bias values must be between -100 and 100", param)
         result[token_id] = value
     return result
-
-
-def _grammar(request: GenerationFields, vocab: Vocab) -> str | None:
-    """A GBNF grammar from `grammar` or `response_format`, checked by llama.cpp's parser."""
-    fmt = request.response_format
-    wants_json = fmt is not None and fmt.type != "text"
-    if request.grammar and wants_json:
-        raise invalid_request("give either grammar or a JSON response_format, not both", "grammar")
-    if request.grammar:
-        grammar, param = request.grammar, "grammar"
-    elif wants_json:
-        grammar, param = _json_grammar(fmt), "response_format"
-    else:
-        return None
-    error = vocab.grammar_error(grammar)
-    if error:
-        raise invalid_request(error, param)
-    return grammar
-
-
-def _json_grammar(fmt: Any) -> str:
-    schema = fmt.schema_
-    if fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise invalid_request("json_schema needs a schema", "response_format.json_schema")
-        schema = fmt.json_schema.schema_
-    if schema is None:
-        return JSON_GBNF
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except (AssertionError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise invalid_request(f"unsupported JSON schema: {exc}", "response_format") from exc

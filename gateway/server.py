@@ -9,6 +9,8 @@ import socket
 import threading
 from collections.abc import Iterator
 
+# Before anything imports zmq: see the note on this import in worker/server.py.
+import llama_cpp  # noqa: F401
 import structlog
 import uvicorn
 

@@ -13,6 +13,7 @@ from typing import Protocol
 import llama_cpp
 import llama_cpp._logger
 
+from loomserve.protocol.limits import grammar_problem
 from loomserve.protocol.vocab import vocab_fingerprint
 
 # The vocabulary load is chatty at INFO; the gateway only wants llama.cpp's errors.
@@ -91,6 +92,9 @@ class Vocab:
 
     def grammar_error(self, grammar: str) -> str | None:
         """None when llama.cpp can compile the GBNF grammar, else why not."""
+        problem = grammar_problem(grammar)  # first: llama.cpp's parser can crash on these
+        if problem:
+            return problem
         sampler = llama_cpp.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
         if not sampler:
             return "the grammar does not parse (GBNF with a `root` rule expected)"

@@ -1,7 +1,8 @@
 """The supervisor on plain Python children: restarts, crash loops, stop order, SIGKILL, orphans.
 
-These children are stand-ins on purpose: what is under test is process handling, not serving
-(tests/test_cli.py runs `serve` on the real worker and gateways).
+Most children are stand-ins on purpose: what is under test is process handling, not serving
+(tests/test_cli.py runs `serve` on the real worker and gateways). The last test kills the real
+worker under `serve` again and again.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from loomserve.cli.supervisor import MAX_QUICK_EXITS, ChildSpec, Supervisor, describe_returncode
+from tests.procs import free_port
+from tests.test_cli import ROOT, Served, children_of, clean_env, role, wait_until
 
 
 def python_child(name: str, code: str, workdir: Path, stop_stage: int = 0) -> ChildSpec:
@@ -122,6 +126,35 @@ def test_a_child_crashing_at_start_makes_the_supervisor_give_up(tmp_path: Path) 
     assert len(events(tmp_path, "broken")) == MAX_QUICK_EXITS
 
 
+def test_a_child_that_came_up_is_restarted_for_ever_with_a_capped_backoff(tmp_path: Path) -> None:
+    # Up once (serve was ready with it running), then crashing at once on every restart.
+    marker = tmp_path / "ran-once"
+    flaky = (
+        "note('start')\n"
+        f"if not os.path.exists({str(marker)!r}):\n"
+        f"    open({str(marker)!r}, 'w').close()\n"
+        "    time.sleep(1.5)\n"
+        "sys.exit(1)\n"
+    )
+    supervisor = Supervisor(
+        [python_child("flaky", flaky, tmp_path), python_child("steady", SLEEPER, tmp_path)],
+        restart_delay=0.01,
+        max_restart_delay=0.08,
+        ready_probe=lambda: True,
+    )
+    starts = 3 * MAX_QUICK_EXITS
+    signal_self_when(lambda: len(events(tmp_path, "flaky")) >= starts, timeout=60)
+    with capture_logs() as logs:
+        assert supervisor.run() == 0, "a crash loop of one child must not end the supervisor"
+    assert len(events(tmp_path, "flaky")) >= starts
+    assert [event for event, _, _ in events(tmp_path, "steady")] == ["start", "term"]
+    delays = [entry["in_s"] for entry in logs if entry["event"] == "restarting"]
+    assert len(delays) >= starts - 1
+    assert delays[:3] == [0.02, 0.04, 0.08]  # doubling with each quick death...
+    assert max(delays) == 0.08 and delays[-1] == 0.08  # ...up to the cap
+    assert any(entry["event"] == "not ready: a child is down" for entry in logs)
+
+
 def test_a_child_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
     stubborn = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nnote('start')\ntime.sleep(60)\n"
     supervisor = Supervisor([python_child("stubborn", stubborn, tmp_path)], stop_timeout=0.5)
@@ -163,3 +196,56 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
 )
 def test_describe_returncode(returncode: int, text: str) -> None:
     assert describe_returncode(returncode) == text
+
+
+def test_serve_survives_seven_quick_worker_kills_and_answers_after(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(tiny_model_path)]
+    argv += ["--port", str(port), "--slots", "2", "--ctx-size", "256", "--threads", "1"]
+    argv += ["--worker-timeout", "1", "--heartbeat-interval", "0.25", "--log-json"]
+    argv += ["--max-restart-delay", "1"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv, cwd=ROOT, env=clean_env(), stdout=log, stderr=subprocess.STDOUT
+        )
+    served = Served(process, f"http://127.0.0.1:{port}", port, log_path)
+
+    def worker_pid() -> int | None:
+        pids = [p for p, c in children_of(process.pid).items() if role(c) == "worker"]
+        return pids[0] if pids else None
+
+    try:
+        # Ready as the supervisor sees it: from then on a crash is retried, never fatal.
+        wait_until(lambda: "ready" in events_of(served), 90, "serve never became ready", served)
+        killed: list[int] = []
+        for _ in range(7):
+            wait_until(lambda: worker_pid() not in (None, *killed), 30, "no new worker", served)
+            pid = worker_pid()
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        wait_until(served.healthy, 90, "serve did not recover from the kills", served)
+        assert process.poll() is None, served.log_tail()
+        for _ in range(5):
+            response = served.completion(max_tokens=3)
+            assert response.status_code == 200, response.text
+        exits = [e for e in served.events() if e.get("event") == "child exited"]
+        assert [e["child"] for e in exits] == ["worker"] * 7
+        delays = [e["in_s"] for e in served.events() if e.get("event") == "restarting"]
+        assert len(delays) == 7 and max(delays) == 1.0
+        assert events_of(served).count("ready") >= 2  # said again once the worker was back
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    assert process.returncode == 0, served.log_tail()
+
+
+def events_of(served: Served) -> list[str]:
+    return [entry.get("event", "") for entry in served.events()]

@@ -15,6 +15,7 @@ import llama_cpp as llama
 import numpy as np
 
 from loomserve.protocol import SamplingParams
+from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
 
 
 class InvalidSampling(ValueError):
@@ -69,7 +70,13 @@ def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama
 
 
 def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context: int) -> Sampler:
-    """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias."""
+    """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
+
+    The worker checks what it is sent itself, as the gateway did: a peer that speaks the
+    protocol directly must not be able to crash llama.cpp's grammar parser.
+    """
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidSampling(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
@@ -78,6 +85,9 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
 
     grammar = None
     if params.grammar:
+        problem = grammar_problem(params.grammar)
+        if problem:
+            raise InvalidSampling(problem)
         # Parsed first: a bad grammar is refused before anything else is allocated.
         grammar = llama.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
         if not grammar:

@@ -1,0 +1,48 @@
+"""The worker and gateway processes load llama.cpp's shared libraries before pyzmq's.
+
+A CUDA build of llama.cpp crashed in llama_model_load_from_file in a process that had imported
+zmq first (issue 10.1). CPU CI cannot reproduce the crash, but it can check the order: an
+audit hook records when ctypes loads libllama and when zmq is first imported, in the real
+`loomserve worker` and `loomserve gateway` start-up path.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.procs import REPO_ROOT
+
+RECORDER = r"""
+import json, runpy, sys
+seen = []
+
+def hook(event, args):
+    if event == "import" and args[0] == "zmq":
+        seen.append("import zmq")
+    elif event == "ctypes.dlopen" and "libllama" in str(args[0]):
+        seen.append("load libllama")
+
+sys.addaudithook(hook)
+sys.argv = ["loomserve", sys.argv[1], "--model", "/nonexistent/model.gguf"]
+try:
+    runpy.run_module("loomserve.cli.main", run_name="__main__")
+except BaseException:  # no model here: what matters is what was imported on the way
+    pass
+print("ORDER " + json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("command", ["worker", "gateway"])
+def test_libllama_is_loaded_before_zmq_is_imported(command: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", RECORDER, command],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    line = next(x for x in result.stdout.splitlines() if x.startswith("ORDER "))
+    seen = json.loads(line.removeprefix("ORDER "))
+    assert "import zmq" in seen and "load libllama" in seen, (seen, result.stderr[-2000:])
+    assert seen.index("load libllama") < seen.index("import zmq"), seen
