@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # loomserve: the worker, the gateway and the CLI in one image; llama-cpp-python is compiled once,
 # in the builder stage, and the runtime stage installs wheels only.
 #
@@ -8,12 +7,22 @@
 #             --build-arg BASE_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 \
 #             --build-arg CMAKE_ARGS="-DGGML_CUDA=on" .
 #   No default model baked in (bring your own GGUF on a volume): --build-arg BAKE_DEFAULT_MODEL=0
+#   Behind a TLS-intercepting proxy or with a private index (only the builder stage reaches PyPI):
+#             --secret id=pip_cert,src=/path/to/ca-bundle.pem \
+#             --build-arg PIP_INDEX_URL=https://mirror.example/simple
+#
+# No `# syntax=` line: it would make BuildKit pull its Dockerfile frontend from Docker Hub, and
+# the built-in frontend has every feature used here. The default bases come from Docker Hub;
+# deploy/compose-e2e.sh builds a Debian base with debootstrap instead, for hosts without it.
 
 ARG BUILDER_IMAGE=python:3.11-slim-bookworm
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BUILDER_IMAGE} AS builder
 ARG CMAKE_ARGS=""
+# An ARG is in the environment of this stage's RUN steps, where pip reads it; it never reaches
+# the runtime stage, which installs from the built wheels alone.
+ARG PIP_INDEX_URL=https://pypi.org/simple
 ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1
 # CUDA images come without Python; the python images without a compiler.
 RUN apt-get update \
@@ -29,7 +38,9 @@ COPY pyproject.toml README.md ./
 # llama-cpp-python alone first: it compiles for minutes and changes rarely, so this layer
 # outlives edits to the project. The constraint pins the later steps to this very build.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    spec="$(python3 -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("llama-cpp-python")))')" \
+    --mount=type=secret,id=pip_cert,target=/run/secrets/pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && spec="$(python3 -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("llama-cpp-python")))')" \
     && CMAKE_ARGS="${CMAKE_ARGS}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
        pip wheel --wheel-dir /wheels "${spec}" \
     && ls /wheels/llama_cpp_python-*.whl \
@@ -39,7 +50,9 @@ COPY worker ./worker
 COPY gateway ./gateway
 COPY cli ./cli
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip wheel --wheel-dir /wheels --find-links /wheels --constraint /wheels/constraints.txt .
+    --mount=type=secret,id=pip_cert,target=/run/secrets/pip_cert \
+    if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
+    && pip wheel --wheel-dir /wheels --find-links /wheels --constraint /wheels/constraints.txt .
 
 FROM ${BASE_IMAGE} AS runtime
 ARG BAKE_DEFAULT_MODEL=1

@@ -78,6 +78,37 @@ def test_gateway_scales_behind_the_load_balancer() -> None:
     assert any(mount.startswith("./deploy/nginx.conf:") for mount in lb["volumes"])
 
 
+def test_workers_scale_and_every_gateway_reaches_them_by_service_name() -> None:
+    worker = SERVICES["worker"]
+    # `--scale worker=N` needs no fixed name and no host port; the gateways' endpoint names the
+    # service, which Docker's DNS resolves to every replica.
+    assert "container_name" not in worker and "ports" not in worker
+    host = SERVICES["gateway"]["environment"]["LOOMSERVE_WORKER_ENDPOINT"].split("//")[1]
+    assert host.split(":")[0] == "worker"
+    assert worker["restart"] == "unless-stopped", "a crashed worker must come back by itself"
+
+
+def test_image_builds_without_docker_hub_or_a_public_index() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    # A `# syntax=` line makes BuildKit pull its frontend from Docker Hub.
+    assert not re.search(r"^#\s*syntax\s*=", dockerfile, re.MULTILINE)
+    build = SERVICES["worker"]["build"]
+    assert build == SERVICES["gateway"]["build"]
+    assert set(build["args"]) >= {"BUILDER_IMAGE", "BASE_IMAGE", "PIP_INDEX_URL"}
+    for arg in build["args"]:
+        assert re.search(rf"^ARG {arg}\b", dockerfile, re.MULTILINE), f"no ARG {arg}"
+    assert build["secrets"] == ["pip_cert"] and "pip_cert" in COMPOSE["secrets"]
+    assert dockerfile.count("--mount=type=secret,id=pip_cert") == 2  # both pip steps
+    assert SERVICES["lb"]["image"].startswith("${NGINX_IMAGE:-")
+    assert (ROOT / "deploy/nginx.Dockerfile").exists()
+
+
+def test_end_to_end_script_is_valid_bash() -> None:
+    script = ROOT / "deploy/compose-e2e.sh"
+    assert os.access(script, os.X_OK)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
 @pytest.mark.parametrize("name", sorted(LOOMSERVE))
 def test_loomserve_services_use_real_commands_and_options(name: str) -> None:
     service = SERVICES[name]
