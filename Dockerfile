@@ -34,7 +34,7 @@ RUN apt-get update \
 RUN python3 -m venv /opt/build
 ENV PATH=/opt/build/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 # llama-cpp-python alone first: it compiles for minutes and changes rarely, so this layer
 # outlives edits to the project. The constraint pins the later steps to this very build.
 RUN --mount=type=cache,target=/root/.cache/pip \
@@ -49,6 +49,8 @@ COPY protocol ./protocol
 COPY worker ./worker
 COPY gateway ./gateway
 COPY cli ./cli
+# The README is the package's long description; copied late, so an edit rebuilds nothing above.
+COPY README.md ./
 RUN --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=pip_cert,target=/run/secrets/pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \

@@ -2,8 +2,8 @@
 # loomserve on Docker Compose, for real, on a host that reaches package registries and no image
 # registry: builds every image from Debian's packages and PyPI, runs
 # `docker compose up --scale worker=2 --scale gateway=3`, sends completions through nginx and
-# checks that every gateway and every worker replica served some, SIGKILLs a worker container
-# and checks that Docker restarts it and that it takes load again.
+# checks that every gateway is connected to every worker and that every replica served some,
+# SIGKILLs a worker container and checks that Docker restarts it and that it takes load again.
 #
 #   sudo bash deploy/compose-e2e.sh            # as root: installs what is missing with apt
 #   bash deploy/compose-e2e.sh --keep          # leave the deployment running afterwards
@@ -194,6 +194,7 @@ print(int(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(sy
 " "${url}" "${name}"
 }
 
+worker_gateways() { container_counter "$1" http://127.0.0.1:9100/metrics 'loomserve:gateways_connected'; }
 worker_finished() { container_counter "$1" http://127.0.0.1:9100/metrics 'loomserve:requests_finished_total'; }
 gateway_finished() { container_counter "$1" http://127.0.0.1:8000/metrics 'loomserve:request_success_total'; }
 
@@ -220,6 +221,17 @@ until_every_replica_served() {
     fail "after $((rounds * 12)) completions these ${service} replicas served none: ${idle[*]}"
 }
 
+# Every gateway must hold a connection to every worker: each worker counts GATEWAYS of them.
+every_gateway_reaches() {
+    local worker=$1 seen=""
+    for _ in $(seq 60); do
+        seen=$(worker_gateways "${worker}")
+        [ "${seen}" -eq "${GATEWAYS}" ] && return 0
+        sleep 1
+    done
+    fail "$(name_of "${worker}") hears from ${seen} of ${GATEWAYS} gateways"
+}
+
 report_load() {
     local c
     for c in $(containers worker); do
@@ -242,43 +254,52 @@ wait_healthy() {
 
 # --- the run ----------------------------------------------------------------------------------
 
-install_debian_packages
-install_compose_v2
-start_dockerd
-build_base_image
-build_images
+# One function, read whole before it runs: editing this file mid-run cannot derail the run.
+main() {
+    local victim restarts ok failed c
+    install_debian_packages
+    install_compose_v2
+    start_dockerd
+    build_base_image
+    build_images
 
-HTTP_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export HTTP_PORT
-say "docker compose up --scale worker=${WORKERS} --scale gateway=${GATEWAYS} (nginx on :${HTTP_PORT})"
-compose up -d --no-build --wait --wait-timeout 600 \
-    --scale "worker=${WORKERS}" --scale "gateway=${GATEWAYS}" \
-    || fail "the deployment did not become healthy"
-[ "$(containers worker | wc -l)" -eq "${WORKERS}" ] || fail "not ${WORKERS} workers"
-[ "$(containers gateway | wc -l)" -eq "${GATEWAYS}" ] || fail "not ${GATEWAYS} gateways"
+    HTTP_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    export HTTP_PORT
+    say "docker compose up --scale worker=${WORKERS} --scale gateway=${GATEWAYS} (nginx on :${HTTP_PORT})"
+    compose up -d --no-build --wait --wait-timeout 600 \
+        --scale "worker=${WORKERS}" --scale "gateway=${GATEWAYS}" \
+        || fail "the deployment did not become healthy"
+    [ "$(containers worker | wc -l)" -eq "${WORKERS}" ] || fail "not ${WORKERS} workers"
+    [ "$(containers gateway | wc -l)" -eq "${GATEWAYS}" ] || fail "not ${GATEWAYS} gateways"
 
-say "traffic through nginx until every gateway and every worker has served some"
-until_every_replica_served gateway 5 gateway_finished
-until_every_replica_served worker 5 worker_finished
-report_load
+    say "traffic through nginx until every gateway and every worker has served some"
+    until_every_replica_served gateway 5 gateway_finished
+    for c in $(containers worker); do every_gateway_reaches "${c}"; done
+    say "every worker hears from all ${GATEWAYS} gateways"
+    until_every_replica_served worker 5 worker_finished
+    report_load
 
-victim=$(containers worker | head -1)
-restarts=$(docker inspect -f '{{.RestartCount}}' "${victim}")
-say "SIGKILL to $(name_of "${victim}") (its init and the worker with it)"
-as_root kill -KILL "$(docker inspect -f '{{.State.Pid}}' "${victim}")"
-# The survivors answer while Docker restarts it and its model loads.
-read -r ok failed < <(send_completions 8 4)
-say "while it was down: ${ok} completions succeeded, ${failed} failed"
-[ "${ok}" -gt 0 ] || fail "no completion succeeded while one worker was down"
+    victim=$(containers worker | head -1)
+    restarts=$(docker inspect -f '{{.RestartCount}}' "${victim}")
+    say "SIGKILL to $(name_of "${victim}") (its init and the worker with it)"
+    as_root kill -KILL "$(docker inspect -f '{{.State.Pid}}' "${victim}")"
+    # The survivors answer while Docker restarts it and its model loads.
+    read -r ok failed < <(send_completions 8 4)
+    say "while it was down: ${ok} completions succeeded, ${failed} failed"
+    [ "${ok}" -gt 0 ] || fail "no completion succeeded while one worker was down"
 
-for _ in $(seq 60); do
-    [ "$(docker inspect -f '{{.RestartCount}}' "${victim}")" -gt "${restarts}" ] && break
-    sleep 1
-done
-[ "$(docker inspect -f '{{.RestartCount}}' "${victim}")" -gt "${restarts}" ] \
-    || fail "Docker did not restart $(name_of "${victim}")"
-wait_healthy "${victim}" 300
-say "$(name_of "${victim}") restarted and healthy; its counters start from zero"
-until_every_replica_served worker 5 worker_finished
-report_load
-say "PASSED: ${WORKERS} workers and ${GATEWAYS} gateways behind nginx, a killed worker recovered"
+    for _ in $(seq 60); do
+        [ "$(docker inspect -f '{{.RestartCount}}' "${victim}")" -gt "${restarts}" ] && break
+        sleep 1
+    done
+    [ "$(docker inspect -f '{{.RestartCount}}' "${victim}")" -gt "${restarts}" ] \
+        || fail "Docker did not restart $(name_of "${victim}")"
+    wait_healthy "${victim}" 300
+    say "$(name_of "${victim}") restarted and healthy; its counters start from zero"
+    every_gateway_reaches "${victim}"
+    until_every_replica_served worker 5 worker_finished
+    report_load
+    say "PASSED: ${WORKERS} workers and ${GATEWAYS} gateways behind nginx, a killed worker recovered"
+}
+
+main
