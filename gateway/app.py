@@ -46,7 +46,9 @@ from loomserve.gateway.schemas import (
     TokenPiece,
 )
 from loomserve.gateway.streaming import EventStreamResponse, collect, event_stream, until_disconnect
-from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.tokenizer import Pieces, Vocab
+from loomserve.gateway.tool_template import TemplateTools
+from loomserve.gateway.tools import MarkerPieces, tool_request
 from loomserve.protocol.messages import ModelInfo
 
 log = structlog.get_logger(__name__)
@@ -71,6 +73,8 @@ class Gateway:
     config: GatewayConfig
     vocab: Vocab
     template: ChatTemplate
+    template_tools: TemplateTools  # what the template renders of tools; the call syntax
+    tool_pieces: Pieces  # the vocabulary's pieces, with control-token call markers as text
     client: WorkerClient
     metrics: GatewayMetrics
     started_at: int
@@ -90,7 +94,12 @@ def create_app(
     template = ChatTemplate.for_model(
         config.chat_template, vocab.chat_template, vocab.bos_text, vocab.eos_text
     )
-    gateway = Gateway(config, vocab, template, client, metrics, int(time.time()))
+    template_tools = TemplateTools.probe(template)
+    tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
+    log.debug("chat template", tool_format=template_tools.format.name)
+    gateway = Gateway(
+        config, vocab, template, template_tools, tool_pieces, client, metrics, int(time.time())
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -243,9 +252,10 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     request = await _prepare(gateway, body)
     structlog.contextvars.bind_contextvars(request_id=request.id)
     log.debug("request", prompt_tokens=len(request.prompt), max_tokens=request.params.max_tokens)
-    generation = await Generation.start(gateway.client, gateway.vocab, request, gateway.metrics)
+    pieces = gateway.tool_pieces if request.tools else gateway.vocab
+    generation = await Generation.start(gateway.client, pieces, request, gateway.metrics)
     if request.stream:
-        chunks = StreamChunks(request)
+        chunks = StreamChunks(request, request.tool_parser())
         return EventStreamResponse(event_stream(generation, chunks), on_close=generation.close)
     try:
         outcome = await until_disconnect(http, collect(generation))
@@ -265,8 +275,18 @@ async def _prepare(gateway: Gateway, body: ApiBody) -> GenerationRequest:
     reject_unsupported(body)
     stops = stop_strings(body.stop)
     params = sampling_params(body, 1, vocab)
+    tools = None
     if isinstance(body, ChatCompletionRequest):
-        prompt = await prompts.chat_prompt(vocab, gateway.template, body.messages)
+        tools = tool_request(body, gateway.template_tools.format, vocab)
+        if tools is not None and tools.grammar:
+            params.grammar = tools.grammar
+        prompt = await prompts.chat_prompt(
+            vocab,
+            gateway.template,
+            body.messages,
+            gateway.template_tools,
+            tools.definitions if tools else None,
+        )
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
@@ -285,4 +305,5 @@ async def _prepare(gateway: Gateway, body: ApiBody) -> GenerationRequest:
         model=gateway.config.served_model_name,
         arrived_at=arrived,
         created=int(time.time()),
+        tools=tools,
     )

@@ -66,11 +66,18 @@ class ChatTemplate:
         """The override when given, else the model's own template, else ChatML."""
         return cls(override or own or CHATML_TEMPLATE, bos, eos)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for messages (each a dict with role and string content)."""
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for messages (dicts with role and string content, and tool calls),
+        with the OpenAI tool definitions the request gave (None, as HF passes, when none)."""
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 add_generation_prompt=add_generation_prompt,

@@ -35,8 +35,6 @@ def reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> No
             raise invalid_request("only best_of=1 is supported", "best_of")
         if request.suffix:
             raise invalid_request("suffix is not supported", "suffix")
-    elif request.tools:
-        raise invalid_request("tools are not supported", "tools")
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

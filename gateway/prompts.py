@@ -7,13 +7,15 @@ stream of this gateway.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from loomserve.gateway.chat_template import ChatTemplate, ChatTemplateError
 from loomserve.gateway.errors import invalid_request
-from loomserve.gateway.schemas import ChatMessage
+from loomserve.gateway.schemas import ChatMessage, ToolCall
 from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.tool_template import TemplateTools
 
 OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
 T = TypeVar("T")
@@ -56,11 +58,16 @@ async def completion_prompt(vocab: Vocab, prompt: Any) -> list[int]:
 
 
 async def chat_prompt(
-    vocab: Vocab, template: ChatTemplate, messages: list[ChatMessage]
+    vocab: Vocab,
+    template: ChatTemplate,
+    messages: list[ChatMessage],
+    template_tools: TemplateTools,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the chat template rendered over the messages, with BOS once."""
+    """Token ids of the chat template rendered over the messages (and tools), with BOS once."""
+    dicts, tools = template_tools.prepare([_message_dict(m) for m in messages], tools)
     try:
-        text = template.render([_message_dict(m) for m in messages])
+        text = template.render(dicts, tools=tools)
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from exc
     tokens = await tokenize(vocab, text, add_special=False, parse_special=True)
@@ -87,4 +94,23 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     result: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name:
         result["name"] = message.name
+    if message.tool_calls:
+        # HF templates take the arguments as a mapping (they write them with tojson).
+        result["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": _arguments(call)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        result["tool_call_id"] = message.tool_call_id
     return result
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from loomserve.gateway.tool_parser import ToolCallParser
+from loomserve.gateway.tools import ToolRequest
 from loomserve.protocol.messages import Generate, SamplingParams
 
 ApiBody = CompletionRequest | ChatCompletionRequest
@@ -26,6 +28,11 @@ class GenerationRequest:
     model: str  # the served model name the response reports
     arrived_at: float  # time.monotonic() when the route took the request
     created: int  # unix seconds, the response's `created`
+    tools: ToolRequest | None = None  # chat with tools: its output is parsed for calls
+
+    def tool_parser(self) -> ToolCallParser | None:
+        """A parser for the reply's tool calls, when the request has tools."""
+        return self.tools.parser() if self.tools is not None else None
 
     @property
     def chat(self) -> bool:

@@ -1,7 +1,7 @@
 """Request and response bodies of the HTTP API, as OpenAI (and llama-server for extras) has them.
 
 Unknown request fields are ignored, as vLLM and llama-server do; fields we cannot honour
-(n > 1, logprobs, tools, ...) are declared so that a request using them gets a clear 400.
+(n > 1, logprobs, ...) are declared so that a request using them gets a clear 400.
 """
 
 from __future__ import annotations
@@ -82,10 +82,46 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON text.")
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made: in a response, and in the history a request sends back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="Assistant messages.")
+    tool_call_id: str | None = Field(default=None, description="Tool messages: the call answered.")
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="A JSON schema.")
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -96,8 +132,11 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(
         default=None, description="Default: the rest of the slot's context, as vLLM."
     )
-    tools: list[dict[str, Any]] | None = Field(default=None, description="Not supported.")
-    tool_choice: Any = Field(default=None, description="Not supported.")
+    tools: list[ToolDefinition] | None = Field(default=None, description="Functions to call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="Default: auto with tools, none without."
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="Default true.")
 
 
 class TokenizeRequest(BaseModel):
@@ -159,14 +198,15 @@ class Completion(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletion(BaseModel):

@@ -65,7 +65,8 @@ async def event_stream(generation: Generation, chunks: StreamChunks) -> AsyncIte
     try:
         async for event in generation.events():
             if isinstance(event, TextDelta):
-                yield chunks.text(event.text)
+                if piece := chunks.text(event.text):  # "" while tool calls are parsed
+                    yield piece
                 continue
             yield chunks.finish(event.finish_reason)
             if chunks.request.include_usage:
