@@ -13,6 +13,7 @@ from typing import Any
 
 from llama_cpp.llama_grammar import SchemaConverter
 
+from loomserve.gateway.grammar import schema_problem
 from loomserve.gateway.tool_format import ToolFormat
 
 # A character of a JSON string: anything but a quote, a backslash or a control character,
@@ -33,6 +34,9 @@ def tool_grammar(
     alternatives = []
     for i, (name, parameters) in enumerate(functions):
         schema = copy.deepcopy(parameters) if parameters else {"type": "object"}
+        problem = schema_problem(schema)  # bounded before the converter writes it out
+        if problem:
+            raise ToolGrammarError(f"function {name!r}: {problem}")
         try:
             # Each function's own "#/$defs/..." references resolve within its own schema.
             converter.resolve_refs(schema, f"tool-{i}")
