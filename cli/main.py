@@ -122,6 +122,12 @@ def worker_options(func):
             default=default_of(WorkerConfig, "log_ticks"),
             help="Log one structured event per tick.",
         ),
+        click.option(
+            "--embeddings/--no-embeddings",
+            default=default_of(WorkerConfig, "embeddings"),
+            help="Serve /v1/embeddings (mean pooling) for a model without a pooling head; "
+            "a model with one serves them anyway.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)

@@ -10,6 +10,11 @@ A request's path, one module a step:
     streaming.py   deliver as server-sent events or as one body, watching for disconnects
     render.py      the OpenAI response bodies and stream chunks
 
+Tool calls (chat with `tools`): tools.py checks them and builds the grammar a required call
+needs (tool_grammar.py), tool_template.py renders them through the chat template, and
+render.py hands the text to tool_parser.py for `tool_calls`. /v1/embeddings takes a shorter
+path: embeddings.py sends one Embed through client.py and shapes the vectors it gets back.
+
 What goes wrong with the worker is raised as a worker_errors.py exception; errors.py alone
 turns it into an HTTP status.
 """

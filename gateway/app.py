@@ -18,6 +18,7 @@ from loomserve.gateway import prompts
 from loomserve.gateway.chat_template import ChatTemplate
 from loomserve.gateway.client import WorkerClient
 from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.embeddings import create_embeddings
 from loomserve.gateway.errors import APIError, install_handlers, unavailable
 from loomserve.gateway.generation import Generation
 from loomserve.gateway.metrics import GatewayMetrics
@@ -38,6 +39,8 @@ from loomserve.gateway.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingList,
+    EmbeddingRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -211,6 +214,17 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         """Chat completion through the model's chat template; streams when `stream` is true."""
         return await _generate(gateway, http, body)
+
+    @router.post("/v1/embeddings", tags=["openai"], response_model=EmbeddingList)
+    async def embeddings(body: EmbeddingRequest, http: Request) -> Response:
+        """Embeddings of the inputs: for a model with a pooling head, or with `--embeddings`."""
+        _check_model(gateway, body.model)
+        name = gateway.config.served_model_name
+        work = create_embeddings(gateway.client, body, vocab, name)
+        result = await until_disconnect(http, work)
+        if result is None:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(result)
 
     @router.post("/tokenize", tags=["llama.cpp"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

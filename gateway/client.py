@@ -39,6 +39,8 @@ from loomserve.protocol.messages import (
     PROTOCOL_VERSION,
     Accepted,
     Cancel,
+    Embed,
+    Embeddings,
     ErrorCode,
     Finish,
     Generate,
@@ -64,7 +66,8 @@ class RequestHandle:
 
     request_id: str
     deadline: float  # time.monotonic() past which waiting for output raises WorkerTimeout
-    accepted: asyncio.Future[Accepted | Rejected]
+    # Accepted or Rejected; for an Embed, its Embeddings or Rejected
+    accepted: asyncio.Future[Accepted | Rejected | Embeddings]
     events: asyncio.Queue[RequestEvent | WorkerClientError] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
 
@@ -229,6 +232,39 @@ class WorkerClient:
             raise WorkerRejected(reply.code, reply.message)
         return handle
 
+    async def embed(self, embed: Embed) -> Embeddings:
+        """Send an Embed and wait for its vectors (at most the request timeout).
+
+        Raises WorkerUnavailable, WorkerRejected, WorkerLost or WorkerTimeout.
+        """
+        reason = self.unavailable_reason()
+        if reason:
+            raise WorkerUnavailable(reason)
+        if embed.request_id in self._requests:
+            raise ValueError(f"request id {embed.request_id} is already in use")
+        timeout = self.config.request_timeout
+        # The Embeddings (or Rejected) reply resolves the handle's `accepted` future.
+        reply_future = asyncio.get_running_loop().create_future()
+        handle = RequestHandle(embed.request_id, time.monotonic() + timeout, reply_future)
+        self._requests[embed.request_id] = handle
+        if not self._send(embed):
+            self._requests.pop(embed.request_id, None)
+            raise WorkerUnavailable(f"not connected to the worker at {self.config.worker}")
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await reply_future
+        except TimeoutError:
+            self.cancel(handle)
+            self._requests.pop(embed.request_id, None)
+            raise WorkerTimeout("the embeddings took longer than the request timeout") from None
+        except asyncio.CancelledError:
+            self.cancel(handle)
+            self._requests.pop(embed.request_id, None)
+            raise
+        if isinstance(reply, Rejected):
+            raise WorkerRejected(reply.code, reply.message)
+        return reply
+
     def cancel(self, handle: RequestHandle) -> None:
         """Ask the worker to stop a request; its Finish still arrives and is routed as usual."""
         if handle.cancelled or handle.request_id not in self._requests:
@@ -302,7 +338,7 @@ class WorkerClient:
                 handle = self._requests.get(message.request_id)
                 if handle is not None and not handle.accepted.done():
                     handle.accepted.set_result(message)
-            case Rejected():
+            case Rejected() | Embeddings():
                 handle = self._requests.pop(message.request_id, None)
                 if handle is not None and not handle.accepted.done():
                     handle.accepted.set_result(message)

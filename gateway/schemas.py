@@ -253,3 +253,35 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings."""
+
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A text, texts, token ids, or lists of token ids."
+    )
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float", description="base64: little-endian float32, as OpenAI sends them."
+    )
+    dimensions: int | None = Field(default=None, description="Not supported.")
+    user: str | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

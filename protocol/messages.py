@@ -1,7 +1,7 @@
 """The wire messages between gateways and the worker: plain dataclasses, nothing else.
 
-Gateway -> worker: Hello, Generate, Cancel, Ping.
-Worker -> gateway: ModelInfo, Accepted, Rejected, Outputs, Heartbeat, WorkerError.
+Gateway -> worker: Hello, Generate, Embed, Cancel, Ping.
+Worker -> gateway: ModelInfo, Accepted, Rejected, Outputs, Embeddings, Heartbeat, WorkerError.
 
 The worker speaks token ids only; text is the gateway's business.
 """
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Embed and Embeddings
 
 
 class FinishReason(StrEnum):
@@ -108,6 +108,20 @@ class Generate:
 
 
 @dataclass(slots=True)
+class Embed:
+    """Embed each input. The worker answers with one Embeddings, or Rejected; no Accepted."""
+
+    request_id: str
+    inputs: list[list[int]]  # token ids, one list per input
+
+    def __post_init__(self) -> None:
+        if not self.inputs or not all(self.inputs):
+            raise ValueError("an embedding needs at least one input of at least one token")
+        if any(t < 0 for tokens in self.inputs for t in tokens):
+            raise ValueError("token ids are never negative")
+
+
+@dataclass(slots=True)
 class Cancel:
     """Stop a request: queued or running. Unknown ids are ignored (it may have just finished)."""
 
@@ -185,6 +199,16 @@ class Outputs:
 
 
 @dataclass(slots=True)
+class Embeddings:
+    """The vectors of an Embed, L2-normalized, in input order: float32, little-endian."""
+
+    request_id: str
+    size: int  # dimensions of one vector
+    vectors: bytes  # len(inputs) * size float32 values
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
 class Heartbeat:
     """Worker liveness and load, sent to every gateway every second and in answer to Ping."""
 
@@ -207,12 +231,14 @@ class WorkerError:
 Message = (
     Hello
     | Generate
+    | Embed
     | Cancel
     | Ping
     | ModelInfo
     | Accepted
     | Rejected
     | Outputs
+    | Embeddings
     | Heartbeat
     | WorkerError
 )

@@ -9,6 +9,8 @@ from loomserve.protocol import (
     Accepted,
     Cancel,
     DecodeError,
+    Embed,
+    Embeddings,
     Finish,
     Generate,
     Heartbeat,
@@ -38,6 +40,7 @@ EVERY_MESSAGE = [
             ignore_eos=True,
         ),
     ),
+    Embed(request_id="e1", inputs=[[1, 2], [3]]),
     Cancel(request_id="r1"),
     Ping(sent_at=12.5),
     ModelInfo(
@@ -58,6 +61,7 @@ EVERY_MESSAGE = [
     ),
     Heartbeat(sent_at=1.0, ping_sent_at=0.5, ready=True, queue_depth=0, free_slots=4, running=0),
     WorkerError(code="decode_failed", message="boom"),
+    Embeddings(request_id="e1", size=2, vectors=b"\x00\x00\x80?" * 4, prompt_tokens=3),
 ]
 
 

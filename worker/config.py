@@ -36,6 +36,9 @@ class WorkerConfig:
     # own KV stream and use CPU kernels that compute every row alike (see Engine). Off: one
     # KV cache shared by all slots and the fastest kernels.
     batch_invariant: bool = True
+    # /v1/embeddings for a model without a pooling head, mean-pooled, in a second context
+    # (worker/embeddings.py); a model with a pooling head serves them whatever this says.
+    embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.slots < 1:

@@ -27,6 +27,7 @@ from loomserve.protocol import (
     PROTOCOL_VERSION,
     Cancel,
     DecodeError,
+    Embed,
     ErrorCode,
     Generate,
     Heartbeat,
@@ -218,6 +219,8 @@ class WorkerIO:
         self._remember(gateway, now)
         if isinstance(message, Generate):
             self.loop.submit(gateway, message)
+        elif isinstance(message, Embed):
+            self.loop.embed(gateway, message)
         elif isinstance(message, Cancel):
             self.loop.cancel(gateway, message.request_id)
         elif isinstance(message, Ping):

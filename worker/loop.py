@@ -23,6 +23,7 @@ import structlog
 
 from loomserve.protocol import (
     Accepted,
+    Embed,
     ErrorCode,
     Finish,
     Generate,
@@ -31,6 +32,7 @@ from loomserve.protocol import (
     Rejected,
 )
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.sampling import InvalidSampling
 from loomserve.worker.scheduler import Release, Request, RequestKey, Scheduler, Slot, Step
@@ -89,6 +91,12 @@ class _Submit:
 
 
 @dataclass(frozen=True, slots=True)
+class _Embed:
+    gateway: bytes
+    embed: Embed
+
+
+@dataclass(frozen=True, slots=True)
 class _Cancel:
     gateway: bytes
     request_id: str
@@ -113,6 +121,7 @@ class TickLoop:
         on_tick: Callable[[TickRecord], None] | None = None,
         on_finish: Callable[[FinishRecord], None] | None = None,
         on_reject: Callable[[str], None] | None = None,
+        embedder: Embedder | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -130,6 +139,7 @@ class TickLoop:
         self._on_tick = on_tick
         self._on_finish = on_finish
         self._on_reject = on_reject
+        self.embedder = embedder  # None: this worker computes no embeddings
         self._stopping = False
         self._outputs: dict[bytes, Outputs] = {}
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
@@ -138,6 +148,9 @@ class TickLoop:
 
     def submit(self, gateway: bytes, generate: Generate) -> None:
         self.inbox.put(_Submit(gateway, generate))
+
+    def embed(self, gateway: bytes, embed: Embed) -> None:
+        self.inbox.put(_Embed(gateway, embed))
 
     def cancel(self, gateway: bytes, request_id: str) -> None:
         self.inbox.put(_Cancel(gateway, request_id))
@@ -170,8 +183,11 @@ class TickLoop:
     def tick(self, block: bool = True) -> None:
         """One pass of the loop; with block, waits for input when there is nothing to do."""
         # 1. New requests and cancellations (blocking only when there is nothing else).
-        self._take_input(block=block and not self.scheduler.has_work())
+        embedding = self.embedder is not None and self.embedder.pending
+        self._take_input(block=block and not (self.scheduler.has_work() or embedding))
         started = time.perf_counter()
+        # 1b. Embeddings: one batch of waiting inputs, in their own context (embeddings.py).
+        self._embed()
         # 2. Release requests that ended (cancelled, failed), then fill free slots.
         self._release_finished()
         self._admit()
@@ -201,12 +217,18 @@ class TickLoop:
                 self._stopping = True
             elif isinstance(item, _Submit):
                 self._accept(item.gateway, item.generate)
+            elif isinstance(item, _Embed):
+                self._accept_embed(item.gateway, item.embed)
             elif isinstance(item, _Cancel):
                 # Unknown ids are ignored: the request may have just finished.
                 self.scheduler.cancel((item.gateway, item.request_id))
+                if self.embedder is not None:
+                    self.embedder.cancel(item.gateway, item.request_id)
             elif isinstance(item, _GatewayGone):
                 for key in self.scheduler.keys_of(item.gateway):
                     self.scheduler.cancel(key)
+                if self.embedder is not None:
+                    self.embedder.cancel(item.gateway)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -257,6 +279,27 @@ class TickLoop:
         if not self.scheduler.can_enqueue():
             return ErrorCode.QUEUE_FULL, f"all slots are busy and {self.config.max_queue} wait"
         return None
+
+    def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
+        if self.embedder is None:
+            message = (
+                "this server computes no embeddings: the model has no pooling head; "
+                "start the worker with --embeddings for mean-pooled ones"
+            )
+            rejected = Rejected(embed.request_id, ErrorCode.INVALID_REQUEST.value, message)
+        else:
+            rejected = self.embedder.offer(gateway, embed)
+        if rejected is not None:
+            self.sink.send(gateway, rejected)
+            if self._on_reject:
+                self._on_reject(rejected.code)
+
+    def _embed(self) -> None:
+        if self.embedder is None or not self.embedder.pending:
+            return
+        for gateway, reply in self.embedder.run():
+            self.sink.send(gateway, reply)
+        self.sink.flush()
 
     # --- 2: release and admit -------------------------------------------------------
 

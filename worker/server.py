@@ -10,13 +10,14 @@ import signal
 # linked to the system's libstdc++ and libgcc_s: loaded first, those are the copies the whole
 # process keeps, whatever llama.cpp's CUDA libraries were built against (the likely clash; not
 # yet confirmed on a GPU). tests/test_import_order.py fails if this order regresses.
-import llama_cpp  # noqa: F401  (first, see above)
+import llama_cpp  # first, see above
 import structlog
 import zmq
 
 from loomserve.protocol import PROTOCOL_VERSION, ModelInfo
 from loomserve.protocol.vocab import vocab_fingerprint
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.embeddings import POOLING_NAMES, Embedder, model_pooling
 from loomserve.worker.engine import Engine, EngineError
 from loomserve.worker.io import WorkerIO
 from loomserve.worker.loop import TickLoop
@@ -58,6 +59,7 @@ def _serve(config: WorkerConfig, engine: Engine) -> None:
     except zmq.ZMQError as exc:
         log.error("cannot bind", bind=config.bind, error=str(exc))
         raise SystemExit(1) from exc
+    embedder = _embedder(config, engine)
     loop = TickLoop(
         engine,
         config,
@@ -65,6 +67,7 @@ def _serve(config: WorkerConfig, engine: Engine) -> None:
         on_tick=metrics.on_tick if metrics else None,
         on_finish=metrics.on_finish if metrics else None,
         on_reject=metrics.on_reject if metrics else None,
+        embedder=embedder,
     )
     if metrics is not None:
         metrics.watch(loop, io.counters)
@@ -85,9 +88,28 @@ def _serve(config: WorkerConfig, engine: Engine) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         io.close()
+        if embedder is not None:
+            embedder.close()
         if metrics is not None:
             metrics.close()
         log.info("worker stopped", ticks=loop.tick_count)
+
+
+def _embedder(config: WorkerConfig, engine: Engine) -> Embedder | None:
+    """The embedding context: for a model with a pooling head, or mean-pooled on request."""
+    pooling = model_pooling(engine)
+    if pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
+        if not config.embeddings:
+            return None
+        pooling = llama_cpp.LLAMA_POOLING_TYPE_MEAN
+    embedder = Embedder(engine, config, pooling)
+    log.info(
+        "embeddings",
+        pooling=POOLING_NAMES.get(pooling, str(pooling)),
+        size=embedder.size,
+        max_input_tokens=embedder.max_tokens,
+    )
+    return embedder
 
 
 def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
