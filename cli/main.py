@@ -165,7 +165,8 @@ def gateway_options(func):
         click.option(
             "--chat-template",
             default=None,
-            help="Jinja chat template (text or a file path) overriding the model's own.",
+            help="Chat template overriding the model's own: a llama.cpp built-in name (gemma, "
+            "llama3, chatml, ...), Jinja text, or a file of Jinja.",
         ),
         click.option(
             "--max-body-bytes",

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from loomserve.gateway import prompts
-from loomserve.gateway.chat_template import ChatTemplate
+from loomserve.gateway.chat_template import Renderer, choose_template
 from loomserve.gateway.client import WorkerClient
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.embeddings import create_embeddings
@@ -75,7 +75,7 @@ class Gateway:
 
     config: GatewayConfig
     vocab: Vocab
-    template: ChatTemplate
+    template: Renderer
     template_tools: TemplateTools  # what the template renders of tools; the call syntax
     tool_pieces: Pieces  # the vocabulary's pieces, with control-token call markers as text
     client: WorkerClient
@@ -94,9 +94,18 @@ def create_app(
     config: GatewayConfig, vocab: Vocab, client: WorkerClient, metrics: GatewayMetrics
 ) -> FastAPI:
     """The ASGI app; its lifespan connects the WorkerClient."""
-    template = ChatTemplate.for_model(
-        config.chat_template, vocab.chat_template, vocab.bos_text, vocab.eos_text
+    own = vocab.chat_template
+    chosen = choose_template(
+        config.chat_template, own, vocab.architecture, vocab.bos_text, vocab.eos_text
     )
+    if chosen.fallback:
+        log.warning(
+            "the model ships no chat template; chats use a stand-in",
+            template=chosen.origin,
+            architecture=vocab.architecture or "unknown",
+            override="--chat-template (a llama.cpp built-in name, Jinja text or a file)",
+        )
+    template = chosen.renderer
     template_tools = TemplateTools.probe(template)
     tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
     log.debug("chat template", tool_format=template_tools.format.name)

@@ -1,14 +1,42 @@
-"""Chat messages to one prompt string, with the model's own Jinja template (as HF renders it)."""
+"""Chat messages to one prompt string: the model's own Jinja template (as HF renders it), or,
+for a model that ships none, llama.cpp's built-in template for its architecture.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import json
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
+import llama_cpp
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# llama.cpp's built-in template for a model architecture (GGUF `general.architecture`) whose
+# chat format does not depend on the checkpoint; base models of these families ship without a
+# template. Architectures not listed here get ChatML, as llama-server gives them.
+BUILTIN_BY_ARCHITECTURE = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3n": "gemma",
+    "phi3": "phi3",
+    "command-r": "command-r",
+    "cohere2": "command-r",
+    "exaone": "exaone3",
+    "exaone4": "exaone4",
+    "granite": "granite",
+    "qwen2": "chatml",
+    "qwen2moe": "chatml",
+    "qwen3": "chatml",
+    "qwen3moe": "chatml",
+    "chatglm": "chatglm4",
+    "llama4": "llama4",
+    "minicpm": "minicpm",
+}
 
 # ChatML: what llama-server falls back to when a model ships no template.
 CHATML_TEMPLATE = (
@@ -42,6 +70,89 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+class Renderer(Protocol):
+    """What the gateway needs of a chat template: messages (and tools) in, prompt text out."""
+
+    source: str  # the template's text, where tool_format.detect looks for a call syntax
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str: ...
+
+
+def builtin_templates() -> list[str]:
+    """The names of llama.cpp's built-in chat templates (gemma, llama3, chatml, ...)."""
+    count = llama_cpp.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * count)()
+    llama_cpp.llama_chat_builtin_templates(names, count)
+    return [name.decode() for name in names]
+
+
+class BuiltinChatTemplate:
+    """One of llama.cpp's built-in templates, by name, rendered by llama_chat_apply_template."""
+
+    def __init__(self, name: str) -> None:
+        if name not in builtin_templates():
+            raise ValueError(f"llama.cpp has no built-in chat template named {name!r}")
+        self.name = name
+        self.source = ""  # no Jinja: the format is C++ code in llama.cpp
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for messages (each a dict with role and string content). Tools are
+        not rendered: tool_template.py probes that, and writes them as a system prompt."""
+        # The C strings must live until the call returns: keep the encoded bytes here.
+        encoded = [(m["role"].encode(), str(m.get("content") or "").encode()) for m in messages]
+        chat = (llama_cpp.llama_chat_message * len(encoded))(
+            *(llama_cpp.llama_chat_message(role=r, content=c) for r, c in encoded)
+        )
+        size = 2 * sum(len(r) + len(c) for r, c in encoded) + 256
+        for _ in range(2):  # the first call says how much room the text needs
+            buffer = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_chat_apply_template(
+                self.name.encode(), chat, len(encoded), add_generation_prompt, buffer, size
+            )
+            if n < 0:
+                raise ChatTemplateError(f"the {self.name} chat template failed on these messages")
+            if n <= size:
+                return buffer.raw[:n].decode("utf-8", errors="replace")
+            size = n
+        raise ChatTemplateError(f"the {self.name} chat template gave no stable length")
+
+
+@dataclass(frozen=True, slots=True)
+class ChosenTemplate:
+    """The template the gateway renders chats with, and where it came from (for the log)."""
+
+    renderer: Renderer
+    origin: str  # "--chat-template", "the model's", or "built-in <name> for <architecture>"
+    fallback: bool  # the model ships no template: the choice was ours, and is logged as such
+
+
+def choose_template(
+    override: str | None, own: str | None, architecture: str, bos: str, eos: str
+) -> ChosenTemplate:
+    """--chat-template (a built-in name, or Jinja), else the model's own, else the built-in
+    template of its architecture, else ChatML."""
+    if override:
+        if override in builtin_templates():
+            return ChosenTemplate(BuiltinChatTemplate(override), f"built-in {override}", False)
+        return ChosenTemplate(ChatTemplate(override, bos, eos), "--chat-template", False)
+    if own:
+        return ChosenTemplate(ChatTemplate(own, bos, eos), "the model's", False)
+    name = BUILTIN_BY_ARCHITECTURE.get(architecture)
+    if name is None:
+        return ChosenTemplate(ChatTemplate(CHATML_TEMPLATE, bos, eos), "ChatML", True)
+    return ChosenTemplate(BuiltinChatTemplate(name), f"llama.cpp's built-in {name!r}", True)
+
+
 class ChatTemplate:
     """A compiled chat template, rendered in jinja2's sandbox with the variables HF passes."""
 
@@ -60,11 +171,6 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
-
-    @classmethod
-    def for_model(cls, override: str | None, own: str | None, bos: str, eos: str) -> ChatTemplate:
-        """The override when given, else the model's own template, else ChatML."""
-        return cls(override or own or CHATML_TEMPLATE, bos, eos)
 
     def render(
         self,

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from loomserve.gateway.chat_template import ChatTemplate, ChatTemplateError
+from loomserve.gateway.chat_template import ChatTemplateError, Renderer
 from loomserve.gateway.errors import invalid_request
 from loomserve.gateway.schemas import ChatMessage, ToolCall
 from loomserve.gateway.tokenizer import Vocab
@@ -59,7 +59,7 @@ async def completion_prompt(vocab: Vocab, prompt: Any) -> list[int]:
 
 async def chat_prompt(
     vocab: Vocab,
-    template: ChatTemplate,
+    template: Renderer,
     messages: list[ChatMessage],
     template_tools: TemplateTools,
     tools: list[dict[str, Any]] | None = None,

@@ -40,6 +40,7 @@ class Vocab:
         self.eos_text = self._special_text(self.eos_id)
         template = llama_cpp.llama_model_chat_template(model, None)
         self.chat_template: str | None = template.decode() if template else None
+        self.architecture = self._meta("general.architecture")
         self._pieces: dict[int, bytes] = {}
         self._piece_buffer = ctypes.create_string_buffer(256)
 
@@ -100,6 +101,11 @@ class Vocab:
             return "the grammar does not parse (GBNF with a `root` rule expected)"
         llama_cpp.llama_sampler_free(sampler)
         return None
+
+    def _meta(self, key: str) -> str:
+        buffer = ctypes.create_string_buffer(128)
+        n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode(errors="replace") if n >= 0 else ""
 
     def _special_text(self, token_id: int) -> str:
         if token_id < 0:

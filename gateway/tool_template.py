@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from loomserve.gateway.chat_template import ChatTemplate, ChatTemplateError
+from loomserve.gateway.chat_template import ChatTemplateError, Renderer
 from loomserve.gateway.tool_format import ToolFormat, detect
 
 _PROBE_TOOL = "loomserve_probe_tool"
@@ -66,7 +66,7 @@ class TemplateTools:
     renders_system: bool  # a system message shows up
 
     @classmethod
-    def probe(cls, template: ChatTemplate) -> TemplateTools:
+    def probe(cls, template: Renderer) -> TemplateTools:
         """Render probes through the template and see what comes out."""
         tool = {
             "type": "function",
@@ -151,7 +151,7 @@ class TemplateTools:
         return {**rest, "content": f"{content}\n{text}" if content else text}
 
 
-def _shows(template: ChatTemplate, messages: list[dict[str, Any]], needle: str, **extra) -> bool:
+def _shows(template: Renderer, messages: list[dict[str, Any]], needle: str, **extra) -> bool:
     try:
         return needle in template.render(messages, add_generation_prompt=False, **extra)
     except ChatTemplateError:

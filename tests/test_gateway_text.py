@@ -8,12 +8,20 @@ from pathlib import Path
 import pytest
 from llama_cpp import llama_vocab_get_text
 
-from loomserve.gateway.chat_template import CHATML_TEMPLATE, ChatTemplate, ChatTemplateError
+from loomserve.gateway.chat_template import (
+    CHATML_TEMPLATE,
+    BuiltinChatTemplate,
+    ChatTemplate,
+    ChatTemplateError,
+    builtin_templates,
+    choose_template,
+)
 from loomserve.gateway.errors import APIError
 from loomserve.gateway.params import max_new_tokens, sampling_params, stop_strings
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from loomserve.gateway.stop import StopMatcher
 from loomserve.gateway.tokenizer import IncrementalDetokenizer, Vocab
+from loomserve.gateway.tool_template import TemplateTools
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +112,10 @@ def test_stop_matcher_without_stops_passes_through() -> None:
 
 
 def test_chatml_fallback_renders() -> None:
-    template = ChatTemplate.for_model(None, None, "<s>", "</s>")
+    chosen = choose_template(None, None, "llama", "<s>", "</s>")
+    assert chosen.fallback and chosen.origin == "ChatML"
+    template = chosen.renderer
+    assert isinstance(template, ChatTemplate)
     text = template.render(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     )
@@ -122,13 +133,54 @@ def test_model_template_with_hf_variables() -> None:
         "[{{ m['role'] }}] {{ m['content'] | tojson }}\n{% endfor %}"
         "{% if add_generation_prompt %}[assistant]{% endif %}"
     )
-    template = ChatTemplate.for_model(None, own, "<s>", "</s>")
+    chosen = choose_template(None, own, "gemma3", "<s>", "</s>")
+    assert not chosen.fallback and chosen.origin == "the model's"
+    template = chosen.renderer
     text = template.render([{"role": "user", "content": "héllo"}])
     assert text == '<s>[user] "héllo"\n[assistant]'
     with pytest.raises(ChatTemplateError, match="no system role"):
         template.render([{"role": "system", "content": "x"}])
-    override = ChatTemplate.for_model("{{ messages[0]['content'] }}!", own, "<s>", "</s>")
-    assert override.render([{"role": "user", "content": "hey"}]) == "hey!"
+    override = choose_template("{{ messages[0]['content'] }}!", own, "llama", "<s>", "</s>")
+    assert override.renderer.render([{"role": "user", "content": "hey"}]) == "hey!"
+
+
+def test_architecture_without_template_gets_llama_cpps_builtin() -> None:
+    """Gemma 3 base ships no template: Gemma's turns, whose <end_of_turn> is end-of-generation."""
+    chosen = choose_template(None, None, "gemma3", "<bos>", "<eos>")
+    assert chosen.fallback and "gemma" in chosen.origin
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert chosen.renderer.render(messages) == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
+    long = [{"role": "user", "content": "é" * 5000}]  # more than the first buffer guess
+    assert "é" * 5000 in chosen.renderer.render(long)
+
+
+def test_tools_through_a_builtin_template_are_written_as_text() -> None:
+    template = BuiltinChatTemplate("gemma")
+    tools = TemplateTools.probe(template)
+    assert not tools.renders_tools
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    messages, left = tools.prepare([{"role": "user", "content": "Weather?"}], [tool])
+    assert left is None
+    assert "get_weather" in template.render(messages, tools=left)
+
+
+def test_builtin_template_by_name() -> None:
+    assert {"gemma", "llama3", "chatml"} <= set(builtin_templates())
+    chosen = choose_template("llama3", "{{ 'own' }}", "llama", "<s>", "</s>")
+    assert isinstance(chosen.renderer, BuiltinChatTemplate) and not chosen.fallback
+    text = chosen.renderer.render([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    with pytest.raises(ValueError, match="no built-in"):
+        BuiltinChatTemplate("no-such-template")
 
 
 def test_template_sandbox_blocks_python_internals() -> None:
