@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,19 +19,20 @@ from loomserve.gateway.chat_template import Renderer, choose_template
 from loomserve.gateway.client import WorkerClient
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.embeddings import create_embeddings
-from loomserve.gateway.errors import APIError, install_handlers, unavailable
-from loomserve.gateway.generation import Generation
+from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
+from loomserve.gateway.group import GenerationGroup
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.middleware import AccessMiddleware, BodyLimitMiddleware
 from loomserve.gateway.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
     max_new_tokens,
     reject_unsupported,
     sampling_params,
     stop_strings,
 )
 from loomserve.gateway.render import StreamChunks, response_body
-from loomserve.gateway.request import ApiBody, GenerationRequest
+from loomserve.gateway.request import ApiBody, GenerationRequest, Prompt
 from loomserve.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -272,25 +273,30 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     """Check the request, run it in the worker, answer as one body or as a stream."""
-    request = await _prepare(gateway, body)
-    structlog.contextvars.bind_contextvars(request_id=request.id)
-    log.debug("request", prompt_tokens=len(request.prompt), max_tokens=request.params.max_tokens)
+    request = await _prepare(gateway, body, http.state.request_id)
+    log.debug(
+        "request",
+        response_id=request.id,
+        choices=request.n_choices,
+        prompt_tokens=[len(p.tokens) for p in request.prompts],
+        max_tokens=[p.params.max_tokens for p in request.prompts],
+    )
     pieces = gateway.tool_pieces if request.tools else gateway.vocab
-    generation = await Generation.start(gateway.client, pieces, request, gateway.metrics)
+    group = await GenerationGroup.start(gateway.client, pieces, request, gateway.metrics)
     if request.stream:
-        chunks = StreamChunks(request, request.tool_parser())
-        return EventStreamResponse(event_stream(generation, chunks), on_close=generation.close)
+        chunks = StreamChunks(request)
+        return EventStreamResponse(event_stream(group, chunks), on_close=group.close)
     try:
-        outcome = await until_disconnect(http, collect(generation))
+        outcome = await until_disconnect(http, collect(group))
     finally:
-        generation.close()
+        group.close()
     if outcome is None:
         return Response(status_code=499)  # nobody is listening any more
-    text, done = outcome
-    return JSONResponse(response_body(request, text, done).model_dump())
+    texts, dones = outcome
+    return JSONResponse(response_body(request, texts, dones, group.usage()).model_dump())
 
 
-async def _prepare(gateway: Gateway, body: ApiBody) -> GenerationRequest:
+async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> GenerationRequest:
     """The GenerationRequest of a body; every 4xx the gateway can tell by itself comes here."""
     arrived = time.monotonic()
     vocab = gateway.vocab
@@ -303,27 +309,42 @@ async def _prepare(gateway: Gateway, body: ApiBody) -> GenerationRequest:
         tools = tool_request(body, gateway.template_tools.format, vocab)
         if tools is not None and tools.grammar:
             params.grammar = tools.grammar
-        prompt = await prompts.chat_prompt(
+        tokens = await prompts.chat_prompt(
             vocab,
             gateway.template,
             body.messages,
             gateway.template_tools,
             tools.definitions if tools else None,
         )
+        texts = [(tokens, "")]
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
         default, id_prefix = None, "chatcmpl"
     else:
-        prompt = await prompts.completion_prompt(vocab, body.prompt)
+        texts = await prompts.completion_prompts(vocab, body.prompt, bool(body.echo))
         requested, default, id_prefix = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "cmpl"
+    n = body.n or 1
+    if len(texts) * n > MAX_CHOICES:
+        raise invalid_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", "n")
     info = gateway.worker_info()
-    params.max_tokens = max_new_tokens(requested, default, len(prompt), info.slot_context)
+    request_prompts = []
+    for tokens, text in texts:
+        limit = max_new_tokens(requested, default, len(tokens), info.slot_context)
+        own = dataclasses.replace(params, max_tokens=limit)
+        request_prompts.append(Prompt(tokens=tokens, params=own, text=text))
+    response_id = f"{id_prefix}-{request_id}"
+    if gateway.client.in_use(response_id) or gateway.client.in_use(f"{response_id}-0"):
+        raise APIError(
+            409,
+            f"a request with X-Request-Id {request_id!r} is still running",
+            code="duplicate_request_id",
+        )
     return GenerationRequest(
-        id=f"{id_prefix}-{uuid.uuid4().hex}",
+        id=response_id,
         body=body,
-        prompt=prompt,
-        params=params,
+        prompts=request_prompts,
+        n=n,
         stops=stops,
         model=gateway.config.served_model_name,
         arrived_at=arrived,

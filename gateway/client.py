@@ -276,6 +276,10 @@ class WorkerClient:
         """Whether the worker may still send for this request (no Finish yet)."""
         return handle.request_id in self._requests
 
+    def in_use(self, request_id: str) -> bool:
+        """Whether a request with this id is open (ids are unique per gateway)."""
+        return request_id in self._requests
+
     def forget(self, handle: RequestHandle) -> None:
         """Stop routing a request's messages (after cancelling it)."""
         self._requests.pop(handle.request_id, None)

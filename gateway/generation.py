@@ -1,8 +1,9 @@
-"""One request running in the worker: its output as text deltas and a Done, and its metrics.
+"""One sequence running in the worker (one choice of a request): its output as text deltas
+and a Done, and its metrics.
 
 The text itself is TextAssembly's job (assembly.py); this is the thin async loop around it
-that reads the worker's messages, cancels the request when a stop string matched or the
-client left, and records what the request cost.
+that reads the worker's messages, cancels the sequence when a stop string matched or the
+client left, and records what the sequence cost. group.py runs the choices of a request.
 """
 
 from __future__ import annotations
@@ -30,16 +31,19 @@ FINISH_GRACE_SECONDS = 2.0
 
 @dataclass(slots=True)
 class Generation:
-    """A request the worker accepted; iterate `events()` once, and `close()` when done."""
+    """A sequence the worker accepted; iterate `events()` once, and `close()` when done."""
 
     request: GenerationRequest
+    index: int  # the choice this sequence is
     handle: RequestHandle
     client: WorkerClient
     assembly: TextAssembly
     metrics: GatewayMetrics | None
     finished: bool = False
+    cut_short: bool = False  # cancelled in the worker while it ran: nobody read it to the end
     _first_token_at: float | None = field(default=None, init=False)
     _last_token_at: float = field(default=0.0, init=False)
+    _pending: list[TokenChunk | Finish] = field(default_factory=list, init=False)
 
     @classmethod
     async def start(
@@ -47,15 +51,20 @@ class Generation:
         client: WorkerClient,
         vocab: Pieces,
         request: GenerationRequest,
+        index: int,
         metrics: GatewayMetrics | None,
     ) -> Generation:
-        """Submit to the worker; raises the client's errors if it does not take the request."""
+        """Submit choice `index`; raises the client's errors if the worker does not take it."""
         deadline = request.arrived_at + client.config.request_timeout
-        handle = await client.submit(request.to_worker(), deadline)
-        if metrics is not None:
-            metrics.requests_in_flight.inc()
-        assembly = TextAssembly(vocab, request.stops, len(request.prompt))
-        return cls(request, handle, client, assembly, metrics)
+        generate = request.to_worker(index)
+        handle = await client.submit(generate, deadline)
+        assembly = TextAssembly(vocab, request.stops, len(generate.prompt_tokens))
+        return cls(request, index, handle, client, assembly, metrics)
+
+    async def first_output(self) -> None:
+        """Wait for the worker's first output: the prompt is then in its cache."""
+        if not self._pending:
+            self._pending = await self.handle.next_events()
 
     async def events(self) -> AsyncIterator[TextDelta | Done]:
         """Text deltas, then one Done; raises WorkerClientError if the worker fails or is lost."""
@@ -63,7 +72,8 @@ class Generation:
         finish: Finish | None = None
         try:
             while finish is None and not assembly.stopped:
-                batch = await self.handle.next_events()
+                batch = self._pending or await self.handle.next_events()
+                self._pending = []
                 self._observe_tokens(batch)
                 text = ""
                 for position, event in enumerate(batch):
@@ -84,33 +94,24 @@ class Generation:
                 yield TextDelta(tail)
             self._record(done, finish)
             yield done
-        except WorkerClientError:
-            self._end(client_left=False)
-            raise
         finally:
             self.close()
 
     def close(self) -> None:
-        """End the request: if it is still running, the client went away, so cancel it."""
-        self._end(client_left=True)
-
-    def _end(self, client_left: bool) -> None:
+        """End the sequence; if it still runs in the worker, cancel it there (`cut_short`)."""
         if self.finished:
             return
         self.finished = True
-        if self.metrics is not None:
-            self.metrics.requests_in_flight.dec()
         if self.client.is_open(self.handle):
             self.client.cancel(self.handle)
-            if client_left:
-                log.info("client went away; request cancelled", request_id=self.request.id)
-                if self.metrics is not None:
-                    self.metrics.client_disconnects.inc()
+            self.cut_short = True
 
     async def _cancel_after_stop(self, finish: Finish | None) -> Finish | None:
         """A stop string matched: cancel in the worker, and wait briefly for its Finish."""
         still_running = self.client.is_open(self.handle)
-        self._end(client_left=False)
+        self.finished = True
+        if still_running:
+            self.client.cancel(self.handle)
         if finish is not None or not still_running:
             return finish
         try:
@@ -126,7 +127,6 @@ class Generation:
         m = self.metrics
         if m is None:
             return
-        m.e2e_request_latency.observe(time.monotonic() - self.request.arrived_at)
         if finish is not None:
             m.request_queue_time.observe(finish.queue_seconds)
         m.prompt_tokens.inc(done.usage.prompt_tokens)

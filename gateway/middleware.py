@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -13,6 +15,8 @@ from loomserve.gateway.metrics import GatewayMetrics
 log = structlog.get_logger(__name__)
 
 QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
+# A client's X-Request-Id is taken as the request's id when it looks like one.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class BodyLimitMiddleware:
@@ -70,7 +74,12 @@ class BodyLimitMiddleware:
 
 
 class AccessMiddleware:
-    """Counts every response by route and status, and logs it with the request's id."""
+    """Gives each request its id, counts every response by route and status, and logs it.
+
+    The id is the client's X-Request-Id when it sends a usable one, else a fresh one; every
+    log line about the request carries it, the response echoes it in X-Request-Id, and the
+    routes find it in `request.state.request_id`.
+    """
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
@@ -83,11 +92,17 @@ class AccessMiddleware:
         structlog.contextvars.clear_contextvars()
         started = time.monotonic()
         status = 500
+        given = _header(scope, b"x-request-id")
+        request_id = given if given and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        structlog.contextvars.bind_contextvars(request_id=request_id)
 
         async def record(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
             await send(message)
 
         try:

@@ -20,19 +20,20 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 512
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 LOGIT_BIAS_LIMIT = 100.0
+MAX_CHOICES = 128  # choices (prompts × n) in one request; OpenAI caps n at 128
 
 
 def reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for features this server does not have, rather than silently ignoring them."""
-    if request.n not in (None, 1):
-        raise invalid_request("only n=1 is supported", "n")
+    if request.n is not None and request.n < 1:
+        raise invalid_request("n must be at least 1", "n")
     if request.logprobs or request.top_logprobs:
         raise invalid_request("logprobs are not supported", "logprobs")
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise invalid_request("echo is not supported", "echo")
-        if request.best_of not in (None, 1):
-            raise invalid_request("only best_of=1 is supported", "best_of")
+        if request.best_of not in (None, 1, request.n or 1):
+            raise invalid_request("best_of is supported only equal to n", "best_of")
         if request.suffix:
             raise invalid_request("suffix is not supported", "suffix")
 

@@ -41,20 +41,26 @@ def check_token_ids(vocab: Vocab, tokens: list[int], param: str) -> None:
         raise invalid_request(f"token id {bad} is not in the vocabulary (0..{last})", param)
 
 
-async def completion_prompt(vocab: Vocab, prompt: Any) -> list[int]:
-    """Token ids of a completion prompt: a string, a list of one string, or token ids."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid_request("only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        tokens = await tokenize(vocab, prompt, add_special=True, parse_special=True)
-    else:
-        check_token_ids(vocab, prompt, "prompt")
-        tokens = prompt
-    if not tokens:
+async def completion_prompts(vocab: Vocab, prompt: Any, echo: bool) -> list[tuple[list[int], str]]:
+    """Each prompt's token ids, and its text when echo wants it ("" otherwise), from a
+    string, token ids, or a list of either."""
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    result = []
+    for one in prompt if many else [prompt]:
+        if isinstance(one, str):
+            tokens = await tokenize(vocab, one, add_special=True, parse_special=True)
+            text = one
+        else:
+            check_token_ids(vocab, one, "prompt")
+            tokens, text = one, ""
+            if echo:
+                text = await off_loop(len(one), lambda one=one: vocab.detokenize(one))
+        if not tokens:
+            raise invalid_request("the prompt is empty", "prompt")
+        result.append((tokens, text))
+    if not result:
         raise invalid_request("the prompt is empty", "prompt")
-    return tokens
+    return result
 
 
 async def chat_prompt(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loomserve.gateway.assembly import Done
@@ -41,48 +41,59 @@ def error_event(error: APIError) -> str:
     return sse(error.body())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StreamChunks:
-    """The chunks of one streamed response: the role (chat), text deltas, the finish, usage.
+    """The chunks of one streamed response: per choice its opening (the role for chat, the
+    prompt for an echoing completion), text deltas and finish; then the usage.
 
-    With a tool parser, text becomes content and tool-call deltas; a chunk may then be
-    several events, or "" while the parser holds text back.
+    With tools, each choice's text goes through its own tool parser and becomes content and
+    tool-call deltas; a chunk may then be several events, or "" while the parser holds text.
     """
 
     request: GenerationRequest
-    tool_parser: ToolCallParser | None = None
+    _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
 
-    def opening(self) -> str | None:
-        """Chat streams open with the assistant's role, as OpenAI's do."""
-        if not self.request.chat:
-            return None
-        return self._choice({"delta": {"role": "assistant", "content": ""}}, None)
-
-    def text(self, text: str) -> str:
-        if self.tool_parser is not None:
-            return "".join(self._tool_event(e) for e in self.tool_parser.push(text))
+    def opening(self, index: int) -> str | None:
+        """Chat choices open with the assistant's role, as OpenAI's do; echo with the prompt."""
         if self.request.chat:
-            return self._choice({"delta": {"content": text}}, None)
-        return self._choice({"text": text}, None)
+            return self._choice(index, {"delta": {"role": "assistant", "content": ""}}, None)
+        if self.request.echo:
+            return self.text(index, self.request.prompt_of(index).text)
+        return None
 
-    def finish(self, reason: str) -> str:
+    def text(self, index: int, text: str) -> str:
+        parser = self._parser(index)
+        if parser is not None:
+            return "".join(self._tool_event(index, e) for e in parser.push(text))
+        if self.request.chat:
+            return self._choice(index, {"delta": {"content": text}}, None)
+        return self._choice(index, {"text": text}, None)
+
+    def finish(self, index: int, reason: str) -> str:
         held = ""
-        if self.tool_parser is not None:
-            held = "".join(self._tool_event(e) for e in self.tool_parser.finish())
-            if self.tool_parser.calls and reason == "stop":
+        parser = self._parser(index)
+        if parser is not None:
+            held = "".join(self._tool_event(index, e) for e in parser.finish())
+            if parser.calls and reason == "stop":
                 reason = "tool_calls"
-        return held + self._choice({"delta": {}} if self.request.chat else {"text": ""}, reason)
-
-    def _tool_event(self, event: ToolEvent) -> str:
-        if isinstance(event, ContentDelta):
-            return self._choice({"delta": {"content": event.text}}, None)
-        return self._choice({"delta": {"tool_calls": [tool_call_delta(event)]}}, None)
+        body = {"delta": {}} if self.request.chat else {"text": ""}
+        return held + self._choice(index, body, reason)
 
     def usage(self, usage: Usage) -> str:
         return sse({**self._head(), "choices": [], "usage": usage.model_dump()})
 
-    def _choice(self, body: dict[str, Any], reason: str | None) -> str:
-        choice = {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if index not in self._parsers:
+            self._parsers[index] = self.request.tool_parser()
+        return self._parsers[index]
+
+    def _tool_event(self, index: int, event: ToolEvent) -> str:
+        if isinstance(event, ContentDelta):
+            return self._choice(index, {"delta": {"content": event.text}}, None)
+        return self._choice(index, {"delta": {"tool_calls": [tool_call_delta(event)]}}, None)
+
+    def _choice(self, index: int, body: dict[str, Any], reason: str | None) -> str:
+        choice = {"index": index, **body, "logprobs": None, "finish_reason": reason}
         payload = {**self._head(), "choices": [choice]}
         if self.request.include_usage:
             payload["usage"] = None
@@ -94,15 +105,23 @@ class StreamChunks:
         return {"id": r.id, "object": kind, "created": r.created, "model": r.model}
 
 
-def response_body(request: GenerationRequest, text: str, done: Done) -> Completion | ChatCompletion:
-    """The whole response of a request that does not stream."""
+def response_body(
+    request: GenerationRequest, texts: list[str], dones: list[Done], usage: Usage
+) -> Completion | ChatCompletion:
+    """The whole response of a request that does not stream: one choice per text, in order."""
     head = {"id": request.id, "created": request.created, "model": request.model}
     if request.chat:
-        message, reason = _assistant_message(request, text, done.finish_reason)
-        chat_choice = ChatChoice(message=message, finish_reason=reason)
-        return ChatCompletion(**head, choices=[chat_choice], usage=done.usage)
-    choice = CompletionChoice(text=text, finish_reason=done.finish_reason)
-    return Completion(**head, choices=[choice], usage=done.usage)
+        chat_choices = []
+        for i, (text, done) in enumerate(zip(texts, dones, strict=True)):
+            message, reason = _assistant_message(request, text, done.finish_reason)
+            chat_choices.append(ChatChoice(index=i, message=message, finish_reason=reason))
+        return ChatCompletion(**head, choices=chat_choices, usage=usage)
+    choices = []
+    for i, (text, done) in enumerate(zip(texts, dones, strict=True)):
+        if request.echo:
+            text = request.prompt_of(i).text + text
+        choices.append(CompletionChoice(index=i, text=text, finish_reason=done.finish_reason))
+    return Completion(**head, choices=choices, usage=usage)
 
 
 def _assistant_message(

@@ -1,11 +1,17 @@
 """GenerationRequest: one HTTP generation request, checked, on its way to the worker and back.
 
-The route builds it from the body (app.py), Generation sends it to the worker and assembles
-its text, render.py shapes the response from it. Which API it came to is the body's type.
+The route builds it from the body (app.py), GenerationGroup runs each of its choices as a
+sequence in the worker and assembles their text, render.py shapes the response from it.
+Which API it came to is the body's type.
+
+A request has one or more prompts (completions take a list) and `n` choices per prompt.
+Choices are numbered as OpenAI numbers them, prompt-major: choice `p * n + j` is the j-th
+sample of prompt p.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -17,13 +23,22 @@ ApiBody = CompletionRequest | ChatCompletionRequest
 
 
 @dataclass(slots=True)
+class Prompt:
+    """One prompt of a request, tokenized, with what the worker needs to run it."""
+
+    tokens: list[int]  # after the chat template for chat
+    params: SamplingParams  # max_tokens already capped by what the slot's context leaves
+    text: str = ""  # the prompt as text, for completions' echo
+
+
+@dataclass(slots=True)
 class GenerationRequest:
     """Everything the gateway decided about a request before it reaches the worker."""
 
-    id: str  # the response's id ("cmpl-..." or "chatcmpl-..."); also the worker's request id
+    id: str  # the response's id ("cmpl-..." or "chatcmpl-..."); the worker's ids derive from it
     body: ApiBody  # the request as sent: its type says which API, its fields what was asked
-    prompt: list[int]  # token ids, after the chat template for chat
-    params: SamplingParams  # max_tokens already capped by the slot's context
+    prompts: list[Prompt]
+    n: int  # choices per prompt
     stops: tuple[str, ...]  # stop strings, matched by the gateway on the text
     model: str  # the served model name the response reports
     arrived_at: float  # time.monotonic() when the route took the request
@@ -49,6 +64,28 @@ class GenerationRequest:
         options = self.body.stream_options
         return bool(options and options.include_usage)
 
-    def to_worker(self) -> Generate:
-        """The protocol message that runs this request in the worker."""
-        return Generate(self.id, self.prompt, self.params)
+    @property
+    def echo(self) -> bool:
+        """Whether each completion choice starts with its prompt (completions' echo)."""
+        return isinstance(self.body, CompletionRequest) and bool(self.body.echo)
+
+    @property
+    def n_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, index: int) -> Prompt:
+        """The prompt choice `index` continues."""
+        return self.prompts[index // self.n]
+
+    def worker_id(self, index: int) -> str:
+        """The worker's request id of a choice: the response's id, suffixed when it has many."""
+        return self.id if self.n_choices == 1 else f"{self.id}-{index}"
+
+    def to_worker(self, index: int = 0) -> Generate:
+        """The protocol message that runs choice `index` in the worker."""
+        prompt = self.prompt_of(index)
+        params, sample = prompt.params, index % self.n
+        if sample and params.seed is not None:
+            # The n samples of one seeded prompt differ from each other, and reproducibly.
+            params = dataclasses.replace(params, seed=(params.seed + sample) % 2**32)
+        return Generate(self.worker_id(index), prompt.tokens, params)

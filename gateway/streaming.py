@@ -19,22 +19,21 @@ from starlette.types import Receive, Scope, Send
 
 from loomserve.gateway.assembly import Done, TextDelta
 from loomserve.gateway.errors import worker_error
-from loomserve.gateway.generation import Generation
+from loomserve.gateway.group import GenerationGroup
 from loomserve.gateway.render import DONE_EVENT, StreamChunks, error_event
 from loomserve.gateway.worker_errors import WorkerClientError
 
 log = structlog.get_logger(__name__)
 
 
-async def collect(generation: Generation) -> tuple[str, Done]:
-    """The whole text and the Done of a non-streaming request."""
-    parts: list[str] = []
-    async for event in generation.events():
+async def collect(group: GenerationGroup) -> tuple[list[str], list[Done]]:
+    """Each choice's whole text and its Done, in choice order, for a non-streaming request."""
+    n_choices = group.request.n_choices
+    parts: list[list[str]] = [[] for _ in range(n_choices)]
+    async for index, event in group.events():
         if isinstance(event, TextDelta):
-            parts.append(event.text)
-        else:
-            return "".join(parts), event
-    raise AssertionError("a generation always ends with Done")
+            parts[index].append(event.text)
+    return ["".join(p) for p in parts], [group.dones[i] for i in range(n_choices)]
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -57,20 +56,21 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def event_stream(generation: Generation, chunks: StreamChunks) -> AsyncIterator[str]:
+async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIterator[str]:
     """The SSE events of a streaming request; a failure ends it with an error event."""
-    opening = chunks.opening()
-    if opening:
-        yield opening
+    for index in range(group.request.n_choices):
+        opening = chunks.opening(index)
+        if opening:
+            yield opening
     try:
-        async for event in generation.events():
+        async for index, event in group.events():
             if isinstance(event, TextDelta):
-                if piece := chunks.text(event.text):  # "" while tool calls are parsed
+                if piece := chunks.text(index, event.text):  # "" while tool calls are parsed
                     yield piece
-                continue
-            yield chunks.finish(event.finish_reason)
-            if chunks.request.include_usage:
-                yield chunks.usage(event.usage)
+            else:
+                yield chunks.finish(index, event.finish_reason)
+        if chunks.request.include_usage:
+            yield chunks.usage(group.usage())
         yield DONE_EVENT
     except WorkerClientError as failure:
         error = worker_error(failure)

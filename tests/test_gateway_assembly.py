@@ -11,7 +11,7 @@ import pytest
 from loomserve.gateway.assembly import Done, TextAssembly
 from loomserve.gateway.client import RequestHandle
 from loomserve.gateway.errors import worker_error
-from loomserve.gateway.request import GenerationRequest
+from loomserve.gateway.request import GenerationRequest, Prompt
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
 from loomserve.gateway.worker_errors import (
     WorkerFailed,
@@ -159,10 +159,9 @@ def test_the_request_knows_its_api_by_the_body_type() -> None:
         stream=True,
         stream_options={"include_usage": True},
     )
-    chat = GenerationRequest("chatcmpl-1", chat_body, [1, 2], params, (), "m", 0.0, 0)
-    plain = GenerationRequest(
-        "cmpl-1", CompletionRequest(prompt="hi"), [1], params, (), "m", 0.0, 0
-    )
+    chat = GenerationRequest("chatcmpl-1", chat_body, [Prompt([1, 2], params)], 1, (), "m", 0.0, 0)
+    plain_body = CompletionRequest(prompt="hi")
+    plain = GenerationRequest("cmpl-1", plain_body, [Prompt([1], params)], 1, (), "m", 0.0, 0)
     assert (chat.chat, chat.stream, chat.include_usage) == (True, True, True)
     assert (plain.chat, plain.stream, plain.include_usage) == (False, False, False)
     generate = chat.to_worker()
@@ -171,3 +170,16 @@ def test_the_request_knows_its_api_by_the_body_type() -> None:
         [1, 2],
         params,
     )
+
+
+def test_choices_are_numbered_prompt_major_and_seeds_differ_per_sample() -> None:
+    seeded = SamplingParams(max_tokens=4, seed=7)
+    prompts = [Prompt([1], seeded), Prompt([2, 3], SamplingParams(max_tokens=2))]
+    body = CompletionRequest(prompt=["a", "b"], n=3)
+    request = GenerationRequest("cmpl-x", body, prompts, 3, (), "m", 0.0, 0)
+    assert request.n_choices == 6
+    generates = [request.to_worker(i) for i in range(6)]
+    assert [g.request_id for g in generates] == [f"cmpl-x-{i}" for i in range(6)]
+    assert [g.prompt_tokens for g in generates] == [[1]] * 3 + [[2, 3]] * 3
+    assert [g.params.seed for g in generates] == [7, 8, 9, None, None, None]
+    assert prompts[0].params.seed == 7  # the request's own params are left as they were

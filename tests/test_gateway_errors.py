@@ -70,7 +70,9 @@ def test_api_key(gateway: Proc) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 100}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, None),
         ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, "temperature"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, None),
@@ -79,7 +81,7 @@ def test_api_key(gateway: Proc) -> None:
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "grammar": "root ::= nothing"}, "grammar"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
-        ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
+        ("/v1/completions", {"prompt": [[5, 6], []]}, "prompt"),
         ("/v1/completions", {"prompt": [1, 999999]}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {}, "prompt"),

@@ -1,0 +1,182 @@
+"""What applications send beyond one prompt and one answer, through the official `openai` client
+against a real worker on the tiny model: `n`, prompt lists, and the HTTP extras."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import Proc, Samples, free_port, scrape_metrics, start_gateway, start_worker
+
+SLOTS = 4
+MAX_QUEUE = 2
+MODEL = "tiny-llama"
+LONG_PROMPT = " ".join(["the cat and the dog sat by a small house"] * 5)  # 50 words
+
+
+@pytest.fixture(scope="module")
+def worker_metrics_url() -> str:
+    return f"http://127.0.0.1:{free_port()}/metrics"
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_path: Path, worker_metrics_url: str) -> Iterator[Proc]:
+    port = int(worker_metrics_url.split(":")[-1].split("/")[0])
+    with (
+        start_worker(
+            tiny_model_path, slots=SLOTS, max_queue=MAX_QUEUE, ctx_size=512, metrics_port=port
+        ) as worker,
+        start_gateway(tiny_model_path, worker.endpoint) as proc,
+    ):
+        print("logs:", worker.log_path, proc.log_path)
+        yield proc
+
+
+def client(gateway: Proc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def complete(gateway: Proc, prompt: object, **fields: object):
+    fields = {"max_tokens": 12, "temperature": 0, **fields}
+    extra = {"ignore_eos": True, **fields.pop("extra_body", {})}  # type: ignore[dict-item]
+    return client(gateway).completions.create(
+        model=MODEL, prompt=prompt, extra_body=extra, **fields
+    )
+
+
+def wait_all_slots_free(gateway: Proc, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(gateway.url + "/health").json()
+        if health.get("slots_idle") == SLOTS and health.get("queue_depth") == 0:
+            return
+        assert time.monotonic() < deadline, f"slots still busy: {health}"
+        time.sleep(0.05)
+
+
+def moved(before: Samples, after: Samples, name: str) -> float:
+    return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+
+# --- n and prompt lists -----------------------------------------------------------------
+
+
+def test_greedy_n_choices_equal_the_single_request(gateway: Proc) -> None:
+    single = complete(gateway, "once upon a time")
+    result = complete(gateway, "once upon a time", n=3)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert {c.text for c in result.choices} == {single.choices[0].text}
+    usage, one = result.usage, single.usage
+    assert usage.prompt_tokens == one.prompt_tokens  # the prompt counts once, as OpenAI's
+    assert usage.completion_tokens == 3 * one.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_sampled_n_choices_differ_and_repeat_with_a_seed(gateway: Proc) -> None:
+    def texts() -> list[str]:
+        result = complete(gateway, "hello world", n=4, temperature=1.0, seed=5, max_tokens=16)
+        return [c.text for c in result.choices]
+
+    first = texts()
+    assert len(set(first)) > 1
+    assert texts() == first
+
+
+def test_prompt_list_choices_are_prompt_major(gateway: Proc) -> None:
+    prompts = ["hello world", "what is the answer"]
+    singles = [complete(gateway, p).choices[0].text for p in prompts]
+    result = complete(gateway, prompts, n=2)
+    assert [c.index for c in result.choices] == [0, 1, 2, 3]
+    assert [c.text for c in result.choices] == [singles[0]] * 2 + [singles[1]] * 2
+    ids = [[5, 6, 7], [8, 9]]
+    by_ids = complete(gateway, ids)
+    assert len(by_ids.choices) == 2
+    assert by_ids.usage.prompt_tokens == 5
+    assert [c.text for c in by_ids.choices] == [complete(gateway, t).choices[0].text for t in ids]
+
+
+def test_streamed_choices_carry_their_index(gateway: Proc) -> None:
+    whole = complete(gateway, ["tell me a story", "one two three four"], n=2)
+    stream = complete(
+        gateway,
+        ["tell me a story", "one two three four"],
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finishes = ["", "", "", ""], [None, None, None, None]
+    chunks = list(stream)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == [c.text for c in whole.choices]
+    assert finishes == ["length"] * 4
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens == 4 * 12
+
+
+def test_chat_n_choices_stream_their_roles(gateway: Proc) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client(gateway).chat.completions
+    whole = chat.create(model=MODEL, messages=messages, n=2, max_tokens=8, temperature=0)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.choices[0].message.content == whole.choices[1].message.content
+    stream = chat.create(
+        model=MODEL, messages=messages, n=2, max_tokens=8, temperature=0, stream=True
+    )
+    roles, texts = set(), ["", ""]
+    for chunk in stream:
+        (choice,) = chunk.choices
+        if choice.delta.role:
+            roles.add(choice.index)
+        texts[choice.index] += choice.delta.content or ""
+    assert roles == {0, 1}
+    assert texts == [c.message.content for c in whole.choices]
+
+
+def test_copies_of_a_prompt_share_its_prefill(gateway: Proc, worker_metrics_url: str) -> None:
+    """The n copies take the first one's cached prompt instead of evaluating it again."""
+    wait_all_slots_free(gateway)
+    before = scrape_metrics(worker_metrics_url)
+    result = complete(gateway, LONG_PROMPT, n=3, max_tokens=4)
+    after = scrape_metrics(worker_metrics_url)
+    prompt_len = result.usage.prompt_tokens
+    assert prompt_len > 40
+    hits = moved(before, after, "loomserve:prefix_cache_hits_total")
+    # Each copy reuses all but the prompt's last token (its logits give the first token).
+    assert hits >= 2 * (prompt_len - 1)
+    assert moved(before, after, "loomserve:prefix_cache_queries_total") == 3 * prompt_len
+
+
+def test_the_queue_bound_takes_a_group_whole(gateway: Proc, worker_metrics_url: str) -> None:
+    """More choices than slots and queue hold: 503, and none of them is left running."""
+    wait_all_slots_free(gateway)
+    too_many = SLOTS + MAX_QUEUE + 1
+    response = httpx.post(
+        gateway.url + "/v1/completions",
+        json={"prompt": "hello", "n": too_many, "max_tokens": 200, "ignore_eos": True},
+        timeout=30,
+    )
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "queue_full"
+    wait_all_slots_free(gateway)
+    fits = complete(gateway, "hello", n=SLOTS + MAX_QUEUE, max_tokens=4)
+    assert len(fits.choices) == SLOTS + MAX_QUEUE
+
+
+def test_a_client_leaving_cancels_every_choice(gateway: Proc) -> None:
+    wait_all_slots_free(gateway)
+    body = {"prompt": "hello", "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as response:
+        events = (json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data"))
+        assert {next(events)["choices"][0]["index"] for _ in range(6)} <= {0, 1, 2}
+    wait_all_slots_free(gateway)
