@@ -16,7 +16,11 @@ from loomserve.cli.default_model import resolve_model
 from loomserve.gateway.config import GatewayConfig
 from loomserve.worker.config import FLASH_ATTN_MODES, KV_CACHE_TYPES, WorkerConfig
 
-CONTEXT_SETTINGS = {"auto_envvar_prefix": "LOOMSERVE", "show_default": True}
+CONTEXT_SETTINGS = {
+    "auto_envvar_prefix": "LOOMSERVE",
+    "show_default": True,
+    "help_option_names": ["-h", "--help"],
+}
 
 
 def default_of(config: type, name: str) -> Any:
@@ -169,6 +173,13 @@ def gateway_options(func):
             "llama3, chatml, ...), Jinja text, or a file of Jinja.",
         ),
         click.option(
+            "--allowed-origins",
+            multiple=True,
+            default=default_of(GatewayConfig, "allowed_origins"),
+            help="Browser origin allowed to call the API (CORS; repeatable, `*` for any). "
+            "Without any, no cross-origin request is allowed.",
+        ),
+        click.option(
             "--max-body-bytes",
             type=click.IntRange(min=1),
             default=default_of(GatewayConfig, "max_body_bytes"),
@@ -243,6 +254,7 @@ def build_gateway_config(worker: str, **opts) -> GatewayConfig:
         model_name=opts["served_model_name"],
         api_keys=frozenset(keys),
         chat_template=template,
+        allowed_origins=tuple(opts["allowed_origins"]),
         max_body_bytes=opts["max_body_bytes"],
         heartbeat_interval=opts["heartbeat_interval"],
         worker_timeout=opts["worker_timeout"],
@@ -252,6 +264,7 @@ def build_gateway_config(worker: str, **opts) -> GatewayConfig:
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
+@click.version_option(package_name="loomserve", prog_name="loomserve")
 def main() -> None:
     """loomserve: continuous-batching LLM serving on llama.cpp."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from loomserve.gateway import prompts
@@ -113,6 +114,7 @@ def create_app(
     gateway = Gateway(
         config, vocab, template, template_tools, tool_pieces, client, metrics, int(time.time())
     )
+    metrics.model_info.labels(model_name=config.served_model_name).set(1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -138,6 +140,16 @@ def create_app(
     app.include_router(_api_routes(gateway), dependencies=[Depends(_api_key_checker(config))])
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(AccessMiddleware, metrics=metrics)
+    if config.allowed_origins:
+        # Outermost, so that errors (401, 413) carry the headers too and a browser shows them.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+            max_age=600,
+        )
     return app
 
 
@@ -204,16 +216,24 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter(responses=ERROR_RESPONSES)
     vocab = gateway.vocab
 
-    @router.get("/v1/models", tags=["openai"])
-    async def models() -> ModelList:
-        """The one model this server runs."""
+    def model_card() -> ModelCard:
         info = gateway.client.info
-        card = ModelCard(
+        return ModelCard(
             id=gateway.config.served_model_name,
             created=gateway.started_at,
             max_model_len=info.slot_context if info is not None else None,
         )
-        return ModelList(data=[card])
+
+    @router.get("/v1/models", tags=["openai"])
+    async def models() -> ModelList:
+        """The one model this server runs."""
+        return ModelList(data=[model_card()])
+
+    @router.get("/v1/models/{model:path}", tags=["openai"])
+    async def model(model: str) -> ModelCard:
+        """The model by its name; 404 for any other name."""
+        _check_model(gateway, model)
+        return model_card()
 
     @router.post("/v1/completions", tags=["openai"], response_model=Completion)
     async def completions(body: CompletionRequest, http: Request) -> Response:

@@ -17,6 +17,7 @@ class GatewayConfig:
     model_name: str | None = None  # served name in /v1/models; default: the file's stem
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no auth
     chat_template: str | None = None  # a Jinja template overriding the model's own
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API
     max_body_bytes: int = 8 * 1024 * 1024
     heartbeat_interval: float = 1.0
     worker_timeout: float = 3.0  # no heartbeat this long: the worker is gone

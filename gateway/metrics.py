@@ -93,7 +93,9 @@ class GatewayMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of finished requests, cached ones included (each choice counts).",
+            registry=r,
         )
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Tokens generated for clients.", registry=r
@@ -102,6 +104,14 @@ class GatewayMetrics:
             PREFIX + "request_success",
             "Requests that finished, by finish reason.",
             ["finished_reason"],
+            registry=r,
+        )
+
+        self.model_info = Gauge(
+            PREFIX + "model_info",
+            "The model the API serves, by its served name; the value is 1.",
+            ["model_name"],
+            multiprocess_mode="max",
             registry=r,
         )
 

@@ -42,6 +42,15 @@ def test_help_lists_every_command() -> None:
         assert re.search(rf"^\s+{command}\s", result.output, re.MULTILINE), command
 
 
+def test_version_and_short_help() -> None:
+    version = CliRunner().invoke(main, ["--version"])
+    assert version.exit_code == 0
+    assert version.output.strip() == f"loomserve, version {importlib.metadata.version('loomserve')}"
+    for args in (["-h"], ["gateway", "-h"], ["serve", "-h"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0 and "Usage:" in result.output, args
+
+
 def all_options() -> Iterator[tuple[str, click.Option]]:
     for name, command in sorted(main.commands.items()):
         for param in command.params:

@@ -380,8 +380,10 @@ def test_metrics_move_by_what_was_served(
     for before, after in [(gateway_before, gateway_after), (worker_before, worker_after)]:
         assert moved(before, after, "loomserve:generation_tokens_total") == completion_tokens
     assert moved(gateway_before, gateway_after, "loomserve:prompt_tokens_total") == prompt_tokens
-    # The worker counts the prompt tokens it evaluated; the rest came from its prefix cache.
-    evaluated = moved(worker_before, worker_after, "loomserve:prompt_tokens_total")
+    # Both count every prompt token; the worker evaluated those its prefix cache lacked.
+    assert moved(worker_before, worker_after, "loomserve:prompt_tokens_total") == prompt_tokens
+    batch = "loomserve:batch_tokens_total"
+    evaluated = moved(worker_before, worker_after, batch, kind="prefill")
     cached = moved(worker_before, worker_after, "loomserve:prefix_cache_hits_total")
     assert evaluated + cached == prompt_tokens
     assert moved(worker_before, worker_after, "loomserve:prefix_cache_queries_total") == (

@@ -17,6 +17,7 @@ from tests.procs import Proc, Samples, free_port, scrape_metrics, start_gateway,
 SLOTS = 4
 MAX_QUEUE = 2
 MODEL = "tiny-llama"
+ORIGIN = "https://app.example"
 LONG_PROMPT = " ".join(["the cat and the dog sat by a small house"] * 5)  # 50 words
 
 
@@ -32,7 +33,7 @@ def gateway(tiny_model_path: Path, worker_metrics_url: str) -> Iterator[Proc]:
         start_worker(
             tiny_model_path, slots=SLOTS, max_queue=MAX_QUEUE, ctx_size=512, metrics_port=port
         ) as worker,
-        start_gateway(tiny_model_path, worker.endpoint) as proc,
+        start_gateway(tiny_model_path, worker.endpoint, allowed_origins=[ORIGIN]) as proc,
     ):
         print("logs:", worker.log_path, proc.log_path)
         yield proc
@@ -180,3 +181,54 @@ def test_a_client_leaving_cancels_every_choice(gateway: Proc) -> None:
         events = (json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data"))
         assert {next(events)["choices"][0]["index"] for _ in range(6)} <= {0, 1, 2}
     wait_all_slots_free(gateway)
+
+
+# --- HTTP extras ------------------------------------------------------------------------
+
+
+def test_request_id_is_echoed_and_names_the_response(gateway: Proc) -> None:
+    body = {"prompt": "hello", "max_tokens": 2}
+    response = httpx.post(
+        gateway.url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-42"}
+    )
+    assert response.headers["x-request-id"] == "trace-42"
+    assert response.json()["id"] == "cmpl-trace-42"
+    fresh = httpx.post(gateway.url + "/v1/completions", json=body)
+    assert fresh.json()["id"] == "cmpl-" + fresh.headers["x-request-id"]
+    assert httpx.get(gateway.url + "/health").headers["x-request-id"]
+    assert "trace-42" in gateway.logs()
+
+
+def test_cors_preflight_and_headers(gateway: Proc) -> None:
+    preflight = httpx.options(
+        gateway.url + "/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    models = httpx.get(gateway.url + "/v1/models", headers={"Origin": ORIGIN})
+    assert models.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.get(gateway.url + "/v1/models", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_model_by_id(gateway: Proc) -> None:
+    model = client(gateway).models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client(gateway).models.retrieve("gpt-4")
+
+
+def test_model_info_metric(gateway: Proc, worker_metrics_url: str) -> None:
+    assert (
+        scrape_metrics(gateway.url + "/metrics")[("loomserve:model_info", (("model_name", MODEL),))]
+        == 1
+    )
+    worker = scrape_metrics(worker_metrics_url)
+    (labels,) = [dict(key) for name, key in worker if name == "loomserve:worker_info"]
+    assert labels["slots"] == str(SLOTS) and labels["architecture"] == "llama"

@@ -52,7 +52,11 @@ class WorkerMetrics:
             "requests_finished", "Requests that finished, by finish reason.", ("reason",)
         )
         self.cancelled = counter("requests_cancelled", "Requests cancelled, queued or running.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens evaluated (not cached).")
+        # Same name, same meaning as the gateways': every prompt token of a finished request,
+        # cached or not. Evaluated ones are batch_tokens{kind="prefill"}.
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of finished requests, cached ones included."
+        )
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prompt tokens of finished requests, cached or not."
@@ -75,8 +79,14 @@ class WorkerMetrics:
             buckets=BATCH_BUCKETS,
             registry=registry,
         )
+        self.info = gauge(
+            "worker_info",
+            "The worker's model and slots, in its labels; the value is 1.",
+            ("model_name", "architecture", "slots", "slot_context"),
+        )
+        # Not the gateways' time_to_first_token_seconds, which counts from the HTTP arrival.
         self.ttft = Histogram(
-            "loomserve:time_to_first_token_seconds",
+            "loomserve:worker_time_to_first_token_seconds",
             "From acceptance to the first generated token.",
             buckets=LATENCY_BUCKETS,
             registry=registry,
@@ -95,6 +105,13 @@ class WorkerMetrics:
 
     def watch(self, loop: TickLoop, io_counters: IOCounters | None = None) -> None:
         """Read the load gauges and IO counters from these objects at scrape time."""
+        model = loop.engine.description
+        self.info.labels(
+            model_name=model.name,
+            architecture=model.architecture,
+            slots=str(loop.config.slots),
+            slot_context=str(loop.engine.slot_context),
+        ).set(1)
         cells_total = loop.engine.kv_cells_total()
         self.kv_cells_total.set(cells_total)
         self.requests_waiting.set_function(lambda: loop.load.queue_depth)
@@ -116,7 +133,6 @@ class WorkerMetrics:
         self.batch_occupancy.set(n_tokens / record.budget)
         self._decode.inc(record.decode_tokens)
         self._prefill.inc(record.prefill_tokens)
-        self.prompt_tokens.inc(record.prefill_tokens)
         self.generation_tokens.inc(record.sampled_tokens)
 
     def on_finish(self, record: FinishRecord) -> None:
@@ -124,6 +140,7 @@ class WorkerMetrics:
         self._finished_by_reason[finish.reason].inc()
         if finish.reason == FinishReason.CANCELLED:
             self.cancelled.inc()
+        self.prompt_tokens.inc(finish.prompt_tokens)
         self.prefix_queries.inc(finish.prompt_tokens)
         self.prefix_hits.inc(finish.cached_tokens)
         self.queue_time.observe(finish.queue_seconds)
