@@ -6,6 +6,7 @@ Everything a request can get wrong is caught here, before anything reaches the w
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from loomserve.gateway.errors import APIError, invalid_request
@@ -23,19 +24,44 @@ LOGIT_BIAS_LIMIT = 100.0
 MAX_CHOICES = 128  # choices (prompts × n) in one request; OpenAI caps n at 128
 
 
+# OpenAI's fields this server cannot honour, with the values that ask for nothing (accepted).
+# Anything else in them gets a 400 naming the field: never a silent ignore.
+UNSUPPORTED_CHAT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "audio": lambda v: v is None,
+    "modalities": lambda v: v is None or list(v) == ["text"],
+    "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "verbosity": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "functions": lambda v: not v,
+    "function_call": lambda v: v is None or v == "none",
+    "store": lambda v: not v,
+    "service_tier": lambda v: v in (None, "auto", "default"),
+}
+
+
 def reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> None:
     """400 for features this server does not have, rather than silently ignoring them."""
     if request.n is not None and request.n < 1:
         raise invalid_request("n must be at least 1", "n")
     if request.logprobs or request.top_logprobs:
         raise invalid_request("logprobs are not supported", "logprobs")
+    options = request.stream_options
+    if options is not None and options.include_obfuscation:
+        raise invalid_request(
+            "stream obfuscation is not supported", "stream_options.include_obfuscation"
+        )
     if isinstance(request, CompletionRequest):
         if request.echo:
             raise invalid_request("echo is not supported", "echo")
         if request.best_of not in (None, 1, request.n or 1):
             raise invalid_request("best_of is supported only equal to n", "best_of")
         if request.suffix:
-            raise invalid_request("suffix is not supported", "suffix")
+            raise invalid_request("suffix (insertion) is not supported", "suffix")
+        return
+    for name, asks_nothing in UNSUPPORTED_CHAT_FIELDS.items():
+        if not asks_nothing(getattr(request, name)):
+            raise invalid_request(f"{name} is not supported by this server", name)
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Request and response bodies of the HTTP API, as OpenAI (and llama-server for extras) has them.
 
-Unknown request fields are ignored, as vLLM and llama-server do; fields we cannot honour
-(n > 1, logprobs, ...) are declared so that a request using them gets a clear 400.
+Fields OpenAI does not define are ignored, as vLLM and llama-server do; every field OpenAI
+defines is declared, so that one we cannot honour gets a 400 naming it (params.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI pads its chunks; ours need no padding
 
 
 class JsonSchemaFormat(BaseModel):
@@ -137,6 +138,22 @@ class ChatCompletionRequest(GenerationFields):
         default=None, description="Default: auto with tools, none without."
     )
     parallel_tool_calls: bool | None = Field(default=None, description="Default true.")
+    # OpenAI's, declared to be refused with a 400 unless they ask for nothing (params.py).
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, description="Accepted, not stored.")
+    service_tier: str | None = None
+    prompt_cache_key: str | None = Field(
+        default=None, description="Accepted, unused: prefix caching is automatic."
+    )
+    safety_identifier: str | None = Field(default=None, description="Accepted, unused.")
 
 
 class TokenizeRequest(BaseModel):

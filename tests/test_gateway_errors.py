@@ -97,12 +97,47 @@ def test_api_key(gateway: Proc) -> None:
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
             "tools",
         ),
+        ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+        ),
+        *(
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **f}, p)
+            for f, p in [
+                ({"reasoning_effort": "high"}, "reasoning_effort"),
+                ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+                ({"modalities": ["text", "audio"]}, "modalities"),
+                ({"store": True}, "store"),
+                ({"service_tier": "flex"}, "service_tier"),
+                ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+                ({"web_search_options": {}}, "web_search_options"),
+                ({"functions": [{"name": "f"}]}, "functions"),
+                ({"verbosity": "low"}, "verbosity"),
+            ]
+        ),
         ("/tokenize", {"text": "wrong field"}, "content"),
         ("/detokenize", {"tokens": [-1]}, "tokens"),
     ],
 )
 def test_bad_requests(gateway: Proc, path: str, body: dict, param: str | None) -> None:
     assert_error(post(gateway, path, body), 400, param)
+
+
+def test_fields_that_ask_for_nothing_are_accepted(gateway: Proc) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 1,
+        "store": False,
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "metadata": {"team": "a"},
+        "user": "u1",
+        "prompt_cache_key": "k",
+        "stream_options": {"include_obfuscation": False},
+    }
+    assert post(gateway, "/v1/chat/completions", body).status_code == 200
 
 
 def test_bad_json_and_content(gateway: Proc) -> None:
