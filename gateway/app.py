@@ -312,8 +312,9 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
         group.close()
     if outcome is None:
         return Response(status_code=499)  # nobody is listening any more
-    texts, dones = outcome
-    return JSONResponse(response_body(request, texts, dones, group.usage()).model_dump())
+    texts, dones, logprobs = outcome
+    body = response_body(request, texts, dones, logprobs, group.usage())
+    return JSONResponse(body.model_dump())
 
 
 async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> GenerationRequest:

@@ -6,21 +6,32 @@ sends on what it gives back; a test can feed it by hand.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from loomserve.gateway.schemas import Usage
 from loomserve.gateway.stop import StopMatcher
 from loomserve.gateway.tokenizer import IncrementalDetokenizer, Pieces
 from loomserve.gateway.worker_errors import WorkerFailed
-from loomserve.protocol.messages import Finish, FinishReason
+from loomserve.protocol.messages import Finish, FinishReason, TokenChunk
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and its top alternatives', with their bytes."""
+
+    token: bytes
+    logprob: float
+    top: list[tuple[bytes, float]]  # most likely first
 
 
 @dataclass(slots=True)
 class TextDelta:
-    """New text for the client (never empty)."""
+    """New text for the client, and the logprobs of the tokens it took when the request asked
+    (never both empty: a token's text may still be held back while its logprob goes out)."""
 
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -38,9 +49,10 @@ class TextAssembly:
     a matched stop string is dropped, and so is everything generated after it.
     """
 
-    __slots__ = ("_detokenizer", "_matcher", "generated", "prompt_len", "stopped")
+    __slots__ = ("_detokenizer", "_matcher", "generated", "prompt_len", "stopped", "vocab")
 
     def __init__(self, vocab: Pieces, stops: tuple[str, ...], prompt_len: int) -> None:
+        self.vocab = vocab
         self._detokenizer = IncrementalDetokenizer(vocab)
         self._matcher = StopMatcher(stops)
         self.prompt_len = prompt_len
@@ -60,6 +72,20 @@ class TextAssembly:
                 self.stopped = True
                 break
         return "".join(parts)
+
+    def logprobs(self, chunk: TokenChunk, taken: int) -> list[TokenLogprob]:
+        """The logprobs of the first `taken` tokens of a chunk (those push took)."""
+        if not chunk.logprobs:
+            return []
+        piece = self.vocab.piece
+        return [
+            TokenLogprob(
+                piece(token),
+                lp.logprob,
+                [(piece(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)],
+            )
+            for token, lp in zip(chunk.token_ids[:taken], chunk.logprobs, strict=False)
+        ]
 
     def done(self, finish: Finish | None) -> tuple[str, Done]:
         """The last text (may be "") and the Done, given the worker's Finish.

@@ -75,18 +75,21 @@ class Generation:
                 batch = self._pending or await self.handle.next_events()
                 self._pending = []
                 self._observe_tokens(batch)
-                text = ""
+                delta = TextDelta("")
                 for position, event in enumerate(batch):
                     if isinstance(event, Finish):
                         finish = event
                         break
-                    text += assembly.push(event.token_ids)
+                    before = assembly.generated
+                    delta.text += assembly.push(event.token_ids)
+                    if event.logprobs:
+                        delta.logprobs += assembly.logprobs(event, assembly.generated - before)
                     if assembly.stopped:
                         later = batch[position + 1 :]
                         finish = next((e for e in later if isinstance(e, Finish)), None)
                         break
-                if text:
-                    yield TextDelta(text)
+                if delta.text or delta.logprobs:
+                    yield delta
             if assembly.stopped:
                 finish = await self._cancel_after_stop(finish)
             tail, done = assembly.done(finish)

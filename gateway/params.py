@@ -14,7 +14,7 @@ from loomserve.gateway.grammar import request_grammar
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from loomserve.gateway.tokenizer import Vocab
 from loomserve.protocol.limits import MAX_LOGIT_BIAS
-from loomserve.protocol.messages import SamplingParams
+from loomserve.protocol.messages import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 # Matching holds back the longest tail that starts a stop string, checked per token.
@@ -44,16 +44,17 @@ def reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> No
     """400 for features this server does not have, rather than silently ignoring them."""
     if request.n is not None and request.n < 1:
         raise invalid_request("n must be at least 1", "n")
-    if request.logprobs or request.top_logprobs:
-        raise invalid_request("logprobs are not supported", "logprobs")
+    top_logprobs(request)  # raises for a bad logprobs / top_logprobs
     options = request.stream_options
     if options is not None and options.include_obfuscation:
         raise invalid_request(
             "stream obfuscation is not supported", "stream_options.include_obfuscation"
         )
     if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise invalid_request("echo is not supported", "echo")
+        if request.echo and request.logprobs is not None:
+            raise invalid_request(
+                "echo with logprobs (the prompt's logprobs) is not supported", "echo"
+            )
         if request.best_of not in (None, 1, request.n or 1):
             raise invalid_request("best_of is supported only equal to n", "best_of")
         if request.suffix:
@@ -62,6 +63,27 @@ def reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> No
     for name, asks_nothing in UNSUPPORTED_CHAT_FIELDS.items():
         if not asks_nothing(getattr(request, name)):
             raise invalid_request(f"{name} is not supported by this server", name)
+
+
+def top_logprobs(request: GenerationFields) -> int | None:
+    """Alternatives per token the request wants logprobs for (0: the sampled token's only);
+    None when it wants none. Completions say it in `logprobs`, chat in `top_logprobs`."""
+    if isinstance(request, CompletionRequest):
+        wanted, param = request.logprobs, "logprobs"
+        if isinstance(wanted, bool):
+            raise invalid_request("logprobs is the number of alternatives (0 to 20)", param)
+        if request.top_logprobs is not None:
+            raise invalid_request("top_logprobs is chat's; completions take logprobs", param)
+    else:
+        param = "top_logprobs"
+        if not request.logprobs:
+            if request.top_logprobs is not None:
+                raise invalid_request("top_logprobs needs logprobs: true", param)
+            return None
+        wanted = request.top_logprobs or 0
+    if wanted is not None and not (0 <= wanted <= MAX_TOP_LOGPROBS):
+        raise invalid_request(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}", param)
+    return wanted
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -108,6 +130,7 @@ def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) ->
             logit_bias=_logit_bias(request.logit_bias, vocab),
             grammar=request_grammar(request, vocab),
             ignore_eos=bool(request.ignore_eos),
+            logprobs=top_logprobs(request),
         )
     except ValueError as exc:
         raise invalid_request(str(exc)) from exc

@@ -6,17 +6,21 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomserve.gateway.assembly import Done
+from loomserve.gateway.assembly import Done, TextDelta, TokenLogprob
 from loomserve.gateway.errors import APIError
 from loomserve.gateway.request import GenerationRequest
 from loomserve.gateway.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
+    ChatLogprobs,
+    ChatTokenLogprob,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     FunctionCall,
     ToolCall,
+    TopLogprob,
     Usage,
 )
 from loomserve.gateway.tool_parser import (
@@ -52,22 +56,26 @@ class StreamChunks:
 
     request: GenerationRequest
     _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
+    # Completions' text_offset: characters each choice has sent so far.
+    _offsets: dict[int, int] = field(default_factory=dict)
 
     def opening(self, index: int) -> str | None:
         """Chat choices open with the assistant's role, as OpenAI's do; echo with the prompt."""
         if self.request.chat:
             return self._choice(index, {"delta": {"role": "assistant", "content": ""}}, None)
         if self.request.echo:
-            return self.text(index, self.request.prompt_of(index).text)
+            return self.text(index, TextDelta(self.request.prompt_of(index).text))
         return None
 
-    def text(self, index: int, text: str) -> str:
-        parser = self._parser(index)
-        if parser is not None:
-            return "".join(self._tool_event(index, e) for e in parser.push(text))
+    def text(self, index: int, delta: TextDelta) -> str:
         if self.request.chat:
-            return self._choice(index, {"delta": {"content": text}}, None)
-        return self._choice(index, {"text": text}, None)
+            return self._chat_text(index, delta)
+        logprobs = None
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + len(delta.text)
+        if self.request.logprobs and delta.logprobs:
+            logprobs = completion_logprobs(delta.logprobs, offset).model_dump()
+        return self._choice(index, {"text": delta.text}, None, logprobs)
 
     def finish(self, index: int, reason: str) -> str:
         held = ""
@@ -82,6 +90,19 @@ class StreamChunks:
     def usage(self, usage: Usage) -> str:
         return sse({**self._head(), "choices": [], "usage": usage.model_dump()})
 
+    def _chat_text(self, index: int, delta: TextDelta) -> str:
+        logprobs = None
+        if self.request.logprobs:
+            logprobs = chat_logprobs(delta.logprobs).model_dump()
+        parser = self._parser(index)
+        if parser is None:
+            return self._choice(index, {"delta": {"content": delta.text}}, None, logprobs)
+        events = [self._tool_event(index, e) for e in parser.push(delta.text)]
+        if logprobs is not None and delta.logprobs:
+            # The tokens' logprobs go out at once, in a delta of their own.
+            events.insert(0, self._choice(index, {"delta": {"content": ""}}, None, logprobs))
+        return "".join(events)
+
     def _parser(self, index: int) -> ToolCallParser | None:
         if index not in self._parsers:
             self._parsers[index] = self.request.tool_parser()
@@ -92,8 +113,10 @@ class StreamChunks:
             return self._choice(index, {"delta": {"content": event.text}}, None)
         return self._choice(index, {"delta": {"tool_calls": [tool_call_delta(event)]}}, None)
 
-    def _choice(self, index: int, body: dict[str, Any], reason: str | None) -> str:
-        choice = {"index": index, **body, "logprobs": None, "finish_reason": reason}
+    def _choice(
+        self, index: int, body: dict[str, Any], reason: str | None, logprobs: Any = None
+    ) -> str:
+        choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": reason}
         payload = {**self._head(), "choices": [choice]}
         if self.request.include_usage:
             payload["usage"] = None
@@ -105,22 +128,83 @@ class StreamChunks:
         return {"id": r.id, "object": kind, "created": r.created, "model": r.model}
 
 
+def _text(token: bytes) -> str:
+    return token.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
+    """Chat's logprobs shape: each token with its bytes and its top alternatives."""
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=_text(e.token),
+                logprob=e.logprob,
+                bytes=list(e.token),
+                top_logprobs=[
+                    TopLogprob(token=_text(t), logprob=v, bytes=list(t)) for t, v in e.top
+                ],
+            )
+            for e in entries
+        ]
+    )
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """Completions' logprobs shape: parallel lists, text_offset counted from `offset`."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(_text(entry.token))
+    return CompletionLogprobs(
+        tokens=[_text(e.token) for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[_top_dict(e.top) for e in entries],
+        text_offset=offsets,
+    )
+
+
+def _top_dict(top: list[tuple[bytes, float]]) -> dict[str, float]:
+    # Tokens whose bytes are not whole characters may share a text: keep the likeliest.
+    result: dict[str, float] = {}
+    for token, logprob in top:
+        result.setdefault(_text(token), logprob)
+    return result
+
+
 def response_body(
-    request: GenerationRequest, texts: list[str], dones: list[Done], usage: Usage
+    request: GenerationRequest,
+    texts: list[str],
+    dones: list[Done],
+    logprobs: list[list[TokenLogprob]],
+    usage: Usage,
 ) -> Completion | ChatCompletion:
     """The whole response of a request that does not stream: one choice per text, in order."""
     head = {"id": request.id, "created": request.created, "model": request.model}
+    asked = request.logprobs
     if request.chat:
         chat_choices = []
-        for i, (text, done) in enumerate(zip(texts, dones, strict=True)):
+        for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):
             message, reason = _assistant_message(request, text, done.finish_reason)
-            chat_choices.append(ChatChoice(index=i, message=message, finish_reason=reason))
+            chat_choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=chat_logprobs(lp) if asked else None,
+                    finish_reason=reason,
+                )
+            )
         return ChatCompletion(**head, choices=chat_choices, usage=usage)
     choices = []
-    for i, (text, done) in enumerate(zip(texts, dones, strict=True)):
-        if request.echo:
-            text = request.prompt_of(i).text + text
-        choices.append(CompletionChoice(index=i, text=text, finish_reason=done.finish_reason))
+    for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):
+        prefix = request.prompt_of(i).text if request.echo else ""
+        choices.append(
+            CompletionChoice(
+                index=i,
+                text=prefix + text,
+                logprobs=completion_logprobs(lp, len(prefix)) if asked else None,
+                finish_reason=done.finish_reason,
+            )
+        )
     return Completion(**head, choices=choices, usage=usage)
 
 

@@ -70,6 +70,11 @@ class GenerationRequest:
         return isinstance(self.body, CompletionRequest) and bool(self.body.echo)
 
     @property
+    def logprobs(self) -> bool:
+        """Whether the response carries the generated tokens' logprobs."""
+        return self.prompts[0].params.logprobs is not None
+
+    @property
     def n_choices(self) -> int:
         return len(self.prompts) * self.n
 

@@ -51,8 +51,11 @@ class GenerationFields(BaseModel):
     frequency_penalty: float | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
-    logprobs: bool | int | None = Field(default=None, description="Not supported.")
-    top_logprobs: int | None = Field(default=None, description="Not supported.")
+    logprobs: bool | int | None = Field(
+        default=None,
+        description="Completions: alternatives per token (0-20). Chat: true for logprobs.",
+    )
+    top_logprobs: int | None = Field(default=None, description="Chat: alternatives (0-20).")
     # llama.cpp's extras
     top_k: int | None = Field(default=None, description="0 disables. Default 0.")
     min_p: float | None = Field(default=None, description="Default 0.")
@@ -71,7 +74,7 @@ class CompletionRequest(GenerationFields):
     max_tokens: int | None = Field(
         default=None, description="Default 16, as OpenAI and vLLM; capped by the slot's context."
     )
-    echo: bool | None = Field(default=None, description="Not supported.")
+    echo: bool | None = Field(default=None, description="Prepend the prompt to the text.")
     best_of: int | None = Field(default=None, description="Only 1 is supported.")
     suffix: str | None = Field(default=None, description="Not supported.")
 
@@ -197,10 +200,36 @@ class Usage(BaseModel):
         )
 
 
+class CompletionLogprobs(BaseModel):
+    """Completions' logprobs, one entry per generated token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's logprobs: one entry per generated token of the content."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -222,7 +251,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 

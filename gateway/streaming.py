@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loomserve.gateway.assembly import Done, TextDelta
+from loomserve.gateway.assembly import Done, TextDelta, TokenLogprob
 from loomserve.gateway.errors import worker_error
 from loomserve.gateway.group import GenerationGroup
 from loomserve.gateway.render import DONE_EVENT, StreamChunks, error_event
@@ -26,14 +26,20 @@ from loomserve.gateway.worker_errors import WorkerClientError
 log = structlog.get_logger(__name__)
 
 
-async def collect(group: GenerationGroup) -> tuple[list[str], list[Done]]:
-    """Each choice's whole text and its Done, in choice order, for a non-streaming request."""
+async def collect(
+    group: GenerationGroup,
+) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
+    """Each choice's whole text, Done and logprobs, in choice order, for a non-streaming
+    request."""
     n_choices = group.request.n_choices
     parts: list[list[str]] = [[] for _ in range(n_choices)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n_choices)]
     async for index, event in group.events():
         if isinstance(event, TextDelta):
             parts[index].append(event.text)
-    return ["".join(p) for p in parts], [group.dones[i] for i in range(n_choices)]
+            logprobs[index] += event.logprobs
+    dones = [group.dones[i] for i in range(n_choices)]
+    return ["".join(p) for p in parts], dones, logprobs
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -65,7 +71,7 @@ async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIte
     try:
         async for index, event in group.events():
             if isinstance(event, TextDelta):
-                if piece := chunks.text(index, event.text):  # "" while tool calls are parsed
+                if piece := chunks.text(index, event):  # "" while tool calls are parsed
                     yield piece
             else:
                 yield chunks.finish(index, event.finish_reason)

@@ -20,6 +20,7 @@ from loomserve.protocol.messages import (
     Rejected,
     SamplingParams,
     TokenChunk,
+    TokenLogprobs,
     WorkerError,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "Rejected",
     "SamplingParams",
     "TokenChunk",
+    "TokenLogprobs",
     "WorkerError",
     "decode",
     "encode",

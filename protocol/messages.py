@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-PROTOCOL_VERSION = 2  # 2: Embed and Embeddings
+PROTOCOL_VERSION = 3  # 2: Embed and Embeddings; 3: per-token logprobs
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 
 
 class FinishReason(StrEnum):
@@ -50,6 +51,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # GBNF; the gateway turns JSON schemas into GBNF
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to report per token (0: the sampled only)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -72,6 +74,8 @@ class SamplingParams:
             raise ValueError("frequency_penalty must be between -2 and 2")
         if self.seed is not None and not (0 <= self.seed < 2**32):
             raise ValueError("seed must be between 0 and 2**32 - 1")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         for token_id, bias in self.logit_bias.items():
             if token_id < 0 or (not math.isfinite(bias) and bias != -math.inf):
                 raise ValueError("logit_bias maps token ids to finite biases (or -inf)")
@@ -170,11 +174,21 @@ class Rejected:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position, after logit bias and penalties."""
+
+    logprob: float  # of the sampled token
+    top_ids: list[int]  # the most likely tokens, most likely first (SamplingParams.logprobs)
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
 class TokenChunk:
     """New tokens of one request since the previous Outputs."""
 
     request_id: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per token; only for requests that ask
 
 
 @dataclass(slots=True)

@@ -161,7 +161,8 @@ def test_copies_of_a_prompt_share_its_prefill(gateway: Proc, worker_metrics_url:
 def test_the_queue_bound_takes_a_group_whole(gateway: Proc, worker_metrics_url: str) -> None:
     """More choices than slots and queue hold: 503, and none of them is left running."""
     wait_all_slots_free(gateway)
-    too_many = SLOTS + MAX_QUEUE + 1
+    # The copies follow the first choice: even with its slot free again, one too many.
+    too_many = SLOTS + MAX_QUEUE + 2
     response = httpx.post(
         gateway.url + "/v1/completions",
         json={"prompt": "hello", "n": too_many, "max_tokens": 200, "ignore_eos": True},
@@ -181,6 +182,69 @@ def test_a_client_leaving_cancels_every_choice(gateway: Proc) -> None:
         events = (json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data"))
         assert {next(events)["choices"][0]["index"] for _ in range(6)} <= {0, 1, 2}
     wait_all_slots_free(gateway)
+
+
+# --- logprobs and echo ------------------------------------------------------------------
+
+
+def test_completion_logprobs_greedy_token_tops_its_list(gateway: Proc) -> None:
+    result = complete(gateway, "the cat and the dog", logprobs=3)
+    choice = result.choices[0]
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text
+    assert len(lp.token_logprobs) == result.usage.completion_tokens == 12
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and len(top) <= 3
+        assert logprob == pytest.approx(max(top.values()))
+        assert top[token] == pytest.approx(logprob)
+    offsets = [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.text_offset == offsets
+    stream = complete(gateway, "the cat and the dog", logprobs=3, stream=True)
+    streamed = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs]
+    # A second run takes the prompt from the prefix cache: the same tokens, logits within noise.
+    streamed_logprobs = [t for s in streamed for t in s.token_logprobs]
+    assert streamed_logprobs == pytest.approx(lp.token_logprobs, abs=1e-3)
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    plain = complete(gateway, "the cat and the dog")
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == choice.text
+
+
+def test_chat_logprobs_with_n_and_streaming(gateway: Proc) -> None:
+    chat = client(gateway).chat.completions
+    fields = {"model": MODEL, "max_tokens": 8, "temperature": 0, "logprobs": True}
+    messages = [{"role": "user", "content": "hello"}]
+    result = chat.create(messages=messages, n=2, top_logprobs=2, **fields)
+    for choice in result.choices:
+        content = choice.logprobs.content
+        assert "".join(t.token for t in content) == choice.message.content
+        for entry in content:
+            assert len(entry.top_logprobs) == 2
+            assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+            assert bytes(entry.bytes).decode(errors="replace") == entry.token
+    first, second = (c.logprobs.content for c in result.choices)
+    assert [e.token for e in first] == [e.token for e in second]
+    assert [e.logprob for e in first] == pytest.approx([e.logprob for e in second], abs=1e-3)
+    stream = chat.create(messages=messages, stream=True, **fields)
+    entries = [e for c in stream if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx(
+        [e.logprob for e in result.choices[0].logprobs.content], abs=1e-3
+    )
+    assert all(e.top_logprobs == [] for e in entries)  # top_logprobs defaults to 0
+
+
+def test_logprobs_follow_the_logit_bias(gateway: Proc) -> None:
+    favoured = 7
+    result = complete(gateway, "hello", max_tokens=3, logprobs=1, logit_bias={str(favoured): 50})
+    lp = result.choices[0].logprobs
+    assert all(v > -0.01 for v in lp.token_logprobs)  # the biased token is near certain
+
+
+def test_echo_prepends_the_prompt(gateway: Proc) -> None:
+    plain = complete(gateway, "one two three", max_tokens=6)
+    echoed = complete(gateway, "one two three", max_tokens=6, echo=True)
+    assert echoed.choices[0].text == "one two three" + plain.choices[0].text
+    stream = complete(gateway, "one two three", max_tokens=6, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
 
 
 # --- HTTP extras ------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from loomserve.protocol import (
     Rejected,
     SamplingParams,
     TokenChunk,
+    TokenLogprobs,
     WorkerError,
     decode,
     encode,
@@ -38,6 +39,7 @@ EVERY_MESSAGE = [
             logit_bias={5: -math.inf, 9: 2.5},
             grammar='root ::= "a"',
             ignore_eos=True,
+            logprobs=3,
         ),
     ),
     Embed(request_id="e1", inputs=[[1, 2], [3]]),
@@ -56,7 +58,14 @@ EVERY_MESSAGE = [
     Accepted(request_id="r1", queue_depth=3),
     Rejected(request_id="r1", code="queue_full", message="the queue is full"),
     Outputs(
-        tokens=[TokenChunk(request_id="r1", token_ids=[4, 5])],
+        tokens=[
+            TokenChunk(request_id="r1", token_ids=[4, 5]),
+            TokenChunk(
+                request_id="r3",
+                token_ids=[6],
+                logprobs=[TokenLogprobs(-0.5, top_ids=[6, 2], top_logprobs=[-0.5, -1.25])],
+            ),
+        ],
         finishes=[Finish("r2", "length", 3, 5, 1, 0.25)],
     ),
     Heartbeat(sent_at=1.0, ping_sent_at=0.5, ready=True, queue_depth=0, free_slots=4, running=0),
@@ -107,3 +116,10 @@ def test_invalid_sampling_params_are_refused():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+
+
+def test_a_chunk_without_logprobs_costs_one_byte() -> None:
+    """Requests that do not ask for logprobs pay one msgpack nil per chunk on the wire."""
+    body = encode(Outputs(tokens=[TokenChunk("r1", [4])], finishes=[]))[1]
+    assert body == msgpack.packb([[["r1", [4], None]], []])
+    assert len(body) == len(msgpack.packb([[["r1", [4]]], []])) + 1

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import structlog
 
 from loomserve.protocol import (
@@ -30,10 +31,12 @@ from loomserve.protocol import (
     Message,
     Outputs,
     Rejected,
+    TokenLogprobs,
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
+from loomserve.worker.logprobs import token_logprobs
 from loomserve.worker.sampling import InvalidSampling
 from loomserve.worker.scheduler import Release, Request, RequestKey, Scheduler, Slot, Step
 from loomserve.worker.strategies import load_strategy
@@ -377,10 +380,20 @@ class TickLoop:
         for row, (slot, batch_index) in enumerate(sampled):
             request = slot.request
             token = request.sampler.sample(batch_index, logits[row])
+            asked = request.params.logprobs is not None
+            logprobs = self._logprobs(slot, logits[row], token) if asked else None
             chunk = record_token(slot, token, is_eog(token), now)
             if chunk is not None:
+                chunk.logprobs = logprobs
                 self._outputs_for(request.gateway).tokens.append(chunk)
         return len(sampled)
+
+    def _logprobs(self, slot: Slot, logits: np.ndarray, token: int) -> list[TokenLogprobs]:
+        """The new token's logprobs, before the scheduler records it (its penalty history is
+        what the slot generated so far)."""
+        generated = slot.tokens[slot.n_prompt :]
+        params, context = slot.request.params, self.engine.slot_context
+        return [token_logprobs(logits, token, params, generated, context)]
 
     # --- 6: emit -----------------------------------------------------------------------
 

@@ -1,0 +1,61 @@
+"""Log-probabilities from a logits row, after bias and penalties (worker/logprobs.py): pure."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loomserve.protocol import SamplingParams
+from loomserve.worker.logprobs import FLOOR, token_logprobs
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+
+LOGITS = np.array([1.0, 3.0, -2.0, 0.5, 2.0], dtype=np.float32)
+
+
+def test_the_greedy_token_is_the_top_of_its_list() -> None:
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    result = token_logprobs(LOGITS, 1, params, [], 64)
+    expected = log_softmax(LOGITS)
+    assert result.top_ids == [1, 4, 0]
+    assert result.logprob == pytest.approx(expected[1], abs=1e-6)
+    assert result.logprob == max(result.top_logprobs)
+    assert result.top_logprobs == pytest.approx([expected[i] for i in (1, 4, 0)], abs=1e-6)
+    assert math.fsum(math.exp(v) for v in log_softmax(LOGITS)) == pytest.approx(1.0)
+
+
+def test_no_alternatives_when_zero_are_asked() -> None:
+    result = token_logprobs(LOGITS, 3, SamplingParams(logprobs=0), [], 64)
+    assert result.top_ids == [] and result.top_logprobs == []
+
+
+def test_bias_and_penalties_as_the_sampler_chain_applies_them() -> None:
+    params = SamplingParams(
+        logprobs=2,
+        logit_bias={2: 10.0, 4: -math.inf},
+        repeat_penalty=2.0,
+        frequency_penalty=0.5,
+        presence_penalty=0.25,
+    )
+    generated = [1, 1, 3]  # token 1 twice, token 3 once
+    result = token_logprobs(LOGITS, 4, params, generated, 64)
+    adjusted = np.array([1.0, 3.0 / 2 - 2 * 0.5 - 0.25, 8.0, 0.5 / 2 - 0.5 - 0.25, -np.inf])
+    expected = log_softmax(adjusted)
+    assert result.top_ids == [2, 0]
+    assert result.top_logprobs == pytest.approx([expected[2], expected[0]], abs=1e-5)
+    assert result.logprob == FLOOR  # a token that cannot be chosen: -inf is not JSON
+
+
+def test_penalties_see_only_their_window() -> None:
+    params = SamplingParams(logprobs=1, repeat_penalty=3.0, repeat_last_n=1)
+    result = token_logprobs(LOGITS, 1, params, [1, 1, 4], 64)  # only the last token, 4
+    adjusted = LOGITS.astype(np.float64).copy()
+    adjusted[4] /= 3.0
+    assert result.logprob == pytest.approx(log_softmax(adjusted)[1], abs=1e-6)
+    assert LOGITS[4] == 2.0  # the loop's logits are never written to
