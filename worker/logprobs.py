@@ -31,10 +31,11 @@ def token_logprobs(
     """
     scores = _adjusted(logits, params, generated, slot_context)
     peak = float(scores.max())
-    log_total = peak + float(np.log(np.exp(scores - peak, dtype=np.float64).sum()))
+    # float32 exponentials (a large vocabulary's worth) summed in float64.
+    log_total = peak + float(np.log(np.exp(scores - peak).sum(dtype=np.float64)))
     top = params.logprobs or 0
     if top:
-        best = np.argpartition(-scores, top - 1)[:top]
+        best = np.argpartition(scores, -top)[-top:]
         best = best[np.argsort(-scores[best], kind="stable")]
     else:
         best = np.empty(0, dtype=np.int64)
