@@ -3,8 +3,9 @@
 A request's path, one module a step:
 
     app.py         the route checks the body (params.py, prompts.py) into a GenerationRequest
-    request.py     GenerationRequest: id, body, prompt tokens, SamplingParams, stop strings
-    generation.py  Generation.start submits it through client.py, then reads the worker's output
+    request.py     GenerationRequest: id, body, prompts with their SamplingParams, n, stops
+    group.py       GenerationGroup.start submits each choice, as one, then merges their output
+    generation.py  Generation: one choice, a worker sequence submitted through client.py
     client.py      WorkerClient: the DEALER socket, routing replies to each RequestHandle
     assembly.py    TextAssembly: tokens to text, stop strings, finish reason, usage (pure)
     streaming.py   deliver as server-sent events or as one body, watching for disconnects
