@@ -2,7 +2,8 @@
 
 The text itself is TextAssembly's job (assembly.py); this is the thin async loop around it
 that reads the worker's messages, cancels the request when a stop string matched or the
-client left, and records what the request cost.
+client left, and records what the request cost. When its worker is lost before the first
+token, the request is sent once more, to another worker (the client has seen nothing yet).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import structlog
 from loomserve.gateway.assembly import Done, TextAssembly, TextDelta
 from loomserve.gateway.client import RequestHandle, WorkerClient
 from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.request import GenerationRequest
 from loomserve.gateway.tokenizer import Pieces
-from loomserve.gateway.worker_errors import WorkerClientError
+from loomserve.gateway.worker_errors import WorkerClientError, WorkerLost
 from loomserve.protocol.messages import Finish, TokenChunk
 
 log = structlog.get_logger(__name__)
@@ -34,7 +36,9 @@ class Generation:
 
     request: GenerationRequest
     handle: RequestHandle
-    client: WorkerClient
+    client: WorkerClient  # the worker running it now
+    pool: WorkerPool
+    tried: set[str]  # the workers it was sent to
     assembly: TextAssembly
     metrics: GatewayMetrics | None
     finished: bool = False
@@ -44,18 +48,19 @@ class Generation:
     @classmethod
     async def start(
         cls,
-        client: WorkerClient,
+        pool: WorkerPool,
         vocab: Pieces,
         request: GenerationRequest,
         metrics: GatewayMetrics | None,
     ) -> Generation:
-        """Submit to the worker; raises the client's errors if it does not take the request."""
-        deadline = request.arrived_at + client.config.request_timeout
-        handle = await client.submit(request.to_worker(), deadline)
+        """Submit to a worker; raises the client's errors if no worker takes the request."""
+        deadline = request.arrived_at + pool.config.request_timeout
+        tried: set[str] = set()
+        client, handle = await pool.submit(request.to_worker(), deadline, tried)
         if metrics is not None:
             metrics.requests_in_flight.inc()
         assembly = TextAssembly(vocab, request.stops, len(request.prompt))
-        return cls(request, handle, client, assembly, metrics)
+        return cls(request, handle, client, pool, tried, assembly, metrics)
 
     async def events(self) -> AsyncIterator[TextDelta | Done]:
         """Text deltas, then one Done; raises WorkerClientError if the worker fails or is lost."""
@@ -63,7 +68,11 @@ class Generation:
         finish: Finish | None = None
         try:
             while finish is None and not assembly.stopped:
-                batch = await self.handle.next_events()
+                try:
+                    batch = await self.handle.next_events()
+                except WorkerLost as lost:
+                    await self._resend(lost)
+                    continue
                 self._observe_tokens(batch)
                 text = ""
                 for position, event in enumerate(batch):
@@ -106,6 +115,26 @@ class Generation:
                 log.info("client went away; request cancelled", request_id=self.request.id)
                 if self.metrics is not None:
                     self.metrics.client_disconnects.inc()
+
+    async def _resend(self, lost: WorkerLost) -> None:
+        """The worker was lost: before the first token, send the request to another worker.
+
+        Raises `lost` when tokens were already handed out or no other worker takes it.
+        """
+        if self._first_token_at is not None or self.finished:
+            raise lost
+        try:
+            client, handle = await self.pool.submit(
+                self.request.to_worker(), self.handle.deadline, self.tried
+            )
+        except WorkerClientError:
+            raise lost from None
+        log.info(
+            "worker lost before the first token; request sent to another worker",
+            request_id=self.request.id,
+            worker=client.endpoint,
+        )
+        self.client, self.handle = client, handle
 
     async def _cancel_after_stop(self, finish: Finish | None) -> Finish | None:
         """A stop string matched: cancel in the worker, and wait briefly for its Finish."""
