@@ -127,7 +127,7 @@ class WorkerClient:
         self.metrics = metrics
         self.info: ModelInfo | None = None  # the worker's answer to our latest Hello
         self.heartbeat: Heartbeat | None = None  # the worker's latest load report
-        self.sent_since_heartbeat = 0  # Generates sent after that report: it cannot count them
+        self._sent_since_heartbeat: list[str] = []  # request ids that report cannot count
         self.incompatible: str | None = None  # why we refuse to serve with this worker
         self._lost_because = f"not connected to the worker at {self.endpoint}"
         self._requests: dict[str, RequestHandle] = {}
@@ -212,6 +212,11 @@ class WorkerClient:
         """Requests sent to this worker that have not finished."""
         return len(self._requests)
 
+    @property
+    def pending_requests(self) -> int:
+        """Open requests sent after the latest heartbeat: its load figures lack them."""
+        return sum(request_id in self._requests for request_id in self._sent_since_heartbeat)
+
     # --- requests --------------------------------------------------------------
 
     async def submit(self, generate: Generate, deadline: float) -> RequestHandle:
@@ -232,7 +237,7 @@ class WorkerClient:
         if not self._send(generate):
             self._requests.pop(request_id, None)
             raise WorkerUnavailable(f"not connected to the worker at {self.endpoint}")
-        self.sent_since_heartbeat += 1
+        self._sent_since_heartbeat.append(request_id)
         try:
             # A worker that dies fails this future at once (see _worker_lost); one that is
             # alive but mid-way through a long tick confirms after it, so wait for that.
@@ -316,7 +321,7 @@ class WorkerClient:
                 self._on_outputs(message)
             case Heartbeat():
                 self.heartbeat = message
-                self.sent_since_heartbeat = 0
+                self._sent_since_heartbeat.clear()
                 if message.ping_sent_at > 0 and self.metrics is not None:
                     self.metrics.worker_rtt.observe(max(0.0, time.time() - message.ping_sent_at))
             case Accepted():
@@ -360,7 +365,7 @@ class WorkerClient:
         self.incompatible = problem
         self.info = info
         self.heartbeat = None
-        self.sent_since_heartbeat = 0
+        self._sent_since_heartbeat.clear()
         self._answered.set()
         if problem:
             log.error("refusing to serve with this worker", worker=self.endpoint, reason=problem)

@@ -163,8 +163,11 @@ class WorkerPool:
 
     @property
     def heartbeat(self) -> Heartbeat | None:
-        """The ready workers' latest heartbeats, summed; None before any came."""
-        beats = [client.heartbeat for client in self.in_rotation() if client.heartbeat]
+        """The ready workers' latest heartbeats, summed; None while none is ready.
+
+        A worker that answered Hello but has not heartbeated yet counts as idle, as in routing.
+        """
+        beats = [_latest_load(client) for client in self.in_rotation() if client.info]
         if not beats:
             return None
         return Heartbeat(
@@ -220,10 +223,17 @@ class WorkerPool:
                 continue
             if client.unavailable_reason() is not None:
                 continue
-            beat = client.heartbeat
-            # Before its first heartbeat a worker that just said Hello counts as idle.
-            free, queued = (beat.free_slots, beat.queue_depth) if beat else (client.info.slots, 0)
-            loads.append(WorkerLoad(endpoint, free, queued, client.sent_since_heartbeat))
+            beat = _latest_load(client)
+            loads.append(
+                WorkerLoad(
+                    endpoint,
+                    client.info.slots,
+                    beat.free_slots,
+                    beat.queue_depth,
+                    client.pending_requests,
+                    client.open_requests,
+                )
+            )
         if not loads:
             return None
         random.shuffle(loads)  # ties go to a random worker, not always the first listed
@@ -341,3 +351,12 @@ class WorkerPool:
             if self.metrics is not None:
                 self.metrics.worker_up.labels(endpoint).set(1 if up else 0)
                 self.metrics.worker_requests_in_flight.labels(endpoint).set(client.open_requests)
+
+
+def _latest_load(client: WorkerClient) -> Heartbeat:
+    """The client's latest heartbeat, or an idle one from its ModelInfo before the first."""
+    if client.heartbeat is not None:
+        return client.heartbeat
+    assert client.info is not None
+    slots = client.info.slots
+    return Heartbeat(0.0, 0.0, ready=True, queue_depth=0, free_slots=slots, running=0)

@@ -3,10 +3,12 @@
 Pure policy, no sockets: WorkerPool (pool.py) builds a WorkerLoad per live worker from its
 heartbeats and calls choose_worker. A worker's headroom is what it could still start now:
 
-    headroom = free_slots - queue_depth - pending
+    headroom = min(free_slots - queue_depth - pending, slots - open)
 
-where free_slots and queue_depth come from its latest Heartbeat and pending counts the requests
-this gateway sent it since that heartbeat (which the heartbeat cannot know of yet).
+where free_slots and queue_depth come from its latest Heartbeat, pending counts this gateway's
+requests to it that were sent after that heartbeat and are still open (the heartbeat cannot
+know of them), and open counts all of this gateway's open requests on it: a heartbeat a
+moment old must not make a worker look emptier than this gateway alone keeps it.
 
 Prefix affinity: a worker keeps the KV cells of the prompts it served, so a request whose
 prompt starts like a recent one is cheaper where that one ran. The key is a hash of the first
@@ -34,14 +36,16 @@ class WorkerLoad:
     """One live worker's load, as the gateway knows it."""
 
     endpoint: str
+    slots: int  # from its ModelInfo
     free_slots: int  # from its latest heartbeat
     queue_depth: int  # from its latest heartbeat
-    pending: int = 0  # requests this gateway sent it since that heartbeat
+    pending: int = 0  # this gateway's open requests on it, sent after that heartbeat
+    open: int = 0  # all of this gateway's open requests on it
 
     @property
     def headroom(self) -> int:
         """Requests it could still start at once; negative when requests would wait."""
-        return self.free_slots - self.queue_depth - self.pending
+        return min(self.free_slots - self.queue_depth - self.pending, self.slots - self.open)
 
 
 @dataclass(frozen=True, slots=True)
