@@ -100,7 +100,12 @@ def test_both_workers_take_load(replicas: Replicas) -> None:
     assert sum(served) == len(prompts) and min(served) > 0, served  # both took some
     samples = scrape_metrics(replicas.gateway.url + "/metrics")
     assert set(per_worker(samples, "worker_up").values()) == {1.0}
-    assert set(per_worker(samples, "worker_requests_in_flight").values()) == {0.0}
+
+    def none_in_flight() -> bool:  # the gauges are refreshed a few times a second
+        samples = scrape_metrics(replicas.gateway.url + "/metrics")
+        return set(per_worker(samples, "worker_requests_in_flight").values()) == {0.0}
+
+    wait_until(none_in_flight, 2, "no request in flight")
 
 
 def test_a_shared_prefix_stays_on_one_worker_and_hits_its_cache(replicas: Replicas) -> None:
