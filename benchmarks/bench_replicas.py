@@ -2,8 +2,9 @@
 
 Each set-up runs under `loomserve serve` (one gateway; the same total slots: 8 in one worker,
 or 4 in each of two) and takes the same load from `loomserve bench`; the rounds alternate so
-the machine's noise falls on both alike. It prints output tokens/s, TTFT and TPOT medians,
-their ratio, and how the gateway spread the requests over the workers.
+the machine's noise falls on all alike. It prints output tokens/s, TTFT and TPOT medians,
+their ratios, and how the gateway spread the requests over the workers. A third set-up, one
+worker with 1 thread, separates what threading does from what routing does.
 
 On a CPU this is a check of routing's correctness and overhead, not a speed-up: the two
 workers share the same cores and memory bandwidth that the one worker used alone.
@@ -44,7 +45,11 @@ class SetUp:
     slots: int  # per worker
 
 
-SETUPS = (SetUp("1 worker x 2 threads", 1, 2, 8), SetUp("2 workers x 1 thread", 2, 1, 4))
+SETUPS = (
+    SetUp("1 worker x 2 threads", 1, 2, 8),
+    SetUp("2 workers x 1 thread", 2, 1, 4),
+    SetUp("1 worker x 1 thread", 1, 1, 8),
+)
 
 
 def free_port() -> int:
@@ -154,9 +159,10 @@ def main(
             f"| {median(name, 'median_ttft_ms'):.0f} | {median(name, 'median_tpot_ms'):.1f} "
             f"| {sum(s['failed'] for s in results[name])} | {spread[name]} |"
         )
-    one, two = (setup.name for setup in SETUPS)
-    ratio = median(two, "output_throughput") / median(one, "output_throughput")
-    print(f"\nthroughput, two workers / one: {ratio:.2f}")
+    two_threads, two_workers, one_thread = (setup.name for setup in SETUPS)
+    for name in (two_threads, one_thread):
+        ratio = median(two_workers, "output_throughput") / median(name, "output_throughput")
+        print(f"throughput, {two_workers} / {name}: {ratio:.2f}")
 
 
 if __name__ == "__main__":

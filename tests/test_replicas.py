@@ -128,6 +128,36 @@ def test_a_shared_prefix_stays_on_one_worker_and_hits_its_cache(replicas: Replic
     assert all(count >= len(prefix) for count in cached[1:]), cached
 
 
+def test_a_worker_with_another_model_is_refused_and_named(
+    replicas: Replicas, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    other = write_tiny_model(
+        tmp_path_factory.mktemp("other") / "other.gguf", shape=ModelShape(extra_vocab=7)
+    )
+    good = replicas.workers[0]
+    with start_worker(other) as stranger:
+        model = replicas.gateway.args[replicas.gateway.args.index("--model") + 1]
+        gateway = start_gateway(Path(model), [stranger.endpoint, good.endpoint])
+        with gateway:
+            wait_until(lambda: health(gateway).get("workers_ready") == 1, 10, "one ready")
+            assert health(gateway)["workers"] == 2
+            refusals = [
+                json.loads(line)
+                for line in gateway.logs().splitlines()
+                if "refusing to serve with this worker" in line
+            ]
+            assert refusals and refusals[0]["worker"] == stranger.endpoint
+            assert "different vocabulary" in refusals[0]["reason"]
+            body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+            for _ in range(4):
+                response = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30)
+                assert response.status_code == 200, response.text
+            routed = per_worker(
+                scrape_metrics(gateway.url + "/metrics"), "worker_requests_routed_total"
+            )
+            assert routed == {good.endpoint: 4.0}, routed
+
+
 # --- a worker killed under load ---------------------------------------------------------------
 
 CTX = 8192
