@@ -238,7 +238,8 @@ def _is_file(text: str) -> bool:
         return False
 
 
-def build_gateway_config(worker: str, **opts) -> GatewayConfig:
+def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfig:
+    """A GatewayConfig from the command's options and the worker endpoints."""
     keys = set(opts["api_key"])
     if opts["api_key_file"]:
         lines = Path(opts["api_key_file"]).read_text().splitlines()
@@ -248,7 +249,7 @@ def build_gateway_config(worker: str, **opts) -> GatewayConfig:
         template = Path(template).read_text()
     return GatewayConfig(
         model_path=resolve_model(opts["model"]),
-        worker=worker,
+        workers=(workers,) if isinstance(workers, str) else tuple(workers),
         host=opts["host"],
         port=opts["port"],
         model_name=opts["served_model_name"],
@@ -301,8 +302,10 @@ def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
 @click.option(
     "--worker",
     "worker_endpoint",
-    default="tcp://127.0.0.1:5555",
-    help="ZeroMQ endpoint of the worker.",
+    multiple=True,
+    default=default_of(GatewayConfig, "workers"),
+    help="ZeroMQ endpoint of a worker (repeatable; space-separated in the variable). "
+    "tcp://NAME:PORT means every address NAME resolves to, looked up again every few seconds.",
 )
 @click.option(
     "--reuse-port/--no-reuse-port",
@@ -311,7 +314,11 @@ def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
 )
 @log_options
 def gateway(
-    worker_endpoint: str, reuse_port: bool, log_level: str, log_json: bool | None, **opts
+    worker_endpoint: tuple[str, ...],
+    reuse_port: bool,
+    log_level: str,
+    log_json: bool | None,
+    **opts,
 ) -> None:
     """Run one HTTP gateway alone."""
     from loomserve.cli.logs import configure_logging
@@ -319,7 +326,10 @@ def gateway(
     from loomserve.gateway.server import run_gateway
 
     configure_logging(level=log_level, json=log_json)
-    config = build_gateway_config(worker_endpoint, **opts)
+    try:
+        config = build_gateway_config(worker_endpoint, **opts)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     sockets = [reuse_port_socket(config.host, config.port)] if reuse_port else None
     run_gateway(config, sockets=sockets)
 
@@ -339,19 +349,47 @@ def gateway(
     default=30.0,
     help="Longest wait, in seconds, before restarting a child that keeps crashing.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Worker processes (replicas of the model) behind the gateways. "
+    "Default: one per --gpus entry, else 1.",
+)
+@click.option(
+    "--gpus",
+    default=None,
+    help="GPUs to run workers on, comma-separated (0,1): one worker per GPU, each seeing "
+    "only its own (CUDA_VISIBLE_DEVICES).",
+)
 @log_options
 def serve(
-    gateways: int, max_restart_delay: float, log_level: str, log_json: bool | None, **opts
+    gateways: int,
+    max_restart_delay: float,
+    workers: int | None,
+    gpus: str | None,
+    log_level: str,
+    log_json: bool | None,
+    **opts,
 ) -> None:
-    """Run everything on this machine: one worker and --gateways gateways, supervised."""
+    """Run everything on this machine: --workers workers and --gateways gateways, supervised."""
     from loomserve.cli import serve as serving
     from loomserve.cli.logs import configure_logging
     from loomserve.cli.supervisor import check_port_free
 
     configure_logging(level=log_level, json=log_json)
     try:
+        devices = serving.parse_gpus(gpus)
+        replicas = serving.worker_count(workers, devices)
         model = resolve_model(opts["model"])
-        options = {**opts, "model": str(model), "log_level": log_level, "log_json": log_json}
+        threads = serving.threads_per_worker(opts["threads"], replicas)
+        options = {
+            **opts,
+            "model": str(model),
+            "threads": threads,
+            "log_level": log_level,
+            "log_json": log_json,
+        }
         build_worker_config("ipc://check", **options)  # bad settings fail here, not in a child
         build_gateway_config("ipc://check", **options)
     except (ValueError, FileNotFoundError) as exc:
@@ -369,6 +407,8 @@ def serve(
         gateways=gateways,
         options=options,
         max_restart_delay=max_restart_delay,
+        workers=replicas,
+        gpus=devices,
     )
     raise SystemExit(serving.serve(plan, worker_command=worker, gateway_command=gateway))
 

@@ -1,8 +1,10 @@
-"""`loomserve serve`: one worker and N gateways on one machine, sharing one HTTP port.
+"""`loomserve serve`: workers and gateways on one machine, the gateways sharing one HTTP port.
 
-The worker listens on an ipc:// socket in a private temp dir; each gateway binds the HTTP port
-itself with SO_REUSEPORT, so the kernel spreads connections across them. The gateways share a
-Prometheus multiprocess dir in the same temp dir, so any gateway's /metrics counts them all.
+Each worker listens on an ipc:// socket in a private temp dir and every gateway connects to
+all of them (pool.py routes between them); with --gpus each worker sees only its own GPU.
+Each gateway binds the HTTP port itself with SO_REUSEPORT, so the kernel spreads connections
+across them. The gateways share a Prometheus multiprocess dir in the same temp dir, so any
+gateway's /metrics counts them all.
 """
 
 from __future__ import annotations
@@ -38,19 +40,60 @@ class ServePlan:
     gateways: int
     options: Mapping[str, Any]  # option values by name, for the worker's and gateways' commands
     max_restart_delay: float = 30.0  # the cap on the doubling delay before a restart
+    workers: int = 1
+    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of each worker, when given
+
+
+def parse_gpus(text: str | None) -> tuple[str, ...]:
+    """The device ids of --gpus ("0,1" -> ("0", "1")); raises ValueError on a bad list."""
+    if text is None:
+        return ()
+    devices = tuple(part.strip() for part in text.split(","))
+    if not all(devices):
+        raise ValueError(f"--gpus {text!r}: give device ids separated by commas, like 0,1")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"--gpus {text!r} names a GPU twice; one worker per GPU")
+    return devices
+
+
+def worker_count(workers: int | None, gpus: tuple[str, ...]) -> int:
+    """How many workers to run: --workers, else one per GPU, else 1."""
+    if gpus and workers is not None and workers != len(gpus):
+        raise ValueError(f"--workers {workers} with {len(gpus)} --gpus: one worker per GPU")
+    return workers or len(gpus) or 1
+
+
+def threads_per_worker(threads: int, workers: int) -> int:
+    """--threads for each worker: as given, or (0: all cores) the cores split between them."""
+    if threads or workers == 1:
+        return threads
+    return max(1, _cores() // workers)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # what this process may use (containers, taskset)
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click.Command) -> int:
     """Run the plan under a supervisor until SIGINT/SIGTERM; the exit status."""
     workdir = Path(tempfile.mkdtemp(prefix="loomserve-"))
     try:
-        endpoint = f"ipc://{workdir / 'worker.ipc'}"
+        endpoints = worker_endpoints(workdir, plan.workers)
         metrics_dir = workdir / "prometheus"
         metrics_dir.mkdir()
-        children = child_specs(plan, endpoint, metrics_dir, worker_command, gateway_command)
+        children = child_specs(plan, endpoints, metrics_dir, worker_command, gateway_command)
         url = f"http://{_url_host(plan.host)}:{plan.port}"
         log.info(
-            "starting", url=url, gateways=plan.gateways, worker=endpoint, model=str(plan.model)
+            "starting",
+            url=url,
+            gateways=plan.gateways,
+            workers=endpoints,
+            gpus=list(plan.gpus) or None,
+            threads=plan.options.get("threads"),
+            model=str(plan.model),
         )
 
         def on_exit(child: Child, pid: int) -> None:
@@ -69,24 +112,39 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def worker_endpoints(workdir: Path, count: int) -> list[str]:
+    """The ipc:// endpoint of each worker, in the private temp dir."""
+    if count == 1:
+        return [f"ipc://{workdir / 'worker.ipc'}"]
+    return [f"ipc://{workdir / f'worker-{index}.ipc'}" for index in range(1, count + 1)]
+
+
 def child_specs(
     plan: ServePlan,
-    endpoint: str,
+    endpoints: list[str],
     metrics_dir: Path,
     worker_command: click.Command,
     gateway_command: click.Command,
 ) -> list[ChildSpec]:
-    """The worker, then the gateways; on the way down, the gateways stop first."""
-    worker_values = {**plan.options, "model": str(plan.model), "bind": endpoint}
-    worker = ChildSpec(
-        name="worker",
-        argv=child_argv(worker_command, worker_values),
-        env=child_env(plan.options, drop=("PROMETHEUS_MULTIPROC_DIR",)),
-    )
+    """The workers, then the gateways; on the way down, the gateways stop first."""
+    workers = []
+    for index, endpoint in enumerate(endpoints):
+        values = {**plan.options, "model": str(plan.model), "bind": endpoint}
+        if values.get("metrics_port") is not None:
+            values["metrics_port"] += index  # one port each: the given one, then the next
+        extra = {"CUDA_VISIBLE_DEVICES": plan.gpus[index]} if plan.gpus else None
+        name = "worker" if len(endpoints) == 1 else f"worker-{index + 1}"
+        workers.append(
+            ChildSpec(
+                name=name,
+                argv=child_argv(worker_command, values),
+                env=child_env(plan.options, drop=("PROMETHEUS_MULTIPROC_DIR",), extra=extra),
+            )
+        )
     gateway_values = {
         **plan.options,
         "model": str(plan.model),
-        "worker_endpoint": endpoint,
+        "worker_endpoint": tuple(endpoints),
         "host": plan.host,
         "port": plan.port,
         "reuse_port": True,
@@ -101,7 +159,7 @@ def child_specs(
         )
         for index in range(1, plan.gateways + 1)
     ]
-    return [worker, *gateways]
+    return [*workers, *gateways]
 
 
 def child_argv(command: click.Command, values: Mapping[str, Any]) -> list[str]:

@@ -1,12 +1,14 @@
-"""Stateless OpenAI-compatible HTTP gateways that forward requests to the worker over ZeroMQ.
+"""Stateless OpenAI-compatible HTTP gateways that forward requests to workers over ZeroMQ.
 
 A request's path, one module a step:
 
     app.py         the route checks the body (params.py, prompts.py) into a GenerationRequest
     request.py     GenerationRequest: id, body, prompts with their SamplingParams, n, stops
     group.py       GenerationGroup.start submits each choice, as one, then merges their output
-    generation.py  Generation: one choice, a worker sequence submitted through client.py
-    client.py      WorkerClient: the DEALER socket, routing replies to each RequestHandle
+    generation.py  Generation: one choice, a worker sequence submitted through pool.py
+    pool.py        WorkerPool: one client per worker (endpoints.py resolves them); routing.py
+                   picks the worker: most headroom, or the one that served the prompt's prefix
+    client.py      WorkerClient: one worker's DEALER socket, routing replies to each RequestHandle
     assembly.py    TextAssembly: tokens to text, stop strings, finish reason, usage (pure)
     streaming.py   deliver as server-sent events or as one body, watching for disconnects
     render.py      the OpenAI response bodies and stream chunks

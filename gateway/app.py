@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, Response
 
 from loomserve.gateway import prompts
 from loomserve.gateway.chat_template import Renderer, choose_template
-from loomserve.gateway.client import WorkerClient
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.embeddings import create_embeddings
 from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
@@ -32,6 +31,7 @@ from loomserve.gateway.params import (
     sampling_params,
     stop_strings,
 )
+from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.render import StreamChunks, response_body
 from loomserve.gateway.request import ApiBody, GenerationRequest, Prompt
 from loomserve.gateway.schemas import (
@@ -73,14 +73,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 @dataclass(slots=True)
 class Gateway:
-    """What the routes share: settings, the vocabulary, the chat template, the worker client."""
+    """What the routes share: settings, the vocabulary, the chat template, the workers."""
 
     config: GatewayConfig
     vocab: Vocab
     template: Renderer
     template_tools: TemplateTools  # what the template renders of tools; the call syntax
     tool_pieces: Pieces  # the vocabulary's pieces, with control-token call markers as text
-    client: WorkerClient
+    client: WorkerPool  # every worker; it looks like one that is ready while any is
     metrics: GatewayMetrics
     started_at: int
 
@@ -93,9 +93,9 @@ class Gateway:
 
 
 def create_app(
-    config: GatewayConfig, vocab: Vocab, client: WorkerClient, metrics: GatewayMetrics
+    config: GatewayConfig, vocab: Vocab, client: WorkerPool, metrics: GatewayMetrics
 ) -> FastAPI:
-    """The ASGI app; its lifespan connects the WorkerClient."""
+    """The ASGI app; its lifespan connects the WorkerPool to the workers."""
     own = vocab.chat_template
     chosen = choose_template(
         config.chat_template, own, vocab.architecture, vocab.bos_text, vocab.eos_text
@@ -120,7 +120,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         # Several gateways may share one port: do not take connections (and answer them
-        # 503) before the worker has answered, unless it is slow to come.
+        # 503) before a worker has answered, unless they are slow to come.
         if not await client.wait_for_worker(config.worker_timeout):
             log.warning("no answer from the worker yet; answering 503 until it comes")
         try:
@@ -181,12 +181,16 @@ def _open_routes(gateway: Gateway) -> APIRouter:
 
     @router.get("/health", tags=["probes"], responses={503: ERROR_RESPONSES[503]})
     async def health() -> JSONResponse:
-        """200 when the worker is connected, heartbeating and serves our vocabulary; else 503."""
+        """200 while a worker is connected, heartbeating and serves our vocabulary; else 503.
+
+        The slot counts are those of every worker in rotation, summed.
+        """
         reason = gateway.client.unavailable_reason()
         if reason:
             return unavailable(reason).response()
         beat = gateway.client.heartbeat
-        body: dict[str, Any] = {"status": "ok"}
+        ready, known = gateway.client.counts()
+        body: dict[str, Any] = {"status": "ok", "workers_ready": ready, "workers": known}
         if beat is not None:
             body |= {
                 "slots_idle": beat.free_slots,

@@ -1,4 +1,4 @@
-"""WorkerClient: the gateway's one DEALER socket to the worker, and the routing of its replies.
+"""WorkerClient: the gateway's DEALER socket to one worker, and the routing of its replies.
 
 Each request gets a RequestHandle: a future for Accepted/Rejected and a queue of TokenChunk
 and Finish messages. The client tracks the worker's liveness from every message it receives;
@@ -7,7 +7,7 @@ ends with WorkerLost and the client says Hello again until a worker answers. A G
 that the worker never confirmed is never sent again.
 
 The client speaks the protocol only: it raises the transport errors of worker_errors, and
-knows nothing of HTTP.
+knows nothing of HTTP. With several workers there is one client per worker; pool.py owns them.
 """
 
 from __future__ import annotations
@@ -117,20 +117,27 @@ class WorkerClient:
         vocab_size: int,
         vocab_fingerprint: str,
         metrics: GatewayMetrics | None = None,
+        *,
+        endpoint: str | None = None,
+        identity: str | None = None,
+        context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.config = config
-        self.identity = f"gw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.endpoint = endpoint or config.workers[0]  # one worker's address
+        self.identity = identity or gateway_identity()
         self.vocab_size = vocab_size
         self.vocab_fingerprint = vocab_fingerprint
         self.metrics = metrics
         self.info: ModelInfo | None = None  # the worker's answer to our latest Hello
         self.heartbeat: Heartbeat | None = None  # the worker's latest load report
+        self._sent_since_heartbeat: list[str] = []  # request ids that report cannot count
         self.incompatible: str | None = None  # why we refuse to serve with this worker
-        self._lost_because = f"not connected to the worker at {config.worker}"
+        self._lost_because = f"not connected to the worker at {self.endpoint}"
         self._requests: dict[str, RequestHandle] = {}
         self._last_seen = -float("inf")
         self._last_ping = -float("inf")
-        self._context = zmq.asyncio.Context()
+        self._owns_context = context is None
+        self._context = context or zmq.asyncio.Context()
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._answered = asyncio.Event()  # set by the first ModelInfo
@@ -148,15 +155,16 @@ class WorkerClient:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.IPV6, 1)  # a resolved worker address may be IPv6
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sock.connect(self.config.worker)
+        sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [
             asyncio.create_task(self._receive_loop(sock), name="worker-receive"),
             asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeat"),
             asyncio.create_task(self._watch_connection(monitor), name="worker-monitor"),
         ]
-        log.info("connecting to worker", worker=self.config.worker, gateway_id=self.identity)
+        log.info("connecting to worker", worker=self.endpoint, gateway_id=self.identity)
 
     async def wait_for_worker(self, timeout: float) -> bool:
         """Wait up to timeout for the worker's first ModelInfo; whether it came."""
@@ -181,7 +189,8 @@ class WorkerClient:
                 self._socket.disable_monitor()
             self._socket.close(linger=0)
             self._socket = None
-        self._context.destroy(linger=0)
+        if self._owns_context:
+            self._context.destroy(linger=0)
 
     # --- state -----------------------------------------------------------------
 
@@ -195,6 +204,21 @@ class WorkerClient:
             return "the worker stopped responding"
         ready = self.heartbeat.ready if self.heartbeat is not None else self.info.ready
         return None if ready else "the worker is not ready yet"
+
+    @property
+    def answered(self) -> bool:
+        """Whether a worker ever answered this client's Hello."""
+        return self._answered.is_set()
+
+    @property
+    def open_requests(self) -> int:
+        """Requests sent to this worker that have not finished."""
+        return len(self._requests)
+
+    @property
+    def pending_requests(self) -> int:
+        """Open requests sent after the latest heartbeat: its load figures lack them."""
+        return sum(request_id in self._requests for request_id in self._sent_since_heartbeat)
 
     # --- requests --------------------------------------------------------------
 
@@ -215,7 +239,8 @@ class WorkerClient:
         self._requests[request_id] = handle
         if not self._send(generate):
             self._requests.pop(request_id, None)
-            raise WorkerUnavailable(f"not connected to the worker at {self.config.worker}")
+            raise WorkerUnavailable(f"not connected to the worker at {self.endpoint}")
+        self._sent_since_heartbeat.append(request_id)
         try:
             # A worker that dies fails this future at once (see _worker_lost); one that is
             # alive but mid-way through a long tick confirms after it, so wait for that.
@@ -249,7 +274,7 @@ class WorkerClient:
         self._requests[embed.request_id] = handle
         if not self._send(embed):
             self._requests.pop(embed.request_id, None)
-            raise WorkerUnavailable(f"not connected to the worker at {self.config.worker}")
+            raise WorkerUnavailable(f"not connected to the worker at {self.endpoint}")
         try:
             async with asyncio.timeout(timeout):
                 reply = await reply_future
@@ -319,7 +344,7 @@ class WorkerClient:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    log.info("connected to worker", worker=self.config.worker)
+                    log.info("connected to worker", worker=self.endpoint)
                     self._send(Hello(self.identity))
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     # A dropped TCP connection loses whatever the worker sent meanwhile,
@@ -336,6 +361,7 @@ class WorkerClient:
                 self._on_outputs(message)
             case Heartbeat():
                 self.heartbeat = message
+                self._sent_since_heartbeat.clear()
                 if message.ping_sent_at > 0 and self.metrics is not None:
                     self.metrics.worker_rtt.observe(max(0.0, time.time() - message.ping_sent_at))
             case Accepted():
@@ -379,12 +405,14 @@ class WorkerClient:
         self.incompatible = problem
         self.info = info
         self.heartbeat = None
+        self._sent_since_heartbeat.clear()
         self._answered.set()
         if problem:
-            log.error("refusing to serve with this worker", reason=problem)
+            log.error("refusing to serve with this worker", worker=self.endpoint, reason=problem)
         else:
             log.info(
                 "worker ready",
+                worker=self.endpoint,
                 model=info.model_name,
                 slots=info.slots,
                 slot_context=info.slot_context,
@@ -392,7 +420,7 @@ class WorkerClient:
             )
 
     def _on_worker_error(self, error: WorkerError) -> None:
-        log.error("worker error", code=error.code, message=error.message)
+        log.error("worker error", worker=self.endpoint, code=error.code, message=error.message)
         if error.code == ErrorCode.PROTOCOL_MISMATCH:
             self.incompatible = f"the worker refused this gateway: {error.message}"
         elif error.code == ErrorCode.GATEWAY_LOST:
@@ -404,14 +432,16 @@ class WorkerClient:
     def _worker_lost(self, reason: str) -> None:
         if self.info is None and not self._requests:
             return
-        log.warning("worker lost", reason=reason, open_requests=len(self._requests))
+        log.warning(
+            "worker lost", worker=self.endpoint, reason=reason, open_requests=len(self._requests)
+        )
         for request_id in self._requests:
             # Harmless if the worker is dead; frees the slots if it is merely slow.
             self._send(Cancel(request_id))
         self.info = None
         self.heartbeat = None
         self._last_ping = -float("inf")
-        self._lost_because = f"the worker at {self.config.worker} is unavailable: {reason}"
+        self._lost_because = f"the worker at {self.endpoint} is unavailable: {reason}"
         self._fail_all(WorkerLost(self._lost_because))
 
     def _fail_all(self, error: WorkerClientError) -> None:
@@ -433,6 +463,11 @@ class WorkerClient:
         if error is not None and not isinstance(error, zmq.Again):
             log.warning("send to worker failed", error=str(error))
         return error is None
+
+
+def gateway_identity() -> str:
+    """A name for this gateway process that no other gateway has: host, pid, random."""
+    return f"gw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _log_send_failure(future: asyncio.Future) -> None:

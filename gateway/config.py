@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loomserve.gateway.endpoints import split_tcp
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    """Everything one gateway process needs: where the worker is, and how to speak HTTP."""
+    """Everything one gateway process needs: where the workers are, and how to speak HTTP."""
 
     model_path: Path  # the gateway loads the vocabulary only, to own the text
-    worker: str = "tcp://127.0.0.1:5555"  # the worker's ROUTER endpoint
+    # The workers' ROUTER endpoints; a tcp:// host name stands for each address it resolves to.
+    workers: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None  # served name in /v1/models; default: the file's stem
@@ -25,6 +28,10 @@ class GatewayConfig:
     shutdown_timeout: float = 5.0  # on SIGTERM, open streams get this long before they are cut
 
     def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("at least one worker endpoint is needed")
+        for endpoint in self.workers:
+            split_tcp(endpoint)  # a malformed tcp:// endpoint fails here, not at connect time
         if self.heartbeat_interval <= 0 or self.worker_timeout <= 0:
             raise ValueError("heartbeat_interval and worker_timeout must be positive")
         if self.worker_timeout < self.heartbeat_interval:

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from loomserve.gateway import prompts
-from loomserve.gateway.client import WorkerClient
 from loomserve.gateway.errors import invalid_request
+from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.schemas import EmbeddingRequest
 from loomserve.gateway.tokenizer import Vocab
 from loomserve.protocol import Embed
@@ -50,7 +50,7 @@ async def embed_request(body: EmbeddingRequest, vocab: Vocab) -> Embed:
 
 
 async def create_embeddings(
-    client: WorkerClient, body: EmbeddingRequest, vocab: Vocab, model: str
+    client: WorkerPool, body: EmbeddingRequest, vocab: Vocab, model: str
 ) -> dict[str, Any]:
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)

@@ -4,6 +4,8 @@ and a Done, and its metrics.
 The text itself is TextAssembly's job (assembly.py); this is the thin async loop around it
 that reads the worker's messages, cancels the sequence when a stop string matched or the
 client left, and records what the sequence cost. group.py runs the choices of a request.
+When its worker is lost before the first token, the sequence is sent once more, to another
+worker (the client has seen nothing of it yet).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import structlog
 from loomserve.gateway.assembly import Done, TextAssembly, TextDelta
 from loomserve.gateway.client import RequestHandle, WorkerClient
 from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.request import GenerationRequest
 from loomserve.gateway.tokenizer import Pieces
-from loomserve.gateway.worker_errors import WorkerClientError
+from loomserve.gateway.worker_errors import WorkerClientError, WorkerLost
 from loomserve.protocol.messages import Finish, TokenChunk
 
 log = structlog.get_logger(__name__)
@@ -36,7 +39,9 @@ class Generation:
     request: GenerationRequest
     index: int  # the choice this sequence is
     handle: RequestHandle
-    client: WorkerClient
+    client: WorkerClient  # the worker running it now
+    pool: WorkerPool
+    tried: set[str]  # the workers it was sent to
     assembly: TextAssembly
     metrics: GatewayMetrics | None
     finished: bool = False
@@ -48,18 +53,19 @@ class Generation:
     @classmethod
     async def start(
         cls,
-        client: WorkerClient,
+        pool: WorkerPool,
         vocab: Pieces,
         request: GenerationRequest,
         index: int,
         metrics: GatewayMetrics | None,
     ) -> Generation:
-        """Submit choice `index`; raises the client's errors if the worker does not take it."""
-        deadline = request.arrived_at + client.config.request_timeout
+        """Submit choice `index`; raises the client's errors if no worker takes it."""
+        deadline = request.arrived_at + pool.config.request_timeout
         generate = request.to_worker(index)
-        handle = await client.submit(generate, deadline)
+        tried: set[str] = set()
+        client, handle = await pool.submit(generate, deadline, tried)
         assembly = TextAssembly(vocab, request.stops, len(generate.prompt_tokens))
-        return cls(request, index, handle, client, assembly, metrics)
+        return cls(request, index, handle, client, pool, tried, assembly, metrics)
 
     async def first_output(self) -> None:
         """Wait for the worker's first output: the prompt is then in its cache."""
@@ -72,7 +78,11 @@ class Generation:
         finish: Finish | None = None
         try:
             while finish is None and not assembly.stopped:
-                batch = self._pending or await self.handle.next_events()
+                try:
+                    batch = self._pending or await self.handle.next_events()
+                except WorkerLost as lost:
+                    await self._resend(lost)
+                    continue
                 self._pending = []
                 self._observe_tokens(batch)
                 delta = TextDelta("")
@@ -108,6 +118,26 @@ class Generation:
         if self.client.is_open(self.handle):
             self.client.cancel(self.handle)
             self.cut_short = True
+
+    async def _resend(self, lost: WorkerLost) -> None:
+        """The worker was lost: before the first token, send the sequence to another worker.
+
+        Raises `lost` when tokens were already handed out or no other worker takes it.
+        """
+        if self._first_token_at is not None or self.finished:
+            raise lost
+        try:
+            client, handle = await self.pool.submit(
+                self.request.to_worker(self.index), self.handle.deadline, self.tried
+            )
+        except WorkerClientError:
+            raise lost from None
+        log.info(
+            "worker lost before the first token; sequence sent to another worker",
+            request_id=self.request.id,
+            worker=client.endpoint,
+        )
+        self.client, self.handle = client, handle
 
     async def _cancel_after_stop(self, finish: Finish | None) -> Finish | None:
         """A stop string matched: cancel in the worker, and wait briefly for its Finish."""

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Iterable
 import structlog
 
 from loomserve.gateway.assembly import Done, TextDelta
-from loomserve.gateway.client import WorkerClient
 from loomserve.gateway.generation import Generation
 from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.request import GenerationRequest
 from loomserve.gateway.schemas import Usage
 from loomserve.gateway.tokenizer import Pieces
@@ -50,7 +50,7 @@ class GenerationGroup:
     @classmethod
     async def start(
         cls,
-        client: WorkerClient,
+        client: WorkerPool,
         vocab: Pieces,
         request: GenerationRequest,
         metrics: GatewayMetrics | None,
@@ -151,7 +151,7 @@ class GenerationGroup:
 
 
 async def _start_all(
-    client: WorkerClient,
+    client: WorkerPool,
     vocab: Pieces,
     request: GenerationRequest,
     indices: Iterable[int],

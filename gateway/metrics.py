@@ -7,6 +7,7 @@ gateway process writes its values to files in that directory and any of them ans
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from prometheus_client import (
@@ -114,6 +115,53 @@ class GatewayMetrics:
             multiprocess_mode="max",
             registry=r,
         )
+
+        # Per worker, labelled by its endpoint (bounded: the configured and resolved workers;
+        # a worker that leaves the resolved set has its series removed).
+        self.worker_requests_routed = Counter(
+            PREFIX + "worker_requests_routed",
+            "Generation requests sent to each worker (resent ones counted again).",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_requests_in_flight = Gauge(
+            PREFIX + "worker_requests_in_flight",
+            "Requests sent to each worker that have not finished.",
+            ["worker"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.worker_up = Gauge(
+            PREFIX + "worker_up",
+            "1 while a worker is in rotation (connected, ready, same model), else 0.",
+            ["worker"],
+            multiprocess_mode="livemin",
+            registry=r,
+        )
+        self.worker_prefix_affinity_hits = Counter(
+            PREFIX + "worker_prefix_affinity_hits",
+            "Requests sent to the worker that last served their prompt's first block.",
+            ["worker"],
+            registry=r,
+        )
+        self.requests_rerouted = Counter(
+            PREFIX + "requests_rerouted",
+            "Requests sent to a second worker: the first could not take them, or was lost "
+            "before their first token.",
+            ["reason"],
+            registry=r,
+        )
+
+    def forget_worker(self, endpoint: str) -> None:
+        """Drop a worker's series: it left the resolved set (bounds the label values)."""
+        for metric in (
+            self.worker_requests_routed,
+            self.worker_requests_in_flight,
+            self.worker_up,
+            self.worker_prefix_affinity_hits,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(endpoint)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type (every gateway's, in multiprocess mode)."""

@@ -1,4 +1,4 @@
-"""run_gateway: load the vocabulary, connect to the worker, serve HTTP until SIGTERM/SIGINT."""
+"""run_gateway: load the vocabulary, connect to the workers, serve HTTP until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import structlog
 import uvicorn
 
 from loomserve.gateway.app import create_app
-from loomserve.gateway.client import WorkerClient
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.metrics import GatewayMetrics, mark_dead
+from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.tokenizer import Vocab
 
 log = structlog.get_logger(__name__)
@@ -28,8 +28,8 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
     vocab = Vocab(config.model_path)
     try:
         metrics = GatewayMetrics()
-        client = WorkerClient(config, vocab.n_tokens, vocab.fingerprint(), metrics)
-        app = create_app(config, vocab, client, metrics)
+        pool = WorkerPool(config, vocab.n_tokens, vocab.fingerprint(), metrics)
+        app = create_app(config, vocab, pool, metrics)
         if sockets:
             listen = [_address(s) for s in sockets]
         else:
@@ -37,9 +37,9 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
         log.info(
             "gateway starting",
             listen=listen,
-            worker=config.worker,
+            workers=list(config.workers),
             model=config.served_model_name,
-            gateway_id=client.identity,
+            gateway_id=pool.identity,
             auth=bool(config.api_keys),
         )
         server = uvicorn.Server(

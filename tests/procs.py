@@ -158,21 +158,22 @@ def start_worker(
 
 def start_gateway(
     model: Path,
-    worker_endpoint: str,
+    worker_endpoint: str | list[str],
     port: int | None = None,
     wait: bool = True,
     env: dict[str, str] | None = None,
     **options: Any,
 ) -> Proc:
-    """A gateway on http://127.0.0.1:port; with wait, until /health says 200 (else /live)."""
+    """A gateway on http://127.0.0.1:port (to one worker, or to each of a list of workers);
+    with wait, until /health says 200."""
     port = port or free_port()
     options = {"worker_timeout": 2.0, "heartbeat_interval": 0.25, **options}
+    endpoints = [worker_endpoint] if isinstance(worker_endpoint, str) else worker_endpoint
     args = [
         "gateway",
         "--model",
         str(model),
-        "--worker",
-        worker_endpoint,
+        *cli_flags({"worker": endpoints}),
         "--host",
         "127.0.0.1",
         "--port",

@@ -133,7 +133,7 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
     monkeypatch.setenv("LOOMSERVE_FLASH_ATTN", "off")
     monkeypatch.setenv("LOOMSERVE_BATCH_INVARIANT", "false")
     monkeypatch.setenv("LOOMSERVE_API_KEY", "first second")
-    monkeypatch.setenv("LOOMSERVE_WORKER_ENDPOINT", "tcp://10.0.0.7:5555")
+    monkeypatch.setenv("LOOMSERVE_WORKER_ENDPOINT", "tcp://10.0.0.7:5555 tcp://workers:5555")
     worker_params = parse("worker", [])
     worker = build_worker_config(worker_params.pop("bind"), **worker_params)
     assert (worker.model_path, worker.slots, worker.strategy) == (tiny_model_path, 3, "balanced")
@@ -144,7 +144,7 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
     )
     gateway_params = parse("gateway", [])
     gateway = build_gateway_config(gateway_params.pop("worker_endpoint"), **gateway_params)
-    assert gateway.worker == "tcp://10.0.0.7:5555"
+    assert gateway.workers == ("tcp://10.0.0.7:5555", "tcp://workers:5555")
     assert gateway.api_keys == {"first", "second"}
 
 
@@ -362,7 +362,7 @@ def test_sigterm_stops_serve_and_all_its_children(served: Served) -> None:
     children = children_of(served.process.pid)
     assert len(children) == 3
     starting = next(e for e in served.events() if e.get("event") == "starting")
-    workdir = Path(starting["worker"].removeprefix("ipc://")).parent
+    workdir = Path(starting["workers"][0].removeprefix("ipc://")).parent
     assert workdir.exists()
     served.process.send_signal(signal.SIGTERM)
     assert served.process.wait(timeout=30) == 0, served.log_tail()

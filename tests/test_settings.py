@@ -24,7 +24,7 @@ README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 WORKER_DERIVED = {"model_path": "model"}
 GATEWAY_DERIVED = {
     "model_path": "model",
-    "worker": "worker_endpoint",
+    "workers": "worker_endpoint",
     "model_name": "served_model_name",
     "api_keys": "api_key",
 }

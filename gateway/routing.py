@@ -1,0 +1,117 @@
+"""Which worker gets a request: the most headroom, or the one whose cache holds its prefix.
+
+Pure policy, no sockets: WorkerPool (pool.py) builds a WorkerLoad per live worker from its
+heartbeats and calls choose_worker. A worker's headroom is what it could still start now:
+
+    headroom = min(free_slots - queue_depth - pending, slots - open)
+
+where free_slots and queue_depth come from its latest Heartbeat, pending counts this gateway's
+requests to it that were sent after that heartbeat and are still open (the heartbeat cannot
+know of them), and open counts all of this gateway's open requests on it: a heartbeat a
+moment old must not make a worker look emptier than this gateway alone keeps it.
+
+Prefix affinity: a worker keeps the KV cells of the prompts it served, so a request whose
+prompt starts like a recent one is cheaper where that one ran. The key is a hash of the first
+PREFIX_BLOCK_TOKENS prompt tokens (shorter prompts have no key: too little to gain), and
+PrefixAffinity remembers, for the most recent keys, which worker served them last. That
+worker is preferred while it is "not much busier" than the best: its headroom is at most
+AFFINITY_SLACK below the best one's, and it has room to start the request now whenever some
+other worker does (a request never waits in a queue to save a prefill that a free slot
+elsewhere could do at once).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PREFIX_BLOCK_TOKENS = 64  # prompt tokens hashed into the affinity key
+AFFINITY_SLACK = 2  # requests the preferred worker may be behind the least-loaded one
+AFFINITY_ENTRIES = 4096  # prefix keys remembered, least recently used dropped first
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One live worker's load, as the gateway knows it."""
+
+    endpoint: str
+    slots: int  # from its ModelInfo
+    free_slots: int  # from its latest heartbeat
+    queue_depth: int  # from its latest heartbeat
+    pending: int = 0  # this gateway's open requests on it, sent after that heartbeat
+    open: int = 0  # all of this gateway's open requests on it
+
+    @property
+    def headroom(self) -> int:
+        """Requests it could still start at once; negative when requests would wait."""
+        return min(self.free_slots - self.queue_depth - self.pending, self.slots - self.open)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where a request goes, and whether prefix affinity sent it there."""
+
+    endpoint: str
+    affinity: bool  # it went to the worker that last served its prefix
+
+
+def prefix_key(prompt: Sequence[int]) -> int | None:
+    """The affinity key of a prompt: a hash of its first block; None for a shorter prompt."""
+    if len(prompt) < PREFIX_BLOCK_TOKENS:
+        return None
+    return hash(tuple(prompt[:PREFIX_BLOCK_TOKENS]))
+
+
+def choose_worker(
+    loads: Sequence[WorkerLoad], preferred: str | None, slack: int = AFFINITY_SLACK
+) -> Choice:
+    """The worker for a request: `preferred` while not much busier, else the most headroom.
+
+    Among equals the first in `loads` wins: the caller shuffles them to spread ties.
+    """
+    if not loads:
+        raise ValueError("no worker to choose from")
+    best = max(loads, key=lambda load: load.headroom)
+    if preferred is not None:
+        for load in loads:
+            if load.endpoint != preferred:
+                continue
+            close_enough = load.headroom >= best.headroom - slack
+            can_start = load.headroom > 0 or best.headroom <= 0
+            if close_enough and can_start:
+                return Choice(load.endpoint, affinity=True)
+    return Choice(best.endpoint, affinity=False)
+
+
+class PrefixAffinity:
+    """Which worker last served each recent prompt prefix: a bounded LRU map."""
+
+    def __init__(self, capacity: int = AFFINITY_ENTRIES) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity = capacity
+        self._owners: OrderedDict[int, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def owner(self, key: int | None) -> str | None:
+        """The worker that last served this prefix, if it is still remembered."""
+        if key is None:
+            return None
+        return self._owners.get(key)
+
+    def record(self, key: int | None, endpoint: str) -> None:
+        """Remember that `endpoint` served this prefix now; forget the oldest past capacity."""
+        if key is None:
+            return
+        self._owners[key] = endpoint
+        self._owners.move_to_end(key)
+        while len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)
+
+    def forget_worker(self, endpoint: str) -> None:
+        """Drop every prefix a worker served (it is gone, and its cache with it)."""
+        for key in [k for k, owner in self._owners.items() if owner == endpoint]:
+            del self._owners[key]
