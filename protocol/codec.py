@@ -45,8 +45,16 @@ def encode(message: m.Message) -> list[bytes]:
     return [_TAG_BY_TYPE[type(message)], msgpack.packb(_to_wire(message), use_bin_type=True)]
 
 
-def decode(frames: list[bytes]) -> m.Message:
-    """The message in the frames; raises DecodeError for anything malformed."""
+def decode(
+    frames: list[bytes], max_items: int | None = None, max_containers: int | None = None
+) -> m.Message:
+    """The message in the frames; raises DecodeError for anything malformed.
+
+    A receiver that knows what it can take passes limits, so a hostile body fails while it
+    is unpacked instead of after it has been built: max_items caps every array and map,
+    max_containers how many arrays and maps the body holds in all (a body of nested empty
+    arrays would otherwise grow fifty-fold in memory before any field is checked).
+    """
     if len(frames) != 2 or len(frames[0]) != 1:
         raise DecodeError(f"expected a type frame and a body frame, got {len(frames)} frames")
     cls = _TYPE_BY_TAG.get(frames[0][0])
@@ -57,12 +65,33 @@ def decode(frames: list[bytes]) -> m.Message:
     try:
         # unpackb caps every array, map and string at the body's own length, so a
         # header claiming four billion items fails at once instead of allocating.
-        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+        limits: dict[str, Any] = {}
+        if max_items is not None:
+            limits.update(max_array_len=max_items, max_map_len=max_items)
+        if max_containers is not None:
+            budget = _ContainerBudget(max_containers)
+            limits.update(list_hook=budget, object_hook=budget)
+        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False, **limits)
         return _from_wire(cls, body)
     except DecodeError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise DecodeError(f"bad {cls.__name__} body: {exc}") from exc
+
+
+class _ContainerBudget:
+    """msgpack's hook for each finished array and map: fails the unpacking past the budget."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise DecodeError("too many arrays and maps in one body")
+        return container
 
 
 def _to_wire(value: Any) -> Any:
@@ -100,10 +129,18 @@ def _check(value: Any, hint: Any, name: str) -> Any:
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(hint)
+            # Token ids: a type scan in C, not a call per id (a prompt has many thousands).
+            if item is int and _only(value, {int}):
+                return value
             return [_check(v, item, name) for v in value]
     elif origin is dict:
         if isinstance(value, dict):
             key, item = typing.get_args(hint)
+            if (key, item) == (int, float) and _only(value, {int}):  # logit_bias
+                if _only(value.values(), {float}):
+                    return value
+                if _only(value.values(), {int, float}):
+                    return {k: float(v) for k, v in value.items()}
             return {_check(k, key, name): _check(v, item, name) for k, v in value.items()}
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -114,6 +151,11 @@ def _check(value: Any, hint: Any, name: str) -> Any:
     elif isinstance(value, hint):
         return value
     raise DecodeError(f"field {name!r} has a value of the wrong type")
+
+
+def _only(values: Any, types_: set[type]) -> bool:
+    """Whether every value's exact type is one of types_ (so no bool passes for an int)."""
+    return set(map(type, values)) <= types_
 
 
 _FIELDS_CACHE: dict[type, list[tuple[str, Any]]] = {}

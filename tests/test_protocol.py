@@ -107,3 +107,38 @@ def test_invalid_sampling_params_are_refused():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+
+
+def generate_body(prompt: object, logit_bias: object) -> bytes:
+    params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False]
+    return msgpack.packb(["r1", prompt, params])
+
+
+def test_token_ids_and_logit_bias_are_checked_exactly():
+    with pytest.raises(DecodeError):  # a bool is no token id, even in a long prompt
+        decode([b"\x02", generate_body([1] * 1000 + [True], {})])
+    with pytest.raises(DecodeError):
+        decode([b"\x02", generate_body([1, 2.0], {})])
+    with pytest.raises(DecodeError):
+        decode([b"\x02", generate_body([1], {1: True})])
+    message = decode([b"\x02", generate_body([1, 2], {3: 2, 4: -1.5})])
+    assert message.params.logit_bias == {3: 2.0, 4: -1.5}
+    assert type(message.params.logit_bias[3]) is float
+
+
+def test_limits_stop_an_oversized_body_while_it_is_unpacked():
+    long_prompt = [b"\x02", generate_body([1] * 5000, {})]
+    assert len(decode(long_prompt, max_items=5000).prompt_tokens) == 5000
+    with pytest.raises(DecodeError, match="max_array_len"):
+        decode(long_prompt, max_items=4999)
+    many_bias = [b"\x02", generate_body([1], {i: 1.0 for i in range(100)})]
+    with pytest.raises(DecodeError, match="max_map_len"):
+        decode(many_bias, max_items=99)
+    # Nested empty arrays where token ids belong: 1 byte each on the wire, 56 in memory.
+    bomb = [b"\x02", msgpack.packb(["r1", [[[]] * 100] * 100, []])]
+    with pytest.raises(DecodeError, match="too many arrays"):
+        decode(bomb, max_containers=8)
+    assert decode(EVERY_MESSAGE_FRAMES["Generate"], max_items=16, max_containers=8)
+
+
+EVERY_MESSAGE_FRAMES = {type(m).__name__: encode(m) for m in EVERY_MESSAGE}
