@@ -79,6 +79,26 @@ def decode(
         raise DecodeError(f"bad {cls.__name__} body: {exc}") from exc
 
 
+def generate_head(frames: list[bytes]) -> tuple[str, int] | None:
+    """The request id and prompt length of a Generate that did not decode, read without
+    unpacking the rest, so the receiver can reject it by name; None when they are unreadable."""
+    if len(frames) != 2 or frames[0] != _TAG_BY_TYPE[m.Generate]:
+        return None
+    # Only the id is unpacked, and it may hold nothing larger than an id: no containers.
+    unpacker = msgpack.Unpacker(
+        raw=False, max_str_len=256, max_bin_len=0, max_array_len=0, max_map_len=0, max_ext_len=0
+    )
+    unpacker.feed(frames[1])
+    try:
+        if unpacker.read_array_header() != len(_fields(m.Generate)):
+            return None
+        request_id = unpacker.unpack()
+        n_prompt = unpacker.read_array_header()
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return (request_id, n_prompt) if isinstance(request_id, str) else None
+
+
 class _ContainerBudget:
     """msgpack's hook for each finished array and map: fails the unpacking past the budget."""
 

@@ -3,8 +3,9 @@
 A gateway is a ROUTER identity: a peer gets one per connection it opens, and may send as many
 Generates and Cancels as it likes. This table caps both. At most max_gateways are known at
 once (silent ones expire); each may have max_open requests between its Generate and their
-Finish or Rejected, and a Cancel reaches the loop only for an open request, and only once.
-So the loop's inbox holds at most max_gateways x 2 x max_open items, whatever arrives.
+Finish or Rejected, and as many Generates for an id already open (the loop rejects those, in
+order after the original's Accepted); a Cancel reaches the loop only for an open request,
+and only once. So the loop's inbox holds at most max_gateways x 3 x max_open items.
 No zmq here: the IO thread asks, this answers.
 """
 
@@ -22,6 +23,7 @@ class GatewayState:
     last_seen: float
     open: set[str] = field(default_factory=set)  # handed to the loop; no Finish/Rejected yet
     cancelled: set[str] = field(default_factory=set)  # open ones a Cancel was passed on for
+    duplicates: int = 0  # Generates for an open id, passed on for the loop to reject in order
 
 
 class GatewayTable:
@@ -54,17 +56,23 @@ class GatewayTable:
             state.last_seen = now
 
     def open(self, gateway: bytes, request_id: str) -> tuple[ErrorCode, str] | None:
-        """Record a Generate of a known gateway; why it must be rejected, or None."""
+        """Record a Generate of a known gateway for the loop; why to reject it now, or None.
+
+        A duplicate id goes on to the loop too: its Rejected then follows the original's
+        Accepted, as the gateway expects of one id."""
         state = self.known[gateway]
-        if request_id in state.open:
-            return ErrorCode.DUPLICATE_REQUEST, f"request {request_id!r} is already running"
-        if len(state.open) >= self.max_open:
+        duplicate = request_id in state.open
+        held = state.duplicates if duplicate else len(state.open)
+        if held >= self.max_open:
             return (
                 ErrorCode.QUEUE_FULL,
                 f"this gateway has {len(state.open)} requests open, as many as the worker "
                 "holds running and queued",
             )
-        state.open.add(request_id)
+        if duplicate:
+            state.duplicates += 1
+        else:
+            state.open.add(request_id)
         return None
 
     def cancel(self, gateway: bytes, request_id: str) -> bool:
@@ -75,10 +83,15 @@ class GatewayTable:
         state.cancelled.add(request_id)
         return True
 
-    def close(self, gateway: bytes, request_id: str) -> None:
-        """The loop finished or rejected the request."""
+    def close(self, gateway: bytes, request_id: str, duplicate: bool = False) -> None:
+        """The loop finished or rejected the request (duplicate: rejected a second Generate
+        for an id still open, which stays open)."""
         state = self.known.get(gateway)
-        if state is not None:
+        if state is None:
+            return
+        if duplicate:
+            state.duplicates = max(0, state.duplicates - 1)
+        else:
             state.open.discard(request_id)
             state.cancelled.discard(request_id)
 

@@ -46,6 +46,7 @@ from loomserve.protocol import (
     decode,
     encode,
 )
+from loomserve.protocol.codec import generate_head
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.loop import Load, TickLoop
 from loomserve.worker.curve import ServerKeys, make_curve_server
@@ -90,6 +91,7 @@ class WorkerIO:
         model_info: ModelInfo,
         on_gateways: Callable[[int], None] | None = None,
         keys: ServerKeys | None = None,
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.loop: TickLoop | None = None
@@ -97,6 +99,7 @@ class WorkerIO:
         self.counters = IOCounters()
         self.ready = True
         self._on_gateways = on_gateways
+        self._on_reject = on_reject  # the loop's rejections are counted by the loop
         # No array or map a gateway sends can be longer than a prompt that fits a slot or a
         # logit_bias over the whole vocabulary; longer ones fail at their header.
         self._max_items = max(model_info.slot_context, model_info.vocab_size)
@@ -208,6 +211,7 @@ class WorkerIO:
             try:
                 message = decode(body, self._max_items, INBOUND_CONTAINERS)
             except DecodeError as exc:
+                self._reject_undecodable(gateway, body, exc)
                 self.counters.malformed += 1
                 if self.counters.malformed % 1000 == 1:  # the first, then every 1000th
                     log.warning(
@@ -218,6 +222,26 @@ class WorkerIO:
                     )
                 continue
             self._handle(gateway, message)
+
+    def _reject_undecodable(self, gateway: bytes, body: list[bytes], error: DecodeError) -> None:
+        """A Generate that did not decode still gets its Rejected, when its id is readable:
+        the gateway must not wait for an answer that never comes."""
+        head = generate_head(body)
+        if head is None:
+            return
+        request_id, n_prompt = head
+        limit = self.model_info.slot_context
+        if n_prompt >= limit:
+            code = ErrorCode.PROMPT_TOO_LONG
+            why = f"the prompt has {n_prompt} tokens; a slot holds {limit} tokens"
+        else:
+            code, why = ErrorCode.INVALID_REQUEST, f"the Generate did not decode: {error}"
+        self._reject(gateway, request_id, code, why)
+
+    def _reject(self, gateway: bytes, request_id: str, code: ErrorCode, why: str) -> None:
+        self._send_now(gateway, Rejected(request_id, code.value, why))
+        if self._on_reject:
+            self._on_reject(code.value)
 
     def _handle(self, gateway: bytes, message: Message) -> None:
         now = time.monotonic()
@@ -265,15 +289,13 @@ class WorkerIO:
             if refusal is None:
                 self.loop.submit(gateway, message)
             else:
-                code, why = refusal
-                self._send_now(gateway, Rejected(message.request_id, code.value, why))
+                self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Embed):
             refusal = gateways.open(gateway, message.request_id)
             if refusal is None:
                 self.loop.embed(gateway, message)
             else:
-                code, why = refusal
-                self._send_now(gateway, Rejected(message.request_id, code.value, why))
+                self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):
             if gateways.cancel(gateway, message.request_id):
                 self.loop.cancel(gateway, message.request_id)
@@ -311,7 +333,8 @@ class WorkerIO:
         while outbox:
             gateway, message = outbox.popleft()
             if isinstance(message, Rejected):
-                gateways.close(gateway, message.request_id)
+                duplicate = message.code == ErrorCode.DUPLICATE_REQUEST
+                gateways.close(gateway, message.request_id, duplicate)
             elif isinstance(message, Outputs):
                 for finish in message.finishes:
                     gateways.close(gateway, finish.request_id)

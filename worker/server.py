@@ -73,7 +73,13 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     _log_start(config, engine, info)
     metrics = WorkerMetrics() if config.metrics_port is not None else None
     try:
-        io = WorkerIO(config, info, on_gateways=metrics.on_gateways if metrics else None, keys=keys)
+        io = WorkerIO(
+            config,
+            info,
+            on_gateways=metrics.on_gateways if metrics else None,
+            keys=keys,
+            on_reject=metrics.on_reject if metrics else None,
+        )
     except zmq.ZMQError as exc:
         log.error("cannot bind", bind=config.bind, error=str(exc))
         raise SystemExit(1) from exc
