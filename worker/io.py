@@ -60,7 +60,7 @@ SEND_HWM = 10_000
 # Inbound messages libzmq buffers per connection before it stops reading that connection
 # (the sender's queue and TCP then hold the rest): at most this many frames of
 # MAX_FRAME_BYTES each, however fast a peer sends. This thread drains far faster.
-RECV_HWM = 64
+RECV_HWM = 16
 RECV_BATCH = 256  # most inbound messages handled before the outbox gets a turn
 RECV_TURN_SECONDS = 0.05  # nor longer than this: heartbeats keep their time under a flood
 CLOSE_LINGER_MS = 500  # at shutdown, how long queued messages may take to leave
@@ -204,10 +204,11 @@ class WorkerIO:
             if time.monotonic() > deadline:
                 return  # the poll finds the rest at once, after heartbeats had their turn
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                # Zero-copy: a large frame is decoded (or refused) where libzmq received it.
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            gateway, body = frames[0], frames[1:]
+            gateway, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
             try:
                 message = decode(body, self._max_items, INBOUND_CONTAINERS)
             except DecodeError as exc:
