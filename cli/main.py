@@ -442,7 +442,7 @@ def worker_health(
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default=Path("keys"))
 @click.option(
     "--name",
     "names",
@@ -451,7 +451,8 @@ def worker_health(
     help="A certificate to make (repeatable): NAME.key and NAME.key_secret.",
 )
 def keygen(directory: Path, names: tuple[str, ...]) -> None:
-    """Make CURVE certificates for the worker and its gateways; existing ones are kept."""
+    """Make CURVE certificates for the worker and its gateways in DIRECTORY (default: keys);
+    existing ones are kept."""
     from loomserve.cli.keygen import ensure_certificates
 
     for secret, made in ensure_certificates(directory, list(names)):
