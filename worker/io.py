@@ -48,9 +48,9 @@ from loomserve.protocol import (
 )
 from loomserve.protocol.codec import generate_head
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.loop import Load, TickLoop
 from loomserve.worker.curve import ServerKeys, make_curve_server
 from loomserve.worker.gateways import GatewayTable
+from loomserve.worker.loop import Load, TickLoop
 
 log = structlog.get_logger(__name__)
 

@@ -23,8 +23,8 @@ from loomserve.worker.curve import ServerKeys, load_server_keys
 from loomserve.worker.embeddings import POOLING_NAMES, Embedder, model_pooling
 from loomserve.worker.engine import Engine, EngineError
 from loomserve.worker.io import WorkerIO
-from loomserve.worker.loop import TickLoop
 from loomserve.worker.ipc_lock import EndpointInUse, claim_endpoint
+from loomserve.worker.loop import TickLoop
 from loomserve.worker.metrics import WorkerMetrics
 from loomserve.worker.strategies import load_strategy
 
