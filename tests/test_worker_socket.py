@@ -33,8 +33,7 @@ from loomserve.protocol import (
     encode,
 )
 from loomserve.protocol.messages import ErrorCode
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.curve import is_local_endpoint
+from loomserve.worker.config import WorkerConfig, is_local_endpoint
 from loomserve.worker.gateways import GatewayTable
 from tests.procs import Proc, start_worker, wait_worker_ready
 

@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from loomserve.worker.curve import is_local_endpoint
-
 KV_CACHE_TYPES = ("f16", "q8_0")
 # "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
 FLASH_ATTN_MODES = ("auto", "on", "off")
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether only this machine can reach the endpoint: ipc, inproc, or tcp on loopback."""
+    transport, _, address = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # *, a host name or an interface name: it may face the network
+        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ the port is a gateway, which is why WorkerConfig refuses a network bind without 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,22 +20,6 @@ from zmq.auth.thread import ThreadAuthenticator
 log = structlog.get_logger(__name__)
 
 REFUSALS_LOGGED_EVERY = 100  # the first refusal of a key is logged, then every 100th
-
-
-def is_local_endpoint(endpoint: str) -> bool:
-    """Whether only this machine can reach the endpoint: ipc, inproc, or tcp on loopback."""
-    transport, _, address = endpoint.partition("://")
-    if transport in ("ipc", "inproc"):
-        return True
-    if transport != "tcp":
-        return False
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # *, a host name or an interface name: it may face the network
-        return False
 
 
 @dataclass(frozen=True, slots=True)
