@@ -40,6 +40,11 @@ class DecodeError(ValueError):
     """The frames are not a valid message. Callers count, log and drop them."""
 
 
+class TooLong(DecodeError):
+    """An array in the body is longer than the receiver's max_items: for a worker, a prompt or
+    an input longer than any context it has."""
+
+
 def encode(message: m.Message) -> list[bytes]:
     """The frames for one message."""
     return [_TAG_BY_TYPE[type(message)], msgpack.packb(_to_wire(message), use_bin_type=True)]
@@ -76,13 +81,18 @@ def decode(
     except DecodeError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise DecodeError(f"bad {cls.__name__} body: {exc}") from exc
+        # msgpack says "N exceeds max_array_len(M)" for an array over the limit.
+        error = TooLong if "max_array_len" in str(exc) else DecodeError
+        raise error(f"bad {cls.__name__} body: {exc}") from exc
 
 
-def generate_head(frames: list[bytes]) -> tuple[str, int] | None:
-    """The request id and prompt length of a Generate that did not decode, read without
-    unpacking the rest, so the receiver can reject it by name; None when they are unreadable."""
-    if len(frames) != 2 or frames[0] != _TAG_BY_TYPE[m.Generate]:
+def request_id_of(frames: list[bytes]) -> str | None:
+    """The request id of a Generate or Embed that did not decode, read without unpacking the
+    rest, so the receiver can reject it by name; None when there is none to read."""
+    if len(frames) != 2 or len(frames[0]) != 1:
+        return None
+    cls = _TYPE_BY_TAG.get(frames[0][0])
+    if cls not in (m.Generate, m.Embed):
         return None
     # Only the id is unpacked, and it may hold nothing larger than an id: no containers.
     unpacker = msgpack.Unpacker(
@@ -90,13 +100,12 @@ def generate_head(frames: list[bytes]) -> tuple[str, int] | None:
     )
     unpacker.feed(frames[1])
     try:
-        if unpacker.read_array_header() != len(_fields(m.Generate)):
+        if unpacker.read_array_header() != len(_fields(cls)):
             return None
         request_id = unpacker.unpack()
-        n_prompt = unpacker.read_array_header()
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
-    return (request_id, n_prompt) if isinstance(request_id, str) else None
+    return request_id if isinstance(request_id, str) else None
 
 
 class _ContainerBudget:

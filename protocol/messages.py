@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 PROTOCOL_VERSION = 2  # 2: Embed and Embeddings
+MAX_EMBED_INPUTS = (
+    2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
+)
 
 
 class FinishReason(StrEnum):

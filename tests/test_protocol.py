@@ -25,6 +25,7 @@ from loomserve.protocol import (
     decode,
     encode,
 )
+from loomserve.protocol.codec import TooLong, request_id_of
 
 EVERY_MESSAGE = [
     Hello(gateway_id="gw-1"),
@@ -129,8 +130,11 @@ def test_token_ids_and_logit_bias_are_checked_exactly():
 def test_limits_stop_an_oversized_body_while_it_is_unpacked():
     long_prompt = [b"\x02", generate_body([1] * 5000, {})]
     assert len(decode(long_prompt, max_items=5000).prompt_tokens) == 5000
-    with pytest.raises(DecodeError, match="max_array_len"):
+    with pytest.raises(TooLong, match="max_array_len"):
         decode(long_prompt, max_items=4999)
+    assert request_id_of(long_prompt) == "r1"  # to reject it by name
+    assert request_id_of([b"\x02", b"\x93\x91\x01"]) is None  # an array where the id is
+    assert request_id_of(encode(Ping(1.0))) is None
     many_bias = [b"\x02", generate_body([1], {i: 1.0 for i in range(100)})]
     with pytest.raises(DecodeError, match="max_map_len"):
         decode(many_bias, max_items=99)

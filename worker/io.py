@@ -33,6 +33,7 @@ from loomserve.protocol import (
     Cancel,
     DecodeError,
     Embed,
+    Embeddings,
     ErrorCode,
     Generate,
     Heartbeat,
@@ -46,7 +47,8 @@ from loomserve.protocol import (
     decode,
     encode,
 )
-from loomserve.protocol.codec import generate_head
+from loomserve.protocol.codec import TooLong, request_id_of
+from loomserve.protocol.messages import MAX_EMBED_INPUTS
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, make_curve_server
 from loomserve.worker.gateways import GatewayTable
@@ -66,9 +68,10 @@ RECV_TURN_SECONDS = 0.05  # nor longer than this: heartbeats keep their time und
 CLOSE_LINGER_MS = 500  # at shutdown, how long queued messages may take to leave
 LOST_REMEMBERED = 10_000  # lost gateway identities kept to answer with GATEWAY_LOST
 MAX_GATEWAYS = 1024  # gateways known at once; a connection flood cannot grow the table
-# Arrays and maps in one inbound body: a Generate has four (itself, its prompt, its
-# params, their logit_bias), so a body of nested junk fails as soon as it is unpacked.
-INBOUND_CONTAINERS = 8
+# Arrays and maps in one inbound body: a Generate has four (itself, its prompt, its params,
+# their logit_bias), an Embed two and one per input. Past that, a body of nested junk fails
+# as soon as it is unpacked instead of growing fifty-fold into empty lists first.
+INBOUND_CONTAINERS = MAX_EMBED_INPUTS + 8
 
 
 @dataclass(slots=True)
@@ -225,18 +228,16 @@ class WorkerIO:
             self._handle(gateway, message)
 
     def _reject_undecodable(self, gateway: bytes, body: list[bytes], error: DecodeError) -> None:
-        """A Generate that did not decode still gets its Rejected, when its id is readable:
-        the gateway must not wait for an answer that never comes."""
-        head = generate_head(body)
-        if head is None:
+        """A Generate or Embed that did not decode still gets its Rejected, when its id is
+        readable: the gateway must not wait for an answer that never comes."""
+        request_id = request_id_of(body)
+        if request_id is None:
             return
-        request_id, n_prompt = head
-        limit = self.model_info.slot_context
-        if n_prompt >= limit:
+        if isinstance(error, TooLong):
             code = ErrorCode.PROMPT_TOO_LONG
-            why = f"the prompt has {n_prompt} tokens; a slot holds {limit} tokens"
+            why = f"longer than any context of this worker ({self._max_items} tokens): {error}"
         else:
-            code, why = ErrorCode.INVALID_REQUEST, f"the Generate did not decode: {error}"
+            code, why = ErrorCode.INVALID_REQUEST, f"the request did not decode: {error}"
         self._reject(gateway, request_id, code, why)
 
     def _reject(self, gateway: bytes, request_id: str, code: ErrorCode, why: str) -> None:
@@ -339,6 +340,8 @@ class WorkerIO:
             elif isinstance(message, Outputs):
                 for finish in message.finishes:
                     gateways.close(gateway, finish.request_id)
+            elif isinstance(message, Embeddings):
+                gateways.close(gateway, message.request_id)
             # A gateway lost to silence may still be connected: its Finish(cancelled)
             # messages still try to reach it. A disconnected one fails fast (EHOSTUNREACH).
             if gateway in gateways or gateway in gateways.lost:
