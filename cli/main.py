@@ -215,6 +215,28 @@ def gateway_options(func):
     return func
 
 
+def curve_client_options(func):
+    """The keys of a CURVE client of the worker; shared by `gateway` and `worker-health`."""
+    key_file = click.Path(exists=True, dir_okay=False, path_type=Path)
+    options = [
+        click.option(
+            "--curve-server-key-file",
+            type=key_file,
+            default=default_of(GatewayConfig, "curve_server_key_file"),
+            help="The worker's public CURVE certificate (.key); with the next, CURVE is on.",
+        ),
+        click.option(
+            "--curve-secret-key-file",
+            type=key_file,
+            default=default_of(GatewayConfig, "curve_secret_key_file"),
+            help="This client's CURVE certificate (.key_secret); the worker must allow its key.",
+        ),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 def log_options(func):
     func = click.option(
         "--log-json/--no-log-json",
@@ -228,7 +250,10 @@ def build_worker_config(bind: str, **opts) -> WorkerConfig:
     """A WorkerConfig from the command's options: every field an option of the same name sets."""
     settings = {f.name: opts[f.name] for f in fields(WorkerConfig) if f.name in opts}
     settings.update(model_path=resolve_model(opts["model"]), bind=bind)
-    return WorkerConfig(**settings)
+    try:
+        return WorkerConfig(**settings)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
 
 def _is_file(text: str) -> bool:
@@ -261,6 +286,8 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         worker_timeout=opts["worker_timeout"],
         request_timeout=opts["request_timeout"],
         shutdown_timeout=opts["shutdown_timeout"],
+        curve_server_key_file=opts.get("curve_server_key_file"),
+        curve_secret_key_file=opts.get("curve_secret_key_file"),
     )
 
 
@@ -281,6 +308,24 @@ def main() -> None:
     default=default_of(WorkerConfig, "heartbeat_interval"),
     help="Seconds between the worker's heartbeats to each gateway.",
 )
+@click.option(
+    "--curve-secret-key-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=default_of(WorkerConfig, "curve_secret_key_file"),
+    help="The worker's CURVE certificate (.key_secret); with --curve-allowed-keys, CURVE is on.",
+)
+@click.option(
+    "--curve-allowed-keys",
+    type=click.Path(exists=True, path_type=Path),
+    default=default_of(WorkerConfig, "curve_allowed_keys"),
+    help="Public certificates of the gateways let in: one .key file, or a directory of them.",
+)
+@click.option(
+    "--insecure-bind",
+    is_flag=True,
+    default=default_of(WorkerConfig, "insecure_bind"),
+    help="Allow a --bind other machines can reach without CURVE: anyone there is a gateway.",
+)
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     """Run the model-owning worker alone."""
@@ -293,6 +338,7 @@ def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
 
 @main.command(context_settings=CONTEXT_SETTINGS)
 @gateway_options
+@curve_client_options
 @click.option(
     "--model",
     type=click.Path(dir_okay=False),
@@ -421,11 +467,25 @@ def serve(
     help="ZeroMQ endpoint of the worker to probe.",
 )
 @click.option("--timeout", type=float, default=3.0, help="Seconds to wait for the answer.")
-def worker_health(worker_endpoint: str, timeout: float) -> None:
+@curve_client_options
+def worker_health(
+    worker_endpoint: str,
+    timeout: float,
+    curve_server_key_file: Path | None,
+    curve_secret_key_file: Path | None,
+) -> None:
     """Exit 0 when the worker answers a Ping and its model is loaded; for health checks."""
     from loomserve.cli.health import probe_worker
 
-    beat = probe_worker(worker_endpoint, timeout)
+    if (curve_server_key_file is None) != (curve_secret_key_file is None):
+        raise click.UsageError("--curve-server-key-file and --curve-secret-key-file go together")
+    curve = None
+    if curve_server_key_file is not None and curve_secret_key_file is not None:
+        curve = (curve_server_key_file, curve_secret_key_file)
+    try:
+        beat = probe_worker(worker_endpoint, timeout, curve)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     if beat is None:
         raise click.ClickException(f"no answer from {worker_endpoint} within {timeout} s")
     if not beat.ready:
@@ -433,6 +493,24 @@ def worker_health(worker_endpoint: str, timeout: float) -> None:
     click.echo(
         f"ready: {beat.running} running, {beat.free_slots} slots free, {beat.queue_depth} queued"
     )
+
+
+@main.command(context_settings=CONTEXT_SETTINGS)
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path), default=Path("keys"))
+@click.option(
+    "--name",
+    "names",
+    multiple=True,
+    default=("worker", "gateway"),
+    help="A certificate to make (repeatable): NAME.key and NAME.key_secret.",
+)
+def keygen(directory: Path, names: tuple[str, ...]) -> None:
+    """Make CURVE certificates for the worker and its gateways in DIRECTORY (default: keys);
+    existing ones are kept."""
+    from loomserve.cli.keygen import ensure_certificates
+
+    for secret, made in ensure_certificates(directory, list(names)):
+        click.echo(f"{'made' if made else 'kept'} {secret} and {secret.with_suffix('.key')}")
 
 
 def _bench_command() -> click.Command:

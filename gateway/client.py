@@ -26,6 +26,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.curve import set_curve_client
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.worker_errors import (
     WorkerClientError,
@@ -156,6 +157,7 @@ class WorkerClient:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.IPV6, 1)  # a resolved worker address may be IPv6
+        _set_curve(sock, self.config)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
         self._socket = sock
@@ -468,6 +470,12 @@ class WorkerClient:
 def gateway_identity() -> str:
     """A name for this gateway process that no other gateway has: host, pid, random."""
     return f"gw-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _set_curve(sock: zmq.Socket, config: GatewayConfig) -> None:
+    """CURVE keys on the DEALER when the gateway has them (the worker then must, too)."""
+    if config.curve_server_key_file is not None and config.curve_secret_key_file is not None:
+        set_curve_client(sock, config.curve_server_key_file, config.curve_secret_key_file)
 
 
 def _log_send_failure(future: asyncio.Future) -> None:

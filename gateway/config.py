@@ -26,6 +26,10 @@ class GatewayConfig:
     worker_timeout: float = 3.0  # no heartbeat this long: the worker is gone
     request_timeout: float = 600.0  # a generation running longer ends with a 504
     shutdown_timeout: float = 5.0  # on SIGTERM, open streams get this long before they are cut
+    # CURVE, for a worker that has it: the worker's public certificate (.key) and this
+    # gateway's own (.key_secret), whose public key the worker's allow-list must hold.
+    curve_server_key_file: Path | None = None
+    curve_secret_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -36,6 +40,8 @@ class GatewayConfig:
             raise ValueError("heartbeat_interval and worker_timeout must be positive")
         if self.worker_timeout < self.heartbeat_interval:
             raise ValueError("worker_timeout must be at least heartbeat_interval")
+        if (self.curve_server_key_file is None) != (self.curve_secret_key_file is None):
+            raise ValueError("curve_server_key_file and curve_secret_key_file go together")
         if self.max_body_bytes < 1 or self.request_timeout <= 0 or self.shutdown_timeout < 0:
             raise ValueError("body size and timeouts must be positive")
 

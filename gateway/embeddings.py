@@ -19,8 +19,9 @@ from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.schemas import EmbeddingRequest
 from loomserve.gateway.tokenizer import Vocab
 from loomserve.protocol import Embed
+from loomserve.protocol.messages import MAX_EMBED_INPUTS
 
-MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+MAX_INPUTS = MAX_EMBED_INPUTS  # OpenAI's limit on inputs per request
 
 
 async def embed_request(body: EmbeddingRequest, vocab: Vocab) -> Embed:

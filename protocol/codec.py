@@ -40,13 +40,26 @@ class DecodeError(ValueError):
     """The frames are not a valid message. Callers count, log and drop them."""
 
 
+class TooLong(DecodeError):
+    """An array in the body is longer than the receiver's max_items: for a worker, a prompt or
+    an input longer than any context it has."""
+
+
 def encode(message: m.Message) -> list[bytes]:
     """The frames for one message."""
     return [_TAG_BY_TYPE[type(message)], msgpack.packb(_to_wire(message), use_bin_type=True)]
 
 
-def decode(frames: list[bytes]) -> m.Message:
-    """The message in the frames; raises DecodeError for anything malformed."""
+def decode(
+    frames: list[bytes], max_items: int | None = None, max_containers: int | None = None
+) -> m.Message:
+    """The message in the frames; raises DecodeError for anything malformed.
+
+    A receiver that knows what it can take passes limits, so a hostile body fails while it
+    is unpacked instead of after it has been built: max_items caps every array and map,
+    max_containers how many arrays and maps the body holds in all (a body of nested empty
+    arrays would otherwise grow fifty-fold in memory before any field is checked).
+    """
     if len(frames) != 2 or len(frames[0]) != 1:
         raise DecodeError(f"expected a type frame and a body frame, got {len(frames)} frames")
     cls = _TYPE_BY_TAG.get(frames[0][0])
@@ -57,12 +70,57 @@ def decode(frames: list[bytes]) -> m.Message:
     try:
         # unpackb caps every array, map and string at the body's own length, so a
         # header claiming four billion items fails at once instead of allocating.
-        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False)
+        limits: dict[str, Any] = {}
+        if max_items is not None:
+            limits.update(max_array_len=max_items, max_map_len=max_items)
+        if max_containers is not None:
+            budget = _ContainerBudget(max_containers)
+            limits.update(list_hook=budget, object_hook=budget)
+        body = msgpack.unpackb(frames[1], raw=False, strict_map_key=False, **limits)
         return _from_wire(cls, body)
     except DecodeError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise DecodeError(f"bad {cls.__name__} body: {exc}") from exc
+        # msgpack says "N exceeds max_array_len(M)" for an array over the limit.
+        error = TooLong if "max_array_len" in str(exc) else DecodeError
+        raise error(f"bad {cls.__name__} body: {exc}") from exc
+
+
+def request_id_of(frames: list[bytes]) -> str | None:
+    """The request id of a Generate or Embed that did not decode, read without unpacking the
+    rest, so the receiver can reject it by name; None when there is none to read."""
+    if len(frames) != 2 or len(frames[0]) != 1:
+        return None
+    cls = _TYPE_BY_TAG.get(frames[0][0])
+    if cls not in (m.Generate, m.Embed):
+        return None
+    # Only the id is unpacked, and it may hold nothing larger than an id: no containers.
+    unpacker = msgpack.Unpacker(
+        raw=False, max_str_len=256, max_bin_len=0, max_array_len=0, max_map_len=0, max_ext_len=0
+    )
+    unpacker.feed(frames[1])
+    try:
+        if unpacker.read_array_header() != len(_fields(cls)):
+            return None
+        request_id = unpacker.unpack()
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return request_id if isinstance(request_id, str) else None
+
+
+class _ContainerBudget:
+    """msgpack's hook for each finished array and map: fails the unpacking past the budget."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def __call__(self, container: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise DecodeError("too many arrays and maps in one body")
+        return container
 
 
 def _to_wire(value: Any) -> Any:
@@ -100,10 +158,18 @@ def _check(value: Any, hint: Any, name: str) -> Any:
     elif origin is list:
         if isinstance(value, list):
             (item,) = typing.get_args(hint)
+            # Token ids: a type scan in C, not a call per id (a prompt has many thousands).
+            if item is int and _only(value, {int}):
+                return value
             return [_check(v, item, name) for v in value]
     elif origin is dict:
         if isinstance(value, dict):
             key, item = typing.get_args(hint)
+            if (key, item) == (int, float) and _only(value, {int}):  # logit_bias
+                if _only(value.values(), {float}):
+                    return value
+                if _only(value.values(), {int, float}):
+                    return {k: float(v) for k, v in value.items()}
             return {_check(k, key, name): _check(v, item, name) for k, v in value.items()}
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -114,6 +180,11 @@ def _check(value: Any, hint: Any, name: str) -> Any:
     elif isinstance(value, hint):
         return value
     raise DecodeError(f"field {name!r} has a value of the wrong type")
+
+
+def _only(values: Any, types_: set[type]) -> bool:
+    """Whether every value's exact type is one of types_ (so no bool passes for an int)."""
+    return set(map(type, values)) <= types_
 
 
 _FIELDS_CACHE: dict[type, list[tuple[str, Any]]] = {}

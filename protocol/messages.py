@@ -14,6 +14,9 @@ from enum import StrEnum
 
 PROTOCOL_VERSION = 3  # 2: Embed and Embeddings; 3: per-token logprobs
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
+MAX_EMBED_INPUTS = (
+    2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
+)
 
 
 class FinishReason(StrEnum):

@@ -38,6 +38,14 @@ MONITORING = {name for name, s in SERVICES.items() if "monitoring" in s.get("pro
 LOOMSERVE = {name for name, s in SERVICES.items() if s.get("command", [None])[0] == "loomserve"}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 TOP_LEVEL_KEYS = {"name", "services", "networks", "volumes", "configs", "secrets", "include"}
+# Services that run to completion before others start (`service_completed_successfully`):
+# a health check means nothing for them.
+ONE_SHOT = {
+    dependency
+    for service in SERVICES.values()
+    for dependency, spec in service.get("depends_on", {}).items()
+    if spec["condition"] == "service_completed_successfully"
+}
 
 
 # --- the compose file ----------------------------------------------------------------------
@@ -49,6 +57,9 @@ def test_compose_file_follows_the_specification() -> None:
     assert {"prometheus", "grafana"} == MONITORING
     for name, service in SERVICES.items():
         assert "image" in service or "build" in service, name
+        if name in ONE_SHOT:
+            assert service["restart"] == "no", f"{name} runs once; it must not restart"
+            continue
         assert "healthcheck" in service, f"{name} has no health check"
         test = service["healthcheck"]["test"]
         assert isinstance(test, list) and test[0] in {"CMD", "CMD-SHELL"}, name
@@ -63,6 +74,8 @@ def test_compose_file_follows_the_specification() -> None:
             source = volume.split(":")[0]
             if source.startswith("./deploy"):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+            if not source.startswith(("./", "/", "$")):
+                assert source in COMPOSE.get("volumes", {}), f"{name} mounts undeclared {source}"
 
 
 def test_gateway_scales_behind_the_load_balancer() -> None:
@@ -109,19 +122,35 @@ def test_end_to_end_script_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+def test_the_workers_network_socket_speaks_curve() -> None:
+    worker, gateway = SERVICES["worker"], SERVICES["gateway"]
+    worker_env, gateway_env = worker["environment"], gateway["environment"]
+    assert worker["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+    assert SERVICES["keys"]["command"][:2] == ["loomserve", "keygen"]
+    assert worker_env["LOOMSERVE_CURVE_SECRET_KEY_FILE"].endswith("worker.key_secret")
+    assert worker_env["LOOMSERVE_CURVE_ALLOWED_KEYS"].endswith("gateway.key")
+    assert "LOOMSERVE_INSECURE_BIND" not in worker_env
+    assert gateway_env["LOOMSERVE_CURVE_SERVER_KEY_FILE"].endswith("worker.key")
+    assert gateway_env["LOOMSERVE_CURVE_SECRET_KEY_FILE"].endswith("gateway.key_secret")
+    health = worker["healthcheck"]["test"]
+    assert "--curve-server-key-file" in health and "--curve-secret-key-file" in health
+
+
 @pytest.mark.parametrize("name", sorted(LOOMSERVE))
 def test_loomserve_services_use_real_commands_and_options(name: str) -> None:
     service = SERVICES[name]
     command = main.commands[service["command"][1]]
     known = envvars(command.name)
-    for key in service["environment"]:
+    environment = service.get("environment", {})
+    for key in environment:
         assert key in known, f"{name}: {key} is no option of `loomserve {command.name}`"
-    # The values compose sets must parse, as the CLI will parse them.
-    fixed = {k: str(v) for k, v in service["environment"].items() if v is not None}
+    # The values compose sets must parse, as the CLI will parse them; paths in volumes are
+    # checked by the live run, where they exist.
+    fixed = {k: str(v) for k, v in environment.items() if v is not None and "/keys/" not in str(v)}
     parse(command.name, service["command"][2:], fixed)
-    health = service["healthcheck"]["test"]
+    health = service.get("healthcheck", {}).get("test", [None, None])
     if health[1] == "loomserve":
-        parse(health[2], health[3:], {})
+        parse(health[2], [w for w in health[3:] if not w.startswith("/keys/")][:2], {})
 
 
 def test_worker_metrics_and_gateway_port_match_what_prometheus_scrapes() -> None:
@@ -261,7 +290,16 @@ class LocalCompose:
     containers: list[Container] = field(default_factory=list)
 
     def localize(self, text: str, container: Container) -> str:
-        """Rewrite addresses as seen from inside `container` to loopback ones."""
+        """Rewrite addresses and named-volume paths as seen from inside `container` to local
+        ones: loopback ports, folders under workdir."""
+        for volume in SERVICES[container.service].get("volumes", []):
+            source, inside = volume.split(":")[:2]
+            if source in COMPOSE.get("volumes", {}) and (
+                text == inside or text.startswith(inside + "/")
+            ):
+                local = self.workdir / "volumes" / source
+                local.mkdir(parents=True, exist_ok=True)
+                return str(local) + text.removeprefix(inside)
 
         def address(match: re.Match[str]) -> str:
             host, port = match.group(1), int(match.group(2))
@@ -311,6 +349,11 @@ class LocalCompose:
                 start_new_session=True,
             )
         return container
+
+    def wait_done(self, container: Container, timeout: float = 60.0) -> None:
+        """Wait for a one-shot service to exit 0, as service_completed_successfully would."""
+        assert container.process is not None
+        assert container.process.wait(timeout) == 0, self.tail(container)
 
     def wait_healthy(self, container: Container, timeout: float = 90.0) -> None:
         """Run the service's health check until it passes, as depends_on would wait."""
@@ -383,6 +426,7 @@ def start_nginx(config: Path, workdir: Path, log_path: Path) -> subprocess.Popen
 def deployment(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[LocalCompose, Container]]:
     compose = LocalCompose(tmp_path, shell_env={"LOOMSERVE_MODEL": str(tiny_model_path)})
     try:
+        compose.wait_done(compose.up("keys"))
         worker = compose.up("worker")
         compose.wait_healthy(worker)
         replicas = SERVICES["gateway"]["deploy"]["replicas"]

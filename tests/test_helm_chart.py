@@ -174,6 +174,8 @@ def test_gateways_reach_every_worker_through_the_headless_service(
     name = headless["metadata"]["name"]
     assert endpoint == f"tcp://{name}.{NAMESPACE}.svc.cluster.local:{zmq}"
     assert env_of(statefulset)["LOOMSERVE_BIND"] == f"tcp://0.0.0.0:{zmq}"
+    # No CURVE keys from the chart yet: the worker must be told it may serve the pod network.
+    assert env_of(statefulset)["LOOMSERVE_INSECURE_BIND"] == "true"
 
 
 def test_settings_are_real_options_of_the_commands(

@@ -26,6 +26,7 @@ from loomserve.protocol import (
     decode,
     encode,
 )
+from loomserve.protocol.codec import TooLong, request_id_of
 
 EVERY_MESSAGE = [
     Hello(gateway_id="gw-1"),
@@ -123,3 +124,41 @@ def test_a_chunk_without_logprobs_costs_one_byte() -> None:
     body = encode(Outputs(tokens=[TokenChunk("r1", [4])], finishes=[]))[1]
     assert body == msgpack.packb([[["r1", [4], None]], []])
     assert len(body) == len(msgpack.packb([[["r1", [4]]], []])) + 1
+
+
+def generate_body(prompt: object, logit_bias: object) -> bytes:
+    params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None]
+    return msgpack.packb(["r1", prompt, params])
+
+
+def test_token_ids_and_logit_bias_are_checked_exactly():
+    with pytest.raises(DecodeError):  # a bool is no token id, even in a long prompt
+        decode([b"\x02", generate_body([1] * 1000 + [True], {})])
+    with pytest.raises(DecodeError):
+        decode([b"\x02", generate_body([1, 2.0], {})])
+    with pytest.raises(DecodeError):
+        decode([b"\x02", generate_body([1], {1: True})])
+    message = decode([b"\x02", generate_body([1, 2], {3: 2, 4: -1.5})])
+    assert message.params.logit_bias == {3: 2.0, 4: -1.5}
+    assert type(message.params.logit_bias[3]) is float
+
+
+def test_limits_stop_an_oversized_body_while_it_is_unpacked():
+    long_prompt = [b"\x02", generate_body([1] * 5000, {})]
+    assert len(decode(long_prompt, max_items=5000).prompt_tokens) == 5000
+    with pytest.raises(TooLong, match="max_array_len"):
+        decode(long_prompt, max_items=4999)
+    assert request_id_of(long_prompt) == "r1"  # to reject it by name
+    assert request_id_of([b"\x02", b"\x93\x91\x01"]) is None  # an array where the id is
+    assert request_id_of(encode(Ping(1.0))) is None
+    many_bias = [b"\x02", generate_body([1], {i: 1.0 for i in range(100)})]
+    with pytest.raises(DecodeError, match="max_map_len"):
+        decode(many_bias, max_items=99)
+    # Nested empty arrays where token ids belong: 1 byte each on the wire, 56 in memory.
+    bomb = [b"\x02", msgpack.packb(["r1", [[[]] * 100] * 100, []])]
+    with pytest.raises(DecodeError, match="too many arrays"):
+        decode(bomb, max_containers=8)
+    assert decode(EVERY_MESSAGE_FRAMES["Generate"], max_items=16, max_containers=8)
+
+
+EVERY_MESSAGE_FRAMES = {type(m).__name__: encode(m) for m in EVERY_MESSAGE}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,22 @@ from pathlib import Path
 KV_CACHE_TYPES = ("f16", "q8_0")
 # "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
 FLASH_ATTN_MODES = ("auto", "on", "off")
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether only this machine can reach the endpoint: ipc, inproc, or tcp on loopback."""
+    transport, _, address = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # *, a host name or an interface name: it may face the network
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +56,12 @@ class WorkerConfig:
     # /v1/embeddings for a model without a pooling head, mean-pooled, in a second context
     # (worker/embeddings.py); a model with a pooling head serves them whatever this says.
     embeddings: bool = False
+    # CURVE: the worker's certificate (a zmq.auth .key_secret file) and the gateways it lets
+    # in (a .key file or a directory of them). Without them anything that reaches bind is
+    # a gateway, so a bind beyond this machine needs them, or insecure_bind.
+    curve_secret_key_file: Path | None = None
+    curve_allowed_keys: Path | None = None
+    insecure_bind: bool = False
 
     def __post_init__(self) -> None:
         if self.slots < 1:
@@ -55,6 +78,16 @@ class WorkerConfig:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
         if self.kv_cache_type not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}")
+        if (self.curve_secret_key_file is None) != (self.curve_allowed_keys is None):
+            raise ValueError("curve_secret_key_file and curve_allowed_keys go together")
+        if self.curve_secret_key_file is None and not (
+            self.insecure_bind or is_local_endpoint(self.bind)
+        ):
+            raise ValueError(
+                f"{self.bind} can be reached from other machines, and without CURVE anything "
+                "that reaches it is a gateway: give --curve-secret-key-file and "
+                "--curve-allowed-keys (`loomserve keygen` makes them), or --insecure-bind"
+            )
 
     @property
     def n_threads(self) -> int:

@@ -7,6 +7,11 @@ sends (while the loop is inside llama_decode, which releases the GIL). Sends nev
 a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN) loses that
 message, counted. This thread also answers Hello and Ping and heartbeats every gateway, so
 liveness never waits for a tick either.
+
+Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
+connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
+limits, one turn of receiving by time, and what gateways may have open by GatewayTable.
+CURVE (worker/curve.py) decides who may connect at all.
 """
 
 from __future__ import annotations
@@ -28,28 +33,45 @@ from loomserve.protocol import (
     Cancel,
     DecodeError,
     Embed,
+    Embeddings,
     ErrorCode,
     Generate,
     Heartbeat,
     Hello,
     Message,
     ModelInfo,
+    Outputs,
     Ping,
+    Rejected,
     WorkerError,
     decode,
     encode,
 )
+from loomserve.protocol.codec import TooLong, request_id_of
+from loomserve.protocol.messages import MAX_EMBED_INPUTS
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.curve import ServerKeys, make_curve_server
+from loomserve.worker.gateways import GatewayTable
 from loomserve.worker.loop import Load, TickLoop
 
 log = structlog.get_logger(__name__)
 
-# Outbound messages queued per gateway before sends fail with EAGAIN: deep enough for
-# seconds of tokens at full speed; a gateway that falls further behind is stuck.
-SEND_HWM = 100_000
+# Outbound messages queued per gateway before sends fail with EAGAIN: one Outputs per tick,
+# so seconds of tokens at full speed; a gateway that falls further behind is stuck.
+SEND_HWM = 10_000
+# Inbound messages libzmq buffers per connection before it stops reading that connection
+# (the sender's queue and TCP then hold the rest): at most this many frames of
+# MAX_FRAME_BYTES each, however fast a peer sends. This thread drains far faster.
+RECV_HWM = 16
 RECV_BATCH = 256  # most inbound messages handled before the outbox gets a turn
+RECV_TURN_SECONDS = 0.05  # nor longer than this: heartbeats keep their time under a flood
 CLOSE_LINGER_MS = 500  # at shutdown, how long queued messages may take to leave
 LOST_REMEMBERED = 10_000  # lost gateway identities kept to answer with GATEWAY_LOST
+MAX_GATEWAYS = 1024  # gateways known at once; a connection flood cannot grow the table
+# Arrays and maps in one inbound body: a Generate has four (itself, its prompt, its params,
+# their logit_bias), an Embed two and one per input. Past that, a body of nested junk fails
+# as soon as it is unpacked instead of growing fifty-fold into empty lists first.
+INBOUND_CONTAINERS = MAX_EMBED_INPUTS + 8
 
 
 @dataclass(slots=True)
@@ -60,6 +82,7 @@ class IOCounters:
     dropped_slow: int = 0  # sends refused with EAGAIN: the gateway reads too slowly
     dropped_gone: int = 0  # sends refused with EHOSTUNREACH: the gateway disconnected
     gateways_lost: int = 0  # gateways given up on (silence or disconnection)
+    gateways_refused: int = 0  # messages from new gateways beyond MAX_GATEWAYS; answered, dropped
 
 
 class WorkerIO:
@@ -70,6 +93,8 @@ class WorkerIO:
         config: WorkerConfig,
         model_info: ModelInfo,
         on_gateways: Callable[[int], None] | None = None,
+        keys: ServerKeys | None = None,
+        on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.loop: TickLoop | None = None
@@ -77,14 +102,23 @@ class WorkerIO:
         self.counters = IOCounters()
         self.ready = True
         self._on_gateways = on_gateways
+        self._on_reject = on_reject  # the loop's rejections are counted by the loop
+        # No array or map a gateway sends can be longer than a prompt that fits a slot or a
+        # logit_bias over the whole vocabulary; longer ones fail at their header.
+        self._max_items = max(model_info.slot_context, model_info.vocab_size)
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a larger one drops its peer
         self._router.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self._router.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self._router.setsockopt(zmq.RCVHWM, RECV_HWM)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.bind(config.bind)
+        self._auth = make_curve_server(self._context, self._router, keys) if keys else None
+        try:
+            self._router.bind(config.bind)
+        except zmq.ZMQError:
+            self._close_sockets(linger=0)
+            raise
         wake_address = f"inproc://loomserve-wake-{id(self)}"
         self._wake_in = self._context.socket(zmq.PAIR)
         self._wake_in.bind(wake_address)
@@ -93,8 +127,9 @@ class WorkerIO:
         self._wake_out.setsockopt(zmq.LINGER, 0)
         self._wake_out.connect(wake_address)
         self._outbox: deque[tuple[bytes, Message]] = deque()
-        self._last_seen: dict[bytes, float] = {}  # known gateways -> when they last spoke
-        self._lost: dict[bytes, None] = {}  # gateways given up on, until they say Hello again
+        self._gateways = GatewayTable(
+            MAX_GATEWAYS, max_open=config.slots + config.max_queue, lost_remembered=LOST_REMEMBERED
+        )
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
 
@@ -117,7 +152,12 @@ class WorkerIO:
         self._wake_out.close(linger=0)
         self._wake_in.close(linger=0)
         # The last Finish messages get a moment to leave; a dead gateway cannot hold us.
-        self._router.close(linger=CLOSE_LINGER_MS)
+        self._close_sockets(linger=CLOSE_LINGER_MS)
+
+    def _close_sockets(self, linger: int) -> None:
+        self._router.close(linger=linger)
+        if self._auth is not None:
+            self._auth.stop()
         self._context.term()
 
     # --- Sink: called by the loop thread ---------------------------------------------
@@ -162,15 +202,20 @@ class WorkerIO:
                 return
 
     def _receive(self) -> None:
+        deadline = time.monotonic() + RECV_TURN_SECONDS
         for _ in range(RECV_BATCH):
+            if time.monotonic() > deadline:
+                return  # the poll finds the rest at once, after heartbeats had their turn
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                # Zero-copy: a large frame is decoded (or refused) where libzmq received it.
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            gateway, body = frames[0], frames[1:]
+            gateway, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
             try:
-                message = decode(body)
+                message = decode(body, self._max_items, INBOUND_CONTAINERS)
             except DecodeError as exc:
+                self._reject_undecodable(gateway, body, exc)
                 self.counters.malformed += 1
                 if self.counters.malformed % 1000 == 1:  # the first, then every 1000th
                     log.warning(
@@ -182,8 +227,27 @@ class WorkerIO:
                 continue
             self._handle(gateway, message)
 
+    def _reject_undecodable(self, gateway: bytes, body: list[bytes], error: DecodeError) -> None:
+        """A Generate or Embed that did not decode still gets its Rejected, when its id is
+        readable: the gateway must not wait for an answer that never comes."""
+        request_id = request_id_of(body)
+        if request_id is None:
+            return
+        if isinstance(error, TooLong):
+            code = ErrorCode.PROMPT_TOO_LONG
+            why = f"longer than any context of this worker ({self._max_items} tokens): {error}"
+        else:
+            code, why = ErrorCode.INVALID_REQUEST, f"the request did not decode: {error}"
+        self._reject(gateway, request_id, code, why)
+
+    def _reject(self, gateway: bytes, request_id: str, code: ErrorCode, why: str) -> None:
+        self._send_now(gateway, Rejected(request_id, code.value, why))
+        if self._on_reject:
+            self._on_reject(code.value)
+
     def _handle(self, gateway: bytes, message: Message) -> None:
         now = time.monotonic()
+        gateways = self._gateways
         if isinstance(message, Hello):
             if message.protocol_version != PROTOCOL_VERSION:
                 self._send_now(
@@ -195,12 +259,14 @@ class WorkerIO:
                     ),
                 )
                 return
-            self._lost.pop(gateway, None)
-            self._remember(gateway, now)
+            if not gateways.can_admit(gateway):
+                self._refuse_gateway(gateway)
+                return
+            self._admit(gateway, now)
             log.info("gateway connected", gateway=_name(gateway), gateway_id=message.gateway_id)
             self._send_now(gateway, self.model_info)
             return
-        if gateway in self._lost:
+        if gateway in gateways.lost:
             # Its requests were cancelled when it went silent; it must start over.
             self._send_now(
                 gateway,
@@ -211,37 +277,74 @@ class WorkerIO:
                 ),
             )
             return
-        if isinstance(message, Ping) and gateway not in self._last_seen:
+        if isinstance(message, Ping) and gateway not in gateways:
             # A probe that never said Hello (`loomserve worker-health`, a readiness wait):
             # answer it, but it is no gateway, so its silence later means nothing.
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
             return
-        self._remember(gateway, now)
+        if not gateways.can_admit(gateway):
+            self._refuse_gateway(gateway)
+            return
+        self._admit(gateway, now)
         if isinstance(message, Generate):
-            self.loop.submit(gateway, message)
+            refusal = gateways.open(gateway, message.request_id)
+            if refusal is None:
+                self.loop.submit(gateway, message)
+            else:
+                self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Embed):
-            self.loop.embed(gateway, message)
+            refusal = gateways.open(gateway, message.request_id)
+            if refusal is None:
+                self.loop.embed(gateway, message)
+            else:
+                self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):
-            self.loop.cancel(gateway, message.request_id)
+            if gateways.cancel(gateway, message.request_id):
+                self.loop.cancel(gateway, message.request_id)
         elif isinstance(message, Ping):
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
         else:
             self.counters.malformed += 1
             log.warning("dropped a message only workers send", type=type(message).__name__)
 
-    def _remember(self, gateway: bytes, now: float) -> None:
-        new = gateway not in self._last_seen
-        self._last_seen[gateway] = now
+    def _admit(self, gateway: bytes, now: float) -> None:
+        new = gateway not in self._gateways
+        self._gateways.admit(gateway, now)
         if new and self._on_gateways:
-            self._on_gateways(len(self._last_seen))
+            self._on_gateways(len(self._gateways))
+
+    def _refuse_gateway(self, gateway: bytes) -> None:
+        self.counters.gateways_refused += 1
+        if self.counters.gateways_refused % 1000 == 1:
+            log.warning(
+                "refused a gateway: too many connected",
+                gateway=_name(gateway),
+                max_gateways=MAX_GATEWAYS,
+                refused=self.counters.gateways_refused,
+            )
+        self._send_now(
+            gateway,
+            WorkerError(
+                ErrorCode.QUEUE_FULL.value,
+                f"this worker serves {MAX_GATEWAYS} gateways already; say Hello again later",
+            ),
+        )
 
     def _send_outbox(self) -> None:
-        outbox = self._outbox
+        outbox, gateways = self._outbox, self._gateways
         while outbox:
             gateway, message = outbox.popleft()
+            if isinstance(message, Rejected):
+                duplicate = message.code == ErrorCode.DUPLICATE_REQUEST
+                gateways.close(gateway, message.request_id, duplicate)
+            elif isinstance(message, Outputs):
+                for finish in message.finishes:
+                    gateways.close(gateway, finish.request_id)
+            elif isinstance(message, Embeddings):
+                gateways.close(gateway, message.request_id)
             # A gateway lost to silence may still be connected: its Finish(cancelled)
             # messages still try to reach it. A disconnected one fails fast (EHOSTUNREACH).
-            if gateway in self._last_seen or gateway in self._lost:
+            if gateway in gateways or gateway in gateways.lost:
                 self._send_now(gateway, message)
 
     def _send_now(self, gateway: bytes, message: Message) -> None:
@@ -259,11 +362,10 @@ class WorkerIO:
 
     def _heartbeat(self, now: float) -> None:
         timeout = self.config.gateway_timeout
-        for gateway, seen in list(self._last_seen.items()):
-            if now - seen > timeout:
-                self._lose(gateway, f"it was silent for {timeout:g}s")
+        for gateway in self._gateways.silent(now, timeout):
+            self._lose(gateway, f"it was silent for {timeout:g}s")
         beat = self._heartbeat_message(0.0)
-        for gateway in list(self._last_seen):
+        for gateway in list(self._gateways.known):
             self._send_now(gateway, beat)
 
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
@@ -278,16 +380,13 @@ class WorkerIO:
         )
 
     def _lose(self, gateway: bytes, why: str) -> None:
-        if self._last_seen.pop(gateway, None) is None:
+        if not self._gateways.lose(gateway):
             return
-        self._lost[gateway] = None
-        if len(self._lost) > LOST_REMEMBERED:
-            del self._lost[next(iter(self._lost))]
         self.counters.gateways_lost += 1
         log.warning("gateway lost; cancelling its requests", gateway=_name(gateway), why=why)
         self.loop.gateway_gone(gateway)
         if self._on_gateways:
-            self._on_gateways(len(self._last_seen))
+            self._on_gateways(len(self._gateways))
 
 
 def _name(identity: bytes) -> str:
