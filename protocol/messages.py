@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-PROTOCOL_VERSION = 3  # 2: Embed and Embeddings; 3: per-token logprobs
+PROTOCOL_VERSION = 4  # 2: Embed and Embeddings; 3: per-token logprobs; 4: prompt logprobs
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -55,6 +55,9 @@ class SamplingParams:
     grammar: str | None = None  # GBNF; the gateway turns JSON schemas into GBNF
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to report per token (0: the sampled only)
+    # The same for every prompt token after the first (completions' echo with logprobs);
+    # None: no prompt logprobs. Such a prompt is evaluated whole: no prefix reuse.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -79,6 +82,8 @@ class SamplingParams:
             raise ValueError("seed must be between 0 and 2**32 - 1")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         for token_id, bias in self.logit_bias.items():
             if token_id < 0 or (not math.isfinite(bias) and bias != -math.inf):
                 raise ValueError("logit_bias maps token ids to finite biases (or -inf)")
@@ -186,12 +191,23 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Log-probabilities of consecutive prompt tokens, each given the tokens before it."""
+
+    first: int  # the prompt position of logprobs[0]: 1 or more (nothing precedes token 0)
+    logprobs: list[TokenLogprobs]  # of the model's own distribution: no bias, no penalties
+
+
+@dataclass(slots=True)
 class TokenChunk:
-    """New tokens of one request since the previous Outputs."""
+    """New tokens of one request since the previous Outputs (none when it only carries
+    prompt logprobs: a prompt scored over several ticks)."""
 
     request_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one per token; only for requests that ask
+    # Only for requests with SamplingParams.prompt_logprobs, before their first token.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.logprobs import FLOOR, token_logprobs
+from loomserve.worker.logprobs import FLOOR, ROWS, prompt_logprobs, token_logprobs
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -59,3 +59,20 @@ def test_penalties_see_only_their_window() -> None:
     adjusted[4] /= 3.0
     assert result.logprob == pytest.approx(log_softmax(adjusted)[1], abs=1e-6)
     assert LOGITS[4] == 2.0  # the loop's logits are never written to
+
+
+def test_prompt_rows_score_the_tokens_that_follow_them_block_by_block() -> None:
+    rng = np.random.default_rng(3)
+    n_rows = ROWS * 2 + 5  # three blocks, the last one short
+    logits = rng.normal(size=(n_rows + 1, 50)).astype(np.float32) * 4  # one row too many
+    next_tokens = rng.integers(0, 50, size=n_rows).tolist()
+    # Bias and penalties belong to sampling: the prompt's scores ignore them.
+    params = SamplingParams(logprobs=3, logit_bias={0: 5.0})
+    entries = prompt_logprobs(logits, next_tokens, 3)
+    assert len(entries) == n_rows
+    for row, (entry, token) in enumerate(zip(entries, next_tokens, strict=True)):
+        expected = log_softmax(logits[row])
+        assert entry.logprob == pytest.approx(expected[token], abs=1e-5)
+        assert entry.top_ids == np.argsort(-expected, kind="stable")[:3].tolist()
+        assert entry.top_logprobs == pytest.approx(np.sort(expected)[::-1][:3], abs=1e-5)
+        assert entry != token_logprobs(logits[row], token, params, [], 64)

@@ -18,6 +18,7 @@ from loomserve.protocol import (
     ModelInfo,
     Outputs,
     Ping,
+    PromptLogprobs,
     Rejected,
     SamplingParams,
     TokenChunk,
@@ -41,6 +42,7 @@ EVERY_MESSAGE = [
             grammar='root ::= "a"',
             ignore_eos=True,
             logprobs=3,
+            prompt_logprobs=2,
         ),
     ),
     Embed(request_id="e1", inputs=[[1, 2], [3]]),
@@ -65,6 +67,14 @@ EVERY_MESSAGE = [
                 request_id="r3",
                 token_ids=[6],
                 logprobs=[TokenLogprobs(-0.5, top_ids=[6, 2], top_logprobs=[-0.5, -1.25])],
+            ),
+            TokenChunk(
+                request_id="r4",
+                token_ids=[],
+                prompt_logprobs=PromptLogprobs(
+                    first=1,
+                    logprobs=[TokenLogprobs(-2.0, [3], [-0.75]), TokenLogprobs(-0.5, [], [])],
+                ),
             ),
         ],
         finishes=[Finish("r2", "length", 3, 5, 1, 0.25)],
@@ -117,17 +127,20 @@ def test_invalid_sampling_params_are_refused():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(prompt_logprobs=21)
 
 
-def test_a_chunk_without_logprobs_costs_one_byte() -> None:
-    """Requests that do not ask for logprobs pay one msgpack nil per chunk on the wire."""
+def test_a_chunk_without_logprobs_costs_two_bytes() -> None:
+    """Requests that do not ask for logprobs pay a msgpack nil per chunk on the wire for the
+    tokens' logprobs, and one for the prompt's."""
     body = encode(Outputs(tokens=[TokenChunk("r1", [4])], finishes=[]))[1]
-    assert body == msgpack.packb([[["r1", [4], None]], []])
-    assert len(body) == len(msgpack.packb([[["r1", [4]]], []])) + 1
+    assert body == msgpack.packb([[["r1", [4], None, None]], []])
+    assert len(body) == len(msgpack.packb([[["r1", [4]]], []])) + 2
 
 
 def generate_body(prompt: object, logit_bias: object) -> bytes:
-    params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None]
+    params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None, None]
     return msgpack.packb(["r1", prompt, params])
 
 

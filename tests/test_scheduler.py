@@ -228,6 +228,32 @@ def test_keys_of_a_gateway():
 # --- the cycle: plan, advance, record, finish ------------------------------------------------
 
 
+def test_a_prompt_scored_for_its_logprobs_is_evaluated_whole_with_logits_on_all():
+    scheduler = Scheduler(n_slots=2, max_queue=4, slot_context=64)
+    scheduler.enqueue(request("a", [1, 2, 3, 4, 5]))
+    scheduler.admit(tick=0, now=0.0)
+    slot_a, _ = finish_and_release(scheduler, "a", tick=1)
+    scheduler.enqueue(request("b", [7]))
+    scheduler.admit(tick=2, now=0.0)
+    finish_and_release(scheduler, "b", tick=3)  # slot a's cache is the older one now
+    scheduler.enqueue(request("scored", [1, 2, 3, 4, 5, 6], prompt_logprobs=2))
+    (admission,) = scheduler.admit(tick=4, now=0.0)
+    # Its cached prefix would have no logits: none reused, and the other cache is kept.
+    assert admission.reused == 0 and admission.source is None
+    assert admission.slot is slot_a and admission.request.prefix_hit_tokens == 0
+    step = scheduler.schedule(budget=64, chunk_size=4)
+    assert [(r.tokens, r.start, r.sample, r.score) for r in step.runs] == [
+        ([1, 2, 3, 4], 0, False, True)
+    ]
+    scheduler.advance(step)
+    step = scheduler.schedule(budget=64, chunk_size=4)
+    assert [(r.tokens, r.sample, r.score) for r in step.runs] == [([5, 6], True, True)]
+    scheduler.advance(step)
+    scheduler.record_token(slot_a, 9, False, now=1.0)
+    (decode,) = scheduler.schedule(budget=64, chunk_size=4).runs
+    assert (decode.tokens, decode.score) == ([9], False)  # generating: logits only to sample
+
+
 def test_a_prompt_is_prefilled_in_chunks_then_decoded():
     scheduler = Scheduler(n_slots=2, max_queue=0, slot_context=64)
     scheduler.enqueue(request("long", list(range(1, 11))))

@@ -104,14 +104,21 @@ class TokenBatch:
         self.n_tokens = i + 1
         return i
 
-    def add_run(self, tokens: list[int], first_pos: int, seq: int, logits_on_last: bool) -> int:
+    def add_run(
+        self,
+        tokens: list[int],
+        first_pos: int,
+        seq: int,
+        logits_on_last: bool,
+        logits_on_all: bool = False,
+    ) -> int:
         """Append consecutive tokens of one sequence; return the index of the last one."""
         i, j = self.n_tokens, self.n_tokens + len(tokens)
         self.token[i:j] = tokens
         self.pos[i:j] = np.arange(first_pos, first_pos + len(tokens), dtype=np.int32)
         self.seq[i:j] = seq
-        self.logits[i:j] = 0
-        self.logits[j - 1] = logits_on_last
+        self.logits[i:j] = logits_on_all
+        self.logits[j - 1] = logits_on_last or logits_on_all
         self.n_tokens = j
         return j - 1
 

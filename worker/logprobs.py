@@ -1,5 +1,6 @@
 """Log-probabilities of a sampled token and its top alternatives, from the logits the tick
-loop already reads; only for requests that ask (SamplingParams.logprobs).
+loop already reads; only for requests that ask (SamplingParams.logprobs). And those of the
+prompt's tokens (SamplingParams.prompt_logprobs), from logits on every prompt token.
 
 They are taken after the request's logit bias and penalties, the distribution its sampler
 chain starts from (vLLM's default), and before temperature, top-k/p and grammar. The bias and
@@ -16,6 +17,9 @@ import numpy as np
 from loomserve.protocol import SamplingParams, TokenLogprobs
 
 FLOOR = -9999.0  # what a token that cannot be chosen reports (as vLLM's); JSON has no -inf
+# Prompt rows are normalised this many at a time: a block's exponentials are a temporary of
+# ROWS x vocabulary floats (32 MiB for a 262k vocabulary).
+ROWS = 32
 
 
 def token_logprobs(
@@ -33,7 +37,32 @@ def token_logprobs(
     peak = float(scores.max())
     # float32 exponentials (a large vocabulary's worth) summed in float64.
     log_total = peak + float(np.log(np.exp(scores - peak).sum(dtype=np.float64)))
-    top = params.logprobs or 0
+    return _entry(scores, log_total, token, params.logprobs or 0)
+
+
+def prompt_logprobs(
+    logits: np.ndarray, next_tokens: Sequence[int], top: int
+) -> list[TokenLogprobs]:
+    """Row i's log-probability of next_tokens[i] (the prompt token that follows row i's) and
+    its `top` most likely tokens'.
+
+    The model's own distribution: no bias and no penalties, which belong to sampling what
+    follows the prompt (vLLM's prompt_logprobs are the same).
+    """
+    result = []
+    n_rows = len(next_tokens)
+    for start in range(0, n_rows, ROWS):
+        block = logits[start : min(start + ROWS, n_rows)]
+        peaks = block.max(axis=1, keepdims=True)
+        sums = np.exp(block - peaks).sum(axis=1, dtype=np.float64)
+        log_totals = peaks[:, 0] + np.log(sums)
+        for row, log_total in enumerate(log_totals.tolist()):
+            result.append(_entry(block[row], log_total, next_tokens[start + row], top))
+    return result
+
+
+def _entry(scores: np.ndarray, log_total: float, token: int, top: int) -> TokenLogprobs:
+    """One position's logprobs from its scores and their log-sum-exp."""
     if top:
         best = np.argpartition(scores, -top)[-top:]
         best = best[np.argsort(-scores[best], kind="stable")]

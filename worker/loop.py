@@ -30,15 +30,17 @@ from loomserve.protocol import (
     Generate,
     Message,
     Outputs,
+    PromptLogprobs,
     Rejected,
+    TokenChunk,
     TokenLogprobs,
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
-from loomserve.worker.logprobs import token_logprobs
+from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.sampling import InvalidSampling
-from loomserve.worker.scheduler import Release, Request, RequestKey, Scheduler, Slot, Step
+from loomserve.worker.scheduler import Release, Request, RequestKey, Run, Scheduler, Slot, Step
 from loomserve.worker.strategies import load_strategy
 
 log = structlog.get_logger(__name__)
@@ -145,6 +147,7 @@ class TickLoop:
         self.embedder = embedder  # None: this worker computes no embeddings
         self._stopping = False
         self._outputs: dict[bytes, Outputs] = {}
+        self._scoring: Step | None = None  # this tick's step when a run scores its prompt
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     # --- any thread ------------------------------------------------------------------
@@ -345,9 +348,13 @@ class TickLoop:
         batch = self.engine.batch
         batch.clear()
         sampled = []
+        self._scoring = None
         for run in step.runs:
             seq = run.slot.index
-            if len(run.tokens) == 1:  # a decode token: the cheaper single add
+            if run.score:  # a prompt being scored: logits on every token (_score_prompts)
+                last = batch.add_run(run.tokens, run.start, seq, True, logits_on_all=True)
+                self._scoring = step
+            elif len(run.tokens) == 1:  # a decode token: the cheaper single add
                 last = batch.add(run.tokens[0], run.start, seq, run.sample)
             else:
                 last = batch.add_run(run.tokens, run.start, seq, run.sample)
@@ -370,13 +377,15 @@ class TickLoop:
 
     def _sample(self, sampled: list[tuple[Slot, int]]) -> int:
         """Sample each slot's new token and hand it to the scheduler; return how many."""
+        scored = self._score_prompts(self._scoring) if self._scoring is not None else None
         if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
             return 0
         now = time.monotonic()
         is_eog, record_token = self.engine.is_eog, self.scheduler.record_token
         # Logits were asked for exactly where a token is sampled, so output row i belongs to
-        # sampled[i]: one view of them all instead of one per slot.
-        logits = self.engine.output_logits(len(sampled))
+        # sampled[i]: one view of them all instead of one per slot. Unless a prompt was
+        # scored: then its rows are picked out.
+        logits = self.engine.output_logits(len(sampled)) if scored is None else scored
         for row, (slot, batch_index) in enumerate(sampled):
             request = slot.request
             token = request.sampler.sample(batch_index, logits[row])
@@ -394,6 +403,38 @@ class TickLoop:
         generated = slot.tokens[slot.n_prompt :]
         params, context = slot.request.params, self.engine.slot_context
         return [token_logprobs(logits, token, params, generated, context)]
+
+    def _score_prompts(self, step: Step) -> np.ndarray:
+        """Send the prompt logprobs of the step's scoring runs; return the logits rows of the
+        sampled slots (in batch order, as _sample reads them)."""
+        n_outputs = sum(len(run.tokens) if run.score else run.sample for run in step.runs)
+        logits = self.engine.output_logits(n_outputs)
+        rows, sample_rows = 0, []
+        for run in step.runs:
+            if run.score:
+                self._send_prompt_logprobs(run, logits[rows : rows + len(run.tokens)])
+                rows += len(run.tokens)
+                if run.sample:
+                    sample_rows.append(rows - 1)
+            elif run.sample:
+                sample_rows.append(rows)
+                rows += 1
+        return logits[sample_rows]
+
+    def _send_prompt_logprobs(self, run: Run, rows: np.ndarray) -> None:
+        """Row i scores prompt token run.start + i + 1; the prompt's last row scores nothing
+        (its logits sample the first generated token)."""
+        request = run.slot.request
+        prompt = request.prompt
+        n_scored = min(len(run.tokens), len(prompt) - 1 - run.start)
+        if n_scored <= 0:
+            return
+        first = run.start + 1
+        entries = prompt_logprobs(
+            rows[:n_scored], prompt[first : first + n_scored], request.params.prompt_logprobs
+        )
+        chunk = TokenChunk(request.request_id, [], prompt_logprobs=PromptLogprobs(first, entries))
+        self._outputs_for(request.gateway).tokens.append(chunk)
 
     # --- 6: emit -----------------------------------------------------------------------
 

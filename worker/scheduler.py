@@ -124,6 +124,9 @@ class Run:
     tokens: list[int]
     start: int  # the cache position of tokens[0]
     sample: bool  # a token is sampled from the last token's logits
+    # Logits on every token, not only the last: they score the prompt tokens that follow
+    # (SamplingParams.prompt_logprobs).
+    score: bool = False
 
 
 @dataclass(slots=True)
@@ -251,7 +254,10 @@ class Scheduler:
         admissions = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
-            slot, source, shared = self._placement(request.prompt)
+            # A cached prefix has no logits to score its tokens with: a request that scores
+            # its prompt evaluates it all, in the least recently used slot.
+            scores = request.params.prompt_logprobs is not None
+            slot, source, shared = self._placement([] if scores else request.prompt)
             # At least the last prompt token is evaluated again: its logits give token one.
             reused = min(shared, len(request.prompt) - 1)
             slot.phase = SlotPhase.PREFILLING
@@ -313,8 +319,10 @@ class Scheduler:
         for index, n_tokens in plan.prefill.items():
             slot = slots[index]
             start, end = slot.n_in_cache, slot.n_in_cache + n_tokens
-            # Logits only where a token is sampled: the last prompt token.
-            runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt))
+            # Logits only where a token is sampled (the last prompt token), unless the
+            # request scores its prompt.
+            score = slot.request.params.prompt_logprobs is not None
+            runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt, score))
         return Step(plan, runs)
 
     def _plan(self, views: list[SlotView], budget: int, chunk_size: int) -> BatchPlan:
