@@ -29,6 +29,7 @@ from loomserve.gateway.params import (
     max_new_tokens,
     reject_unsupported,
     sampling_params,
+    score_only,
     stop_strings,
 )
 from loomserve.gateway.pool import WorkerPool
@@ -349,6 +350,8 @@ async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> Generati
     else:
         texts = await prompts.completion_prompts(vocab, body.prompt, bool(body.echo))
         requested, default, id_prefix = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "cmpl"
+        if score_only(body):  # the worker generates at least one token: the gateway drops it
+            requested = 1
     n = body.n or 1
     if len(texts) * n > MAX_CHOICES:
         raise invalid_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", "n")
@@ -375,4 +378,5 @@ async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> Generati
         arrived_at=arrived,
         created=int(time.time()),
         tools=tools,
+        score_only=score_only(body),
     )

@@ -13,16 +13,30 @@ from loomserve.gateway.schemas import Usage
 from loomserve.gateway.stop import StopMatcher
 from loomserve.gateway.tokenizer import IncrementalDetokenizer, Pieces
 from loomserve.gateway.worker_errors import WorkerFailed
-from loomserve.protocol.messages import Finish, FinishReason, TokenChunk
+from loomserve.protocol.messages import (
+    Finish,
+    FinishReason,
+    PromptLogprobs,
+    TokenChunk,
+    TokenLogprobs,
+)
 
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One generated token's log-probability and its top alternatives', with their bytes."""
+    """One token's log-probability and its top alternatives', with their bytes."""
 
     token: bytes
-    logprob: float
-    top: list[tuple[bytes, float]]  # most likely first
+    logprob: float | None  # None only for a prompt's first token: nothing precedes it
+    top: list[tuple[bytes, float]] | None  # most likely first; None with logprob None
+
+
+@dataclass(slots=True)
+class PromptScores:
+    """The prompt's tokens and their logprobs (completions' echo with logprobs): the first
+    event of such a sequence, before its text."""
+
+    logprobs: list[TokenLogprob]
 
 
 @dataclass(slots=True)
@@ -49,19 +63,42 @@ class TextAssembly:
     a matched stop string is dropped, and so is everything generated after it.
     """
 
-    __slots__ = ("_detokenizer", "_matcher", "generated", "prompt_len", "stopped", "vocab")
+    __slots__ = (
+        "_detokenizer",
+        "_matcher",
+        "_prompt_logprobs",
+        "generated",
+        "prompt_len",
+        "score_only",
+        "scored_prompt",
+        "stopped",
+        "vocab",
+    )
 
-    def __init__(self, vocab: Pieces, stops: tuple[str, ...], prompt_len: int) -> None:
+    def __init__(
+        self,
+        vocab: Pieces,
+        stops: tuple[str, ...],
+        prompt_len: int,
+        scored_prompt: list[int] | None = None,
+        score_only: bool = False,
+    ) -> None:
         self.vocab = vocab
         self._detokenizer = IncrementalDetokenizer(vocab)
         self._matcher = StopMatcher(stops)
         self.prompt_len = prompt_len
         self.generated = 0  # tokens taken, up to and including the one that completed a stop
         self.stopped = False  # a stop string matched: the worker should be cancelled
+        # The prompt's tokens when the worker scores them (PromptLogprobs); None otherwise.
+        self.scored_prompt = scored_prompt
+        self._prompt_logprobs: list[TokenLogprobs] = []  # for prompt tokens 1, 2, ...
+        # max_tokens 0 with echo: the prompt is all the answer, and the one token the worker
+        # must generate is dropped.
+        self.score_only = score_only
 
     def push(self, token_ids: list[int]) -> str:
         """The text these tokens complete that is safe to send; "" once stopped."""
-        if self.stopped:
+        if self.stopped or self.score_only:
             return ""
         parts: list[str] = []
         for token_id in token_ids:
@@ -87,6 +124,27 @@ class TextAssembly:
             for token, lp in zip(chunk.token_ids[:taken], chunk.logprobs, strict=False)
         ]
 
+    def push_prompt(self, scores: PromptLogprobs) -> None:
+        """Keep the prompt logprobs of a chunk; positions already kept are not kept twice (a
+        worker that evaluates the prompt again sends them again)."""
+        skip = len(self._prompt_logprobs) + 1 - scores.first
+        if skip >= 0:
+            self._prompt_logprobs += scores.logprobs[skip:]
+
+    def prompt_scores(self, final: bool = False) -> PromptScores | None:
+        """The prompt's scores, once: when every prompt token has its logprobs (the worker
+        sends them before the first generated token), or at the end with what came."""
+        prompt = self.scored_prompt
+        if prompt is None or (len(self._prompt_logprobs) < len(prompt) - 1 and not final):
+            return None
+        self.scored_prompt = None
+        piece = self.vocab.piece
+        entries = [TokenLogprob(piece(prompt[0]), None, None)]
+        for token, lp in zip(prompt[1:], self._prompt_logprobs, strict=False):
+            top = [(piece(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+            entries.append(TokenLogprob(piece(token), lp.logprob, top))
+        return PromptScores(entries)
+
     def done(self, finish: Finish | None) -> tuple[str, Done]:
         """The last text (may be "") and the Done, given the worker's Finish.
 
@@ -99,6 +157,8 @@ class TextAssembly:
             raise ValueError("a sequence that did not stop needs the worker's Finish")
         if finish.reason == FinishReason.ERROR:
             raise WorkerFailed(finish.message)
+        if self.score_only:
+            return "", Done("length", self._usage(finish, 0))
         match = self._matcher.push(self._detokenizer.flush())
         tail = match.text + ("" if match.matched else self._matcher.flush())
         # The worker's cancelled (by us or because it dropped this gateway) reads as stop.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loomserve.gateway.assembly import Done, TextAssembly, TextDelta
+from loomserve.gateway.assembly import Done, PromptScores, TextAssembly, TextDelta
 from loomserve.gateway.client import RequestHandle, WorkerClient
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.pool import WorkerPool
@@ -64,7 +64,14 @@ class Generation:
         generate = request.to_worker(index)
         tried: set[str] = set()
         client, handle = await pool.submit(generate, deadline, tried)
-        assembly = TextAssembly(vocab, request.stops, len(generate.prompt_tokens))
+        scored = generate.params.prompt_logprobs is not None
+        assembly = TextAssembly(
+            vocab,
+            request.stops,
+            len(generate.prompt_tokens),
+            scored_prompt=generate.prompt_tokens if scored else None,
+            score_only=request.score_only,
+        )
         return cls(request, index, handle, client, pool, tried, assembly, metrics)
 
     async def first_output(self) -> None:
@@ -72,8 +79,9 @@ class Generation:
         if not self._pending:
             self._pending = await self.handle.next_events()
 
-    async def events(self) -> AsyncIterator[TextDelta | Done]:
-        """Text deltas, then one Done; raises WorkerClientError if the worker fails or is lost."""
+    async def events(self) -> AsyncIterator[PromptScores | TextDelta | Done]:
+        """The prompt's scores when it asked for them, text deltas, then one Done; raises
+        WorkerClientError if the worker fails or is lost."""
         assembly = self.assembly
         finish: Finish | None = None
         try:
@@ -90,6 +98,8 @@ class Generation:
                     if isinstance(event, Finish):
                         finish = event
                         break
+                    if event.prompt_logprobs is not None:
+                        assembly.push_prompt(event.prompt_logprobs)
                     before = assembly.generated
                     delta.text += assembly.push(event.token_ids)
                     if event.logprobs:
@@ -98,11 +108,15 @@ class Generation:
                         later = batch[position + 1 :]
                         finish = next((e for e in later if isinstance(e, Finish)), None)
                         break
+                if scores := assembly.prompt_scores():
+                    yield scores
                 if delta.text or delta.logprobs:
                     yield delta
             if assembly.stopped:
                 finish = await self._cancel_after_stop(finish)
             tail, done = assembly.done(finish)
+            if scores := assembly.prompt_scores(final=True):  # cut short before it was whole
+                yield scores
             if tail:
                 yield TextDelta(tail)
             self._record(done, finish)

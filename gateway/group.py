@@ -3,8 +3,10 @@
 Each choice is its own sequence in the worker (a Generation). The n choices of one prompt
 share its prefill: the first is submitted alone, and the others once the worker has sent its
 first output, when the prompt is in that slot's cache and the worker copies it (prefix reuse)
-instead of evaluating it n times. A refusal of any choice (queue full, ...) cancels the ones
-already taken, and the request is answered as one; so is a client that goes away.
+instead of evaluating it n times (unless they score the prompt: completions' echo with
+logprobs evaluates each whole, see scheduler.admit). A refusal of any choice (queue full,
+...) cancels the ones already taken, and the request is answered as one; so is a client
+that goes away.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import structlog
 
-from loomserve.gateway.assembly import Done, TextDelta
+from loomserve.gateway.assembly import Done, PromptScores, TextDelta
 from loomserve.gateway.generation import Generation
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.pool import WorkerPool
@@ -26,7 +28,7 @@ from loomserve.gateway.worker_errors import WorkerClientError
 
 log = structlog.get_logger(__name__)
 
-ChoiceEvent = tuple[int, TextDelta | Done]  # (choice index, event)
+ChoiceEvent = tuple[int, PromptScores | TextDelta | Done]  # (choice index, event)
 
 
 class GenerationGroup:
@@ -73,7 +75,8 @@ class GenerationGroup:
         return cls(request, started, metrics)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Each choice's text deltas and its Done, interleaved as the worker produces them.
+        """Each choice's text deltas and its Done (after its prompt's scores, when it asked),
+        interleaved as the worker produces them.
 
         Raises WorkerClientError when any choice fails; the others are then cancelled.
         """
@@ -121,7 +124,7 @@ class GenerationGroup:
             if self.metrics is not None:
                 self.metrics.client_disconnects.inc()
 
-    def _note(self, index: int, event: TextDelta | Done) -> None:
+    def _note(self, index: int, event: PromptScores | TextDelta | Done) -> None:
         if isinstance(event, Done):
             self.dones[index] = event
 

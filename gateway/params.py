@@ -51,10 +51,6 @@ def reject_unsupported(request: CompletionRequest | ChatCompletionRequest) -> No
             "stream obfuscation is not supported", "stream_options.include_obfuscation"
         )
     if isinstance(request, CompletionRequest):
-        if request.echo and request.logprobs is not None:
-            raise invalid_request(
-                "echo with logprobs (the prompt's logprobs) is not supported", "echo"
-            )
         if request.best_of not in (None, 1, request.n or 1):
             raise invalid_request("best_of is supported only equal to n", "best_of")
         if request.suffix:
@@ -96,6 +92,12 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def score_only(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Completions' echo with max_tokens 0: answer the prompt alone (with its logprobs when
+    asked), as eval harnesses score a text; OpenAI's legacy completions allowed it."""
+    return isinstance(request, CompletionRequest) and bool(request.echo) and request.max_tokens == 0
+
+
 def max_new_tokens(requested: int | None, default: int | None, prompt_len: int, ctx: int) -> int:
     """Tokens to generate: as asked (or the default), capped by what the slot's context leaves."""
     room = ctx - prompt_len
@@ -115,6 +117,9 @@ def max_new_tokens(requested: int | None, default: int | None, prompt_len: int, 
 def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) -> SamplingParams:
     """The worker's SamplingParams; their own checks become 400s."""
     defaults = SamplingParams()
+    logprobs = top_logprobs(request)
+    # Completions' echo with logprobs: the prompt's tokens get theirs too, as in OpenAI's.
+    echo = isinstance(request, CompletionRequest) and bool(request.echo)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -130,7 +135,8 @@ def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) ->
             logit_bias=_logit_bias(request.logit_bias, vocab),
             grammar=request_grammar(request, vocab),
             ignore_eos=bool(request.ignore_eos),
-            logprobs=top_logprobs(request),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
         )
     except ValueError as exc:
         raise invalid_request(str(exc)) from exc

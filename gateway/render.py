@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomserve.gateway.assembly import Done, TextDelta, TokenLogprob
+from loomserve.gateway.assembly import Done, PromptScores, TextDelta, TokenLogprob
 from loomserve.gateway.errors import APIError
 from loomserve.gateway.request import GenerationRequest
 from loomserve.gateway.schemas import (
@@ -60,12 +60,21 @@ class StreamChunks:
     _offsets: dict[int, int] = field(default_factory=dict)
 
     def opening(self, index: int) -> str | None:
-        """Chat choices open with the assistant's role, as OpenAI's do; echo with the prompt."""
+        """Chat choices open with the assistant's role, as OpenAI's do; echo with the prompt
+        (with logprobs, not before the worker scored it: see `echo`)."""
         if self.request.chat:
             return self._choice(index, {"delta": {"role": "assistant", "content": ""}}, None)
-        if self.request.echo:
+        if self.request.echo and not self.request.logprobs:
             return self.text(index, TextDelta(self.request.prompt_of(index).text))
         return None
+
+    def echo(self, index: int, scores: PromptScores) -> str:
+        """The prompt of an echoing choice with its tokens' logprobs; the text_offset of the
+        tokens that follow counts on from its tokens' text, as in the whole response."""
+        logprobs = completion_logprobs(scores.logprobs, 0)
+        self._offsets[index] = sum(len(_text(entry.token)) for entry in scores.logprobs)
+        text = self.request.prompt_of(index).text
+        return self._choice(index, {"text": text}, None, logprobs.model_dump())
 
     def text(self, index: int, delta: TextDelta) -> str:
         if self.request.chat:
@@ -150,7 +159,8 @@ def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-    """Completions' logprobs shape: parallel lists, text_offset counted from `offset`."""
+    """Completions' logprobs shape: parallel lists, text_offset counted from `offset` (a
+    prompt's first token, scored by nothing, has None for its logprob and top)."""
     offsets = []
     for entry in entries:
         offsets.append(offset)
@@ -158,7 +168,7 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> CompletionL
     return CompletionLogprobs(
         tokens=[_text(e.token) for e in entries],
         token_logprobs=[e.logprob for e in entries],
-        top_logprobs=[_top_dict(e.top) for e in entries],
+        top_logprobs=[None if e.top is None else _top_dict(e.top) for e in entries],
         text_offset=offsets,
     )
 
@@ -201,7 +211,8 @@ def response_body(
             CompletionChoice(
                 index=i,
                 text=prefix + text,
-                logprobs=completion_logprobs(lp, len(prefix)) if asked else None,
+                # With echo, lp starts with the prompt's tokens: offsets count from 0.
+                logprobs=completion_logprobs(lp, 0) if asked else None,
                 finish_reason=done.finish_reason,
             )
         )

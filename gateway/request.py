@@ -44,6 +44,9 @@ class GenerationRequest:
     arrived_at: float  # time.monotonic() when the route took the request
     created: int  # unix seconds, the response's `created`
     tools: ToolRequest | None = None  # chat with tools: its output is parsed for calls
+    # Completions' echo with max_tokens 0: the answer is the prompt (scored, with logprobs);
+    # the worker generates one token all the same, which the gateway drops.
+    score_only: bool = False
 
     def tool_parser(self) -> ToolCallParser | None:
         """A parser for the reply's tool calls, when the request has tools."""

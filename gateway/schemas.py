@@ -201,11 +201,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Completions' logprobs, one entry per generated token in each list."""
+    """Completions' logprobs, one entry per generated token in each list; with echo, the
+    prompt's tokens first (its first token's logprob and top are null)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loomserve.gateway.assembly import Done, TextDelta, TokenLogprob
+from loomserve.gateway.assembly import Done, PromptScores, TextDelta, TokenLogprob
 from loomserve.gateway.errors import worker_error
 from loomserve.gateway.group import GenerationGroup
 from loomserve.gateway.render import DONE_EVENT, StreamChunks, error_event
@@ -29,8 +29,8 @@ log = structlog.get_logger(__name__)
 async def collect(
     group: GenerationGroup,
 ) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
-    """Each choice's whole text, Done and logprobs, in choice order, for a non-streaming
-    request."""
+    """Each choice's whole text, Done and logprobs (the prompt's first, when it was scored),
+    in choice order, for a non-streaming request."""
     n_choices = group.request.n_choices
     parts: list[list[str]] = [[] for _ in range(n_choices)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n_choices)]
@@ -38,6 +38,8 @@ async def collect(
         if isinstance(event, TextDelta):
             parts[index].append(event.text)
             logprobs[index] += event.logprobs
+        elif isinstance(event, PromptScores):
+            logprobs[index] = event.logprobs + logprobs[index]
     dones = [group.dones[i] for i in range(n_choices)]
     return ["".join(p) for p in parts], dones, logprobs
 
@@ -73,6 +75,8 @@ async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIte
             if isinstance(event, TextDelta):
                 if piece := chunks.text(index, event):  # "" while tool calls are parsed
                     yield piece
+            elif isinstance(event, PromptScores):
+                yield chunks.echo(index, event)
             else:
                 yield chunks.finish(index, event.finish_reason)
         if chunks.request.include_usage:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from loomserve.gateway.assembly import Done, TextAssembly
+from loomserve.gateway.assembly import Done, PromptScores, TextAssembly, TokenLogprob
 from loomserve.gateway.client import RequestHandle
 from loomserve.gateway.errors import worker_error
 from loomserve.gateway.request import GenerationRequest, Prompt
@@ -20,7 +20,15 @@ from loomserve.gateway.worker_errors import (
     WorkerTimeout,
     WorkerUnavailable,
 )
-from loomserve.protocol.messages import ErrorCode, Finish, FinishReason, SamplingParams, TokenChunk
+from loomserve.protocol.messages import (
+    ErrorCode,
+    Finish,
+    FinishReason,
+    PromptLogprobs,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprobs,
+)
 
 # A vocabulary of byte strings: words, and the two halves of "é" (0xC3 0xA9) on their own.
 PIECES = {0: b"", 1: b"Hello", 2: b" world", 3: b" ST", 4: b"OP", 5: b"\xc3", 6: b"\xa9", 7: b"!"}
@@ -48,6 +56,35 @@ def test_text_and_the_workers_usage() -> None:
     assert text.done(finish(FinishReason.LENGTH, 3)) == (
         "",
         Done("length", Usage.of(prompt_tokens=5, completion_tokens=3, cached_tokens=2)),
+    )
+
+
+def test_prompt_scores_come_once_whole_and_positions_sent_again_count_once() -> None:
+    text = TextAssembly(FakePieces(), (), 3, scored_prompt=[0, 1, 2])
+    assert text.prompt_scores() is None  # nothing scored yet
+    text.push_prompt(PromptLogprobs(1, [TokenLogprobs(-1.0, [2], [-0.5])]))
+    assert text.prompt_scores() is None  # token 2 has no logprob yet
+    # A worker that evaluated the prompt again sends position 1 again: kept once.
+    text.push_prompt(
+        PromptLogprobs(1, [TokenLogprobs(-1.0, [2], [-0.5]), TokenLogprobs(-2.0, [], [])])
+    )
+    assert text.prompt_scores() == PromptScores(
+        [
+            TokenLogprob(b"", None, None),
+            TokenLogprob(b"Hello", -1.0, [(b" world", -0.5)]),
+            TokenLogprob(b" world", -2.0, []),
+        ]
+    )
+    assert text.prompt_scores(final=True) is None  # once
+
+
+def test_score_only_drops_the_generated_token() -> None:
+    text = TextAssembly(FakePieces(), ("Hel",), 5, scored_prompt=[1], score_only=True)
+    assert text.prompt_scores() == PromptScores([TokenLogprob(b"Hello", None, None)])
+    assert text.push([1]) == "" and not text.stopped
+    assert text.done(finish(FinishReason.STOP, 1)) == (
+        "",
+        Done("length", Usage.of(prompt_tokens=5, completion_tokens=0, cached_tokens=2)),
     )
 
 

@@ -82,7 +82,6 @@ def test_api_key(gateway: Proc) -> None:
         ("/v1/completions", {"prompt": "hi", "grammar": "root ::= nothing"}, "grammar"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True}, "echo"),
         ("/v1/completions", {"prompt": [[5, 6], []]}, "prompt"),
         ("/v1/completions", {"prompt": [1, 999999]}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),

@@ -247,6 +247,72 @@ def test_echo_prepends_the_prompt(gateway: Proc) -> None:
     assert "".join(c.choices[0].text for c in stream) == echoed.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(gateway: Proc) -> None:
+    prompt = "the cat and the dog"
+    result = complete(gateway, prompt, max_tokens=6, echo=True, logprobs=2)
+    choice = result.choices[0]
+    lp = choice.logprobs
+    n_prompt = result.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes it
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])  # texts may coincide
+    assert "".join(lp.tokens[:n_prompt]).strip() == prompt
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # The generated part is what the same request without echo gives.
+    plain = complete(gateway, prompt, max_tokens=6, logprobs=2).choices[0]
+    assert choice.text == prompt + plain.text
+    assert lp.tokens[n_prompt:] == plain.logprobs.tokens
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-3)
+
+    stream = list(complete(gateway, prompt, max_tokens=6, echo=True, logprobs=2, stream=True))
+    opening = stream[0].choices[0]
+    assert opening.text == prompt and opening.logprobs.tokens == lp.tokens[:n_prompt]
+    streamed = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs]
+    assert "".join(c.choices[0].text for c in stream) == choice.text
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    values = [v for s in streamed for v in s.token_logprobs]
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+
+
+def test_scoring_a_text_with_max_tokens_0_matches_generating_from_each_prefix(
+    gateway: Proc,
+) -> None:
+    """lm-eval-harness's loglikelihood: token ids, echo, logprobs, max_tokens 0. Each prompt
+    position's scores are those of the first token generated from the prompt before it."""
+    text = {"content": "the cat and the dog sat by", "add_special": True}
+    ids = httpx.post(gateway.url + "/tokenize", json=text).json()["tokens"]
+    scored = complete(gateway, ids, max_tokens=0, echo=True, logprobs=5)
+    choice = scored.choices[0]
+    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) == scored.usage.prompt_tokens
+    assert choice.text.endswith("".join(lp.tokens))  # the text writes out BOS: "<s>"
+    for j in range(1, len(ids)):
+        first = complete(gateway, ids[:j], max_tokens=1, logprobs=5).choices[0].logprobs
+        top, expected = lp.top_logprobs[j], first.top_logprobs[0]
+        assert top.keys() == expected.keys()
+        assert list(top.values()) == pytest.approx(list(expected.values()), abs=1e-3)
+        if first.tokens[0] == lp.tokens[j]:  # the prompt token is the greedy one
+            assert lp.token_logprobs[j] == pytest.approx(first.token_logprobs[0], abs=1e-3)
+            assert lp.token_logprobs[j] == pytest.approx(max(top.values()))
+        else:
+            assert lp.token_logprobs[j] < max(top.values())
+    # max_tokens 1 (lm-eval sends that and drops the last token), n choices, a stream: the
+    # prompt's scores are the same in each.
+    stream = list(complete(gateway, ids, max_tokens=1, echo=True, logprobs=5, n=2, stream=True))
+    for index in (0, 1):
+        chunks = [c.choices[0] for c in stream if c.choices and c.choices[0].index == index]
+        values = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+        assert len(values) == len(ids) + 1 and values[0] is None
+        assert values[1 : len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+        assert chunks[-1].finish_reason == "length"
+    echo_only = complete(gateway, "one two", max_tokens=0, echo=True)
+    assert echo_only.choices[0].text == "one two" and echo_only.choices[0].logprobs is None
+    assert echo_only.usage.completion_tokens == 0
+
+
 # --- HTTP extras ------------------------------------------------------------------------
 
 
