@@ -409,17 +409,17 @@ class TickLoop:
         sampled slots (in batch order, as _sample reads them)."""
         n_outputs = sum(len(run.tokens) if run.score else run.sample for run in step.runs)
         logits = self.engine.output_logits(n_outputs)
-        rows, sample_rows = 0, []
+        rows, sampled_rows = 0, []
         for run in step.runs:
             if run.score:
                 self._send_prompt_logprobs(run, logits[rows : rows + len(run.tokens)])
                 rows += len(run.tokens)
                 if run.sample:
-                    sample_rows.append(rows - 1)
+                    sampled_rows.append(rows - 1)
             elif run.sample:
-                sample_rows.append(rows)
+                sampled_rows.append(rows)
                 rows += 1
-        return logits[sample_rows]
+        return logits[sampled_rows]
 
     def _send_prompt_logprobs(self, run: Run, rows: np.ndarray) -> None:
         """Row i scores prompt token run.start + i + 1; the prompt's last row scores nothing
