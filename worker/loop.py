@@ -65,6 +65,8 @@ class TickRecord:
     tick: int
     decode_tokens: int  # one per generating slot in the batch
     prefill_tokens: int  # prompt tokens evaluated
+    pad_tokens: int  # tokens that only join slots into fewer passes (ubatches.py)
+    ubatches: int  # forward passes llama.cpp makes of the batch
     sampled_tokens: int  # new tokens produced
     budget: int  # the batch's token budget
     slots_active: int
@@ -132,6 +134,7 @@ class TickLoop:
             engine.slot_context,
             engine.min_copy_tokens,
             load_strategy(config.strategy),
+            engine.split_rules,
         )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
@@ -356,6 +359,10 @@ class TickLoop:
 
     def _forward(self, step: Step) -> bool:
         code = self.engine.decode(self.engine.batch)
+        if step.n_pad:  # padding only joined the pass: its slots never had those cells
+            for run in step.runs:
+                if run.pad:
+                    self.engine.keep_prefix(run.slot.index, run.start)
         if code != 0:
             log.error("decode failed", code=code, slots=[run.slot.index for run in step.runs])
             self.scheduler.fail(step, f"llama_decode failed with code {code}")
@@ -408,6 +415,8 @@ class TickLoop:
             tick=self.tick_count,
             decode_tokens=len(plan.decode),
             prefill_tokens=plan.n_tokens - len(plan.decode),
+            pad_tokens=step.n_pad,
+            ubatches=step.ubatches,
             sampled_tokens=n_sampled,
             budget=self.config.batch_tokens,
             slots_active=self.scheduler.running,
@@ -418,9 +427,11 @@ class TickLoop:
             log.info(
                 "tick",
                 tick=record.tick,
-                batch_tokens=plan.n_tokens,
+                batch_tokens=step.n_tokens,
                 decode_tokens=record.decode_tokens,
                 prefill_tokens=record.prefill_tokens,
+                pad_tokens=record.pad_tokens,
+                ubatches=record.ubatches,
                 slots_active=record.slots_active,
                 queue_depth=record.queue_depth,
                 tick_ms=round(record.seconds * 1000, 3),
