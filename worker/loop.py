@@ -34,7 +34,7 @@ from loomserve.protocol import (
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
-from loomserve.worker.sampling import InvalidSampling
+from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import Release, Request, RequestKey, Scheduler, Slot, Step
 from loomserve.worker.strategies import load_strategy
 
@@ -381,9 +381,10 @@ class TickLoop:
         # Logits were asked for exactly where a token is sampled, so output row i belongs to
         # sampled[i]: one view of them all instead of one per slot.
         logits = self.engine.output_logits(len(sampled))
-        for row, (slot, batch_index) in enumerate(sampled):
+        samplers = [slot.request.sampler for slot, _ in sampled]
+        tokens = sample_rows(samplers, [index for _, index in sampled], logits)
+        for (slot, _), token in zip(sampled, tokens, strict=True):
             request = slot.request
-            token = request.sampler.sample(batch_index, logits[row])
             chunk = record_token(slot, token, is_eog(token), now)
             if chunk is not None:
                 self._outputs_for(request.gateway).tokens.append(chunk)

@@ -26,28 +26,35 @@ from itertools import pairwise
 def count_ubatches(runs: Sequence[tuple[int, int]], n_ubatch: int, per_seq_streams: bool) -> int:
     """The ubatches llama.cpp makes of a batch of `runs`, (sequence id, tokens) in batch
     order, each sequence in one run; per_seq_streams: each sequence has its own KV stream."""
+    if not runs:
+        return 0
     n_tokens = sum(n for _, n in runs)
     if not per_seq_streams:
         return -(-n_tokens // n_ubatch)  # split_simple: by size alone
+    seqs = [seq for seq, _ in runs]
     left = [n for _, n in runs]
-    index_of = {seq: i for i, (seq, _) in enumerate(runs)}
-    ubatches = 0
-    first = 0  # the first run with tokens left: its tokens come first in the batch
+    if max(left) == 1 and seqs == list(range(seqs[0], seqs[0] + len(seqs))):
+        return 1  # the common tick: one decode token per slot, slots in a row
+    position = {seq: i for i, seq in enumerate(seqs)}
+    n_runs, ubatches, first = len(runs), 0, 0
     while True:
-        while first < len(runs) and not left[first]:
-            first += 1
-        if first == len(runs):
+        while first < n_runs and not left[first]:
+            first += 1  # the first run with tokens left: its tokens come first in the batch
+        if first == n_runs:
             return ubatches
         # The chain: seq, seq + 1, ... while the next id has tokens left later in the batch.
-        chain = [first]
-        seq = runs[first][0]
+        chain, last, seq = [first], first, seqs[first]
         while len(chain) <= n_ubatch:
-            following = index_of.get(seq + 1)
-            if following is None or following < chain[-1] or not left[following]:
+            seq += 1
+            # In slot order the next id is the next run; otherwise look it up.
+            following = (
+                last + 1 if last + 1 < n_runs and seqs[last + 1] == seq else position.get(seq)
+            )
+            if following is None or following < last or not left[following]:
                 break
             chain.append(following)
-            seq += 1
-        take = min(min(left[i] for i in chain), max(1, n_ubatch // len(chain)))
+            last = following
+        take = min(min([left[i] for i in chain]), max(1, n_ubatch // len(chain)))
         for i in chain:
             left[i] -= take
         ubatches += 1
