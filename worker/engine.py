@@ -135,6 +135,7 @@ class Engine:
         self.vocab = llama.llama_model_get_vocab(self.model)
         self.description = describe(self.model, config.model_path, self._gpu_layers(config))
         self.n_vocab = self.description.n_vocab
+        self._eog: dict[int, bool] = {}
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
         self._eval_callback = eval_callback  # held: the C side keeps only a pointer
@@ -226,7 +227,11 @@ class Engine:
         ]
 
     def is_eog(self, token: int) -> bool:
-        return llama.llama_vocab_is_eog(self.vocab, token)
+        # Asked once per sampled token: a dict lookup is a tenth of the C call through ctypes.
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     # --- per tick -----------------------------------------------------------------------
 
