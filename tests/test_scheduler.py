@@ -276,9 +276,11 @@ def test_a_prompt_is_prefilled_in_chunks_then_decoded():
     chunk = scheduler.record_token(step.runs[1].slot, 50, False, now=1.0)
     assert chunk == TokenChunk("short", [50])
 
-    # Decode runs come first: the one generating slot's last token, at its next position.
+    # Runs go in slot order: the generating slot's last token, at its next position, after
+    # the first slot's last prompt chunk.
     step = scheduler.schedule(budget=64, chunk_size=4)
-    decode, prefill = step.runs
+    prefill, decode = step.runs
+    assert (prefill.slot, decode.slot) == (slot, slot_of(scheduler, "short"))
     assert (decode.tokens, decode.start, decode.sample) == ([50], 2, True)
     assert (prefill.tokens, prefill.start, prefill.sample) == ([9, 10], 8, True)
     assert step.plan == BatchPlan(decode=[decode.slot.index], prefill={slot.index: 2})

@@ -27,6 +27,7 @@ import structlog
 from loomserve.protocol import SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.sampling import Sampler, build_sampler
+from loomserve.worker.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
 
@@ -126,7 +127,9 @@ class TokenBatch:
 class Engine:
     """The model, its one context, and the few llama.cpp calls the loop needs."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, eval_callback=None) -> None:
+        """eval_callback: a ggml_backend_sched_eval_callback that sees every graph node (for
+        tests that count forward passes); it slows every decode, so never in serving."""
         llama.llama_backend_init()
         _route_llama_logs()
         if config.batch_invariant:
@@ -139,13 +142,24 @@ class Engine:
         self.vocab = llama.llama_model_get_vocab(self.model)
         self.description = describe(self.model, config.model_path, self._gpu_layers(config))
         self.n_vocab = self.description.n_vocab
+        self._eog: dict[int, bool] = {}
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
+        self._eval_callback = eval_callback  # held: the C side keeps only a pointer
         self.ctx = self._new_context(config)
         self.memory = llama.llama_get_memory(self.ctx)
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.
         self.min_copy_tokens = MIN_STREAM_COPY_TOKENS if config.batch_invariant else 1
+        # A stream per slot makes llama.cpp cut batches by sequence (worker/ubatches.py).
+        recurrent = llama.llama_model_is_recurrent(self.model) or llama.llama_model_is_hybrid(
+            self.model
+        )
+        self.split_rules = SplitRules(
+            per_slot_streams=config.batch_invariant and config.slots > 1,
+            padding=not recurrent,
+            pad_cached_slots=llama.llama_model_n_swa(self.model) == 0,
+        )
         self.batch = TokenBatch(config.batch_tokens)
 
     # --- set-up -------------------------------------------------------------------
@@ -178,6 +192,8 @@ class Engine:
         params.n_threads = config.n_threads
         params.n_threads_batch = config.n_threads
         params.no_perf = True
+        if self._eval_callback is not None:
+            params.cb_eval = self._eval_callback
         if "kv_unified" in fields:
             params.kv_unified = not config.batch_invariant
         if config.kv_cache_type != "f16" and config.flash_attn == "off":
@@ -218,7 +234,11 @@ class Engine:
         ]
 
     def is_eog(self, token: int) -> bool:
-        return llama.llama_vocab_is_eog(self.vocab, token)
+        # Asked once per sampled token: a dict lookup is a tenth of the C call through ctypes.
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     # --- per tick -----------------------------------------------------------------------
 

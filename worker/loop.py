@@ -39,7 +39,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
-from loomserve.worker.sampling import InvalidSampling
+from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import Release, Request, RequestKey, Run, Scheduler, Slot, Step
 from loomserve.worker.strategies import load_strategy
 
@@ -70,6 +70,8 @@ class TickRecord:
     tick: int
     decode_tokens: int  # one per generating slot in the batch
     prefill_tokens: int  # prompt tokens evaluated
+    pad_tokens: int  # tokens that only join slots into fewer passes (ubatches.py)
+    ubatches: int  # forward passes llama.cpp makes of the batch
     sampled_tokens: int  # new tokens produced
     budget: int  # the batch's token budget
     slots_active: int
@@ -137,6 +139,7 @@ class TickLoop:
             engine.slot_context,
             engine.min_copy_tokens,
             load_strategy(config.strategy),
+            engine.split_rules,
         )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
@@ -366,6 +369,10 @@ class TickLoop:
 
     def _forward(self, step: Step) -> bool:
         code = self.engine.decode(self.engine.batch)
+        if step.n_pad:  # padding only joined the pass: its slots never had those cells
+            for run in step.runs:
+                if run.pad:
+                    self.engine.keep_prefix(run.slot.index, run.start)
         if code != 0:
             log.error("decode failed", code=code, slots=[run.slot.index for run in step.runs])
             self.scheduler.fail(step, f"llama_decode failed with code {code}")
@@ -386,9 +393,10 @@ class TickLoop:
         # sampled[i]: one view of them all instead of one per slot. Unless a prompt was
         # scored: then its rows are picked out.
         logits = self.engine.output_logits(len(sampled)) if scored is None else scored
-        for row, (slot, batch_index) in enumerate(sampled):
+        samplers = [slot.request.sampler for slot, _ in sampled]
+        tokens = sample_rows(samplers, [index for _, index in sampled], logits)
+        for row, ((slot, _), token) in enumerate(zip(sampled, tokens, strict=True)):
             request = slot.request
-            token = request.sampler.sample(batch_index, logits[row])
             asked = request.params.logprobs is not None
             logprobs = self._logprobs(slot, logits[row], token) if asked else None
             chunk = record_token(slot, token, is_eog(token), now)
@@ -462,6 +470,8 @@ class TickLoop:
             tick=self.tick_count,
             decode_tokens=len(plan.decode),
             prefill_tokens=plan.n_tokens - len(plan.decode),
+            pad_tokens=step.n_pad,
+            ubatches=step.ubatches,
             sampled_tokens=n_sampled,
             budget=self.config.batch_tokens,
             slots_active=self.scheduler.running,
@@ -472,9 +482,11 @@ class TickLoop:
             log.info(
                 "tick",
                 tick=record.tick,
-                batch_tokens=plan.n_tokens,
+                batch_tokens=step.n_tokens,
                 decode_tokens=record.decode_tokens,
                 prefill_tokens=record.prefill_tokens,
+                pad_tokens=record.pad_tokens,
+                ubatches=record.ubatches,
                 slots_active=record.slots_active,
                 queue_depth=record.queue_depth,
                 tick_ms=round(record.seconds * 1000, 3),

@@ -19,6 +19,7 @@ from loomserve.worker.loop import FinishRecord, TickLoop, TickRecord
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+UBATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 class WorkerMetrics:
@@ -65,7 +66,9 @@ class WorkerMetrics:
             "prefix_cache_hits", "Prompt tokens reused from a slot's cache instead of evaluated."
         )
         self.batch_tokens = counter(
-            "batch_tokens", "Tokens in tick batches, by kind (decode, prefill).", ("kind",)
+            "batch_tokens",
+            "Tokens in tick batches, by kind (decode, prefill, padding).",
+            ("kind",),
         )
         self.tick_seconds = Histogram(
             "loomserve:tick_duration_seconds",
@@ -84,6 +87,12 @@ class WorkerMetrics:
             "The worker's model and slots, in its labels; the value is 1.",
             ("model_name", "architecture", "slots", "slot_context"),
         )
+        self.tick_ubatches = Histogram(
+            "loomserve:tick_ubatches",
+            "Forward passes (ubatches) llama.cpp makes of one tick's batch.",
+            buckets=UBATCH_BUCKETS,
+            registry=registry,
+        )
         # Not the gateways' time_to_first_token_seconds, which counts from the HTTP arrival.
         self.ttft = Histogram(
             "loomserve:worker_time_to_first_token_seconds",
@@ -99,6 +108,7 @@ class WorkerMetrics:
         )
         self._decode = self.batch_tokens.labels(kind="decode")
         self._prefill = self.batch_tokens.labels(kind="prefill")
+        self._padding = self.batch_tokens.labels(kind="padding")
         self._finished_by_reason = {
             r.value: self.finished.labels(reason=r.value) for r in FinishReason
         }
@@ -133,6 +143,8 @@ class WorkerMetrics:
         self.batch_occupancy.set(n_tokens / record.budget)
         self._decode.inc(record.decode_tokens)
         self._prefill.inc(record.prefill_tokens)
+        self._padding.inc(record.pad_tokens)
+        self.tick_ubatches.observe(record.ubatches)
         self.generation_tokens.inc(record.sampled_tokens)
 
     def on_finish(self, record: FinishRecord) -> None:

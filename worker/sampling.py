@@ -4,7 +4,8 @@ Each request gets its own chain at acceptance and the chain is freed when the re
 so grammar, penalty and RNG state never leak from one request to the next in a slot.
 Plain greedy requests (temperature 0, no penalties, bias or grammar) skip the chain and take
 the argmax of the logits directly: the same token llama.cpp's greedy sampler picks (the
-first maximum), without copying the whole vocabulary into candidate structs.
+first maximum), without copying the whole vocabulary into candidate structs. sample_rows
+takes those argmaxes for a whole tick in one numpy call.
 
 Penalties see the generated tokens only, not the prompt, as in llama-server.
 """
@@ -38,10 +39,37 @@ class Sampler:
         # llama_sampler_sample also accepts the token into every sampler of the chain.
         return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether the token is the logits' argmax and nothing else (no state to update)."""
+        return self._chain is None
+
     def close(self) -> None:
         if self._chain is not None:
             llama.llama_sampler_free(self._chain)
             self._chain = None
+
+
+def sample_rows(samplers: list[Sampler], batch_indices: list[int], logits: np.ndarray) -> list[int]:
+    """Each sampler's token from its row of `logits` (one row per sampler, in order), whose
+    batch indices in the last decode are `batch_indices`.
+
+    When at least half the rows are plain greedy, one argmax over all rows serves them (the
+    rest is wasted work, cheaper than copying the greedy rows out); the others, and every
+    row otherwise, go through their own sampler.
+    """
+    n_greedy = sum(sampler.plain_greedy for sampler in samplers)
+    if 2 * n_greedy < len(samplers):
+        return [
+            sampler.sample(index, logits[row])
+            for row, (sampler, index) in enumerate(zip(samplers, batch_indices, strict=True))
+        ]
+    tokens = logits.argmax(axis=1).tolist()
+    if n_greedy < len(samplers):
+        for row, sampler in enumerate(samplers):
+            if not sampler.plain_greedy:
+                tokens[row] = sampler.sample(batch_indices[row], logits[row])
+    return tokens
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

@@ -30,6 +30,7 @@ from loomserve.worker.strategies import (
     SlotView,
     check_plan,
 )
+from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
 
 log = structlog.get_logger(__name__)
 
@@ -127,6 +128,9 @@ class Run:
     # Logits on every token, not only the last: they score the prompt tokens that follow
     # (SamplingParams.prompt_logprobs).
     score: bool = False
+    # A padding token that only joins its neighbours' pass (ubatches.py): its cell is dropped
+    # after the forward pass and the slot does not advance.
+    pad: bool = False
 
 
 @dataclass(slots=True)
@@ -134,11 +138,13 @@ class Step:
     """One tick's work, as planned: the strategy's plan and the runs that carry it out."""
 
     plan: BatchPlan
-    runs: list[Run] = field(default_factory=list)  # decode runs, then prompt chunks
+    runs: list[Run] = field(default_factory=list)  # in slot order, padding runs included
+    n_pad: int = 0  # padding tokens among the runs
+    ubatches: int = 0  # the forward passes llama.cpp will make of the batch
 
     @property
     def n_tokens(self) -> int:
-        return self.plan.n_tokens
+        return self.plan.n_tokens + self.n_pad
 
 
 @dataclass(slots=True)
@@ -175,8 +181,10 @@ class Scheduler:
         slot_context: int,
         min_copy_tokens: int = 1,
         strategy: BatchStrategy | None = None,
+        split_rules: SplitRules | None = None,
     ) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
+        self.split_rules = split_rules or SplitRules()
         self.max_queue = max_queue
         self.slot_context = slot_context
         # A busy slot's prefix is copied only when it saves at least this many tokens.
@@ -284,9 +292,12 @@ class Scheduler:
 
         Prefer an idle slot that caches the longest prefix (no copy needed). When a busy
         slot caches a prefix longer by min_copy_tokens or more, take the least recently used
-        idle slot and copy from it.
+        idle slot and copy from it. With a KV stream per slot, the slot is chosen beside busy
+        ones instead (_placement_beside).
         """
         idle = [slot for slot in self.slots if slot.request is None]
+        if self.split_rules.per_slot_streams:
+            return self._placement_beside(idle, prompt)
         lru = min(idle, key=lambda slot: slot.last_used_tick)
         own, own_shared = lru, 0
         donor, donor_shared = None, 0
@@ -303,10 +314,44 @@ class Scheduler:
             return lru, donor, donor_shared
         return own, None, own_shared
 
+    def _placement_beside(
+        self, idle: list[Slot], prompt: list[int]
+    ) -> tuple[Slot, Slot | None, int]:
+        """Placement where each slot is a KV stream: busy slots with consecutive ids share a
+        forward pass (ubatches.py), so a request takes an idle slot with the most busy
+        neighbours (least recently used first among equals). Its prefix, if another slot
+        caches a longer one by min_copy_tokens, is copied from there, busy or idle: a stream
+        copy costs far less than a pass more on every tick of the request's life.
+        """
+        slots = self.slots
+
+        def busy(index: int) -> bool:
+            return 0 <= index < len(slots) and slots[index].request is not None
+
+        def neighbours(slot: Slot) -> int:
+            return busy(slot.index - 1) + busy(slot.index + 1)
+
+        best = max(neighbours(slot) for slot in idle)
+        candidates = [slot for slot in idle if neighbours(slot) == best]
+        candidate_ids = {slot.index for slot in candidates}
+        target, target_shared = min(candidates, key=lambda slot: slot.last_used_tick), 0
+        source, source_shared = None, 0
+        for slot in slots:
+            if not slot.n_in_cache:
+                continue
+            shared = common_prefix(slot.tokens[: slot.n_in_cache], prompt)
+            if slot.index in candidate_ids and shared > target_shared:
+                target, target_shared = slot, shared  # its own cache, no copy
+            elif shared > source_shared:
+                source, source_shared = slot, shared
+        if source is not None and source_shared - target_shared >= self.min_copy_tokens:
+            return target, source, source_shared
+        return target, None, target_shared
+
     # --- plan the batch -----------------------------------------------------------------
 
     def schedule(self, budget: int, chunk_size: int) -> Step:
-        """This tick's runs: the strategy splits the budget, decode runs come first."""
+        """This tick's runs: the strategy splits the budget; the runs go in slot order."""
         views = self.views()
         if not views:
             return Step(BatchPlan())
@@ -323,7 +368,35 @@ class Scheduler:
             # request scores its prompt.
             score = slot.request.params.prompt_logprobs is not None
             runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt, score))
-        return Step(plan, runs)
+        return self._shape(Step(plan, runs), budget)
+
+    def _shape(self, step: Step, budget: int) -> Step:
+        """Order and pad the runs so that llama.cpp makes as few passes as it can (ubatches.py).
+
+        Slot order costs nothing where the cache is one stream, and there it stays one pass.
+        """
+        rules = self.split_rules
+        step.runs.sort(key=lambda run: run.slot.index)
+        if rules.per_slot_streams and rules.padding:
+            room = budget - step.plan.n_tokens
+            in_batch = [run.slot.index for run in step.runs]
+            pads = gaps_to_bridge(in_batch, self._paddable, room) if room else []
+            if pads:
+                slots = self.slots
+                for index in pads:
+                    slot = slots[index]
+                    # Any token will do; the slot's next position keeps its cells in order.
+                    step.runs.append(Run(slot, [0], slot.n_in_cache, False, pad=True))
+                step.runs.sort(key=lambda run: run.slot.index)
+                step.n_pad = len(pads)
+        lengths = [(run.slot.index, len(run.tokens)) for run in step.runs]
+        step.ubatches = count_ubatches(lengths, budget, rules.per_slot_streams)
+        return step
+
+    def _paddable(self, index: int) -> bool:
+        slot = self.slots[index]
+        # A busy slot's next cell is written by its own next token anyway.
+        return slot.busy or not slot.n_in_cache or self.split_rules.pad_cached_slots
 
     def _plan(self, views: list[SlotView], budget: int, chunk_size: int) -> BatchPlan:
         depth = self.queue_depth
@@ -347,12 +420,14 @@ class Scheduler:
     def advance(self, step: Step) -> None:
         """The forward pass put every run's tokens in the cache."""
         for run in step.runs:
-            run.slot.n_in_cache += len(run.tokens)
+            if not run.pad:
+                run.slot.n_in_cache += len(run.tokens)
 
     def fail(self, step: Step, message: str) -> None:
         """The forward pass failed: every request in it ends with an error."""
         for run in step.runs:
-            run.slot.finish(FinishReason.ERROR, message)
+            if not run.pad:
+                run.slot.finish(FinishReason.ERROR, message)
 
     def fail_running(self, message: str) -> None:
         """Every running request ends with an error (its state may be half-updated)."""

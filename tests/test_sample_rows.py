@@ -1,0 +1,39 @@
+"""sample_rows: one argmax for a tick's plain greedy rows, each other row through its sampler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loomserve.worker.sampling import Sampler, sample_rows
+
+
+class Chained:
+    """A stand-in for a sampler chain: records what it was asked and answers a fixed token."""
+
+    plain_greedy = False
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.asked: list[int] = []
+
+    def sample(self, batch_index: int, logits: np.ndarray) -> int:
+        self.asked.append(batch_index)
+        return self.token
+
+
+@pytest.mark.parametrize("n_chained", [0, 1, 3, 4])
+def test_greedy_rows_take_the_first_maximum_and_the_others_their_sampler(n_chained):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 50)).astype(np.float32)
+    logits[0, 7] = logits[0, 9] = 10.0  # a tie: the first maximum wins, as in llama.cpp
+    chained = [Chained(1000 + row) for row in range(n_chained)]
+    samplers = [*chained, *(Sampler(None, None) for _ in range(4 - n_chained))]
+    tokens = sample_rows(samplers, [10, 20, 30, 40], logits)
+    for row, token in enumerate(tokens):
+        if row < n_chained:
+            assert token == 1000 + row and chained[row].asked == [10 * (row + 1)]
+        else:
+            assert token == int(np.argmax(logits[row]))
+    if n_chained == 0:
+        assert tokens[0] == 7
