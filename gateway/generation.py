@@ -101,7 +101,7 @@ class Generation:
                     if event.prompt_logprobs is not None:
                         assembly.push_prompt(event.prompt_logprobs)
                     before = assembly.generated
-                    delta.text += assembly.push(event.token_ids)
+                    delta.text += assembly.take(event)
                     if event.logprobs:
                         delta.logprobs += assembly.logprobs(event, assembly.generated - before)
                     if assembly.stopped:

@@ -380,7 +380,7 @@ class Scheduler:
             return None
         if request.completion_tokens >= params.max_tokens or len(slot.tokens) >= self.slot_context:
             slot.finish(FinishReason.LENGTH)
-        return TokenChunk(request.request_id, [token])
+        return TokenChunk(request.request_id, [token], seq=request.completion_tokens - 1)
 
     # --- release ------------------------------------------------------------------------
 
