@@ -116,6 +116,13 @@ def worker_options(func):
             help="Seconds a gateway may be silent before its requests are cancelled.",
         ),
         click.option(
+            "--max-failed-ticks",
+            type=click.IntRange(min=1),
+            default=default_of(WorkerConfig, "max_failed_ticks"),
+            help="Ticks failing in a row after which the worker declares its engine dead and "
+            "exits (status 3) to be restarted.",
+        ),
+        click.option(
             "--batch-invariant/--no-batch-invariant",
             default=default_of(WorkerConfig, "batch_invariant"),
             help="Greedy output the same alone and batched: a KV stream per slot and per-row "
@@ -325,6 +332,12 @@ def main() -> None:
     is_flag=True,
     default=default_of(WorkerConfig, "insecure_bind"),
     help="Allow a --bind other machines can reach without CURVE: anyone there is a gateway.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=default_of(WorkerConfig, "shutdown_timeout"),
+    help="On SIGTERM, seconds running requests get to finish before they are cancelled.",
 )
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:

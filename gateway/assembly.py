@@ -12,7 +12,7 @@ from typing import Literal
 from loomserve.gateway.schemas import Usage
 from loomserve.gateway.stop import StopMatcher
 from loomserve.gateway.tokenizer import IncrementalDetokenizer, Pieces
-from loomserve.gateway.worker_errors import WorkerBadOutput, WorkerFailed
+from loomserve.gateway.worker_errors import WorkerBadOutput, WorkerFailed, WorkerLost
 from loomserve.protocol.messages import (
     Finish,
     FinishReason,
@@ -169,7 +169,8 @@ class TextAssembly:
         """The last text (may be "") and the Done, given the worker's Finish.
 
         finish may be None only after a stop string, when the worker's Finish never came:
-        the usage then counts what the gateway saw. Raises WorkerFailed for an engine error.
+        the usage then counts what the gateway saw. Raises WorkerFailed for an engine error,
+        WorkerLost when the worker cancelled the request on its own.
         """
         if self.stopped:
             return "", Done("stop", self._usage(finish, self.generated))
@@ -182,6 +183,10 @@ class TextAssembly:
             )
         if finish.reason == FinishReason.ERROR:
             raise WorkerFailed(finish.message)
+        if finish.reason == FinishReason.CANCELLED and finish.message:
+            # The worker cancelled it on its own (shutting down, or it lost this gateway):
+            # the text is cut short, which the client must not take for an ending.
+            raise WorkerLost(finish.message)
         if self.score_only:
             return "", Done("length", self._usage(finish, 0))
         match = self._matcher.push(self._detokenizer.flush())

@@ -330,8 +330,15 @@ class WorkerClient:
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
         period = min(interval, self.config.worker_timeout / 4)
+        last_round = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - last_round > self.config.worker_timeout:
+                # This gateway was stalled (SIGSTOP, a swap storm), not the worker: what the
+                # worker said meanwhile waits in our socket. Judge the worker from now on.
+                log.warning("this gateway was stalled", seconds=round(now - last_round, 2))
+                self._last_seen = max(self._last_seen, now)
+            last_round = now
             if self.info is not None and now - self._last_seen > self.config.worker_timeout:
                 self._worker_lost(f"the worker sent nothing for {self.config.worker_timeout:g}s")
             if now - self._last_ping >= interval:
@@ -427,11 +434,22 @@ class WorkerClient:
             self.incompatible = f"the worker refused this gateway: {error.message}"
         elif error.code == ErrorCode.GATEWAY_LOST:
             # The worker had given up on us (and cancelled our requests): start over.
-            self._worker_lost(f"the worker dropped this gateway: {error.message}")
+            self._worker_lost(
+                "this gateway was unresponsive for longer than the worker's gateway timeout "
+                "and the worker cancelled its requests",
+                gateway_side=True,
+            )
+        elif error.code == ErrorCode.ENGINE_DEAD:
+            # The worker exits to be restarted; until a worker answers Hello again: 503.
+            self._worker_lost(f"its engine failed ({error.message}) and it is restarting")
 
     # --- failures ----------------------------------------------------------------
 
-    def _worker_lost(self, reason: str) -> None:
+    def _worker_lost(self, reason: str, gateway_side: bool = False) -> None:
+        """End every open request and say Hello until a worker answers.
+
+        gateway_side: this gateway, not the worker, was at fault; the reason says so as is.
+        """
         if self.info is None and not self._requests:
             return
         log.warning(
@@ -443,7 +461,10 @@ class WorkerClient:
         self.info = None
         self.heartbeat = None
         self._last_ping = -float("inf")
-        self._lost_because = f"the worker at {self.endpoint} is unavailable: {reason}"
+        if gateway_side:
+            self._lost_because = reason
+        else:
+            self._lost_because = f"the worker at {self.endpoint} is unavailable: {reason}"
         self._fail_all(WorkerLost(self._lost_because))
 
     def _fail_all(self, error: WorkerClientError) -> None:

@@ -35,6 +35,7 @@ class ErrorCode(StrEnum):
     PROTOCOL_MISMATCH = "protocol_mismatch"
     DECODE_FAILED = "decode_failed"
     GATEWAY_LOST = "gateway_lost"
+    ENGINE_DEAD = "engine_dead"  # the worker gave up on its engine and exits; it restarts
 
 
 @dataclass(slots=True)

@@ -133,6 +133,9 @@ def test_cancelled_reads_as_stop_and_an_engine_error_raises() -> None:
         assembly().done(failed)
     with pytest.raises(ValueError):
         assembly().done(None)  # only a stopped sequence may end without the Finish
+    shutdown = Finish("r", FinishReason.CANCELLED, 5, 1, 0, 0.0, message="worker shutting down")
+    with pytest.raises(WorkerLost, match="worker shutting down"):
+        assembly().done(shutdown)  # cancelled by the worker itself: cut short, not ended
 
 
 def test_chunks_in_sequence_become_text() -> None:

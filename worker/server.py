@@ -16,7 +16,7 @@ import llama_cpp  # first, see above
 import structlog
 import zmq
 
-from loomserve.protocol import PROTOCOL_VERSION, ModelInfo
+from loomserve.protocol import PROTOCOL_VERSION, ErrorCode, ModelInfo, WorkerError
 from loomserve.protocol.vocab import vocab_fingerprint
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, load_server_keys
@@ -32,6 +32,7 @@ log = structlog.get_logger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 LARGE_BLOCK = 1 << 20  # blocks this large come from mmap and go back to the system on free
+EXIT_ENGINE_DEAD = 3  # the status of a worker that gave up on its engine: restart it
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -113,7 +114,11 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         log.info("metrics", url=f"http://{config.metrics_host}:{config.metrics_port}/metrics")
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
+        log.info(
+            "stopping: draining requests",
+            signal=signal.Signals(signum).name,
+            timeout_s=config.shutdown_timeout,
+        )
         io.ready = False
         loop.stop()
 
@@ -128,6 +133,10 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     )
     try:
         loop.run()  # on this, the main thread, so signals reach it at once
+        if loop.dead is not None:
+            # Every gateway fails its open requests and answers 503 until we are back.
+            io.ready = False
+            io.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, loop.dead))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -137,6 +146,8 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         if metrics is not None:
             metrics.close()
         log.info("worker stopped", ticks=loop.tick_count)
+    if loop.dead is not None:
+        raise SystemExit(EXIT_ENGINE_DEAD)
 
 
 def _embedder(config: WorkerConfig, engine: Engine) -> Embedder | None:
