@@ -7,7 +7,7 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from loomserve.gateway import prompts
 from loomserve.gateway.chat_template import Renderer, choose_template
 from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.drain import Drain
 from loomserve.gateway.embeddings import create_embeddings
 from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
 from loomserve.gateway.group import GenerationGroup
@@ -84,6 +85,7 @@ class Gateway:
     client: WorkerPool  # every worker; it looks like one that is ready while any is
     metrics: GatewayMetrics
     started_at: int
+    drain: Drain = field(default_factory=Drain)  # SIGTERM: stop admitting, finish, exit
 
     def worker_info(self) -> ModelInfo:
         """The worker's ModelInfo when it can take requests; 503 otherwise."""
@@ -185,8 +187,11 @@ def _open_routes(gateway: Gateway) -> APIRouter:
         """200 while a worker is connected, heartbeating and serves our vocabulary; else 503.
 
         The slot counts are those of every worker in rotation, summed.
+        503 also while the gateway drains on its way down.
         """
         reason = gateway.client.unavailable_reason()
+        if gateway.drain.draining:
+            reason = "the gateway is shutting down"
         if reason:
             return unavailable(reason).response()
         beat = gateway.client.heartbeat
@@ -298,6 +303,9 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     """Check the request, run it in the worker, answer as one body or as a stream."""
+    drain = gateway.drain
+    if drain.draining:
+        raise _shutting_down()
     request = await _prepare(gateway, body, http.state.request_id)
     log.debug(
         "request",
@@ -308,18 +316,30 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     )
     pieces = gateway.tool_pieces if request.tools else gateway.vocab
     group = await GenerationGroup.start(gateway.client, pieces, request, gateway.metrics)
+    drain.track(group)
+
+    def close() -> None:
+        group.close()
+        drain.untrack(group)
+
     if request.stream:
         chunks = StreamChunks(request)
-        return EventStreamResponse(event_stream(group, chunks), on_close=group.close)
+        return EventStreamResponse(event_stream(group, chunks), on_close=close)
     try:
         outcome = await until_disconnect(http, collect(group))
     finally:
-        group.close()
+        close()
     if outcome is None:
         return Response(status_code=499)  # nobody is listening any more
     texts, dones, logprobs = outcome
     body = response_body(request, texts, dones, logprobs, group.usage())
     return JSONResponse(body.model_dump())
+
+
+def _shutting_down() -> APIError:
+    error = unavailable("the gateway is shutting down; retry the request", code="shutting_down")
+    error.headers = {**(error.headers or {}), "Connection": "close"}
+    return error
 
 
 async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> GenerationRequest:

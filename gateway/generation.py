@@ -124,6 +124,10 @@ class Generation:
         finally:
             self.close()
 
+    def interrupt(self, error: WorkerClientError) -> None:
+        """Make the reader's next wait raise this error (tokens already queued come first)."""
+        self.handle.events.put_nowait(error)
+
     def close(self) -> None:
         """End the sequence; if it still runs in the worker, cancel it there (`cut_short`)."""
         if self.finished:
