@@ -211,6 +211,18 @@ def gateway_options(func):
             help="On SIGTERM, seconds open streams get to finish before they are cut off.",
         ),
         click.option(
+            "--header-timeout",
+            type=click.FloatRange(min=0.1),
+            default=default_of(GatewayConfig, "header_timeout"),
+            help="Seconds a connection gets to send a request's headers before it is closed.",
+        ),
+        click.option(
+            "--body-timeout",
+            type=click.FloatRange(min=0.1),
+            default=default_of(GatewayConfig, "body_timeout"),
+            help="Seconds a request gets to send its body after the headers (else 408).",
+        ),
+        click.option(
             "--request-timeout",
             type=click.FloatRange(min=0.1),
             default=default_of(GatewayConfig, "request_timeout"),
@@ -295,6 +307,8 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         shutdown_timeout=opts["shutdown_timeout"],
         curve_server_key_file=opts.get("curve_server_key_file"),
         curve_secret_key_file=opts.get("curve_secret_key_file"),
+        header_timeout=opts["header_timeout"],
+        body_timeout=opts["body_timeout"],
     )
 
 

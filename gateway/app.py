@@ -22,6 +22,7 @@ from loomserve.gateway.drain import Drain
 from loomserve.gateway.embeddings import create_embeddings
 from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
 from loomserve.gateway.group import GenerationGroup
+from loomserve.gateway.json_route import OffLoopJSONRoute
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.middleware import AccessMiddleware, BodyLimitMiddleware
 from loomserve.gateway.params import (
@@ -67,8 +68,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (400, "Invalid request, or prompt too long for the context"),
         (401, "Missing or invalid API key"),
         (404, "Unknown model"),
+        (408, "The request's headers or body came too slowly"),
         (413, "Request body too large"),
-        (503, "Worker busy (queue full, with Retry-After) or unavailable"),
+        (500, "The engine failed the request"),
+        (502, "The worker's output for the request broke the protocol"),
+        (503, "Worker busy (queue full), unavailable, or the gateway shutting down; Retry-After"),
+        (504, "The request ran past the server's request timeout"),
     ]
 }
 
@@ -141,7 +146,9 @@ def create_app(
     install_handlers(app)
     app.include_router(_open_routes(gateway))
     app.include_router(_api_routes(gateway), dependencies=[Depends(_api_key_checker(config))])
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout
+    )
     app.add_middleware(AccessMiddleware, metrics=metrics)
     if config.allowed_origins:
         # Outermost, so that errors (401, 413) carry the headers too and a browser shows them.
@@ -223,7 +230,7 @@ def _open_routes(gateway: Gateway) -> APIRouter:
 
 
 def _api_routes(gateway: Gateway) -> APIRouter:
-    router = APIRouter(responses=ERROR_RESPONSES)
+    router = APIRouter(responses=ERROR_RESPONSES, route_class=OffLoopJSONRoute)
     vocab = gateway.vocab
 
     def model_card() -> ModelCard:
@@ -280,7 +287,9 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     @router.post("/detokenize", tags=["llama.cpp"])
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids, as llama-server."""
-        prompts.check_token_ids(vocab, body.tokens, "tokens")
+        await prompts.off_loop(
+            len(body.tokens), lambda: prompts.check_token_ids(vocab, body.tokens, "tokens")
+        )
         text = await prompts.off_loop(len(body.tokens), lambda: vocab.detokenize(body.tokens))
         return DetokenizeResponse(content=text)
 
@@ -323,6 +332,15 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
         drain.untrack(group)
 
     if request.stream:
+        # The 200 goes out with the first output: an error before it gets its own status.
+        try:
+            waited = await until_disconnect(http, group.first_outputs())
+        except BaseException:
+            close()
+            raise
+        if not waited:  # the client left while it waited
+            close()
+            return Response(status_code=499)
         chunks = StreamChunks(request)
         return EventStreamResponse(event_stream(group, chunks), on_close=close)
     try:

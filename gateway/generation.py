@@ -74,10 +74,15 @@ class Generation:
         )
         return cls(request, index, handle, client, pool, tried, assembly, metrics)
 
-    async def first_output(self) -> None:
-        """Wait for the worker's first output: the prompt is then in its cache."""
+    async def first_output(self) -> bool:
+        """Wait for the worker's first output (the prompt is then in its cache); True then.
+
+        Raises the request's error when it ends before any output, so that a request the
+        worker fails or drops (queued, then cancelled) gets its own HTTP status, not a 200.
+        """
         if not self._pending:
             self._pending = await self.handle.next_events()
+        return True
 
     async def events(self) -> AsyncIterator[PromptScores | TextDelta | Done]:
         """The prompt's scores when it asked for them, text deltas, then one Done; raises

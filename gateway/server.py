@@ -18,6 +18,7 @@ import uvicorn
 from loomserve.gateway.app import create_app
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.drain import Drain
+from loomserve.gateway.http_protocol import HeaderTimeoutProtocol
 from loomserve.gateway.metrics import GatewayMetrics, mark_dead
 from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.tokenizer import Vocab
@@ -56,6 +57,7 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
                 lifespan="on",
                 # The drain already waited: what is left gets a moment, then is cut.
                 timeout_graceful_shutdown=2.0,
+                http=HeaderTimeoutProtocol.with_header_timeout(config.header_timeout),
             ),
         )
         with _exit_cleanly_on_signals():

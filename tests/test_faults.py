@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -306,3 +307,154 @@ def test_good_token_frames_from_the_fake_worker_make_text(tiny_model_path: Path)
         )
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == expected
+
+
+# --- item 8: the HTTP edge --------------------------------------------------------------------
+
+
+def open_fds(proc: Proc) -> int:
+    return len(os.listdir(f"/proc/{proc.pid}/fd"))
+
+
+def test_slow_headers_and_bodies_are_cut_off(tiny_model_path: Path) -> None:
+    with (
+        start_worker(tiny_model_path) as worker,
+        start_gateway(
+            tiny_model_path, worker.endpoint, header_timeout=1.0, body_timeout=1.0
+        ) as gateway,
+    ):
+        host, port = gateway.url.removeprefix("http://").split(":")
+        baseline = open_fds(gateway)
+        with ExitStack() as stack:
+            socks = [
+                stack.enter_context(socket.create_connection((host, int(port)), timeout=5))
+                for _ in range(200)
+            ]
+            for index, sock in enumerate(socks):
+                if index % 2:  # half say nothing, half start a request and stall
+                    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            wait_until(lambda: open_fds(gateway) >= baseline + 150, 5, "the connections open")
+            seconds = wait_until(
+                lambda: open_fds(gateway) <= baseline + 5, 10, "slowloris connections closed"
+            )
+            assert all(sock.recv(1) == b"" for sock in socks)  # closed by the gateway
+        print(f"200 slow connections closed {seconds:.2f}s after they opened")
+
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        with sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"prompt":'
+            )
+            answer = sock.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert health(gateway).status_code == 200
+
+
+def test_a_huge_token_id_body_does_not_stall_the_event_loop(tiny_model_path: Path) -> None:
+    with (
+        start_worker(tiny_model_path) as worker,
+        start_gateway(tiny_model_path, worker.endpoint, max_body_bytes=16 * 2**20) as gateway,
+    ):
+        prompt = [100 + i % 400 for i in range(1_600_000)]
+        body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+        assert len(body) > 7_800_000
+        done = threading.Event()
+        latencies: list[float] = []
+
+        def probe() -> None:
+            with httpx.Client(timeout=10) as client:
+                while not done.is_set():
+                    started = time.monotonic()
+                    client.get(gateway.url + "/live")
+                    latencies.append(time.monotonic() - started)
+                    time.sleep(0.01)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            for _ in range(3):
+                answer = httpx.post(
+                    gateway.url + "/v1/completions",
+                    content=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=60,
+                )
+                assert answer.status_code == 400
+                assert answer.json()["error"]["code"] == "context_length_exceeded"
+        finally:
+            done.set()
+            prober.join()
+        print(f"/live during 3 bodies of 8 MB: max {max(latencies) * 1000:.0f} ms")
+        # JSON parsing holds the GIL even in a thread: what is left is json.loads's time
+        # (0.3 s alone on the 2-core test machine), far below the worker timeout.
+        assert max(latencies) < 1.0
+        assert health(gateway).status_code == 200 and "worker lost" not in gateway.logs()
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"top_k": 2**70}, "top_k"),
+        ({"top_k": -1}, "top_k"),
+        ({"repeat_last_n": 2**40}, "repeat_last_n"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"stream": "yes"}, "stream"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"seed": 2**70}, None),
+        ({"max_tokens": 10_000}, "max_tokens"),  # beyond the context: not shortened
+    ],
+)
+def test_strict_types_and_ranges(
+    edge_gateway: Proc, change: dict[str, object], param: str | None
+) -> None:
+    body = {"prompt": "hello", "max_tokens": 4, **change}
+    answer = httpx.post(edge_gateway.url + "/v1/completions", json=body, timeout=10)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+
+
+def test_an_int_is_a_number(edge_gateway: Proc) -> None:
+    body = {"prompt": "hello", "max_tokens": 2, "temperature": 0, "top_p": 1}
+    assert httpx.post(edge_gateway.url + "/v1/completions", json=body, timeout=10).is_success
+
+
+@pytest.fixture(scope="module")
+def edge_gateway(tiny_model_path: Path) -> Iterator[Proc]:
+    with (
+        start_worker(tiny_model_path) as worker,
+        start_gateway(tiny_model_path, worker.endpoint) as gateway,
+    ):
+        yield gateway
+
+
+def test_a_queued_stream_the_worker_drops_gets_a_status_not_a_200(long_model_path: Path) -> None:
+    with ExitStack() as stack:
+        worker = stack.enter_context(
+            start_worker(long_model_path, slots=1, ctx_size=CTX, shutdown_timeout=0)
+        )
+        gateway = stack.enter_context(start_gateway(long_model_path, worker.endpoint))
+        url = gateway.url + "/v1/completions"
+        running = stack.enter_context(
+            httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=30)
+        )
+        running_lines = running.iter_lines()
+        assert next(running_lines).startswith("data: ")
+        with ThreadPoolExecutor(1) as pool:
+
+            def queued() -> httpx.Response:
+                with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=30) as r:
+                    r.read()
+                    return r
+
+            answer = pool.submit(queued)
+            wait_until(lambda: health(gateway).json().get("queue_depth") == 1, 10, "queued")
+            worker.popen.send_signal(signal.SIGTERM)  # drains at once: both are cancelled
+            response = answer.result(timeout=30)
+        # The Finish saying "shutting down", or the closed connection, whichever lands first.
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "worker_unavailable"
+        assert json.loads(sse_events(running_lines)[-1])["error"]["code"] == "worker_unavailable"
+        assert worker.popen.wait(timeout=10) == 0
