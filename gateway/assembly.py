@@ -56,6 +56,17 @@ class Done:
     usage: Usage
 
 
+def finish_failure(finish: Finish) -> WorkerFailed | WorkerLost | None:
+    """The error a Finish means for its client, or None when the request simply ended."""
+    if finish.reason == FinishReason.ERROR:
+        return WorkerFailed(finish.message)
+    if finish.reason == FinishReason.CANCELLED and finish.message:
+        # The worker cancelled it on its own (shutting down, or it lost this gateway): the
+        # text is cut short, which the client must not take for an ending.
+        return WorkerLost(finish.message)
+    return None
+
+
 class TextAssembly:
     """Feed `take` the worker's chunks as they come, then call `done` once.
 
@@ -181,12 +192,9 @@ class TextAssembly:
                 f"the worker sent {self.received} tokens but finished the request "
                 f"after {finish.completion_tokens}"
             )
-        if finish.reason == FinishReason.ERROR:
-            raise WorkerFailed(finish.message)
-        if finish.reason == FinishReason.CANCELLED and finish.message:
-            # The worker cancelled it on its own (shutting down, or it lost this gateway):
-            # the text is cut short, which the client must not take for an ending.
-            raise WorkerLost(finish.message)
+        failure = finish_failure(finish)
+        if failure is not None:
+            raise failure
         if self.score_only:
             return "", Done("length", self._usage(finish, 0))
         match = self._matcher.push(self._detokenizer.flush())

@@ -59,6 +59,7 @@ from loomserve.protocol.messages import (
 log = structlog.get_logger(__name__)
 
 RequestEvent = TokenChunk | Finish
+DISCONNECT_GRACE_SECONDS = 0.1  # for the last messages to reach the socket
 
 
 @dataclass(slots=True)
@@ -315,17 +316,28 @@ class WorkerClient:
 
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
-            self._last_seen = time.monotonic()
+            self._receive(await sock.recv_multipart())
+
+    def _receive(self, frames: list[bytes]) -> None:
+        self._last_seen = time.monotonic()
+        try:
+            message = decode(frames)
+        except DecodeError as exc:
+            log.warning("dropped a bad frame from the worker", error=str(exc))
+            return
+        try:
+            self._dispatch(message)
+        except Exception:
+            log.exception("failed to handle a worker message", type=type(message).__name__)
+
+    def _receive_waiting(self) -> None:
+        """Handle every message already in the socket, now, ahead of the receive loop."""
+        while self._socket is not None:
             try:
-                message = decode(frames)
-            except DecodeError as exc:
-                log.warning("dropped a bad frame from the worker", error=str(exc))
-                continue
-            try:
-                self._dispatch(message)
-            except Exception:
-                log.exception("failed to handle a worker message", type=type(message).__name__)
+                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            self._receive(frames)
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
@@ -356,8 +368,11 @@ class WorkerClient:
                     log.info("connected to worker", worker=self.endpoint)
                     self._send(Hello(self.identity))
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    # A dropped TCP connection loses whatever the worker sent meanwhile,
-                    # and usually means the worker process is gone.
+                    # A dropped TCP connection usually means the worker process is gone.
+                    # What it said last (its Finishes, an engine_dead) may still wait in the
+                    # socket: hand that out first, so each request ends with its own error.
+                    await asyncio.sleep(DISCONNECT_GRACE_SECONDS)
+                    self._receive_waiting()
                     self._worker_lost("the connection to the worker closed")
         finally:
             monitor.close(linger=0)

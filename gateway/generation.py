@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loomserve.gateway.assembly import Done, PromptScores, TextAssembly, TextDelta
+from loomserve.gateway.assembly import (
+    Done,
+    PromptScores,
+    TextAssembly,
+    TextDelta,
+    finish_failure,
+)
 from loomserve.gateway.client import RequestHandle, WorkerClient
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.pool import WorkerPool
@@ -82,6 +88,10 @@ class Generation:
         """
         if not self._pending:
             self._pending = await self.handle.next_events()
+        first = self._pending[0]
+        failure = finish_failure(first) if isinstance(first, Finish) else None
+        if failure is not None:  # it ended before any output: failed or dropped
+            raise failure
         return True
 
     async def events(self) -> AsyncIterator[PromptScores | TextDelta | Done]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import signal
+import time
 
 # llama.cpp's libraries are loaded before pyzmq's on purpose: with a CUDA build of llama.cpp a
 # process that had imported zmq first died with SIGSEGV in llama_model_load_from_file, and
@@ -33,6 +34,7 @@ log = structlog.get_logger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 LARGE_BLOCK = 1 << 20  # blocks this large come from mmap and go back to the system on free
 EXIT_ENGINE_DEAD = 3  # the status of a worker that gave up on its engine: restart it
+DEAD_NOTICE_SECONDS = 0.5
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -137,6 +139,9 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             # Every gateway fails its open requests and answers 503 until we are back.
             io.ready = False
             io.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, loop.dead))
+            # Stay connected a moment: a gateway that sees the connection drop before it
+            # has read these gives its requests the vaguer "connection closed".
+            time.sleep(DEAD_NOTICE_SECONDS)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
