@@ -478,13 +478,14 @@ class TickLoop:
         return outputs
 
     def _send_outputs(self) -> None:
+        # The load first: a heartbeat that follows these Outputs must not predate them.
+        scheduler = self.scheduler
+        self.load = Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running)
         if self._outputs:
             for gateway, outputs in self._outputs.items():
                 self.sink.send(gateway, outputs)
             self._outputs = {}
             self.sink.flush()
-        scheduler = self.scheduler
-        self.load = Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running)
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1
