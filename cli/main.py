@@ -116,6 +116,13 @@ def worker_options(func):
             help="Seconds a gateway may be silent before its requests are cancelled.",
         ),
         click.option(
+            "--max-failed-ticks",
+            type=click.IntRange(min=1),
+            default=default_of(WorkerConfig, "max_failed_ticks"),
+            help="Ticks failing in a row after which the worker declares its engine dead and "
+            "exits (status 3) to be restarted.",
+        ),
+        click.option(
             "--batch-invariant/--no-batch-invariant",
             default=default_of(WorkerConfig, "batch_invariant"),
             help="Greedy output the same alone and batched: a KV stream per slot and per-row "
@@ -204,6 +211,18 @@ def gateway_options(func):
             help="On SIGTERM, seconds open streams get to finish before they are cut off.",
         ),
         click.option(
+            "--header-timeout",
+            type=click.FloatRange(min=0.1),
+            default=default_of(GatewayConfig, "header_timeout"),
+            help="Seconds a connection gets to send a request's headers before it is closed.",
+        ),
+        click.option(
+            "--body-timeout",
+            type=click.FloatRange(min=0.1),
+            default=default_of(GatewayConfig, "body_timeout"),
+            help="Seconds a request gets to send its body after the headers (else 408).",
+        ),
+        click.option(
             "--request-timeout",
             type=click.FloatRange(min=0.1),
             default=default_of(GatewayConfig, "request_timeout"),
@@ -288,6 +307,8 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         shutdown_timeout=opts["shutdown_timeout"],
         curve_server_key_file=opts.get("curve_server_key_file"),
         curve_secret_key_file=opts.get("curve_secret_key_file"),
+        header_timeout=opts["header_timeout"],
+        body_timeout=opts["body_timeout"],
     )
 
 
@@ -325,6 +346,12 @@ def main() -> None:
     is_flag=True,
     default=default_of(WorkerConfig, "insecure_bind"),
     help="Allow a --bind other machines can reach without CURVE: anyone there is a gateway.",
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=default_of(WorkerConfig, "shutdown_timeout"),
+    help="On SIGTERM, seconds running requests get to finish before they are cancelled.",
 )
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:

@@ -106,6 +106,8 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
             on_ready=lambda: log.info("ready", url=url, openai_base_url=f"{url}/v1"),
             on_exit=on_exit,
             max_restart_delay=plan.max_restart_delay,
+            # Each stage drains for shutdown_timeout first; SIGKILL only after that.
+            stop_timeout=float(plan.options.get("shutdown_timeout", 5.0)) + 10.0,
         )
         return supervisor.run()
     finally:

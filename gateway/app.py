@@ -7,7 +7,7 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -18,9 +18,11 @@ from fastapi.responses import JSONResponse, Response
 from loomserve.gateway import prompts
 from loomserve.gateway.chat_template import Renderer, choose_template
 from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.drain import Drain
 from loomserve.gateway.embeddings import create_embeddings
 from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
 from loomserve.gateway.group import GenerationGroup
+from loomserve.gateway.json_route import OffLoopJSONRoute
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.middleware import AccessMiddleware, BodyLimitMiddleware
 from loomserve.gateway.params import (
@@ -66,8 +68,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (400, "Invalid request, or prompt too long for the context"),
         (401, "Missing or invalid API key"),
         (404, "Unknown model"),
+        (408, "The request's headers or body came too slowly"),
         (413, "Request body too large"),
-        (503, "Worker busy (queue full, with Retry-After) or unavailable"),
+        (500, "The engine failed the request"),
+        (502, "The worker's output for the request broke the protocol"),
+        (503, "Worker busy (queue full), unavailable, or the gateway shutting down; Retry-After"),
+        (504, "The request ran past the server's request timeout"),
     ]
 }
 
@@ -84,6 +90,7 @@ class Gateway:
     client: WorkerPool  # every worker; it looks like one that is ready while any is
     metrics: GatewayMetrics
     started_at: int
+    drain: Drain = field(default_factory=Drain)  # SIGTERM: stop admitting, finish, exit
 
     def worker_info(self) -> ModelInfo:
         """The worker's ModelInfo when it can take requests; 503 otherwise."""
@@ -139,7 +146,9 @@ def create_app(
     install_handlers(app)
     app.include_router(_open_routes(gateway))
     app.include_router(_api_routes(gateway), dependencies=[Depends(_api_key_checker(config))])
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout
+    )
     app.add_middleware(AccessMiddleware, metrics=metrics)
     if config.allowed_origins:
         # Outermost, so that errors (401, 413) carry the headers too and a browser shows them.
@@ -185,8 +194,11 @@ def _open_routes(gateway: Gateway) -> APIRouter:
         """200 while a worker is connected, heartbeating and serves our vocabulary; else 503.
 
         The slot counts are those of every worker in rotation, summed.
+        503 also while the gateway drains on its way down.
         """
         reason = gateway.client.unavailable_reason()
+        if gateway.drain.draining:
+            reason = "the gateway is shutting down"
         if reason:
             return unavailable(reason).response()
         beat = gateway.client.heartbeat
@@ -218,7 +230,7 @@ def _open_routes(gateway: Gateway) -> APIRouter:
 
 
 def _api_routes(gateway: Gateway) -> APIRouter:
-    router = APIRouter(responses=ERROR_RESPONSES)
+    router = APIRouter(responses=ERROR_RESPONSES, route_class=OffLoopJSONRoute)
     vocab = gateway.vocab
 
     def model_card() -> ModelCard:
@@ -275,7 +287,9 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     @router.post("/detokenize", tags=["llama.cpp"])
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids, as llama-server."""
-        prompts.check_token_ids(vocab, body.tokens, "tokens")
+        await prompts.off_loop(
+            len(body.tokens), lambda: prompts.check_token_ids(vocab, body.tokens, "tokens")
+        )
         text = await prompts.off_loop(len(body.tokens), lambda: vocab.detokenize(body.tokens))
         return DetokenizeResponse(content=text)
 
@@ -298,6 +312,9 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     """Check the request, run it in the worker, answer as one body or as a stream."""
+    drain = gateway.drain
+    if drain.draining:
+        raise _shutting_down()
     request = await _prepare(gateway, body, http.state.request_id)
     log.debug(
         "request",
@@ -308,18 +325,39 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     )
     pieces = gateway.tool_pieces if request.tools else gateway.vocab
     group = await GenerationGroup.start(gateway.client, pieces, request, gateway.metrics)
+    drain.track(group)
+
+    def close() -> None:
+        group.close()
+        drain.untrack(group)
+
     if request.stream:
+        # The 200 goes out with the first output: an error before it gets its own status.
+        try:
+            waited = await until_disconnect(http, group.first_outputs())
+        except BaseException:
+            close()
+            raise
+        if not waited:  # the client left while it waited
+            close()
+            return Response(status_code=499)
         chunks = StreamChunks(request)
-        return EventStreamResponse(event_stream(group, chunks), on_close=group.close)
+        return EventStreamResponse(event_stream(group, chunks), on_close=close)
     try:
         outcome = await until_disconnect(http, collect(group))
     finally:
-        group.close()
+        close()
     if outcome is None:
         return Response(status_code=499)  # nobody is listening any more
     texts, dones, logprobs = outcome
     body = response_body(request, texts, dones, logprobs, group.usage())
     return JSONResponse(body.model_dump())
+
+
+def _shutting_down() -> APIError:
+    error = unavailable("the gateway is shutting down; retry the request", code="shutting_down")
+    error.headers = {**(error.headers or {}), "Connection": "close"}
+    return error
 
 
 async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> GenerationRequest:

@@ -12,7 +12,7 @@ from typing import Literal
 from loomserve.gateway.schemas import Usage
 from loomserve.gateway.stop import StopMatcher
 from loomserve.gateway.tokenizer import IncrementalDetokenizer, Pieces
-from loomserve.gateway.worker_errors import WorkerFailed
+from loomserve.gateway.worker_errors import WorkerBadOutput, WorkerFailed, WorkerLost
 from loomserve.protocol.messages import (
     Finish,
     FinishReason,
@@ -56,19 +56,34 @@ class Done:
     usage: Usage
 
 
+def finish_failure(finish: Finish) -> WorkerFailed | WorkerLost | None:
+    """The error a Finish means for its client, or None when the request simply ended."""
+    if finish.reason == FinishReason.ERROR:
+        return WorkerFailed(finish.message)
+    if finish.reason == FinishReason.CANCELLED and finish.message:
+        # The worker cancelled it on its own (shutting down, or it lost this gateway): the
+        # text is cut short, which the client must not take for an ending.
+        return WorkerLost(finish.message)
+    return None
+
+
 class TextAssembly:
-    """Feed `push` the tokens as they come, then call `done` once.
+    """Feed `take` the worker's chunks as they come, then call `done` once.
 
     Text that may be the start of a stop string is held back until it is known not to be;
-    a matched stop string is dropped, and so is everything generated after it.
+    a matched stop string is dropped, and so is everything generated after it. The worker's
+    output is not trusted: a chunk out of sequence or a token id outside the vocabulary
+    raises WorkerBadOutput before any of it becomes text.
     """
 
     __slots__ = (
         "_detokenizer",
         "_matcher",
+        "_n_vocab",
         "_prompt_logprobs",
         "generated",
         "prompt_len",
+        "received",
         "score_only",
         "scored_prompt",
         "stopped",
@@ -86,8 +101,10 @@ class TextAssembly:
         self.vocab = vocab
         self._detokenizer = IncrementalDetokenizer(vocab)
         self._matcher = StopMatcher(stops)
+        self._n_vocab = vocab.n_tokens
         self.prompt_len = prompt_len
         self.generated = 0  # tokens taken, up to and including the one that completed a stop
+        self.received = 0  # tokens the worker sent, checked; the next chunk's seq
         self.stopped = False  # a stop string matched: the worker should be cancelled
         # The prompt's tokens when the worker scores them (PromptLogprobs); None otherwise.
         self.scored_prompt = scored_prompt
@@ -95,6 +112,20 @@ class TextAssembly:
         # max_tokens 0 with echo: the prompt is all the answer, and the one token the worker
         # must generate is dropped.
         self.score_only = score_only
+
+    def take(self, chunk: TokenChunk) -> str:
+        """Check a chunk against what came before, then push its tokens."""
+        if chunk.seq != self.received:
+            what = "repeated" if chunk.seq < self.received else "skipped"
+            raise WorkerBadOutput(
+                f"the worker {what} tokens: a chunk at position {chunk.seq}, "
+                f"{self.received} tokens received"
+            )
+        bad = next((t for t in chunk.token_ids if not 0 <= t < self._n_vocab), None)
+        if bad is not None:
+            raise WorkerBadOutput(f"the worker sent token id {bad}, outside the vocabulary")
+        self.received += len(chunk.token_ids)
+        return self.push(chunk.token_ids)
 
     def push(self, token_ids: list[int]) -> str:
         """The text these tokens complete that is safe to send; "" once stopped."""
@@ -149,14 +180,21 @@ class TextAssembly:
         """The last text (may be "") and the Done, given the worker's Finish.
 
         finish may be None only after a stop string, when the worker's Finish never came:
-        the usage then counts what the gateway saw. Raises WorkerFailed for an engine error.
+        the usage then counts what the gateway saw. Raises WorkerFailed for an engine error,
+        WorkerLost when the worker cancelled the request on its own.
         """
         if self.stopped:
             return "", Done("stop", self._usage(finish, self.generated))
         if finish is None:
             raise ValueError("a sequence that did not stop needs the worker's Finish")
-        if finish.reason == FinishReason.ERROR:
-            raise WorkerFailed(finish.message)
+        if finish.completion_tokens < self.received:
+            raise WorkerBadOutput(
+                f"the worker sent {self.received} tokens but finished the request "
+                f"after {finish.completion_tokens}"
+            )
+        failure = finish_failure(finish)
+        if failure is not None:
+            raise failure
         if self.score_only:
             return "", Done("length", self._usage(finish, 0))
         match = self._matcher.push(self._detokenizer.flush())

@@ -59,6 +59,7 @@ from loomserve.protocol.messages import (
 log = structlog.get_logger(__name__)
 
 RequestEvent = TokenChunk | Finish
+DISCONNECT_GRACE_SECONDS = 0.1  # for the last messages to reach the socket
 
 
 @dataclass(slots=True)
@@ -315,23 +316,41 @@ class WorkerClient:
 
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
-            self._last_seen = time.monotonic()
+            self._receive(await sock.recv_multipart())
+
+    def _receive(self, frames: list[bytes]) -> None:
+        self._last_seen = time.monotonic()
+        try:
+            message = decode(frames)
+        except DecodeError as exc:
+            log.warning("dropped a bad frame from the worker", error=str(exc))
+            return
+        try:
+            self._dispatch(message)
+        except Exception:
+            log.exception("failed to handle a worker message", type=type(message).__name__)
+
+    def _receive_waiting(self) -> None:
+        """Handle every message already in the socket, now, ahead of the receive loop."""
+        while self._socket is not None:
             try:
-                message = decode(frames)
-            except DecodeError as exc:
-                log.warning("dropped a bad frame from the worker", error=str(exc))
-                continue
-            try:
-                self._dispatch(message)
-            except Exception:
-                log.exception("failed to handle a worker message", type=type(message).__name__)
+                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK).result()
+            except zmq.Again:
+                return
+            self._receive(frames)
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
         period = min(interval, self.config.worker_timeout / 4)
+        last_round = time.monotonic()
         while True:
             now = time.monotonic()
+            if now - last_round > self.config.worker_timeout:
+                # This gateway was stalled (SIGSTOP, a swap storm), not the worker: what the
+                # worker said meanwhile waits in our socket. Judge the worker from now on.
+                log.warning("this gateway was stalled", seconds=round(now - last_round, 2))
+                self._last_seen = max(self._last_seen, now)
+            last_round = now
             if self.info is not None and now - self._last_seen > self.config.worker_timeout:
                 self._worker_lost(f"the worker sent nothing for {self.config.worker_timeout:g}s")
             if now - self._last_ping >= interval:
@@ -349,8 +368,11 @@ class WorkerClient:
                     log.info("connected to worker", worker=self.endpoint)
                     self._send(Hello(self.identity))
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    # A dropped TCP connection loses whatever the worker sent meanwhile,
-                    # and usually means the worker process is gone.
+                    # A dropped TCP connection usually means the worker process is gone.
+                    # What it said last (its Finishes, an engine_dead) may still wait in the
+                    # socket: hand that out first, so each request ends with its own error.
+                    await asyncio.sleep(DISCONNECT_GRACE_SECONDS)
+                    self._receive_waiting()
                     self._worker_lost("the connection to the worker closed")
         finally:
             monitor.close(linger=0)
@@ -427,11 +449,22 @@ class WorkerClient:
             self.incompatible = f"the worker refused this gateway: {error.message}"
         elif error.code == ErrorCode.GATEWAY_LOST:
             # The worker had given up on us (and cancelled our requests): start over.
-            self._worker_lost(f"the worker dropped this gateway: {error.message}")
+            self._worker_lost(
+                "this gateway was unresponsive for longer than the worker's gateway timeout "
+                "and the worker cancelled its requests",
+                gateway_side=True,
+            )
+        elif error.code == ErrorCode.ENGINE_DEAD:
+            # The worker exits to be restarted; until a worker answers Hello again: 503.
+            self._worker_lost(f"its engine failed ({error.message}) and it is restarting")
 
     # --- failures ----------------------------------------------------------------
 
-    def _worker_lost(self, reason: str) -> None:
+    def _worker_lost(self, reason: str, gateway_side: bool = False) -> None:
+        """End every open request and say Hello until a worker answers.
+
+        gateway_side: this gateway, not the worker, was at fault; the reason says so as is.
+        """
         if self.info is None and not self._requests:
             return
         log.warning(
@@ -443,7 +476,10 @@ class WorkerClient:
         self.info = None
         self.heartbeat = None
         self._last_ping = -float("inf")
-        self._lost_because = f"the worker at {self.endpoint} is unavailable: {reason}"
+        if gateway_side:
+            self._lost_because = reason
+        else:
+            self._lost_because = f"the worker at {self.endpoint} is unavailable: {reason}"
         self._fail_all(WorkerLost(self._lost_because))
 
     def _fail_all(self, error: WorkerClientError) -> None:

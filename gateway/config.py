@@ -30,6 +30,8 @@ class GatewayConfig:
     # gateway's own (.key_secret), whose public key the worker's allow-list must hold.
     curve_server_key_file: Path | None = None
     curve_secret_key_file: Path | None = None
+    header_timeout: float = 10.0  # a connection's request headers must arrive within this
+    body_timeout: float = 60.0  # and its body within this after them, or 408
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -42,6 +44,8 @@ class GatewayConfig:
             raise ValueError("worker_timeout must be at least heartbeat_interval")
         if (self.curve_server_key_file is None) != (self.curve_secret_key_file is None):
             raise ValueError("curve_server_key_file and curve_secret_key_file go together")
+        if self.header_timeout <= 0 or self.body_timeout <= 0:
+            raise ValueError("header_timeout and body_timeout must be positive")
         if self.max_body_bytes < 1 or self.request_timeout <= 0 or self.shutdown_timeout < 0:
             raise ValueError("body size and timeouts must be positive")
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loomserve.gateway.worker_errors import (
+    WorkerBadOutput,
     WorkerClientError,
     WorkerFailed,
     WorkerLost,
@@ -92,6 +93,8 @@ def worker_error(error: WorkerClientError) -> APIError:
             return server_error(f"the engine failed the request: {error.message}")
         case WorkerTimeout():
             return APIError(504, error.message, code="timeout")
+        case WorkerBadOutput():
+            return APIError(502, error.message, type="server_error", code="bad_worker_output")
         case _:
             return server_error(error.message)
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loomserve.gateway.assembly import Done, PromptScores, TextAssembly, TextDelta
+from loomserve.gateway.assembly import (
+    Done,
+    PromptScores,
+    TextAssembly,
+    TextDelta,
+    finish_failure,
+)
 from loomserve.gateway.client import RequestHandle, WorkerClient
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.pool import WorkerPool
@@ -74,10 +80,19 @@ class Generation:
         )
         return cls(request, index, handle, client, pool, tried, assembly, metrics)
 
-    async def first_output(self) -> None:
-        """Wait for the worker's first output: the prompt is then in its cache."""
+    async def first_output(self) -> bool:
+        """Wait for the worker's first output (the prompt is then in its cache); True then.
+
+        Raises the request's error when it ends before any output, so that a request the
+        worker fails or drops (queued, then cancelled) gets its own HTTP status, not a 200.
+        """
         if not self._pending:
             self._pending = await self.handle.next_events()
+        first = self._pending[0]
+        failure = finish_failure(first) if isinstance(first, Finish) else None
+        if failure is not None:  # it ended before any output: failed or dropped
+            raise failure
+        return True
 
     async def events(self) -> AsyncIterator[PromptScores | TextDelta | Done]:
         """The prompt's scores when it asked for them, text deltas, then one Done; raises
@@ -101,7 +116,7 @@ class Generation:
                     if event.prompt_logprobs is not None:
                         assembly.push_prompt(event.prompt_logprobs)
                     before = assembly.generated
-                    delta.text += assembly.push(event.token_ids)
+                    delta.text += assembly.take(event)
                     if event.logprobs:
                         delta.logprobs += assembly.logprobs(event, assembly.generated - before)
                     if assembly.stopped:
@@ -123,6 +138,10 @@ class Generation:
             yield done
         finally:
             self.close()
+
+    def interrupt(self, error: WorkerClientError) -> None:
+        """Make the reader's next wait raise this error (tokens already queued come first)."""
+        self.handle.events.put_nowait(error)
 
     def close(self) -> None:
         """End the sequence; if it still runs in the worker, cancel it there (`cut_short`)."""

@@ -108,6 +108,16 @@ class GenerationGroup:
             cached_tokens=sum(d.usage.prompt_tokens_details.cached_tokens for d in firsts),
         )
 
+    async def first_outputs(self) -> bool:
+        """Wait for every choice's first output; raises a choice's error. True then."""
+        await asyncio.gather(*(g.first_output() for g in self.generations))
+        return True
+
+    def interrupt(self, error: WorkerClientError) -> None:
+        """End every choice with this error at its next read (the gateway is shutting down)."""
+        for generation in self.generations:
+            generation.interrupt(error)
+
     def close(self) -> None:
         """End the request: choices still running are cancelled in the worker."""
         if self._closed:

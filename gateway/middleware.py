@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -20,15 +21,17 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over max_bytes, by Content-Length or by counting a streamed body.
+    """413 for bodies over max_bytes, by Content-Length or by counting a streamed body; 408
+    for a body that takes longer than timeout to arrive (a slow-body attack holds no slot).
 
     The body is read here (FastAPI reads it whole anyway) and replayed to the app; later
     receive() calls go to the server, so the app still sees the client's disconnect.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,18 +52,29 @@ class BodyLimitMiddleware:
                 return
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before it finished sending
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_bytes:
-                await too_large.response()(scope, receive, send)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left before it finished sending
+                    body = message.get("body", b"")
+                    size += len(body)
+                    if size > self.max_bytes:
+                        await too_large.response()(scope, receive, send)
+                        return
+                    chunks.append(body)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            too_slow = APIError(
+                408,
+                f"the request body did not arrive within {self.timeout:g}s",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+            await too_slow.response()(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:

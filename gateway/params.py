@@ -99,7 +99,11 @@ def score_only(request: CompletionRequest | ChatCompletionRequest) -> bool:
 
 
 def max_new_tokens(requested: int | None, default: int | None, prompt_len: int, ctx: int) -> int:
-    """Tokens to generate: as asked (or the default), capped by what the slot's context leaves."""
+    """Tokens to generate: as asked, or the default capped by what the slot's context leaves.
+
+    A max_tokens the context cannot hold is a 400, as vLLM and llama-server answer; only a
+    default (the client asked for nothing) is capped quietly.
+    """
     room = ctx - prompt_len
     if room < 1:
         raise APIError(
@@ -110,8 +114,18 @@ def max_new_tokens(requested: int | None, default: int | None, prompt_len: int, 
         )
     if requested is not None and requested < 1:
         raise invalid_request("max_tokens must be at least 1", "max_tokens")
-    wanted = requested if requested is not None else default
-    return room if wanted is None else min(wanted, room)
+    if requested is not None and requested > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+            f"completion). Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    if requested is not None:
+        return requested
+    return room if default is None else min(default, room)
 
 
 def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) -> SamplingParams:

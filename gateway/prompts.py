@@ -51,7 +51,7 @@ async def completion_prompts(vocab: Vocab, prompt: Any, echo: bool) -> list[tupl
             tokens = await tokenize(vocab, one, add_special=True, parse_special=True)
             text = one
         else:
-            check_token_ids(vocab, one, "prompt")
+            await off_loop(len(one), lambda one=one: check_token_ids(vocab, one, "prompt"))
             tokens, text = one, ""
             if echo:
                 text = await off_loop(len(one), lambda one=one: vocab.detokenize(one))

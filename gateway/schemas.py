@@ -2,6 +2,8 @@
 
 Fields OpenAI does not define are ignored, as vLLM and llama-server do; every field OpenAI
 defines is declared, so that one we cannot honour gets a 400 naming it (params.py).
+Request fields take their JSON types strictly: "10" is not a number, nor "yes" a boolean
+(an integer is a number, though), and integers bound for the worker stay in llama.cpp's range.
 """
 
 from __future__ import annotations
@@ -12,20 +14,28 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # --- requests ------------------------------------------------------------------
 
+INT32_MAX = 2**31 - 1  # llama.cpp's integer settings; beyond it a value is a 400, never a 500
 
-class StreamOptions(BaseModel):
+
+class RequestModel(BaseModel):
+    """A request body or part of one: strict JSON types, no coercion from strings."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # OpenAI pads its chunks; ours need no padding
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestModel):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestModel):
     """text, json_object, or json_schema; llama-server also takes json_object with a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -33,7 +43,7 @@ class ResponseFormat(BaseModel):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
-class GenerationFields(BaseModel):
+class GenerationFields(RequestModel):
     """The sampling fields both endpoints share. None everywhere means "the default"."""
 
     model: str | None = Field(default=None, description="The served model; optional.")
@@ -57,10 +67,14 @@ class GenerationFields(BaseModel):
     )
     top_logprobs: int | None = Field(default=None, description="Chat: alternatives (0-20).")
     # llama.cpp's extras
-    top_k: int | None = Field(default=None, description="0 disables. Default 0.")
+    top_k: int | None = Field(
+        default=None, ge=0, le=INT32_MAX, description="0 disables. Default 0."
+    )
     min_p: float | None = Field(default=None, description="Default 0.")
     repeat_penalty: float | None = Field(default=None, description="Default 1 (off).")
-    repeat_last_n: int | None = Field(default=None, description="Default 64.")
+    repeat_last_n: int | None = Field(
+        default=None, ge=-1, le=INT32_MAX, description="-1: the whole context. Default 64."
+    )
     grammar: str | None = Field(default=None, description="A GBNF grammar with a root rule.")
     ignore_eos: bool | None = False
 
@@ -68,19 +82,24 @@ class GenerationFields(BaseModel):
 class CompletionRequest(GenerationFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A string, a list of one string, or token ids."
+    # Left to right, token ids early: pydantic's "smart" union tried every member on a
+    # million ids and took seconds of the event loop.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="A string, a list of one string, or token ids.", union_mode="left_to_right"
     )
     max_tokens: int | None = Field(
-        default=None, description="Default 16, as OpenAI and vLLM; capped by the slot's context."
+        default=None,
+        le=INT32_MAX,
+        description="Default 16, as OpenAI and vLLM (capped by the slot's context); "
+        "more than the context leaves after the prompt is a 400.",
     )
     echo: bool | None = Field(default=None, description="Prepend the prompt to the text.")
     best_of: int | None = Field(default=None, description="Only 1 is supported.")
     suffix: str | None = Field(default=None, description="Not supported.")
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(RequestModel):
+    model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
     text: str | None = None
@@ -99,7 +118,7 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -132,9 +151,13 @@ class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, description="Deprecated by OpenAI; see below.")
+    max_tokens: int | None = Field(
+        default=None, le=INT32_MAX, description="Deprecated by OpenAI; see below."
+    )
     max_completion_tokens: int | None = Field(
-        default=None, description="Default: the rest of the slot's context, as vLLM."
+        default=None,
+        le=INT32_MAX,
+        description="Default: the rest of the slot's context, as vLLM; more is a 400.",
     )
     tools: list[ToolDefinition] | None = Field(default=None, description="Functions to call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -159,7 +182,7 @@ class ChatCompletionRequest(GenerationFields):
     safety_identifier: str | None = Field(default=None, description="Accepted, unused.")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     """llama-server's /tokenize."""
 
     content: str
@@ -168,7 +191,7 @@ class TokenizeRequest(BaseModel):
     with_pieces: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     """llama-server's /detokenize."""
 
     tokens: list[int]

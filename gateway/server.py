@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from types import FrameType
 
 # Before anything imports zmq: see the note on this import in worker/server.py.
 import llama_cpp  # noqa: F401
@@ -16,6 +17,8 @@ import uvicorn
 
 from loomserve.gateway.app import create_app
 from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.drain import Drain
+from loomserve.gateway.http_protocol import HeaderTimeoutProtocol
 from loomserve.gateway.metrics import GatewayMetrics, mark_dead
 from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.tokenizer import Vocab
@@ -42,7 +45,9 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
             gateway_id=pool.identity,
             auth=bool(config.api_keys),
         )
-        server = uvicorn.Server(
+        server = DrainingServer(
+            app.state.gateway.drain,
+            config.shutdown_timeout,
             uvicorn.Config(
                 app,
                 host=config.host,
@@ -50,8 +55,10 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
                 log_config=None,  # uvicorn's lines go through our structlog handler
                 access_log=False,  # AccessMiddleware logs each request with its id
                 lifespan="on",
-                timeout_graceful_shutdown=config.shutdown_timeout,
-            )
+                # The drain already waited: what is left gets a moment, then is cut.
+                timeout_graceful_shutdown=2.0,
+                http=HeaderTimeoutProtocol.with_header_timeout(config.header_timeout),
+            ),
         )
         with _exit_cleanly_on_signals():
             server.run(sockets=sockets)
@@ -59,6 +66,29 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
     finally:
         mark_dead(os.getpid())
         vocab.close()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that drains on the first SIGTERM/SIGINT before its own shutdown (drain.py).
+
+    uvicorn alone stops listening at once and cuts the streams that outlive its graceful
+    timeout without a word. A second signal stops at once, as uvicorn does.
+    """
+
+    def __init__(self, drain: Drain, timeout: float, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.drain_timeout = timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.drain.start(self.drain_timeout)
+
+    async def on_tick(self, counter: int) -> bool:
+        stop = await super().on_tick(counter)
+        return stop or self.drain.done()
 
 
 def _address(sock: socket.socket) -> str:

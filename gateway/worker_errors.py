@@ -45,5 +45,10 @@ class WorkerFailed(WorkerClientError):
     """The engine failed the request after it started (a Finish with reason error)."""
 
 
+class WorkerBadOutput(WorkerClientError):
+    """The worker's output for the request broke the protocol (a token repeated, skipped, after
+    the finish, or outside the vocabulary); the request ends, the gateway serves on."""
+
+
 class WorkerTimeout(WorkerClientError):
     """The request's deadline passed while it waited for the worker's output."""

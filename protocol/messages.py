@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-PROTOCOL_VERSION = 4  # 2: Embed and Embeddings; 3: per-token logprobs; 4: prompt logprobs
+PROTOCOL_VERSION = 5  # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -35,6 +35,7 @@ class ErrorCode(StrEnum):
     PROTOCOL_MISMATCH = "protocol_mismatch"
     DECODE_FAILED = "decode_failed"
     GATEWAY_LOST = "gateway_lost"
+    ENGINE_DEAD = "engine_dead"  # the worker gave up on its engine and exits; it restarts
 
 
 @dataclass(slots=True)
@@ -208,6 +209,9 @@ class TokenChunk:
     logprobs: list[TokenLogprobs] | None = None  # one per token; only for requests that ask
     # Only for requests with SamplingParams.prompt_logprobs, before their first token.
     prompt_logprobs: PromptLogprobs | None = None
+    # How many tokens of this request were sent before this chunk: the gateway turns a gap
+    # or a repeat into an error for the request instead of garbled text.
+    seq: int = 0
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from loomserve.gateway.errors import worker_error
 from loomserve.gateway.request import GenerationRequest, Prompt
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
 from loomserve.gateway.worker_errors import (
+    WorkerBadOutput,
     WorkerFailed,
     WorkerLost,
     WorkerRejected,
@@ -35,7 +36,9 @@ PIECES = {0: b"", 1: b"Hello", 2: b" world", 3: b" ST", 4: b"OP", 5: b"\xc3", 6:
 
 
 class FakePieces:
-    """The one method of a vocabulary that text assembly uses."""
+    """What text assembly uses of a vocabulary."""
+
+    n_tokens = len(PIECES)
 
     def piece(self, token_id: int) -> bytes:
         return PIECES[token_id]
@@ -130,6 +133,45 @@ def test_cancelled_reads_as_stop_and_an_engine_error_raises() -> None:
         assembly().done(failed)
     with pytest.raises(ValueError):
         assembly().done(None)  # only a stopped sequence may end without the Finish
+    shutdown = Finish("r", FinishReason.CANCELLED, 5, 1, 0, 0.0, message="worker shutting down")
+    with pytest.raises(WorkerLost, match="worker shutting down"):
+        assembly().done(shutdown)  # cancelled by the worker itself: cut short, not ended
+
+
+def test_chunks_in_sequence_become_text() -> None:
+    text = assembly()
+    assert text.take(TokenChunk("r", [1], seq=0)) == "Hello"
+    assert text.take(TokenChunk("r", [2, 7], seq=1)) == " world!"
+    assert text.done(finish(FinishReason.LENGTH, 3))[1].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("chunks", "error"),
+    [
+        ([([1], 0), ([1], 0)], "repeated"),  # the same chunk twice: "HelloHello"
+        ([([1], 0), ([2], 2)], "skipped"),  # a gap
+        ([([2], 1), ([1], 0)], "skipped"),  # out of order: the later one first
+        ([([1], 0), ([len(PIECES)], 1)], "outside the vocabulary"),
+        ([([-1], 0)], "outside the vocabulary"),
+    ],
+)
+def test_bad_worker_output_fails_the_request_before_it_becomes_text(
+    chunks: list[tuple[list[int], int]], error: str
+) -> None:
+    text = assembly()
+    with pytest.raises(WorkerBadOutput, match=error):
+        for tokens, seq in chunks:
+            assert text.take(TokenChunk("r", tokens, seq=seq)) in ("Hello", "")
+
+
+def test_a_finish_that_counts_fewer_tokens_than_were_sent_fails() -> None:
+    text = assembly()
+    text.take(TokenChunk("r", [1, 2], seq=0))
+    with pytest.raises(WorkerBadOutput, match="finished the request after 1"):
+        text.done(finish(FinishReason.LENGTH, 1))
+    eos_not_sent = assembly()
+    eos_not_sent.take(TokenChunk("r", [1], seq=0))
+    assert eos_not_sent.done(finish(FinishReason.STOP, 2))[1].finish_reason == "stop"
 
 
 def test_usage_shape() -> None:
@@ -153,6 +195,7 @@ def test_usage_shape() -> None:
         (WorkerRejected(ErrorCode.DUPLICATE_REQUEST, "twice"), 500, "internal_error"),
         (WorkerFailed("decode failed"), 500, "internal_error"),
         (WorkerTimeout("too slow"), 504, "timeout"),
+        (WorkerBadOutput("a token twice"), 502, "bad_worker_output"),
     ],
 )
 def test_worker_errors_become_http_statuses(error: Exception, status: int, code: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -194,23 +196,48 @@ def test_body_too_large(gateway: Proc) -> None:
 
 def test_queue_full_is_503_with_retry_after(gateway: Proc) -> None:
     """One slot and one queue place: a third long request is turned away."""
-    body = {"prompt": "once upon a time", "max_tokens": CTX, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": "once upon a time",
+        "max_tokens": CTX - 16,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with ExitStack() as stack:
         running = stack.enter_context(
             httpx.stream("POST", gateway.url + "/v1/completions", json=body, headers=AUTH)
         )
         lines = running.iter_lines()  # kept: a collected iterator closes the stream
         assert next(lines).startswith("data: ")  # it has the slot
-        queued = stack.enter_context(
-            httpx.stream("POST", gateway.url + "/v1/completions", json=body, headers=AUTH)
-        )
-        assert queued.status_code == 200  # accepted into the queue
+        # The queued stream's headers wait for its first token: send it from a raw socket.
+        queued = stack.enter_context(raw_request(gateway, "/v1/completions", body))
+        wait_until_queued(gateway, 1)
         response = post(gateway, "/v1/completions", {**body, "stream": False})
         error = assert_error(response, 503)
         assert error["code"] == "queue_full"
         assert int(response.headers["Retry-After"]) >= 1
+        queued.close()
     # Both streams were dropped, so their requests were cancelled: the slot serves again.
     assert post(gateway, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def raw_request(gateway: Proc, path: str, body: object) -> socket.socket:
+    """A POST sent on a plain socket, its answer left unread."""
+    payload = json.dumps(body).encode()
+    host, port = gateway.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {AUTH['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def wait_until_queued(gateway: Proc, depth: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(gateway.url + "/health", timeout=5).json().get("queue_depth") != depth:
+        assert time.monotonic() < deadline, "the request never reached the worker's queue"
+        time.sleep(0.02)
 
 
 def test_worker_missing_or_mismatched(tmp_path: Path, long_model_path: Path) -> None:

@@ -201,7 +201,11 @@ def test_stop_strings_limits() -> None:
 def test_max_new_tokens() -> None:
     assert max_new_tokens(None, 16, prompt_len=10, ctx=100) == 16
     assert max_new_tokens(None, None, prompt_len=10, ctx=100) == 90
-    assert max_new_tokens(500, 16, prompt_len=10, ctx=100) == 90
+    assert max_new_tokens(None, 16, prompt_len=90, ctx=100) == 10  # a default is capped
+    assert max_new_tokens(90, 16, prompt_len=10, ctx=100) == 90
+    with pytest.raises(APIError) as beyond:
+        max_new_tokens(91, 16, prompt_len=10, ctx=100)  # asked for: 400, as vLLM
+    assert (beyond.value.code, beyond.value.param) == ("context_length_exceeded", "max_tokens")
     with pytest.raises(APIError) as error:
         max_new_tokens(5, 16, prompt_len=100, ctx=100)
     assert error.value.code == "context_length_exceeded"

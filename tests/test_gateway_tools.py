@@ -94,7 +94,7 @@ def chat(gateway: Proc, **fields: Any):
         "model": "tiny-llama",
         "messages": MESSAGES,
         "temperature": 0,
-        "max_tokens": 200,
+        # No max_tokens: the rest of the context (a max_tokens beyond it is a 400).
         "logit_bias": ASCII_ONLY,
     }
     return client(gateway).chat.completions.create(**{**defaults, **fields})

@@ -135,8 +135,8 @@ def test_a_chunk_without_logprobs_costs_two_bytes() -> None:
     """Requests that do not ask for logprobs pay a msgpack nil per chunk on the wire for the
     tokens' logprobs, and one for the prompt's."""
     body = encode(Outputs(tokens=[TokenChunk("r1", [4])], finishes=[]))[1]
-    assert body == msgpack.packb([[["r1", [4], None, None]], []])
-    assert len(body) == len(msgpack.packb([[["r1", [4]]], []])) + 2
+    assert body == msgpack.packb([[["r1", [4], None, None, 0]], []])
+    assert len(body) == len(msgpack.packb([[["r1", [4], 0]], []])) + 2
 
 
 def generate_body(prompt: object, logit_bias: object) -> bytes:

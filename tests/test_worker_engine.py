@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -281,7 +282,7 @@ def test_a_vanished_gateway_loses_all_its_requests(engine, config):
     loop.submit(GW, greedy("stays", [1, 9], 30, ignore_eos=True))
     loop.tick(block=False)
     loop.tick(block=False)
-    loop.gateway_gone(b"gone")
+    loop.gateway_gone(b"gone", "it disconnected")
     drain(loop)
     gone = collector.finishes(b"gone")
     assert {f.reason for f in gone.values()} == {FinishReason.CANCELLED}
@@ -478,8 +479,8 @@ def test_an_invalid_plan_falls_back_to_decode_maximal(engine, config, monkeypatc
     assert collector.finishes()["r"].completion_tokens == 6
 
 
-def test_stop_finishes_every_live_request(engine, config):
-    loop, collector = new_loop(engine, config, slots=1)
+def test_stop_past_its_timeout_cancels_every_live_request_with_a_reason(engine, config):
+    loop, collector = new_loop(engine, config, slots=1, shutdown_timeout=0.0)
     for i in range(3):
         loop.submit(GW, greedy(f"r{i}", [1, 5], 10_000, ignore_eos=True))
     thread = threading.Thread(target=loop.run)
@@ -491,7 +492,52 @@ def test_stop_finishes_every_live_request(engine, config):
     assert not thread.is_alive()
     finishes = collector.finishes()
     assert {f.reason for f in finishes.values()} == {FinishReason.CANCELLED}
+    assert {f.message for f in finishes.values()} == {"the worker is shutting down"}
     assert len(finishes) == 3
+
+
+def test_stop_lets_running_requests_finish_and_refuses_new_ones(engine, config):
+    loop, collector = new_loop(engine, config, slots=1, shutdown_timeout=60.0)
+    for i in range(2):
+        loop.submit(GW, greedy(f"r{i}", [1, 5], 40, ignore_eos=True))
+    loop.tick(block=False)
+    loop.stop()
+    loop.submit(GW, greedy("late", [1, 5], 4))
+    started = time.monotonic()
+    loop.run()  # returns once both have finished, long before the timeout
+    assert time.monotonic() - started < 30
+    finishes = collector.finishes()
+    assert {f.reason for f in finishes.values()} == {FinishReason.LENGTH}
+    assert all(len(collector.tokens()[f"r{i}"]) == 40 for i in range(2))
+    assert collector.rejected() == {"late": ErrorCode.NOT_READY}
+
+
+def test_ticks_failing_in_a_row_declare_the_engine_dead(engine, config, monkeypatch):
+    monkeypatch.setenv("LOOMSERVE_TEST_FAIL_DECODE", "every")
+    loop, collector = new_loop(engine, config, slots=1, max_failed_ticks=3)
+    for i in range(4):
+        loop.submit(GW, greedy(f"r{i}", [1, 5], 4))
+    loop.run()  # one slot: each tick runs one request, and each tick raises
+    assert loop.dead == "3 ticks in a row failed"
+    finishes = collector.finishes()
+    assert {f"r{i}": finishes[f"r{i}"].reason for i in range(3)} == dict.fromkeys(
+        ("r0", "r1", "r2"), FinishReason.ERROR
+    )
+    assert "r3" not in finishes  # still queued: the server tells the gateways it is dead
+
+
+def test_a_failing_tick_fails_its_requests_alone(engine, config, monkeypatch):
+    monkeypatch.setenv("LOOMSERVE_TEST_FAIL_DECODE", "once")
+    loop, collector = new_loop(engine, config, slots=1, max_failed_ticks=2)
+    loop.submit(GW, greedy("poison", [1, 5], 4))
+    loop.submit(GW, greedy("fine", [1, 5], 4, ignore_eos=True))
+    loop.stop()  # drains: returns when both have finished
+    loop.run()
+    assert loop.dead is None and loop.failed_ticks == 0
+    finishes = collector.finishes()
+    assert finishes["poison"].reason == FinishReason.ERROR
+    assert finishes["poison"].message == "internal error in the worker's tick"
+    assert finishes["fine"].reason == FinishReason.LENGTH
 
 
 def test_a_quantized_kv_cache_needs_flash_attention(config):

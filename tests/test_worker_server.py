@@ -121,8 +121,14 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_path: Path, metrics_port: int) -> Iterator[Proc]:
+    # The test gateways here never ping: a long gateway timeout keeps them known.
     with start_worker(
-        tiny_model_path, slots=2, ctx_size=512, max_queue=4, metrics_port=metrics_port
+        tiny_model_path,
+        slots=2,
+        ctx_size=512,
+        max_queue=4,
+        metrics_port=metrics_port,
+        gateway_timeout=60,
     ) as proc:
         yield proc
 
@@ -364,7 +370,9 @@ def test_a_silent_gateway_loses_its_requests(tiny_model_path: Path):
 
 
 def test_sigterm_cancels_live_requests_and_exits_cleanly(tiny_model_path: Path):
-    with start_worker(tiny_model_path, slots=1, ctx_size=1024, max_queue=8) as proc:
+    with start_worker(
+        tiny_model_path, slots=1, ctx_size=1024, max_queue=8, shutdown_timeout=0.2
+    ) as proc:
         gateway = Gateway(proc.endpoint, "gw-sigterm")
         try:
             gateway.hello()
@@ -378,7 +386,7 @@ def test_sigterm_cancels_live_requests_and_exits_cleanly(tiny_model_path: Path):
             while (message := gateway.recv(timeout=1.0)) is not None:
                 if isinstance(message, Outputs):
                     reasons.update({f.request_id: f.reason for f in message.finishes})
-            # Every request finished exactly once; those still live at the signal, cancelled.
+            # Every request finished exactly once; those still live after the drain, cancelled.
             assert set(reasons) == {f"r{i}" for i in range(8)}
             assert set(reasons.values()) <= {"length", "cancelled"}
             assert reasons["r7"] == "cancelled"

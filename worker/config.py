@@ -47,7 +47,16 @@ class WorkerConfig:
     metrics_port: int | None = None  # Prometheus endpoint; None: off
     metrics_host: str = "127.0.0.1"
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each gateway
-    gateway_timeout: float = 5.0  # a gateway silent this long is gone; its requests are cancelled
+    # A gateway silent this long is gone and its requests are cancelled (its slots freed
+    # within a tenth of this more). Gateways ping every second by default.
+    gateway_timeout: float = 3.0
+    # This many ticks failing in a row mean the engine is broken: the worker tells every
+    # gateway, and exits (status 3) for its supervisor to restart it. One failing tick
+    # fails only the requests it ran.
+    max_failed_ticks: int = 3
+    # On SIGTERM, running and queued requests get this long to finish; the rest are
+    # cancelled with an error. New requests are refused meanwhile.
+    shutdown_timeout: float = 5.0
     log_ticks: bool = False  # one structured log event per tick
     # A request's greedy output must not depend on what shares its batch: give each slot its
     # own KV stream and use CPU kernels that compute every row alike (see Engine). Off: one
@@ -72,6 +81,10 @@ class WorkerConfig:
             raise ValueError("max_queue must not be negative")
         if self.batch_tokens < self.slots:
             raise ValueError("batch_tokens must leave room for one decode token per slot")
+        if self.max_failed_ticks < 1:
+            raise ValueError("max_failed_ticks must be at least 1")
+        if self.shutdown_timeout < 0 or self.gateway_timeout <= 0:
+            raise ValueError("shutdown_timeout and gateway_timeout must not be negative")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         if self.flash_attn not in FLASH_ATTN_MODES:

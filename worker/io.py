@@ -72,6 +72,7 @@ MAX_GATEWAYS = 1024  # gateways known at once; a connection flood cannot grow th
 # their logit_bias), an Embed two and one per input. Past that, a body of nested junk fails
 # as soon as it is unpacked instead of growing fifty-fold into empty lists first.
 INBOUND_CONTAINERS = MAX_EMBED_INPUTS + 8
+BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity is empty)
 
 
 @dataclass(slots=True)
@@ -165,6 +166,11 @@ class WorkerIO:
     def send(self, gateway: bytes, message: Message) -> None:
         self._outbox.append((gateway, message))
 
+    def broadcast(self, message: Message) -> None:
+        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
+        self._outbox.append((BROADCAST, message))
+        self.flush()
+
     def flush(self) -> None:
         """Wake the IO thread to send the outbox; one byte, never blocking."""
         # On EAGAIN a wake-up is already pending; it will find these messages too.
@@ -178,9 +184,13 @@ class WorkerIO:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         interval = self.config.heartbeat_interval
-        next_beat = time.monotonic() + interval
+        # Silence is checked ten times per gateway_timeout, so a stalled gateway's slots are
+        # freed at most a tenth of the timeout after it (3.3 s with the defaults).
+        check_every = min(interval, self.config.gateway_timeout / 10)
+        started = time.monotonic()
+        next_beat, next_check = started + interval, started + check_every
         while True:
-            wait_ms = max(0.0, next_beat - time.monotonic()) * 1000
+            wait_ms = max(0.0, min(next_beat, next_check) - time.monotonic()) * 1000
             events = dict(poller.poll(timeout=wait_ms))
             if self._wake_in in events:
                 self._drain_wakes()
@@ -190,8 +200,11 @@ class WorkerIO:
             if self._closing:
                 return
             now = time.monotonic()
+            if now >= next_check:
+                self._expire_silent(now)
+                next_check = now + check_every
             if now >= next_beat:
-                self._heartbeat(now)
+                self._heartbeat()
                 next_beat = now + interval
 
     def _drain_wakes(self) -> None:
@@ -334,6 +347,10 @@ class WorkerIO:
         outbox, gateways = self._outbox, self._gateways
         while outbox:
             gateway, message = outbox.popleft()
+            if gateway == BROADCAST:
+                for known in list(gateways.known):
+                    self._send_now(known, message)
+                continue
             if isinstance(message, Rejected):
                 duplicate = message.code == ErrorCode.DUPLICATE_REQUEST
                 gateways.close(gateway, message.request_id, duplicate)
@@ -360,10 +377,12 @@ class WorkerIO:
             self.counters.dropped_gone += 1
             self._lose(gateway, "it disconnected")
 
-    def _heartbeat(self, now: float) -> None:
+    def _expire_silent(self, now: float) -> None:
         timeout = self.config.gateway_timeout
         for gateway in self._gateways.silent(now, timeout):
             self._lose(gateway, f"it was silent for {timeout:g}s")
+
+    def _heartbeat(self) -> None:
         beat = self._heartbeat_message(0.0)
         for gateway in list(self._gateways.known):
             self._send_now(gateway, beat)
@@ -384,7 +403,9 @@ class WorkerIO:
             return
         self.counters.gateways_lost += 1
         log.warning("gateway lost; cancelling its requests", gateway=_name(gateway), why=why)
-        self.loop.gateway_gone(gateway)
+        self.loop.gateway_gone(
+            gateway, f"the worker cancelled this request: its gateway was lost ({why})"
+        )
         if self._on_gateways:
             self._on_gateways(len(self._gateways))
 

@@ -38,6 +38,7 @@ from loomserve.protocol import (
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
+from loomserve.worker.faults import DecodeFaults
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import Release, Request, RequestKey, Run, Scheduler, Slot, Step
@@ -112,6 +113,7 @@ class _Cancel:
 @dataclass(frozen=True, slots=True)
 class _GatewayGone:
     gateway: bytes
+    why: str
 
 
 _STOP = object()
@@ -148,7 +150,10 @@ class TickLoop:
         self._on_finish = on_finish
         self._on_reject = on_reject
         self.embedder = embedder  # None: this worker computes no embeddings
-        self._stopping = False
+        self._stop_by: float | None = None  # set by stop(): when the last requests are cut
+        self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
+        self.dead: str | None = None  # why the engine was given up on, once it was
+        self._faults = DecodeFaults.from_env()  # tests only: see faults.py
         self._outputs: dict[bytes, Outputs] = {}
         self._scoring: Step | None = None  # this tick's step when a run scores its prompt
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
@@ -164,36 +169,57 @@ class TickLoop:
     def cancel(self, gateway: bytes, request_id: str) -> None:
         self.inbox.put(_Cancel(gateway, request_id))
 
-    def gateway_gone(self, gateway: bytes) -> None:
-        """The gateway vanished: cancel its queued and running requests."""
-        self.inbox.put(_GatewayGone(gateway))
+    def gateway_gone(self, gateway: bytes, why: str) -> None:
+        """The gateway vanished: cancel its queued and running requests, saying why."""
+        self.inbox.put(_GatewayGone(gateway, why))
 
     def stop(self) -> None:
+        """Drain: refuse new requests, give the others config.shutdown_timeout, then return."""
         self.inbox.put(_STOP)
 
     # --- the loop thread -------------------------------------------------------------
 
     def run(self) -> None:
-        """Tick until stop(); then cancel whatever is left so every request finishes once."""
-        while not self._stopping:
+        """Tick until stop() has drained the requests, or until the engine is dead.
+
+        A failing tick fails the requests it ran and the loop serves on; max_failed_ticks
+        failures in a row mean the engine itself is broken: `dead` says why and run returns,
+        leaving the queued requests for the server to fail (as vLLM's EngineDeadError).
+        """
+        while not self._drained():
             try:
-                self.tick()
+                self.tick(block=self._stop_by is None)
             except Exception:
                 # A bug must not take the other requests down with it: fail the running
                 # ones, whose state may be half-updated, and keep serving.
                 log.exception("tick failed; failing the running requests")
+                self.failed_ticks += 1
                 self.scheduler.fail_running("internal error in the worker's tick")
                 self._release_finished()
                 self._send_outputs()
-        self.scheduler.cancel_all()
+            if self.failed_ticks >= self.config.max_failed_ticks:
+                self.dead = f"{self.failed_ticks} ticks in a row failed"
+                log.error("engine dead: giving up", reason=self.dead)
+                return
+        self.scheduler.cancel_all("the worker is shutting down")
         self._release_finished()
         self._send_outputs()
+
+    def _drained(self) -> bool:
+        """After stop(): whether every request has finished, or the time for them is up."""
+        if self._stop_by is None:
+            return False
+        embedding = self.embedder is not None and self.embedder.pending
+        busy = self.scheduler.has_work() or embedding
+        return not busy or time.monotonic() >= self._stop_by
 
     def tick(self, block: bool = True) -> None:
         """One pass of the loop; with block, waits for input when there is nothing to do."""
         # 1. New requests and cancellations (blocking only when there is nothing else).
         embedding = self.embedder is not None and self.embedder.pending
         self._take_input(block=block and not (self.scheduler.has_work() or embedding))
+        if self._stop_by is not None and not (self.scheduler.has_work() or embedding):
+            return
         started = time.perf_counter()
         # 1b. Embeddings: one batch of waiting inputs, in their own context (embeddings.py).
         self._embed()
@@ -223,7 +249,8 @@ class TickLoop:
             return
         while True:
             if item is _STOP:
-                self._stopping = True
+                if self._stop_by is None:
+                    self._stop_by = time.monotonic() + self.config.shutdown_timeout
             elif isinstance(item, _Submit):
                 self._accept(item.gateway, item.generate)
             elif isinstance(item, _Embed):
@@ -235,7 +262,7 @@ class TickLoop:
                     self.embedder.cancel(item.gateway, item.request_id)
             elif isinstance(item, _GatewayGone):
                 for key in self.scheduler.keys_of(item.gateway):
-                    self.scheduler.cancel(key)
+                    self.scheduler.cancel(key, item.why)
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway)
             try:
@@ -273,6 +300,8 @@ class TickLoop:
 
     def _refusal(self, key: RequestKey, generate: Generate) -> tuple[ErrorCode, str] | None:
         """Why this request cannot be taken, cheapest checks first; None when it can."""
+        if self._stop_by is not None:
+            return ErrorCode.NOT_READY, "the worker is shutting down"
         if key in self.scheduler.live:
             return ErrorCode.DUPLICATE_REQUEST, f"request {key[1]!r} is already running"
         n_vocab = self.engine.n_vocab
@@ -368,6 +397,8 @@ class TickLoop:
     # --- 4: forward --------------------------------------------------------------------
 
     def _forward(self, step: Step) -> bool:
+        if self._faults is not None:
+            self._faults.before_forward()
         code = self.engine.decode(self.engine.batch)
         if step.n_pad:  # padding only joined the pass: its slots never had those cells
             for run in step.runs:
@@ -376,7 +407,9 @@ class TickLoop:
         if code != 0:
             log.error("decode failed", code=code, slots=[run.slot.index for run in step.runs])
             self.scheduler.fail(step, f"llama_decode failed with code {code}")
+            self.failed_ticks += 1
             return False
+        self.failed_ticks = 0
         self.scheduler.advance(step)
         return True
 
@@ -453,13 +486,14 @@ class TickLoop:
         return outputs
 
     def _send_outputs(self) -> None:
+        # The load first: a heartbeat that follows these Outputs must not predate them.
+        scheduler = self.scheduler
+        self.load = Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running)
         if self._outputs:
             for gateway, outputs in self._outputs.items():
                 self.sink.send(gateway, outputs)
             self._outputs = {}
             self.sink.flush()
-        scheduler = self.scheduler
-        self.load = Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running)
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1

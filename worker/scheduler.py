@@ -193,7 +193,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
         self._slot_of: dict[RequestKey, Slot] = {}
-        self._cancelled_waiting: list[Request] = []  # left the queue; released next
+        # Left the queue, with why the worker cancelled them; released next.
+        self._cancelled_waiting: list[tuple[Request, str]] = []
         self._fallback = DecodeMaximal()
         self._strategy_failures = 0
 
@@ -231,26 +232,28 @@ class Scheduler:
         self.live[request.key] = request
         return max(0, len(self.waiting) - self.free_slots)
 
-    def cancel(self, key: RequestKey) -> bool:
+    def cancel(self, key: RequestKey, message: str = "") -> bool:
         """Cancel a live request, queued or running; False when there is none by that key.
 
-        Either way its Finish comes from the next release_finished.
+        Either way its Finish comes from the next release_finished. A message says why the
+        worker cancelled it on its own (the gateway asked: none), so that the gateway can tell
+        its client the request did not simply end.
         """
         request = self.live.get(key)
         if request is None:
             return False
         slot = self._slot_of.get(key)
         if slot is not None:
-            slot.finish(FinishReason.CANCELLED)
+            slot.finish(FinishReason.CANCELLED, message)
         else:
             self.waiting.remove(request)
             del self.live[key]
-            self._cancelled_waiting.append(request)
+            self._cancelled_waiting.append((request, message))
         return True
 
-    def cancel_all(self) -> None:
+    def cancel_all(self, message: str = "") -> None:
         for key in list(self.live):
-            self.cancel(key)
+            self.cancel(key, message)
 
     def keys_of(self, gateway: bytes) -> list[RequestKey]:
         return [key for key in self.live if key[0] == gateway]
@@ -455,7 +458,7 @@ class Scheduler:
             return None
         if request.completion_tokens >= params.max_tokens or len(slot.tokens) >= self.slot_context:
             slot.finish(FinishReason.LENGTH)
-        return TokenChunk(request.request_id, [token])
+        return TokenChunk(request.request_id, [token], seq=request.completion_tokens - 1)
 
     # --- release ------------------------------------------------------------------------
 
@@ -466,8 +469,8 @@ class Scheduler:
         end drops its cells (Release.drop_sequence).
         """
         releases = [
-            Release(request, self._finish(request, FinishReason.CANCELLED, "", now), None)
-            for request in self._cancelled_waiting
+            Release(request, self._finish(request, FinishReason.CANCELLED, message, now), None)
+            for request, message in self._cancelled_waiting
         ]
         self._cancelled_waiting.clear()
         for slot in self.slots:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import signal
+import time
 
 # llama.cpp's libraries are loaded before pyzmq's on purpose: with a CUDA build of llama.cpp a
 # process that had imported zmq first died with SIGSEGV in llama_model_load_from_file, and
@@ -16,7 +17,7 @@ import llama_cpp  # first, see above
 import structlog
 import zmq
 
-from loomserve.protocol import PROTOCOL_VERSION, ModelInfo
+from loomserve.protocol import PROTOCOL_VERSION, ErrorCode, ModelInfo, WorkerError
 from loomserve.protocol.vocab import vocab_fingerprint
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, load_server_keys
@@ -32,6 +33,8 @@ log = structlog.get_logger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 LARGE_BLOCK = 1 << 20  # blocks this large come from mmap and go back to the system on free
+EXIT_ENGINE_DEAD = 3  # the status of a worker that gave up on its engine: restart it
+DEAD_NOTICE_SECONDS = 0.5
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -113,7 +116,11 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         log.info("metrics", url=f"http://{config.metrics_host}:{config.metrics_port}/metrics")
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("stopping", signal=signal.Signals(signum).name)
+        log.info(
+            "stopping: draining requests",
+            signal=signal.Signals(signum).name,
+            timeout_s=config.shutdown_timeout,
+        )
         io.ready = False
         loop.stop()
 
@@ -128,6 +135,13 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     )
     try:
         loop.run()  # on this, the main thread, so signals reach it at once
+        if loop.dead is not None:
+            # Every gateway fails its open requests and answers 503 until we are back.
+            io.ready = False
+            io.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, loop.dead))
+            # Stay connected a moment: a gateway that sees the connection drop before it
+            # has read these gives its requests the vaguer "connection closed".
+            time.sleep(DEAD_NOTICE_SECONDS)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -137,6 +151,8 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         if metrics is not None:
             metrics.close()
         log.info("worker stopped", ticks=loop.tick_count)
+    if loop.dead is not None:
+        raise SystemExit(EXIT_ENGINE_DEAD)
 
 
 def _embedder(config: WorkerConfig, engine: Engine) -> Embedder | None:
