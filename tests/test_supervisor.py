@@ -235,7 +235,8 @@ def test_serve_survives_seven_quick_worker_kills_and_answers_after(
         assert [e["child"] for e in exits] == ["worker"] * 7
         delays = [e["in_s"] for e in served.events() if e.get("event") == "restarting"]
         assert len(delays) == 7 and max(delays) == 1.0
-        assert events_of(served).count("ready") >= 2  # said again once the worker was back
+        # Said again once the worker was back (the supervisor probes readiness periodically).
+        wait_until(lambda: events_of(served).count("ready") >= 2, 10, "never ready again", served)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
