@@ -14,7 +14,12 @@ import click
 
 from loomserve.cli.default_model import resolve_model
 from loomserve.gateway.config import GatewayConfig
-from loomserve.worker.config import FLASH_ATTN_MODES, KV_CACHE_TYPES, WorkerConfig
+from loomserve.worker.config import (
+    FLASH_ATTN_MODES,
+    KV_CACHE_TYPES,
+    SCHEDULING_POLICIES,
+    WorkerConfig,
+)
 
 CONTEXT_SETTINGS = {
     "auto_envvar_prefix": "LOOMSERVE",
@@ -97,6 +102,39 @@ def worker_options(func):
             default=default_of(WorkerConfig, "strategy"),
             help="Batching strategy: decode-maximal, prefill-priority, balanced, "
             "or a dotted path to your own class (package.module:Class).",
+        ),
+        click.option(
+            "--itl-target-ms",
+            type=click.FloatRange(min=0, min_open=True),
+            default=default_of(WorkerConfig, "itl_target_ms"),
+            help="While streams generate, prompt tokens per tick are capped to keep a tick "
+            "within this many ms (by a tick-cost model learned online). Default: no target.",
+        ),
+        click.option(
+            "--scheduling-policy",
+            type=click.Choice(SCHEDULING_POLICIES),
+            default=default_of(WorkerConfig, "scheduling_policy"),
+            help="fcfs: arrival order. priority: lower request `priority` first; a waiting "
+            "request preempts a running one of lower priority.",
+        ),
+        click.option(
+            "--swap-space",
+            type=click.FloatRange(min=0),
+            default=default_of(WorkerConfig, "swap_space"),
+            help="GiB of host memory for preempted requests' KV state; beyond it they recompute.",
+        ),
+        click.option(
+            "--tenant-weight",
+            multiple=True,
+            default=default_of(WorkerConfig, "tenant_weight"),
+            help="NAME=W: a tenant's weight in the round-robin for free slots (default 1); "
+            "repeatable.",
+        ),
+        click.option(
+            "--max-slots-per-tenant",
+            type=click.IntRange(min=0),
+            default=default_of(WorkerConfig, "max_slots_per_tenant"),
+            help="Most slots one tenant's requests hold at once; 0: no cap.",
         ),
         click.option(
             "--metrics-port",

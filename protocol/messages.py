@@ -12,11 +12,15 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-PROTOCOL_VERSION = 5  # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq
+# 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
+# and tenant
+PROTOCOL_VERSION = 6
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
 )
+MAX_TENANT_CHARS = 128
+PRIORITY_LIMIT = 2**31  # |priority| below this
 
 
 class FinishReason(StrEnum):
@@ -112,12 +116,18 @@ class Generate:
     request_id: str
     prompt_tokens: list[int]
     params: SamplingParams
+    priority: int = 0  # lower is served first when the worker schedules by priority
+    tenant: str = ""  # who it is for, for fair shares; "" is the shared default tenant
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
             raise ValueError("the prompt must hold at least one token")
         if any(t < 0 for t in self.prompt_tokens):
             raise ValueError("token ids are never negative")
+        if not -PRIORITY_LIMIT < self.priority < PRIORITY_LIMIT:
+            raise ValueError("priority must be a 32-bit integer")
+        if len(self.tenant) > MAX_TENANT_CHARS:
+            raise ValueError(f"tenant names are at most {MAX_TENANT_CHARS} characters")
 
 
 @dataclass(slots=True)

@@ -44,6 +44,8 @@ EVERY_MESSAGE = [
             logprobs=3,
             prompt_logprobs=2,
         ),
+        priority=-3,
+        tenant="team-a",
     ),
     Embed(request_id="e1", inputs=[[1, 2], [3]]),
     Cancel(request_id="r1"),
@@ -141,7 +143,7 @@ def test_a_chunk_without_logprobs_costs_two_bytes() -> None:
 
 def generate_body(prompt: object, logit_bias: object) -> bytes:
     params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None, None]
-    return msgpack.packb(["r1", prompt, params])
+    return msgpack.packb(["r1", prompt, params, 0, ""])
 
 
 def test_token_ids_and_logit_bias_are_checked_exactly():
@@ -175,3 +177,14 @@ def test_limits_stop_an_oversized_body_while_it_is_unpacked():
 
 
 EVERY_MESSAGE_FRAMES = {type(m).__name__: encode(m) for m in EVERY_MESSAGE}
+
+
+def test_generate_bounds_priority_and_tenant():
+    params = SamplingParams()
+    assert Generate("r", [1], params).priority == 0 and Generate("r", [1], params).tenant == ""
+    with pytest.raises(ValueError):
+        Generate("r", [1], params, priority=2**31)
+    with pytest.raises(ValueError):
+        Generate("r", [1], params, tenant="x" * 129)
+    frames = encode(Generate("r", [1], params, priority=2, tenant="t"))
+    assert decode(frames) == Generate("r", [1], params, 2, "t")

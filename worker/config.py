@@ -10,6 +10,7 @@ from pathlib import Path
 KV_CACHE_TYPES = ("f16", "q8_0")
 # "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
 FLASH_ATTN_MODES = ("auto", "on", "off")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def is_local_endpoint(endpoint: str) -> bool:
@@ -44,6 +45,13 @@ class WorkerConfig:
     batch_tokens: int = 512  # token budget of one tick's batch
     prefill_chunk: int = 512  # most prompt tokens one slot prefills in one tick
     strategy: str = "decode-maximal"  # a built-in name or a dotted path to a class
+    # While a stream generates, a tick carries only the prompt tokens that keep it within
+    # this many milliseconds, by the tick-cost model learned online. None: no target.
+    itl_target_ms: float | None = None
+    scheduling_policy: str = "fcfs"  # or "priority": lower Generate.priority first, preempting
+    swap_space: float = 4.0  # GiB of host memory for preempted requests' KV; beyond, recompute
+    tenant_weight: tuple[str, ...] = ()  # "NAME=W": a tenant's share of slots (default 1)
+    max_slots_per_tenant: int = 0  # most running requests of one tenant; 0: no cap
     metrics_port: int | None = None  # Prometheus endpoint; None: off
     metrics_host: str = "127.0.0.1"
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each gateway
@@ -101,6 +109,28 @@ class WorkerConfig:
                 "that reaches it is a gateway: give --curve-secret-key-file and "
                 "--curve-allowed-keys (`loomserve keygen` makes them), or --insecure-bind"
             )
+        if self.itl_target_ms is not None and self.itl_target_ms <= 0:
+            raise ValueError("itl_target_ms must be positive")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.swap_space < 0 or self.max_slots_per_tenant < 0:
+            raise ValueError("swap_space and max_slots_per_tenant must not be negative")
+        self.tenant_weights  # noqa: B018 -- parses them, raising ValueError on a bad one
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        """--tenant-weight NAME=W settings as a mapping."""
+        weights = {}
+        for spec in self.tenant_weight:
+            name, sep, value = spec.rpartition("=")
+            try:
+                weight = float(value)
+            except ValueError:
+                weight = 0.0
+            if not sep or not name or not weight > 0 or weight == float("inf"):
+                raise ValueError(f"tenant weights are NAME=W with W > 0, got {spec!r}")
+            weights[name] = weight
+        return weights
 
     @property
     def n_threads(self) -> int:

@@ -275,6 +275,25 @@ class Engine:
     def drop_sequence(self, seq: int) -> None:
         llama.llama_memory_seq_rm(self.memory, seq, -1, -1)
 
+    def state_size(self, seq: int) -> int:
+        """Bytes that save_sequence would take for this sequence."""
+        return llama.llama_state_seq_get_size(self.ctx, seq)
+
+    def save_sequence(self, seq: int) -> bytes | None:
+        """A copy of one sequence's cells in host memory (llama_state_seq_get_data); None when
+        the sequence holds none or llama.cpp cannot save it."""
+        size = self.state_size(seq)
+        if size <= 0:
+            return None
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama.llama_state_seq_get_data(self.ctx, buffer, size, seq)
+        return bytes(buffer[:written]) if written else None
+
+    def restore_sequence(self, seq: int, state: bytes) -> bool:
+        """Load a saved sequence into `seq`, which must hold no cells; False when it failed."""
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return llama.llama_state_seq_set_data(self.ctx, buffer, len(state), seq) == len(state)
+
     def seq_pos_max(self, seq: int) -> int:
         """The highest position the sequence holds in the cache; -1 when it holds none."""
         return llama.llama_memory_seq_pos_max(self.memory, seq)

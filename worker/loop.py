@@ -40,8 +40,19 @@ from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
+from loomserve.worker.preemption import GIB
+from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
 from loomserve.worker.sampling import InvalidSampling, sample_rows
-from loomserve.worker.scheduler import Release, Request, RequestKey, Run, Scheduler, Slot, Step
+from loomserve.worker.scheduler import (
+    Preemption,
+    Release,
+    Request,
+    RequestKey,
+    Run,
+    Scheduler,
+    Slot,
+    Step,
+)
 from loomserve.worker.strategies import load_strategy
 
 log = structlog.get_logger(__name__)
@@ -142,6 +153,10 @@ class TickLoop:
             engine.min_copy_tokens,
             load_strategy(config.strategy),
             engine.split_rules,
+            WaitingQueue(
+                config.scheduling_policy, config.tenant_weights, config.max_slots_per_tenant
+            ),
+            swap_bytes=int(config.swap_space * GIB),
         )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
@@ -294,6 +309,8 @@ class TickLoop:
             params=generate.params,
             arrived_at=time.monotonic(),
             sampler=sampler,
+            priority=generate.priority,
+            tenant=generate.tenant or DEFAULT_TENANT,
         )
         ahead = self.scheduler.enqueue(request)
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
@@ -363,14 +380,32 @@ class TickLoop:
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
+            if admission.preempted is not None:
+                self._swap_out(admission.preempted)
             slot, reused = admission.slot.index, admission.reused
-            if admission.source is not None:
+            if admission.restore is not None:
+                self.engine.drop_sequence(slot)
+                if not self.engine.restore_sequence(slot, admission.restore):
+                    log.warning("could not restore a swapped-out request; recomputing it")
+                    self.engine.drop_sequence(slot)
+                    self.scheduler.prefix_lost(admission)
+            elif admission.source is not None:
                 self.engine.drop_sequence(slot)
                 self.engine.copy_prefix(admission.source.index, slot, reused)
             elif not self.engine.keep_prefix(slot, reused):
                 # This cache cannot keep a part of a sequence: evaluate the whole prompt.
                 self.engine.drop_sequence(slot)
                 self.scheduler.prefix_lost(admission)
+
+    def _swap_out(self, preemption: Preemption) -> None:
+        """Save a preempted request's cells to host memory if the swap space holds them; else
+        it recomputes them when it resumes (the slot keeps them meanwhile, as a prefix)."""
+        seq = preemption.slot.index
+        if not preemption.n_cached or not self.scheduler.swap.fits(self.engine.state_size(seq)):
+            return
+        state = self.engine.save_sequence(seq)
+        if state is not None:
+            self.scheduler.swap_out(preemption, state, len(state))
 
     # --- 3: the batch ----------------------------------------------------------------
 

@@ -8,6 +8,11 @@ sampled token (deciding EOS, max_tokens and the context limit), and release the 
 ended. The loop does the engine work each decision implies; the decisions that touch the
 engine come back as values (Admission, Release) so that it stays explicit.
 
+Who waits and who runs is decided with two helpers: the waiting queue (queueing.py: fcfs or
+priority order, tenants' weighted round-robin and caps) and, under the priority policy,
+preemption (preemption.py): a waiting request that outranks a running one takes its slot, and
+the running one goes back to the queue to resume later where it stopped.
+
 A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
 have their keys and values in the cache at positions 0..n_in_cache-1. A slot that finishes
 normally keeps that cache, so a later prompt with the same beginning skips those tokens
@@ -16,12 +21,13 @@ normally keeps that cache, so a later prompt with the same beginning skips those
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import structlog
 
 from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenChunk
+from loomserve.worker.preemption import SwapSpace, choose_victim
+from loomserve.worker.queueing import DEFAULT_TENANT, Policy, WaitingQueue
 from loomserve.worker.strategies import (
     BatchPlan,
     BatchStrategy,
@@ -52,6 +58,16 @@ class Request:
     first_token_at: float = 0.0
     prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from an earlier request
     completion_tokens: int = 0
+    priority: int = 0  # lower is served first under the priority policy
+    tenant: str = DEFAULT_TENANT
+    order: int = -1  # arrival order in the waiting queue, set when first queued
+    # After a preemption: the sequence to resume (prompt, then the tokens generated so far),
+    # and its KV state saved in host memory (opaque to the scheduler) when it was swapped out.
+    resume_tokens: list[int] | None = None
+    saved_state: object = None
+    saved_tokens: int = 0  # the tokens the saved state holds
+    saved_bytes: int = 0
+    preemptions: int = 0
 
     @property
     def request_id(self) -> str:
@@ -103,18 +119,36 @@ class Slot:
 
 
 @dataclass(slots=True)
+class Preemption:
+    """A running request that gave its slot to a waiting one of better priority.
+
+    The slot keeps the victim's cells for now. The loop may save them (swap_out) before the
+    slot's next request uses it; otherwise the request recomputes them when it resumes.
+    """
+
+    slot: Slot
+    request: Request
+    n_cached: int  # the tokens the slot's cells hold for the request
+
+
+@dataclass(slots=True)
 class Admission:
     """A queued request placed in a slot, reusing the first `reused` tokens of a cache.
 
     The cache is the slot's own when `source` is None: the engine keeps that sequence's first
     `reused` cells and drops the rest. Otherwise the engine drops the slot's sequence and
     copies the first `reused` cells of the source slot's (a busy slot running the same prefix).
+    A resumed request whose state was swapped out has it in `restore`: the engine drops the
+    slot's sequence and loads that state instead. `preempted` is the running request that
+    gave up this slot for it: the loop deals with that one first.
     """
 
     slot: Slot
     request: Request
     reused: int
     source: Slot | None = None
+    restore: object = None
+    preempted: Preemption | None = None
 
 
 @dataclass(slots=True)
@@ -182,6 +216,8 @@ class Scheduler:
         min_copy_tokens: int = 1,
         strategy: BatchStrategy | None = None,
         split_rules: SplitRules | None = None,
+        waiting: WaitingQueue | None = None,
+        swap_bytes: int = 0,
     ) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
         self.split_rules = split_rules or SplitRules()
@@ -190,7 +226,9 @@ class Scheduler:
         # A busy slot's prefix is copied only when it saves at least this many tokens.
         self.min_copy_tokens = min_copy_tokens
         self.strategy: BatchStrategy = strategy or DecodeMaximal()
-        self.waiting: deque[Request] = deque()
+        self.waiting = waiting if waiting is not None else WaitingQueue()
+        self.swap = SwapSpace(swap_bytes)
+        self.preemptions = 0
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
         self._slot_of: dict[RequestKey, Slot] = {}
         # Left the queue, with why the worker cancelled them; released next.
@@ -228,7 +266,7 @@ class Scheduler:
 
     def enqueue(self, request: Request) -> int:
         """Queue an accepted request; return how many requests wait ahead of it for a slot."""
-        self.waiting.append(request)
+        self.waiting.push(request)
         self.live[request.key] = request
         return max(0, len(self.waiting) - self.free_slots)
 
@@ -248,6 +286,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
             del self.live[key]
+            self._drop_saved_state(request)
             self._cancelled_waiting.append((request, message))
         return True
 
@@ -261,33 +300,106 @@ class Scheduler:
     # --- admit ------------------------------------------------------------------------
 
     def admit(self, tick: int, now: float) -> list[Admission]:
-        """Move waiting requests into free slots, FIFO, each where most of its prompt is cached."""
+        """Move waiting requests into free slots in the queue's order, each where most of its
+        sequence is cached; under the priority policy, into a lower-priority request's slot."""
         admissions = []
-        while self.waiting and self.free_slots:
-            request = self.waiting.popleft()
-            # A cached prefix has no logits to score its tokens with: a request that scores
-            # its prompt evaluates it all, in the least recently used slot.
-            scores = request.params.prompt_logprobs is not None
-            slot, source, shared = self._placement([] if scores else request.prompt)
-            # At least the last prompt token is evaluated again: its logits give token one.
-            reused = min(shared, len(request.prompt) - 1)
-            slot.phase = SlotPhase.PREFILLING
-            slot.request = request
-            slot.tokens = list(request.prompt)
-            slot.n_in_cache = reused
-            slot.n_prompt = len(request.prompt)
-            slot.admitted_tick = tick
-            slot.finish_reason = None
-            slot.finish_message = ""
-            request.admitted_at = now
-            request.prefix_hit_tokens = reused
-            self._slot_of[request.key] = slot
-            admissions.append(Admission(slot, request, reused, source if reused else None))
+        while self.waiting:
+            request = self.waiting.peek()
+            if request is None:  # every waiting tenant is at its cap
+                break
+            preempted = None
+            if not self.free_slots:
+                preempted = self._preempt_for(request, tick)
+                if preempted is None:
+                    break
+            self.waiting.pop()
+            admission = self._place(request, tick, now)
+            admission.preempted = preempted
+            admissions.append(admission)
         return admissions
 
+    def _place(self, request: Request, tick: int, now: float) -> Admission:
+        tokens = request.resume_tokens or request.prompt
+        # A cached prefix has no logits to score its tokens with: a request that scores
+        # its prompt evaluates it all, in the least recently used slot.
+        scores = request.params.prompt_logprobs is not None
+        slot, source, shared = self._placement([] if scores else tokens)
+        # At least the last token is evaluated again: its logits give the next token.
+        reused = min(shared, len(tokens) - 1)
+        restore = request.saved_state
+        if restore is not None:  # swapped out: its own saved cells, not a shared prefix
+            reused, source = request.saved_tokens, None
+            self._drop_saved_state(request)
+        slot.request = request
+        slot.tokens = list(tokens)
+        slot.n_in_cache = reused
+        slot.n_prompt = len(tokens)
+        slot.admitted_tick = tick
+        slot.finish_reason = None
+        slot.finish_message = ""
+        _set_phase(slot)
+        if not request.admitted_at:  # its first admission: the queue time and cache hits
+            request.admitted_at = now
+            request.prefix_hit_tokens = reused
+        self._slot_of[request.key] = slot
+        self.waiting.started(request.tenant)
+        return Admission(slot, request, reused, source if reused else None, restore)
+
     def prefix_lost(self, admission: Admission) -> None:
-        """The engine could not keep the admitted slot's prefix: its whole prompt is evaluated."""
-        admission.slot.n_in_cache = admission.request.prefix_hit_tokens = 0
+        """The engine could not keep (or restore) the admitted slot's cells: its whole
+        sequence is evaluated."""
+        slot = admission.slot
+        slot.n_in_cache = 0
+        if admission.request.resume_tokens is None:
+            admission.request.prefix_hit_tokens = 0
+        _set_phase(slot)
+
+    # --- preemption ---------------------------------------------------------------------
+
+    def _preempt_for(self, request: Request, tick: int) -> Preemption | None:
+        """Free a slot for `request` by preempting a running request it outranks, if any."""
+        if self.waiting.policy is not Policy.PRIORITY:
+            return None
+        # A request that scores its prompt is not preempted: its prompt's logprobs come
+        # from its one prefill, which a resumption would repeat.
+        running = [
+            slot.request
+            for slot in self._slot_of.values()
+            if not slot.finish_reason and slot.request.params.prompt_logprobs is None
+        ]
+        victim = choose_victim(running, request)
+        if victim is None:
+            return None
+        slot = self._slot_of[victim.key]
+        preemption = Preemption(slot, victim, slot.n_in_cache)
+        victim.resume_tokens = list(slot.tokens)
+        victim.preemptions += 1
+        self.preemptions += 1
+        log.debug(
+            "preempted",
+            request_id=victim.request_id,
+            priority=victim.priority,
+            by=request.request_id,
+            generated=victim.completion_tokens,
+        )
+        # Its cells stay with the slot, like a finished request's, until the loop saved them.
+        self._vacate(slot, tick, keep_cache=True)
+        self.waiting.push(victim)
+        return preemption
+
+    def swap_out(self, preemption: Preemption, state: object, n_bytes: int) -> None:
+        """The loop saved a preempted request's cells; it resumes from them."""
+        request = preemption.request
+        request.saved_state = state
+        request.saved_tokens = preemption.n_cached
+        request.saved_bytes = n_bytes
+        self.swap.take(n_bytes)
+
+    def _drop_saved_state(self, request: Request) -> None:
+        if request.saved_state is not None:
+            self.swap.give_back(request.saved_bytes)
+            request.saved_state = None
+            request.saved_bytes = 0
 
     def _placement(self, prompt: list[int]) -> tuple[Slot, Slot | None, int]:
         """The free slot for a prompt, the slot whose cache it copies (if not its own), and
@@ -479,14 +591,16 @@ class Scheduler:
                 continue
             keep = reason in KEEPS_CACHE
             finish = self._finish(request, reason, slot.finish_message, now)
-            self._release(slot, tick, keep)
+            self._vacate(slot, tick, keep)
+            del self.live[request.key]
             releases.append(Release(request, finish, None if keep else slot.index))
         return releases
 
-    def _release(self, slot: Slot, tick: int, keep_cache: bool) -> None:
+    def _vacate(self, slot: Slot, tick: int, keep_cache: bool) -> None:
+        """Free a slot of its request (which leaves, or waits again if preempted)."""
         request = slot.request
         del self._slot_of[request.key]
-        del self.live[request.key]
+        self.waiting.stopped(request.tenant)
         slot.request = None
         slot.phase = SlotPhase.IDLE
         slot.last_used_tick = tick
@@ -508,3 +622,11 @@ class Scheduler:
             queue_seconds=started - request.arrived_at,
             message=message,
         )
+
+
+def _set_phase(slot: Slot) -> None:
+    """A slot decodes once everything but its last token is cached and a token was
+    generated (a resumed request); otherwise it prefills the rest of its sequence."""
+    resumed = slot.request.completion_tokens > 0
+    decoding = resumed and slot.n_in_cache == len(slot.tokens) - 1
+    slot.phase = SlotPhase.GENERATING if decoding else SlotPhase.PREFILLING

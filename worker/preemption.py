@@ -1,0 +1,48 @@
+"""Preemption under the priority policy: which running request gives up its slot, and the
+host memory its KV state may be saved in (`--swap-space`). Plain Python, no model.
+
+A waiting request takes a slot from a running one only when it outranks it: the victim is
+the running request with the worst priority, the latest arrival among equals, and only if
+that priority is worse than the newcomer's. Equal priorities never preempt each other, so no
+two requests take turns evicting each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+GIB = 1024**3
+
+
+class Ranked(Protocol):
+    priority: int  # lower is served first
+    order: int  # arrival order
+
+
+R = TypeVar("R", bound=Ranked)
+
+
+def choose_victim(running: Iterable[R], incoming: Ranked) -> R | None:
+    """The running request that gives its slot to `incoming`, or None when none ranks below."""
+    victim = max(running, key=lambda r: (r.priority, r.order), default=None)
+    if victim is None or victim.priority <= incoming.priority:
+        return None
+    return victim
+
+
+class SwapSpace:
+    """A byte budget for preempted requests' KV states held in host memory."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self.used = 0
+
+    def fits(self, n_bytes: int) -> bool:
+        return n_bytes > 0 and self.used + n_bytes <= self.capacity
+
+    def take(self, n_bytes: int) -> None:
+        self.used += n_bytes
+
+    def give_back(self, n_bytes: int) -> None:
+        self.used = max(0, self.used - n_bytes)
