@@ -54,6 +54,7 @@ from loomserve.worker.scheduler import (
     Step,
 )
 from loomserve.worker.strategies import load_strategy
+from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
 
 log = structlog.get_logger(__name__)
 
@@ -146,6 +147,7 @@ class TickLoop:
         self.engine = engine
         self.config = config
         self.sink = sink
+        self.tick_cost = TickCostModel()  # learned from every tick; the latency target uses it
         self.scheduler = Scheduler(
             config.slots,
             config.max_queue,
@@ -157,6 +159,7 @@ class TickLoop:
                 config.scheduling_policy, config.tenant_weights, config.max_slots_per_tenant
             ),
             swap_bytes=int(config.swap_space * GIB),
+            latency=self._latency_target(config),
         )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
@@ -172,6 +175,11 @@ class TickLoop:
         self._outputs: dict[bytes, Outputs] = {}
         self._scoring: Step | None = None  # this tick's step when a run scores its prompt
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
+
+    def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
+        if config.itl_target_ms is None:
+            return None
+        return LatencyTarget(config.itl_target_ms / 1000, self.tick_cost)
 
     # --- any thread ------------------------------------------------------------------
 
@@ -532,9 +540,11 @@ class TickLoop:
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1
+        seconds = time.perf_counter() - started
+        plan = step.plan
+        self.tick_cost.observe(len(plan.decode), plan.n_tokens - len(plan.decode), seconds)
         if not (self.config.log_ticks or self._on_tick):
             return
-        plan = step.plan
         record = TickRecord(
             tick=self.tick_count,
             decode_tokens=len(plan.decode),
@@ -545,7 +555,7 @@ class TickLoop:
             budget=self.config.batch_tokens,
             slots_active=self.scheduler.running,
             queue_depth=self.scheduler.queue_depth,
-            seconds=time.perf_counter() - started,
+            seconds=seconds,
         )
         if self.config.log_ticks:
             log.info(

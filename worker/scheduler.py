@@ -35,7 +35,9 @@ from loomserve.worker.strategies import (
     SlotPhase,
     SlotView,
     check_plan,
+    limit_prefill,
 )
+from loomserve.worker.tick_cost import LatencyTarget
 from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
 
 log = structlog.get_logger(__name__)
@@ -218,6 +220,7 @@ class Scheduler:
         split_rules: SplitRules | None = None,
         waiting: WaitingQueue | None = None,
         swap_bytes: int = 0,
+        latency: LatencyTarget | None = None,
     ) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
         self.split_rules = split_rules or SplitRules()
@@ -228,6 +231,7 @@ class Scheduler:
         self.strategy: BatchStrategy = strategy or DecodeMaximal()
         self.waiting = waiting if waiting is not None else WaitingQueue()
         self.swap = SwapSpace(swap_bytes)
+        self.latency = latency  # the --itl-target-ms cap on prompt tokens per tick
         self.preemptions = 0
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
         self._slot_of: dict[RequestKey, Slot] = {}
@@ -518,6 +522,8 @@ class Scheduler:
         try:
             plan = self.strategy.plan(views, budget, chunk_size, depth)
             check_plan(plan, views, budget)
+            if self.latency is not None:
+                plan = self._within_target(plan, views, budget)
         except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
             self._strategy_failures += 1
             if self._strategy_failures % 1000 == 1:  # the first, then every 1000th
@@ -529,6 +535,15 @@ class Scheduler:
                 )
             plan = self._fallback.plan(views, budget, chunk_size, depth)
         return plan
+
+    def _within_target(self, plan: BatchPlan, views: list[SlotView], budget: int) -> BatchPlan:
+        """While a stream generates, hold the tick's prompt tokens to what the target allows;
+        with nothing generating, prompts get the whole budget."""
+        generating = sum(view.phase is SlotPhase.GENERATING for view in views)
+        if not generating or not plan.prefill:
+            return plan
+        cap = self.latency.prefill_cap(generating)
+        return plan if cap is None else limit_prefill(plan, views, cap, budget)
 
     # --- after the forward pass ---------------------------------------------------------
 

@@ -104,6 +104,30 @@ def _fill_prefill(plan: BatchPlan, prefilling: list[SlotView], budget: int, chun
     return budget
 
 
+def limit_prefill(plan: BatchPlan, slots: Sequence[SlotView], cap: int, budget: int) -> BatchPlan:
+    """The plan with at most `cap` prompt tokens, the oldest admissions' chunks kept first.
+
+    A latency target applies this to any strategy's plan. Generating slots the strategy left
+    out for prompt tokens decode in the room that frees: the target protects their streams.
+    """
+    if sum(plan.prefill.values()) <= cap:
+        return plan
+    admitted = {view.index: (view.admitted_tick, view.index) for view in slots}
+    limited = BatchPlan(decode=list(plan.decode))
+    left = cap
+    for index in sorted(plan.prefill, key=admitted.__getitem__):
+        if left <= 0:
+            break
+        limited.prefill[index] = n_tokens = min(plan.prefill[index], left)
+        left -= n_tokens
+    room = budget - limited.n_tokens
+    if room > 0:
+        planned = set(limited.decode)
+        left_out = [view.index for view in _generating(slots) if view.index not in planned]
+        limited.decode.extend(left_out[:room])
+    return limited
+
+
 class DecodeMaximal:
     """Every generating slot decodes first; prompt chunks fill what budget is left."""
 
