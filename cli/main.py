@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from loomserve.cli.default_model import resolve_model
-from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.config import GatewayConfig, parse_key_line, unnamed_key_tenant
 from loomserve.worker.config import (
     FLASH_ATTN_MODES,
     KV_CACHE_TYPES,
@@ -209,7 +209,8 @@ def gateway_options(func):
             "--api-key-file",
             type=click.Path(exists=True, dir_okay=False),
             default=None,
-            help="File of accepted API keys, one per line.",
+            help="File of accepted API keys, one per line: `name:key` names the key's tenant "
+            "(for fair shares and metrics), a bare key is a tenant of its own.",
         ),
         click.option(
             "--chat-template",
@@ -322,10 +323,14 @@ def _is_file(text: str) -> bool:
 
 def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfig:
     """A GatewayConfig from the command's options and the worker endpoints."""
-    keys = set(opts["api_key"])
+    keys = {key: unnamed_key_tenant(key) for key in opts["api_key"]}
     if opts["api_key_file"]:
         lines = Path(opts["api_key_file"]).read_text().splitlines()
-        keys.update(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+        keys.update(
+            parse_key_line(line.strip())
+            for line in lines
+            if line.strip() and not line.startswith("#")
+        )
     template = opts["chat_template"]
     if template and _is_file(template):
         template = Path(template).read_text()
@@ -335,7 +340,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         host=opts["host"],
         port=opts["port"],
         model_name=opts["served_model_name"],
-        api_keys=frozenset(keys),
+        api_keys=keys,
         chat_template=template,
         allowed_origins=tuple(opts["allowed_origins"]),
         max_body_bytes=opts["max_body_bytes"],

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from loomserve.gateway import prompts
 from loomserve.gateway.chat_template import Renderer, choose_template
-from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.config import DEFAULT_TENANT, GatewayConfig
 from loomserve.gateway.drain import Drain
 from loomserve.gateway.embeddings import create_embeddings
 from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
@@ -30,9 +30,11 @@ from loomserve.gateway.params import (
     MAX_CHOICES,
     max_new_tokens,
     reject_unsupported,
+    request_priority,
     sampling_params,
     score_only,
     stop_strings,
+    user_tenant,
 )
 from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.render import StreamChunks, response_body
@@ -164,14 +166,18 @@ def create_app(
 
 
 def _api_key_checker(config: GatewayConfig) -> Callable[[Request], None]:
-    keys = [key.encode() for key in config.api_keys]
+    keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
 
     def check_api_key(request: Request) -> None:
         if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         given = token.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in keys):
+        # Every key is compared, so the time taken says nothing about which one matched.
+        matched = [tenant for key, tenant in keys if hmac.compare_digest(given, key)]
+        if scheme.lower() == "bearer" and matched:
+            request.state.tenant = matched[0]  # the key's tenant: fair shares, metrics
+        else:
             raise APIError(
                 401,
                 "missing or invalid API key; send it as 'Authorization: Bearer <key>'",
@@ -315,7 +321,9 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     drain = gateway.drain
     if drain.draining:
         raise _shutting_down()
-    request = await _prepare(gateway, body, http.state.request_id)
+    request = await _prepare(
+        gateway, body, http.state.request_id, getattr(http.state, "tenant", None)
+    )
     log.debug(
         "request",
         response_id=request.id,
@@ -360,8 +368,13 @@ def _shutting_down() -> APIError:
     return error
 
 
-async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> GenerationRequest:
-    """The GenerationRequest of a body; every 4xx the gateway can tell by itself comes here."""
+async def _prepare(
+    gateway: Gateway, body: ApiBody, request_id: str, key_tenant: str | None = None
+) -> GenerationRequest:
+    """The GenerationRequest of a body; every 4xx the gateway can tell by itself comes here.
+
+    The tenant is the authorising API key's, else the body's `user`, else the shared one.
+    """
     arrived = time.monotonic()
     vocab = gateway.vocab
     _check_model(gateway, body.model)
@@ -417,4 +430,6 @@ async def _prepare(gateway: Gateway, body: ApiBody, request_id: str) -> Generati
         created=int(time.time()),
         tools=tools,
         score_only=score_only(body),
+        priority=request_priority(body.priority),
+        tenant=key_tenant or user_tenant(body.user) or DEFAULT_TENANT,
     )

@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loomserve.gateway.endpoints import split_tcp
+
+DEFAULT_TENANT = "default"  # requests with neither a named API key nor a `user`
+_KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+
+
+def unnamed_key_tenant(key: str) -> str:
+    """The tenant of a key given without a name: a short hash, never the key itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def parse_key_line(line: str) -> tuple[str, str]:
+    """(key, tenant) from an --api-key-file line: `name:key`, or a bare key."""
+    name, sep, key = line.partition(":")
+    if sep and key and _KEY_NAME.fullmatch(name):
+        return key, name
+    return line, unnamed_key_tenant(line)
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +36,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None  # served name in /v1/models; default: the file's stem
-    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no auth
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> its tenant; empty: no auth
     chat_template: str | None = None  # a Jinja template overriding the model's own
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API
     max_body_bytes: int = 8 * 1024 * 1024

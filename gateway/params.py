@@ -5,6 +5,7 @@ Everything a request can get wrong is caught here, before anything reaches the w
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,12 @@ from loomserve.gateway.grammar import request_grammar
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from loomserve.gateway.tokenizer import Vocab
 from loomserve.protocol.limits import MAX_LOGIT_BIAS
-from loomserve.protocol.messages import MAX_TOP_LOGPROBS, SamplingParams
+from loomserve.protocol.messages import (
+    MAX_TENANT_CHARS,
+    MAX_TOP_LOGPROBS,
+    PRIORITY_LIMIT,
+    SamplingParams,
+)
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 # Matching holds back the longest tail that starts a stop string, checked per token.
@@ -176,3 +182,21 @@ def _logit_bias(bias: dict[str, float] | None, vocab: Vocab) -> dict[int, float]
             raise invalid_request("logit_bias values must be between -100 and 100", param)
         result[token_id] = value
     return result
+
+
+def request_priority(priority: int | None) -> int:
+    """The request's scheduling priority (lower first, as vLLM); 400 beyond 32 bits."""
+    if priority is None:
+        return 0
+    if not -PRIORITY_LIMIT < priority < PRIORITY_LIMIT:
+        raise invalid_request("priority must be a 32-bit integer", "priority")
+    return priority
+
+
+def user_tenant(user: str | None) -> str | None:
+    """The tenant a `user` field names; a very long one is named by a hash of it."""
+    if not user:
+        return None
+    if len(user) <= MAX_TENANT_CHARS:
+        return user
+    return "user-" + hashlib.sha256(user.encode()).hexdigest()[:16]

@@ -47,6 +47,8 @@ class GenerationRequest:
     # Completions' echo with max_tokens 0: the answer is the prompt (scored, with logprobs);
     # the worker generates one token all the same, which the gateway drops.
     score_only: bool = False
+    priority: int = 0  # lower is served first when the worker schedules by priority
+    tenant: str = ""  # the API key's name, else the body's `user`; "" for the shared tenant
 
     def tool_parser(self) -> ToolCallParser | None:
         """A parser for the reply's tool calls, when the request has tools."""
@@ -96,4 +98,4 @@ class GenerationRequest:
         if sample and params.seed is not None:
             # The n samples of one seeded prompt differ from each other, and reproducibly.
             params = dataclasses.replace(params, seed=(params.seed + sample) % 2**32)
-        return Generate(self.worker_id(index), prompt.tokens, params)
+        return Generate(self.worker_id(index), prompt.tokens, params, self.priority, self.tenant)

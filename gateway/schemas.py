@@ -60,7 +60,14 @@ class GenerationFields(RequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     response_format: ResponseFormat | None = None
-    user: str | None = None
+    user: str | None = Field(
+        default=None, description="The end user; requests without an API key share by it."
+    )
+    priority: int | None = Field(
+        default=None,
+        description="Lower is served first under --scheduling-policy priority (as vLLM). "
+        "Default 0.",
+    )
     logprobs: bool | int | None = Field(
         default=None,
         description="Completions: alternatives per token (0-20). Chat: true for logprobs.",

@@ -23,7 +23,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from loomserve.cli.main import main
+from loomserve.cli.main import build_gateway_config, main
+from loomserve.gateway.config import unnamed_key_tenant
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +146,23 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
     gateway_params = parse("gateway", [])
     gateway = build_gateway_config(gateway_params.pop("worker_endpoint"), **gateway_params)
     assert gateway.workers == ("tcp://10.0.0.7:5555", "tcp://workers:5555")
-    assert gateway.api_keys == {"first", "second"}
+    assert set(gateway.api_keys) == {"first", "second"}
+    # Keys without a name are tenants of their own, named by a hash, never by the key.
+    assert gateway.api_keys["first"] == unnamed_key_tenant("first") != "first"
+    assert gateway.api_keys["first"] != gateway.api_keys["second"]
+
+
+def test_api_key_file_names_the_keys_tenants(tmp_path: Path, tiny_model_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nalice:sk-alice\nbob:sk-bob:with-colon\nsk-bare\n:sk-odd\n")
+    params = parse("gateway", ["--model", str(tiny_model_path), "--api-key-file", str(keys)])
+    gateway = build_gateway_config(params.pop("worker_endpoint"), **params)
+    assert gateway.api_keys == {
+        "sk-alice": "alice",
+        "sk-bob:with-colon": "bob",
+        "sk-bare": unnamed_key_tenant("sk-bare"),
+        ":sk-odd": unnamed_key_tenant(":sk-odd"),
+    }
 
 
 # --- packaging ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -74,6 +74,7 @@ class Load:
     queue_depth: int
     free_slots: int
     running: int
+    tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # (running, waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,9 @@ class FinishRecord:
     finish: Finish
     ttft_seconds: float | None  # None when no token was produced
     decode_seconds: float  # from the first token to the finish
+    priority: int = 0
+    tenant: str = DEFAULT_TENANT
+    preemptions: int = 0  # times it gave its slot to a request of better priority
 
 
 # --- inbox items -------------------------------------------------------------------------
@@ -381,6 +385,9 @@ class TickLoop:
             finish=release.finish,
             ttft_seconds=first - request.arrived_at if first else None,
             decode_seconds=now - first if first else 0.0,
+            priority=request.priority,
+            tenant=request.tenant,
+            preemptions=request.preemptions,
         )
         _log_finish(record)
         if self._on_finish:
@@ -531,7 +538,12 @@ class TickLoop:
     def _send_outputs(self) -> None:
         # The load first: a heartbeat that follows these Outputs must not predate them.
         scheduler = self.scheduler
-        self.load = Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running)
+        self.load = Load(
+            scheduler.queue_depth,
+            scheduler.free_slots,
+            scheduler.running,
+            scheduler.waiting.counts(),
+        )
         if self._outputs:
             for gateway, outputs in self._outputs.items():
                 self.sink.send(gateway, outputs)
@@ -584,6 +596,9 @@ def _log_finish(record: FinishRecord) -> None:
         prompt_tokens=finish.prompt_tokens,
         completion_tokens=finish.completion_tokens,
         cached_tokens=finish.cached_tokens,
+        priority=record.priority,
+        tenant=record.tenant,
+        preemptions=record.preemptions or None,
         queue_ms=round(finish.queue_seconds * 1000, 3),
         ttft_ms=None if record.ttft_seconds is None else round(record.ttft_seconds * 1000, 3),
         tokens_per_second=(

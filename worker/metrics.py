@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loomserve.protocol import FinishReason
 from loomserve.worker.io import IOCounters
@@ -106,6 +106,14 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.queue_time_by_priority = Histogram(
+            "loomserve:request_queue_time_by_priority_seconds",
+            "From acceptance to taking a slot, by request priority (beyond ±9 grouped).",
+            ("priority",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._tenant_labels = TenantLabels()
         self._decode = self.batch_tokens.labels(kind="decode")
         self._prefill = self.batch_tokens.labels(kind="prefill")
         self._padding = self.batch_tokens.labels(kind="padding")
@@ -133,6 +141,7 @@ class WorkerMetrics:
 
         self.kv_cells_used.set_function(cells_used)
         self.kv_usage.set_function(lambda: cells_used() / cells_total)
+        self.registry.register(_SchedulingCollector(loop, self._tenant_labels))
         if io_counters is not None:
             self.registry.register(_IOCollector(io_counters))
 
@@ -156,6 +165,10 @@ class WorkerMetrics:
         self.prefix_queries.inc(finish.prompt_tokens)
         self.prefix_hits.inc(finish.cached_tokens)
         self.queue_time.observe(finish.queue_seconds)
+        self._tenant_labels.label(record.tenant)
+        self.queue_time_by_priority.labels(_priority_label(record.priority)).observe(
+            finish.queue_seconds
+        )
         if record.ttft_seconds is not None:
             self.ttft.observe(record.ttft_seconds)
 
@@ -174,6 +187,93 @@ class WorkerMetrics:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def _priority_label(priority: int) -> str:
+    if priority < -9:
+        return "<=-10"
+    return ">=10" if priority > 9 else str(priority)
+
+
+MAX_TENANT_LABELS = 16  # tenants beyond these (by first sight) are counted as "other"
+OTHER_TENANT = "other"
+
+
+class TenantLabels:
+    """The tenants with a label of their own: the first MAX_TENANT_LABELS seen, for good."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, None] = {}  # insertion-ordered; only ever grows to the bound
+
+    def label(self, tenant: str) -> str:
+        if tenant not in self.names and len(self.names) < MAX_TENANT_LABELS:
+            self.names[tenant] = None
+        return tenant if tenant in self.names else OTHER_TENANT
+
+
+class _SchedulingCollector:
+    """Preemptions, swap space, per-tenant load and the tick-cost model, read at scrape time
+    from the loop's snapshots: nothing on the loop's hot path."""
+
+    def __init__(self, loop: TickLoop, labels: TenantLabels) -> None:
+        self.loop = loop
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler = self.loop.scheduler
+        preemptions = CounterMetricFamily(
+            "loomserve:num_preemptions",
+            "Running requests that gave their slot to a request of better priority.",
+        )
+        preemptions.add_metric([], scheduler.preemptions)
+        yield preemptions
+        yield GaugeMetricFamily(
+            "loomserve:swap_space_used_bytes",
+            "Host memory holding preempted requests' KV state.",
+            value=scheduler.swap.used,
+        )
+        yield from self._tenants()
+        cost = self.loop.tick_cost.coefficients()
+        model = GaugeMetricFamily(
+            "loomserve:tick_cost_seconds",
+            "The learned tick-cost model: seconds per tick (base) and per token of each kind.",
+            labels=["term"],
+        )
+        model.add_metric(["base"], cost.base)
+        model.add_metric(["decode_token"], cost.per_decode_token)
+        model.add_metric(["prefill_token"], cost.per_prefill_token)
+        yield model
+        latency = scheduler.latency
+        if latency is not None and latency.latest_cap is not None:
+            yield GaugeMetricFamily(
+                "loomserve:itl_target_prefill_cap",
+                "Prompt tokens the latency target allowed in its latest capped tick.",
+                value=latency.latest_cap,
+            )
+
+    def _tenants(self) -> Iterator[Metric]:
+        counts = self.loop.load.tenants
+        labels = [self.labels.label(tenant) for tenant in counts]
+        by_label: dict[str, list[int]] = {tenant: [0, 0] for tenant in list(self.labels.names)}
+        for label, (running, waiting) in zip(labels, counts.values(), strict=True):
+            totals = by_label.setdefault(label, [0, 0])
+            totals[0] += running
+            totals[1] += waiting
+        running = GaugeMetricFamily(
+            "loomserve:num_requests_running_by_tenant",
+            f"Requests holding a slot, per tenant (the first {MAX_TENANT_LABELS}, then other).",
+            labels=["tenant"],
+        )
+        waiting = GaugeMetricFamily(
+            "loomserve:num_requests_waiting_by_tenant",
+            f"Requests queued for a slot, per tenant (the first {MAX_TENANT_LABELS}, then other).",
+            labels=["tenant"],
+        )
+        for label, (n_running, n_waiting) in by_label.items():
+            running.add_metric([label], n_running)
+            waiting.add_metric([label], n_waiting)
+        yield running
+        yield waiting
 
 
 class _IOCollector:
