@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from loomserve.cli.bench.classes import RequestClass, assign_classes, parse_class
 from loomserve.cli.bench.client import StreamingClient
 from loomserve.cli.bench.command import bench
 from loomserve.cli.bench.datasets import BenchRequest
@@ -403,3 +404,47 @@ def test_a_kept_alive_connection_the_server_dropped_is_dialled_again() -> None:
     records = asyncio.run(main())
     assert [(r.error_kind, r.output_tokens) for r in records] == [(None, 1)] * 3
     assert connections == 3  # the first, then one more after each dropped request
+
+
+def test_cli_sends_request_classes_and_reports_each(server, tmp_path) -> None:
+    fake, url = server
+    out = tmp_path / "result.json"
+    args = ["--base-url", url, "--num-prompts", "12", "--input-len", "8", "--output-len", "3"]
+    args += ["--max-concurrency", "12", "--no-progress", "--num-warmups", "0", "--seed", "1"]
+    args += ["--class", "chat:priority=0,user=alice,share=1"]
+    args += ["--class", "batch:priority=5,user=bob,share=2", "--result-json", str(out)]
+    outcome = CliRunner().invoke(bench, args)
+    assert outcome.exit_code == 0, outcome.output
+    assert "Per class (ms)" in outcome.output
+    sent = {(body.get("priority"), body.get("user")) for body in fake.bodies}
+    assert sent == {(0, "alice"), (5, "bob")}
+    classes = json.loads(out.read_text())["classes"]
+    assert set(classes) == {"chat", "batch"}
+    assert classes["chat"]["completed"] + classes["batch"]["completed"] == 12
+    assert classes["chat"]["median_ttft_ms"] >= FIRST_S * 1000
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("a", RequestClass("a")),
+        ("hi:priority=-2,user=u1,share=0.5", RequestClass("hi", -2, "u1", 0.5)),
+    ],
+)
+def test_request_classes_parse(spec, expected) -> None:
+    assert parse_class(spec) == expected
+
+
+@pytest.mark.parametrize("spec", [":priority=1", "a:priority=x", "a:share=0", "a:colour=red"])
+def test_bad_request_classes_are_refused(spec) -> None:
+    with pytest.raises(ValueError):
+        parse_class(spec)
+
+
+def test_classes_are_drawn_by_share_and_seed() -> None:
+    requests = [BenchRequest(f"p{i}", 1, 1) for i in range(400)]
+    classes = [RequestClass("few", 0, share=1), RequestClass("many", 1, share=3)]
+    drawn = assign_classes(requests, classes, seed=4)
+    assert drawn == assign_classes(requests, classes, seed=4)
+    many = sum(r.label == "many" for r in drawn)
+    assert 260 < many < 340 and all(r.priority == (r.label == "many") for r in drawn)

@@ -64,6 +64,10 @@ def build_payload(
         payload["prompt"] = prefix + request.prompt
     if ignore_eos:
         payload["ignore_eos"] = True
+    if request.priority is not None:
+        payload["priority"] = request.priority
+    if request.user is not None:
+        payload["user"] = request.user
     if extra_body:
         payload.update(extra_body)
     return payload

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from loomserve.cli.bench.classes import parse_class
 from loomserve.cli.bench.metrics import parse_slos
 from loomserve.cli.bench.probe import BenchSetupError
 from loomserve.cli.bench.report import write_json
@@ -112,6 +113,14 @@ def _warn(message: str) -> None:
 @click.option("--percentiles", default="90,99", help="Percentiles to report, comma-separated.")
 @click.option("--extra-body", default=None, help="JSON object merged into every request body.")
 @click.option(
+    "--class",
+    "classes",
+    multiple=True,
+    help="A request class: NAME:priority=P,user=U,share=S (repeatable). Requests are drawn "
+    "into classes by share and send their priority and user; TTFT and ITL are reported "
+    "per class.",
+)
+@click.option(
     "--sweep",
     default=None,
     help="Run once per value: max-concurrency=1,4,16 or request-rate=1,2,4 (or burstiness=).",
@@ -198,6 +207,7 @@ def build_config(opts: dict) -> BenchConfig:
         slos_ms=parse_slos(opts["goodput"]),
         percentiles=percentiles,
         extra_body=extra_body,
+        classes=tuple(parse_class(spec) for spec in opts["classes"]),
         result_json=opts["result_json"],
         save_detailed=opts["save_detailed"],
         plot=opts["plot"],

@@ -50,6 +50,9 @@ class BenchRequest:
     prompt_len: int  # estimated prompt tokens (system prompt included); the server may differ
     output_len: int  # max_tokens for this request
     system_prompt: str | None = None  # sent as a system message (chat) or prepended (completions)
+    label: str | None = None  # its request class (--class), for the per-class report
+    priority: int | None = None  # the body's `priority`, when its class sets one
+    user: str | None = None  # the body's `user`, when its class sets one
 
 
 def sample_lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:

@@ -37,6 +37,7 @@ class RequestRecord:
     error_kind: str | None = None
     error: str | None = None
     request_id: str | None = None  # the x-request-id header sent
+    label: str | None = None  # the request's class (--class)
 
     @property
     def success(self) -> bool:

@@ -172,6 +172,7 @@ def request_dict(record: RequestRecord) -> dict[str, Any]:
     return {
         "index": record.index,
         "request_id": record.request_id,
+        "class": record.label,
         "scheduled_s": record.scheduled_s,
         "dispatched_s": record.dispatched_s,
         "start_s": record.start_s,

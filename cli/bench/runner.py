@@ -113,7 +113,9 @@ async def run_load(
     """
     offsets = arrival_offsets(len(requests), shape.request_rate, shape.burstiness, seed)
     records = [
-        RequestRecord(index=i, expected_prompt_len=r.prompt_len, max_tokens=r.output_len)
+        RequestRecord(
+            index=i, expected_prompt_len=r.prompt_len, max_tokens=r.output_len, label=r.label
+        )
         for i, r in enumerate(requests)
     ]
     for record, offset in zip(records, offsets, strict=True):

@@ -11,6 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from loomserve.cli.bench import report
+from loomserve.cli.bench.classes import (
+    RequestClass,
+    assign_classes,
+    class_dict,
+    class_metrics,
+    format_class_table,
+)
 from loomserve.cli.bench.client import StreamingClient
 from loomserve.cli.bench.datasets import (
     BenchRequest,
@@ -57,6 +64,7 @@ class BenchConfig:
     slos_ms: dict[str, float] = field(default_factory=dict)
     percentiles: tuple[float, ...] = (90.0, 99.0)
     extra_body: dict[str, Any] | None = None
+    classes: tuple[RequestClass, ...] = ()  # a mix of priorities and tenants (--class)
     result_json: Path | None = None
     save_detailed: bool = False
     plot: Path | None = None
@@ -85,7 +93,11 @@ class BenchConfig:
 
 
 def build_requests(config: BenchConfig, count: TokenCounter, seed: int) -> list[BenchRequest]:
-    """The prompts of the configured dataset, drawn with this seed."""
+    """The prompts of the configured dataset, drawn with this seed, in their classes."""
+    return assign_classes(_dataset(config, count, seed), config.classes, seed)
+
+
+def _dataset(config: BenchConfig, count: TokenCounter, seed: int) -> list[BenchRequest]:
     output_len = config.output_len or DEFAULT_OUTPUT_LEN
     if config.dataset == "random":
         return random_dataset(
@@ -227,6 +239,10 @@ def run_session(
             "generator": report.generator_dict(run, pacing),
             "warnings": notes,
         }
+        if config.classes:
+            rows = class_metrics(run.records, config.classes, config.percentiles)
+            echo(format_class_table(rows))
+            point["classes"] = {row.name: class_dict(row) for row in rows}
         if config.save_detailed:
             point["requests"] = [report.request_dict(r) for r in run.records]
         points.append(point)
