@@ -7,7 +7,9 @@ from itertools import count
 
 import pytest
 
+from loomserve.protocol import SamplingParams
 from loomserve.worker.queueing import Policy, WaitingQueue
+from loomserve.worker.scheduler import Request, Scheduler
 
 _ids = count()
 
@@ -154,3 +156,26 @@ def test_tenants_without_requests_are_forgotten():
     assert "user-123" in queue.counts()
     queue.stopped("user-123")
     assert queue.counts() == {}
+
+
+# --- through the scheduler: tenants share its slots ---------------------------------------
+
+
+def scheduled(tenant: str, name: str) -> Request:
+    return Request((b"gw", name), [1, len(name)], SamplingParams(), 0.0, tenant=tenant)
+
+
+def test_the_scheduler_admits_round_robin_and_holds_to_the_cap():
+    queue = WaitingQueue(weights={"bulk": 2.0}, max_running_per_tenant=3)
+    scheduler = Scheduler(n_slots=4, max_queue=64, slot_context=64, waiting=queue)
+    for i in range(10):
+        scheduler.enqueue(scheduled("bulk", f"bulk{i}"))
+    scheduler.enqueue(scheduled("solo", "solo0"))
+    admitted = [a.request.request_id for a in scheduler.admit(tick=0, now=0.0)]
+    # bulk has twice solo's weight but may hold only 3 slots: the fourth goes to solo.
+    assert sorted(admitted) == ["bulk0", "bulk1", "bulk2", "solo0"]
+    assert scheduler.waiting.counts() == {"bulk": (3, 7), "solo": (1, 0)}
+
+    scheduler.cancel((b"gw", "bulk0"))
+    scheduler.release_finished(tick=1, now=0.0)
+    assert [a.request.request_id for a in scheduler.admit(tick=1, now=0.0)] == ["bulk3"]
