@@ -306,14 +306,17 @@ class Scheduler:
     def admit(self, tick: int, now: float) -> list[Admission]:
         """Move waiting requests into free slots in the queue's order, each where most of its
         sequence is cached; under the priority policy, into a lower-priority request's slot."""
-        admissions = []
+        admissions: list[Admission] = []
         while self.waiting:
             request = self.waiting.peek()
             if request is None:  # every waiting tenant is at its cap
                 break
             preempted = None
             if not self.free_slots:
-                preempted = self._preempt_for(request, tick)
+                # A slot that an admission of this tick copies from keeps its cells until
+                # the copy is made (at the next decode): it is no victim this tick.
+                sources = {a.source.index for a in admissions if a.source is not None}
+                preempted = self._preempt_for(request, tick, sources)
                 if preempted is None:
                     break
             self.waiting.pop()
@@ -360,7 +363,7 @@ class Scheduler:
 
     # --- preemption ---------------------------------------------------------------------
 
-    def _preempt_for(self, request: Request, tick: int) -> Preemption | None:
+    def _preempt_for(self, request: Request, tick: int, spared: set[int]) -> Preemption | None:
         """Free a slot for `request` by preempting a running request it outranks, if any."""
         if self.waiting.policy is not Policy.PRIORITY:
             return None
@@ -369,7 +372,9 @@ class Scheduler:
         running = [
             slot.request
             for slot in self._slot_of.values()
-            if not slot.finish_reason and slot.request.params.prompt_logprobs is None
+            if not slot.finish_reason
+            and slot.index not in spared
+            and slot.request.params.prompt_logprobs is None
         ]
         victim = choose_victim(running, request)
         if victim is None:
