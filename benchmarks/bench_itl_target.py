@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def serve(model: Path, port: int, extra: list[str], log: Path) -> subprocess.Popen:
     args = [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(model)]
-    args += ["--port", str(port), "--slots", "8", "--ctx-size", "2048", "--threads", "2"]
+    args += ["--port", str(port), "--slots", "8", "--ctx-size", "2048"]
     with log.open("w") as out:
         proc = subprocess.Popen(
             args + extra, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -97,6 +97,7 @@ def one_run(model: Path, extra: list[str], concurrency: int, prompts: int, seed:
 @click.option("--prompts", type=int, default=32)
 @click.option("--concurrency", type=int, default=8)
 @click.option("--strategy", default="decode-maximal")
+@click.option("--threads", type=int, default=2)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
@@ -106,15 +107,17 @@ def main(
     prompts: int,
     concurrency: int,
     strategy: str,
+    threads: int,
     json_out: Path | None,
     plot: Path | None,
 ) -> None:
     """Alternate no target and each target, `rounds` times; print medians and ratios."""
     path = resolve_model(model)
-    settings: dict[str, list[str]] = {"none": ["--strategy", strategy]}
+    common = ["--strategy", strategy, "--threads", str(threads)]
+    settings: dict[str, list[str]] = {"none": common}
     for target in targets.split(","):
         if target.strip():
-            settings[target.strip()] = ["--strategy", strategy, "--itl-target-ms", target.strip()]
+            settings[target.strip()] = [*common, "--itl-target-ms", target.strip()]
     runs: dict[str, list[dict]] = {name: [] for name in settings}
     for round_ in range(rounds):
         for name, extra in settings.items():
