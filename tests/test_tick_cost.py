@@ -71,6 +71,8 @@ def test_the_cap_fills_the_target_and_never_stops_prompts():
     assert target.prefill_cap(8) == pytest.approx(44, abs=8)  # (100 - 40 - 16) ms / 1 ms
     assert target.prefill_cap(0) > target.prefill_cap(8)
     assert LatencyTarget(0.030, model).prefill_cap(8) == MIN_PREFILL_TOKENS
+    # 64 decode tokens alone take 168 ms of a 200 ms target: prompts still get a quarter.
+    assert LatencyTarget(0.200, model).prefill_cap(64) == pytest.approx(50, abs=8)
 
 
 def views() -> list[SlotView]:

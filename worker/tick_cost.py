@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 FORGETTING = 0.98  # each tick weighs 2% less per newer tick: ~50 ticks of memory
 MAX_COVARIANCE_TRACE = 1e4  # no forgetting beyond this: unexcited directions must not blow up
-MIN_PREFILL_TOKENS = 16  # prompts still progress when the decode tokens alone miss the target
+# Prompts still progress when the decode tokens alone miss the target: a tick may always
+# carry this many prompt tokens, or as many as take this share of the target if more.
+MIN_PREFILL_TOKENS = 16
+MIN_PREFILL_SHARE = 0.25
 WARM_UP_TICKS = 8  # observations before the model is trusted
 OUTLIER_FACTOR = 3.0  # a tick this many times its prediction is counted as only that much
 
@@ -100,6 +103,7 @@ class LatencyTarget:
         room = self.target - cost.base - cost.per_decode_token * decode_tokens
         if cost.per_prefill_token <= 0.0:
             return None
+        room = max(room, MIN_PREFILL_SHARE * self.target)
         cap = max(MIN_PREFILL_TOKENS, math.floor(room / cost.per_prefill_token))
         self.latest_cap = cap
         return cap
