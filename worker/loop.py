@@ -491,7 +491,7 @@ class TickLoop:
     def _logprobs(self, slot: Slot, logits: np.ndarray, token: int) -> list[TokenLogprobs]:
         """The new token's logprobs, before the scheduler records it (its penalty history is
         what the slot generated so far)."""
-        generated = slot.tokens[slot.n_prompt :]
+        generated = slot.tokens[len(slot.request.prompt) :]  # resumed ones too
         params, context = slot.request.params, self.engine.slot_context
         return [token_logprobs(logits, token, params, generated, context)]
 
