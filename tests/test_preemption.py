@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from loomserve.protocol import FinishReason, Generate, SamplingParams
+from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.preemption import choose_victim
@@ -223,9 +223,26 @@ def test_preempted_requests_resume_with_the_same_greedy_output(
         engine.close()
 
 
+def logprobs_of(loop, request_id: str) -> list:
+    return [
+        entry
+        for _, message in loop.sink.messages
+        if isinstance(message, Outputs)
+        for chunk in message.tokens
+        if chunk.request_id == request_id
+        for entry in chunk.logprobs or []
+    ]
+
+
 def test_a_sampled_request_keeps_its_sampler_state_across_preemption(engine, config):
-    seeded = [low(0, temperature=0.9, seed=7, repeat_penalty=1.3), low(1, temperature=0.9, seed=8)]
-    expected, _ = run(engine, config, seeded, urgent_after=None)
+    seeded = [
+        low(0, temperature=0.9, seed=7, repeat_penalty=1.3, logprobs=2),
+        low(1, temperature=0.9, seed=8),
+    ]
+    expected, alone = run(engine, config, seeded, urgent_after=None)
     got, loop = run(engine, config, seeded, urgent_after=15)
     assert loop.scheduler.preemptions == 2
     assert got["low0"] == expected["low0"] and got["low1"] == expected["low1"]
+    # The penalties' history, as logprobs report it, is the tokens generated, resumed or not.
+    assert logprobs_of(loop, "low0") == logprobs_of(alone, "low0")
+    assert len(logprobs_of(loop, "low0")) == 30
