@@ -180,11 +180,7 @@ class WorkerClient:
 
     async def close(self) -> None:
         """Stop the loops, end open requests, close the socket."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
         self._tasks = []
         self._fail_all(WorkerLost("the gateway is shutting down"))
         if self._socket is not None:
@@ -517,3 +513,12 @@ def _set_curve(sock: zmq.Socket, config: GatewayConfig) -> None:
 def _log_send_failure(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("send to worker failed", error=str(future.exception()))
+
+
+async def stop_tasks(tasks: list[asyncio.Task]) -> None:
+    """Cancel background tasks and wait until each has ended."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -19,7 +19,6 @@ the ready ones, their load summed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import socket
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import structlog
 import zmq.asyncio
 
-from loomserve.gateway.client import RequestHandle, WorkerClient, gateway_identity
+from loomserve.gateway.client import RequestHandle, WorkerClient, gateway_identity, stop_tasks
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.endpoints import expand, needs_resolving
 from loomserve.gateway.metrics import GatewayMetrics
@@ -118,11 +117,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         """Stop the loops and close every worker connection (open requests end)."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
         self._tasks = []
         for member in self.members.values():
             await member.client.close()

@@ -38,18 +38,12 @@ from loomserve.protocol import (
     decode,
     encode,
 )
+from tests.conftest import LONG_CTX
 from tests.procs import Proc, free_port, start_gateway, start_worker
-from tests.tiny_model import ModelShape, write_tiny_model
 
-CTX = 16384
+CTX = LONG_CTX
 # ignore_eos over most of a 16k context: about ten seconds on the tiny model.
 LONG = {"prompt": "once upon a time", "max_tokens": CTX - 16, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("faults") / "tiny-long.gguf"
-    return write_tiny_model(path, shape=ModelShape(context_length=CTX))
 
 
 def health(gateway: Proc) -> httpx.Response:

@@ -13,20 +13,14 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import LONG_CTX
 from tests.procs import Proc, free_port, start_gateway, start_worker, wait_http
 from tests.tiny_model import ModelShape, write_tiny_model
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 256 * 1024
-CTX = 16384  # an ignore_eos generation this long keeps its slot busy for seconds
-
-
-@pytest.fixture(scope="module")
-def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a longer context: same vocabulary, longer generations."""
-    path = tmp_path_factory.mktemp("long") / "tiny-long.gguf"
-    return write_tiny_model(path, shape=ModelShape(context_length=CTX))
+CTX = LONG_CTX
 
 
 @pytest.fixture(scope="module")

@@ -17,18 +17,11 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import LONG_CTX
 from tests.procs import Proc, free_port, start_gateway, start_worker, wait_http
-from tests.tiny_model import ModelShape, write_tiny_model
 
-CTX = 16384
+CTX = LONG_CTX
 LONG = {"prompt": "once upon a time", "max_tokens": CTX - 16, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a 16k context: same vocabulary, much longer generations."""
-    path = tmp_path_factory.mktemp("long") / "tiny-long.gguf"
-    return write_tiny_model(path, shape=ModelShape(context_length=CTX))
 
 
 def health(gateway: Proc) -> dict:
