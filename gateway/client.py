@@ -180,12 +180,15 @@ class WorkerClient:
 
     async def close(self) -> None:
         """Stop the loops, end open requests, close the socket."""
+        if self._socket is not None:
+            # Before the watch task closes its end of the monitor pipe: libzmq's last monitor
+            # event is a blocking send, which waits for ever once that end is gone.
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
         await stop_tasks(self._tasks)
         self._tasks = []
         self._fail_all(WorkerLost("the gateway is shutting down"))
         if self._socket is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._socket.disable_monitor()
             self._socket.close(linger=0)
             self._socket = None
         if self._owns_context:
