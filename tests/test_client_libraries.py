@@ -13,9 +13,9 @@ from tests.procs import Proc, start_gateway, start_worker
 
 # litellm fetches its model price list from the internet at import unless told not to.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-langchain_openai = pytest.importorskip("langchain_openai")
-HumanMessage = pytest.importorskip("langchain_core.messages").HumanMessage
-litellm = pytest.importorskip("litellm")
+import langchain_openai
+import litellm
+from langchain_core.messages import HumanMessage
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "hello"}]

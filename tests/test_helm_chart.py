@@ -13,17 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
+import kubernetes_validate
 import pytest
 import yaml
+from kubernetes_validate.utils import all_versions, latest_version
 
 from loomserve.gateway.app import _open_routes
 from tests.test_compose import envvars, parse
-
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (.ci/run does)")
-kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="kubernetes-validate is not installed (.ci/run does)"
-)
-from kubernetes_validate.utils import all_versions, latest_version  # noqa: E402
 
 CHART = Path(__file__).resolve().parent.parent / "deploy/helm/loomserve"
 KUBERNETES = sorted({min(all_versions(), key=lambda v: tuple(map(int, v.split(".")))),
