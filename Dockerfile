@@ -34,13 +34,15 @@ RUN apt-get update \
 RUN python3 -m venv /opt/build
 ENV PATH=/opt/build/bin:$PATH
 WORKDIR /src
-COPY pyproject.toml ./
+COPY pyproject.toml LICENSE ./
+COPY requirements/test.txt ./requirements/test.txt
 # llama-cpp-python alone first: it compiles for minutes and changes rarely, so this layer
-# outlives edits to the project. The constraint pins the later steps to this very build.
+# outlives edits to the project. Its version, and every other one, is the one the suite is
+# tested with (requirements/test.txt); the constraint pins the later steps to this very build.
 RUN --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=pip_cert,target=/run/secrets/pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && spec="$(python3 -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("llama-cpp-python")))')" \
+    && spec="$(grep -E '^llama-cpp-python==' requirements/test.txt)" \
     && CMAKE_ARGS="${CMAKE_ARGS}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
        pip wheel --wheel-dir /wheels "${spec}" \
     && ls /wheels/llama_cpp_python-*.whl \
@@ -54,7 +56,8 @@ COPY README.md ./
 RUN --mount=type=cache,target=/root/.cache/pip \
     --mount=type=secret,id=pip_cert,target=/run/secrets/pip_cert \
     if [ -s /run/secrets/pip_cert ]; then export PIP_CERT=/run/secrets/pip_cert; fi \
-    && pip wheel --wheel-dir /wheels --find-links /wheels --constraint /wheels/constraints.txt .
+    && pip wheel --wheel-dir /wheels --find-links /wheels --constraint /wheels/constraints.txt \
+       --constraint requirements/test.txt .
 
 FROM ${BASE_IMAGE} AS runtime
 ARG BAKE_DEFAULT_MODEL=1
