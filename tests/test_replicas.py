@@ -141,13 +141,18 @@ def test_a_worker_with_another_model_is_refused_and_named(
         with gateway:
             wait_until(lambda: health(gateway).get("workers_ready") == 1, 10, "one ready")
             assert health(gateway)["workers"] == 2
-            refusals = [
-                json.loads(line)
-                for line in gateway.logs().splitlines()
-                if "refusing to serve with this worker" in line
-            ]
-            assert refusals and refusals[0]["worker"] == stranger.endpoint
-            assert "different vocabulary" in refusals[0]["reason"]
+
+            def refusals() -> list[dict]:
+                return [
+                    json.loads(line)
+                    for line in gateway.logs().splitlines()
+                    if "refusing to serve with this worker" in line
+                ]
+
+            # The good worker can be ready before the stranger's Hello has been refused.
+            wait_until(lambda: bool(refusals()), 10, "the refusal logged")
+            assert refusals()[0]["worker"] == stranger.endpoint
+            assert "different vocabulary" in refusals()[0]["reason"]
             body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
             for _ in range(4):
                 response = httpx.post(gateway.url + "/v1/completions", json=body, timeout=30)
