@@ -383,7 +383,7 @@ async def _prepare(
     params = sampling_params(body, 1, vocab)
     tools = None
     if isinstance(body, ChatCompletionRequest):
-        tools = tool_request(body, gateway.template_tools.format, vocab)
+        tools = tool_request(body, gateway.template_tools, vocab)
         if tools is not None and tools.grammar:
             params.grammar = tools.grammar
         tokens = await prompts.chat_prompt(
