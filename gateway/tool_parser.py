@@ -116,6 +116,8 @@ class ToolCallParser:
             self._finish_object(cut)
         elif self._mode == "run":
             self._end_run(drop=cut)
+            if cut:  # what is left is the start of a closing marker, cut short
+                self._buffer = ""
         buffer = self._buffer
         if cut:  # the start of a call marker, cut short
             buffer = buffer[: len(buffer) - _partial_marker(buffer, self.format.opens)]
