@@ -30,7 +30,8 @@ from loomserve.gateway.messages_schemas import (
 from loomserve.gateway.schemas import ChatCompletionRequest
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-PARTIAL_TRIES = 64  # a cut call's input: how many shorter prefixes to try to parse
+PARTIAL_TRIES = 256  # a cut call's input: how many shorter prefixes to try to parse
+ANSWER = "A Message; with `stream`, server-sent events (message_start ... message_stop)"
 
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
@@ -188,25 +189,39 @@ def tool_input(arguments: str) -> dict[str, Any]:
 
 
 def _partial_object(text: str) -> Any:
-    """The longest parseable prefix of an object cut short, closed."""
-    for end in range(len(text), max(0, len(text) - PARTIAL_TRIES), -1):
+    """The longest prefix of an object cut short that parses once closed, a string cut short
+    left out (as jiter's partial mode, which the anthropic SDK uses, reads it)."""
+    end = len(text)
+    for _ in range(PARTIAL_TRIES):
         head = text[:end].rstrip().rstrip(",:").rstrip()
-        closers, in_string, escaped = [], False, False
-        for ch in head:
+        closers: list[str] = []
+        in_string, escaped, string_start, boundary = False, False, 0, 0
+        for position, ch in enumerate(head):
             if in_string:
-                escaped = not escaped and ch == "\\"
-                in_string = escaped or ch != '"'
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
             elif ch == '"':
-                in_string = True
+                in_string, string_start = True, position
             elif ch in "{[":
                 closers.append("}" if ch == "{" else "]")
             elif ch in "}]" and closers:
                 closers.pop()
-        candidate = head + ('"' if in_string else "") + "".join(reversed(closers))
-        try:
-            return json.loads(candidate)
-        except json.JSONDecodeError:
+            if not in_string and ch in "{[,:":
+                boundary = position
+        if in_string:
+            end = string_start  # leave the cut string out
             continue
+        try:
+            return json.loads(head + "".join(reversed(closers)))
+        except json.JSONDecodeError:
+            # A value cut short (a number, true...): back to where it started.
+            end = min(boundary + 1, len(head) - 1)
+            if end <= 0:
+                break
     return {}
 
 
@@ -341,7 +356,11 @@ def messages_router(run: ChatRun, count: ChatCount, model: str, **router_options
     """The routes of the Messages API, over the chat path `run`."""
     router = APIRouter(**router_options)
 
-    @router.post("/v1/messages", tags=["anthropic"])
+    @router.post(
+        "/v1/messages",
+        tags=["anthropic"],
+        responses={200: {"description": ANSWER}},
+    )
     async def create_message(body: MessagesRequest, http: Request) -> Response:
         """A message (Anthropic's Messages API): text and tool use; streams when `stream`."""
         chat = chat_request(body)

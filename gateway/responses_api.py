@@ -35,6 +35,9 @@ STATELESS = (
     "gateways keep no state, so that any one behind a load balancer can answer: "
     "send the whole conversation in `input`"
 )
+ANSWER = (
+    "A Response object; with `stream`, server-sent events (response.created ... response.completed)"
+)
 
 
 def chat_request(body: ResponsesInputTokensRequest) -> ChatCompletionRequest:
@@ -461,7 +464,11 @@ def responses_router(
     """The routes of the Responses API, over the chat path `run`."""
     router = APIRouter(**router_options)
 
-    @router.post("/v1/responses", tags=["openai"])
+    @router.post(
+        "/v1/responses",
+        tags=["openai"],
+        responses={200: {"description": ANSWER}},
+    )
     async def create_response(body: ResponsesRequest, http: Request) -> Response:
         """A response (Responses API): text, function calls, JSON; streams when `stream`.
 

@@ -18,7 +18,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+from jiter import from_json
 
+from loomserve.gateway.messages_api import tool_input
 from tests.procs import Proc, start_gateway, start_worker
 
 MODEL = "tiny-llama"
@@ -229,3 +231,20 @@ def test_errors_are_anthropics(gateway: Proc) -> None:
         assert error["type"] == "error", error
         assert error["error"]["type"] == "invalid_request_error"
         assert needle in error["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"city": "Paris", "days": [1, 2, {"x": true}], "note": "a \\"quoted\\" word"}',
+        '{"a": {"b": {"c": null}}, "d": -12.5e3, "e": ""}',
+    ],
+)
+def test_a_cut_tool_input_reads_as_the_sdk_reads_a_streamed_one(arguments: str) -> None:
+    for end in range(len(arguments) + 1):
+        cut = arguments[:end]
+        try:
+            expected = from_json(cut.encode(), partial_mode=True) if cut else {}
+        except ValueError:
+            expected = {}
+        assert tool_input(cut) == (expected if isinstance(expected, dict) else {}), cut
