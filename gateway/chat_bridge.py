@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from loomserve.gateway.errors import APIError
 from loomserve.gateway.schemas import ChatCompletionRequest
 from loomserve.gateway.streaming import EventStreamResponse
 
@@ -53,9 +54,16 @@ async def run_translated(
     body: ChatCompletionRequest,
     whole: Callable[[dict[str, Any]], dict[str, Any]],
     stream: Translate,
+    params: dict[str, str],
 ) -> Response:
-    """Run a chat request; answer its body through `whole`, or its stream through `stream`."""
-    response = await run(http, body)
+    """Run a chat request; answer its body through `whole`, or its stream through `stream`.
+
+    An error's `param` names the chat field: `params` renames it to the caller's API's.
+    """
+    try:
+        response = await run(http, body)
+    except APIError as error:
+        raise renamed(error, params) from None
     if isinstance(response, EventStreamResponse):
         events = stream(chat_chunks(response.body_iterator))
         return EventStreamResponse(events, on_close=response.on_close)
@@ -65,3 +73,14 @@ async def run_translated(
         json.dumps(whole(json.loads(bytes(response.body))), ensure_ascii=False),
         media_type="application/json",
     )
+
+
+def renamed(error: APIError, params: dict[str, str]) -> APIError:
+    """The error with its chat field name (or the head of its dotted path) renamed."""
+    if error.param:
+        head, dot, rest = error.param.partition(".")
+        if error.param in params:
+            error.param = params[error.param]
+        elif head in params:
+            error.param = params[head] + dot + rest
+    return error

@@ -20,7 +20,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from loomserve.gateway.chat_bridge import ChatCount, ChatRun, named_event, run_translated
+from loomserve.gateway.chat_bridge import (
+    ChatCount,
+    ChatRun,
+    named_event,
+    renamed,
+    run_translated,
+)
 from loomserve.gateway.errors import invalid_request, validation_error
 from loomserve.gateway.messages_schemas import (
     AnthropicMessage,
@@ -29,6 +35,12 @@ from loomserve.gateway.messages_schemas import (
 )
 from loomserve.gateway.schemas import ChatCompletionRequest
 
+# Chat's field names in errors, as this API names them.
+PARAMS = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 PARTIAL_TRIES = 256  # a cut call's input: how many shorter prefixes to try to parse
 ANSWER = "A Message; with `stream`, server-sent events (message_start ... message_stop)"
@@ -88,7 +100,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
+        raise renamed(validation_error(exc.errors()), PARAMS) from exc
 
 
 def _chat_messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]]:
@@ -367,7 +379,12 @@ def messages_router(run: ChatRun, count: ChatCount, model: str, **router_options
         message_id = f"msg_{uuid.uuid4().hex}"
         stream = MessageEvents(message_id, model)
         return await run_translated(
-            run, http, chat, lambda whole: whole_message(message_id, model, whole), stream.translate
+            run,
+            http,
+            chat,
+            lambda whole: whole_message(message_id, model, whole),
+            stream.translate,
+            PARAMS,
         )
 
     @router.post("/v1/messages/count_tokens", tags=["anthropic"])

@@ -22,8 +22,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from loomserve.gateway.chat_bridge import ChatCount, ChatRun, named_event, run_translated
-from loomserve.gateway.errors import invalid_request, validation_error
+from loomserve.gateway.chat_bridge import (
+    ChatCount,
+    ChatRun,
+    named_event,
+    renamed,
+    run_translated,
+)
+from loomserve.gateway.errors import APIError, invalid_request, validation_error
 from loomserve.gateway.responses_schemas import (
     ResponsesInputTokensRequest,
     ResponsesNamedTool,
@@ -31,6 +37,15 @@ from loomserve.gateway.responses_schemas import (
 )
 from loomserve.gateway.schemas import ChatCompletionRequest
 
+# Chat's field names in errors, as this API names them.
+PARAMS = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "response_format.json_schema": "text.format",
+    "messages": "input",
+    "user": "user",
+}
 STATELESS = (
     "gateways keep no state, so that any one behind a load balancer can answer: "
     "send the whole conversation in `input`"
@@ -51,6 +66,8 @@ def chat_request(body: ResponsesInputTokensRequest) -> ChatCompletionRequest:
     else:
         for position, item in enumerate(body.input):
             _add_item(messages, item, position)
+    if not any(m["role"] != "system" for m in messages):
+        raise invalid_request("the input holds no message to answer", "input")
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
     if body.tools:
         fields["tools"] = [
@@ -83,7 +100,7 @@ def chat_request(body: ResponsesInputTokensRequest) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
-        raise validation_error(exc.errors()) from exc
+        raise renamed(validation_error(exc.errors()), PARAMS) from exc
 
 
 def _reject_state(body: ResponsesInputTokensRequest) -> None:
@@ -478,13 +495,16 @@ def responses_router(
         head = ResponseHead(body, model)
         stream = ResponseEvents(head)
         return await run_translated(
-            run, http, chat, lambda whole: whole_response(head, whole), stream.translate
+            run, http, chat, lambda whole: whole_response(head, whole), stream.translate, PARAMS
         )
 
     @router.post("/v1/responses/input_tokens", tags=["openai"])
     async def input_tokens(body: ResponsesInputTokensRequest) -> dict[str, Any]:
         """How many tokens the input (with instructions and tools) takes as a prompt."""
-        tokens = await count(chat_request(body))
+        try:
+            tokens = await count(chat_request(body))
+        except APIError as error:
+            raise renamed(error, PARAMS) from None
         return {"object": "response.input_tokens", "input_tokens": tokens}
 
     return router
