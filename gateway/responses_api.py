@@ -44,7 +44,6 @@ PARAMS = {
     "response_format": "text.format",
     "response_format.json_schema": "text.format",
     "messages": "input",
-    "user": "user",
 }
 STATELESS = (
     "gateways keep no state, so that any one behind a load balancer can answer: "
