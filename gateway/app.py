@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hmac
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,7 @@ from loomserve.gateway.embeddings import create_embeddings
 from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
 from loomserve.gateway.group import GenerationGroup
 from loomserve.gateway.json_route import OffLoopJSONRoute
+from loomserve.gateway.messages_api import messages_router
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.middleware import AccessMiddleware, BodyLimitMiddleware
 from loomserve.gateway.params import (
@@ -39,6 +41,7 @@ from loomserve.gateway.params import (
 from loomserve.gateway.pool import WorkerPool
 from loomserve.gateway.render import StreamChunks, response_body
 from loomserve.gateway.request import ApiBody, GenerationRequest, Prompt
+from loomserve.gateway.responses_api import responses_router
 from loomserve.gateway.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -172,6 +175,8 @@ def _api_key_checker(config: GatewayConfig) -> Callable[[Request], None]:
         if not keys:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not token and "x-api-key" in request.headers:  # Anthropic's clients send it so
+            scheme, token = "bearer", request.headers["x-api-key"]
         given = token.strip().encode()
         # Every key is compared, so the time taken says nothing about which one matched.
         matched = [tenant for key, tenant in keys if hmac.compare_digest(given, key)]
@@ -180,7 +185,8 @@ def _api_key_checker(config: GatewayConfig) -> Callable[[Request], None]:
         else:
             raise APIError(
                 401,
-                "missing or invalid API key; send it as 'Authorization: Bearer <key>'",
+                "missing or invalid API key; send it as 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')",
                 type="authentication_error",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
@@ -299,7 +305,29 @@ def _api_routes(gateway: Gateway) -> APIRouter:
         text = await prompts.off_loop(len(body.tokens), lambda: vocab.detokenize(body.tokens))
         return DetokenizeResponse(content=text)
 
+    # The Responses and Messages APIs: translations at the edge into the chat path.
+    run = functools.partial(_generate, gateway)
+    count = functools.partial(_prompt_tokens, gateway)
+    name = gateway.config.served_model_name
+    for extra in (responses_router, messages_router):
+        router.include_router(
+            extra(run, count, name, responses=ERROR_RESPONSES, route_class=OffLoopJSONRoute)
+        )
     return router
+
+
+async def _prompt_tokens(gateway: Gateway, body: ChatCompletionRequest) -> int:
+    """The prompt's token count of a chat request: template, tools and all."""
+    _check_model(gateway, body.model)
+    tools = tool_request(body, gateway.template_tools, gateway.vocab)
+    tokens = await prompts.chat_prompt(
+        gateway.vocab,
+        gateway.template,
+        body.messages,
+        gateway.template_tools,
+        tools.definitions if tools else None,
+    )
+    return len(tokens)
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:
@@ -383,7 +411,7 @@ async def _prepare(
     params = sampling_params(body, 1, vocab)
     tools = None
     if isinstance(body, ChatCompletionRequest):
-        tools = tool_request(body, gateway.template_tools.format, vocab)
+        tools = tool_request(body, gateway.template_tools, vocab)
         if tools is not None and tools.grammar:
             params.grammar = tools.grammar
         tokens = await prompts.chat_prompt(

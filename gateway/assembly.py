@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loomserve.gateway.schemas import Usage
-from loomserve.gateway.stop import StopMatcher
+from loomserve.gateway.stop import StopMatcher, TextMatcher
 from loomserve.gateway.tokenizer import IncrementalDetokenizer, Pieces
 from loomserve.gateway.worker_errors import WorkerBadOutput, WorkerFailed, WorkerLost
 from loomserve.protocol.messages import (
@@ -93,14 +93,14 @@ class TextAssembly:
     def __init__(
         self,
         vocab: Pieces,
-        stops: tuple[str, ...],
+        stops: tuple[str, ...] | TextMatcher,  # stop strings, or what matches them and more
         prompt_len: int,
         scored_prompt: list[int] | None = None,
         score_only: bool = False,
     ) -> None:
         self.vocab = vocab
         self._detokenizer = IncrementalDetokenizer(vocab)
-        self._matcher = StopMatcher(stops)
+        self._matcher = StopMatcher(stops) if isinstance(stops, tuple) else stops
         self._n_vocab = vocab.n_tokens
         self.prompt_len = prompt_len
         self.generated = 0  # tokens taken, up to and including the one that completed a stop

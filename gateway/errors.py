@@ -1,5 +1,8 @@
 """HTTP errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
+Under /v1/messages (Anthropic's API) in Anthropic's: {"type": "error", "error": {"type",
+"message"}}, with Anthropic's error types.
+
 Also the one place where the WorkerClient's transport errors become HTTP statuses.
 """
 
@@ -55,6 +58,32 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The body in Anthropic's shape."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response_for(self, request: Request) -> JSONResponse:
+        """The response in the shape of the API the request came to."""
+        if request.url.path.startswith(ANTHROPIC_PREFIX):
+            body = self.anthropic_body()
+            return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return self.response()
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
 
 def invalid_request(message: str, param: str | None = None) -> APIError:
     """400: the request itself is wrong."""
@@ -104,15 +133,15 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response_for(request)
 
     @app.exception_handler(WorkerClientError)
     async def _worker_error(request: Request, exc: WorkerClientError) -> JSONResponse:
-        return worker_error(exc).response()
+        return worker_error(exc).response_for(request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+        return validation_error(exc.errors()).response_for(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -123,12 +152,12 @@ def install_handlers(app: FastAPI) -> None:
             type=kinds.get(exc.status_code, "invalid_request_error"),
             headers=getattr(exc, "headers", None),
         )
-        return error.response()
+        return error.response_for(request)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", path=request.url.path)
-        return server_error(f"internal error: {type(exc).__name__}").response()
+        return server_error(f"internal error: {type(exc).__name__}").response_for(request)
 
 
 def validation_error(errors: Any) -> APIError:

@@ -73,7 +73,7 @@ class Generation:
         scored = generate.params.prompt_logprobs is not None
         assembly = TextAssembly(
             vocab,
-            request.stops,
+            request.text_matcher(),
             len(generate.prompt_tokens),
             scored_prompt=generate.prompt_tokens if scored else None,
             score_only=request.score_only,

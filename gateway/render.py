@@ -90,7 +90,8 @@ class StreamChunks:
         held = ""
         parser = self._parser(index)
         if parser is not None:
-            held = "".join(self._tool_event(index, e) for e in parser.finish())
+            events = parser.finish(cut=reason == "length")
+            held = "".join(self._tool_event(index, e) for e in events)
             if parser.calls and reason == "stop":
                 reason = "tool_calls"
         body = {"delta": {}} if self.request.chat else {"text": ""}
@@ -226,7 +227,7 @@ def _assistant_message(
     tools = request.tools
     if tools is None:
         return AssistantMessage(content=text), reason
-    content, parsed = parse_reply(tools.format, text, tools.max_calls)
+    content, parsed = parse_reply(tools.format, text, tools.max_calls, cut=reason == "length")
     if not parsed:
         return AssistantMessage(content=content), reason
     calls = [

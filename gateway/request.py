@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from loomserve.gateway.stop import StopMatcher, TextMatcher
+from loomserve.gateway.tool_end import PromptEcho, ToolCallEnd
 from loomserve.gateway.tool_parser import ToolCallParser
 from loomserve.gateway.tools import ToolRequest
 from loomserve.protocol.messages import Generate, SamplingParams
@@ -53,6 +55,17 @@ class GenerationRequest:
     def tool_parser(self) -> ToolCallParser | None:
         """A parser for the reply's tool calls, when the request has tools."""
         return self.tools.parser() if self.tools is not None else None
+
+    def text_matcher(self) -> TextMatcher:
+        """What ends a choice on its text: the stop strings, and with tools its calls' end."""
+        stops = StopMatcher(self.stops)
+        tools = self.tools
+        if tools is None:
+            return stops
+        ending = ToolCallEnd(stops, tools.parser())
+        if tools.injected_prompt and tools.choice == "auto":
+            return PromptEcho(ending, tools.injected_prompt)
+        return ending
 
     @property
     def chat(self) -> bool:

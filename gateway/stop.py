@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -11,6 +12,14 @@ class StopMatch:
 
     text: str
     matched: bool
+
+
+class TextMatcher(Protocol):
+    """What ends a reply on its text: StopMatcher, or tool_end.ToolCallEnd around one."""
+
+    def push(self, text: str) -> StopMatch: ...
+
+    def flush(self) -> str: ...
 
 
 @dataclass(slots=True)

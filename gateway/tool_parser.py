@@ -5,6 +5,12 @@ name) as soon as `{"name": "...", "arguments":` has been seen, and its arguments
 fragments of their JSON text, the way OpenAI streams tool calls. An object whose keys come in
 another order is announced whole when it closes. Text that turns out not to be a call (no
 name, broken JSON) is given back as content, unless part of it was already sent as a call.
+
+A call that repeats an earlier call of the same reply word for word is dropped: it is held
+while its text is a prefix of the earlier call's, and sent only once it differs. A reply cut
+by max_tokens (`finish(cut=True)`) never gives a call's beginning back as content: a call
+whose name is whole is sent with the arguments written so far (vLLM's shape for a cut call),
+and the rest of an unfinished call or call marker is dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from loomserve.gateway.tool_format import ToolFormat
 _CALL_HEAD = re.compile(
     r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:'
 )
+# The head of a call cut short before its arguments: only its name is known.
+_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _HEAD_LIMIT = 512  # characters; past this an object is not written name first
 _BETWEEN_CALLS = " \t\r\n,;["  # what may separate calls in a run
 
@@ -70,6 +78,8 @@ class _Object:
     args_end: int | None = None
     args_sent: int = 0  # text[args_start:args_sent] has been sent
     args_quoted: bool = False  # arguments written as a JSON string: sent decoded, at the end
+    held: bool = False  # so far word for word an earlier call: not announced (yet)
+    name: str = ""
 
 
 @dataclass(slots=True)
@@ -79,12 +89,15 @@ class ToolCallParser:
     format: ToolFormat
     max_calls: int | None = None
     calls: int = 0  # calls announced so far
+    repeats: int = 0  # calls dropped because they repeated an earlier one word for word
+    whole_calls: int = 0  # calls announced whose object closed
     _buffer: str = ""
     _mode: str = "text"  # "text", "run" (between calls), "object"
     _at_start: bool = True
     _run_text: str = ""  # what a run consumed, given back as content if it held no call
     _run_calls: int = 0
     _object: _Object = field(default_factory=_Object)
+    _done_calls: list[str] = field(default_factory=list)  # the text of each whole call
     _events: list[ToolEvent] = field(default_factory=list)
 
     def push(self, text: str) -> list[ToolEvent]:
@@ -94,14 +107,22 @@ class ToolCallParser:
             pass
         return self._take()
 
-    def finish(self) -> list[ToolEvent]:
-        """The events of the end of the reply: what was held back, as content or arguments."""
+    def finish(self, cut: bool = False) -> list[ToolEvent]:
+        """The events of the end of the reply: what was held back, as content or arguments.
+
+        cut: the reply ended at max_tokens; an unfinished call is not content then.
+        """
         if self._mode == "object":
-            self._finish_object()
+            self._finish_object(cut)
         elif self._mode == "run":
-            self._end_run()
-        if not (self.calls and self._buffer.isspace()):
-            self._content(self._buffer)
+            self._end_run(drop=cut)
+            if cut:  # what is left is the start of a closing marker, cut short
+                self._buffer = ""
+        buffer = self._buffer
+        if cut:  # the start of a call marker, cut short
+            buffer = buffer[: len(buffer) - _partial_marker(buffer, self.format.opens)]
+        if not (self.calls and buffer.isspace()):
+            self._content(buffer)
         self._buffer = ""
         return self._take()
 
@@ -183,6 +204,9 @@ class ToolCallParser:
             if obj.depth == 0:
                 break
         self._buffer = buffer[used:]
+        if obj.held and not self._repeats(obj.text):
+            obj.held = False  # it differs from every earlier call: a call of its own
+            self._announce(obj, obj.name)
         self._send_arguments(obj)
         if obj.depth == 0:
             self._close_object(obj)
@@ -227,7 +251,15 @@ class ToolCallParser:
             return
         obj.args_start = obj.args_sent = position
         obj.args_quoted = obj.text[position] == '"'
-        self._announce(obj, _unquote(head.group(1)))
+        obj.name = _unquote(head.group(1))
+        if self._repeats(obj.text):
+            obj.held = True
+            return
+        self._announce(obj, obj.name)
+
+    def _repeats(self, text: str) -> bool:
+        """Whether text is, so far, word for word an earlier call of this reply."""
+        return any(done.startswith(text) for done in self._done_calls)
 
     def _announce(self, obj: _Object, name: str) -> None:
         self._run_calls += 1
@@ -250,6 +282,13 @@ class ToolCallParser:
 
     def _close_object(self, obj: _Object) -> None:
         self._mode = "run"
+        if obj.held or (obj.args_start is None and obj.text in self._done_calls):
+            self._run_calls += 1  # a call all the same: the run is no content
+            self.repeats += 1
+            return
+        if obj.index is not None:
+            self._done_calls.append(obj.text)
+            self.whole_calls += 1
         if obj.args_start is not None:  # announced (or dropped) as it came
             if obj.args_quoted and obj.index is not None:
                 raw = obj.text[obj.args_start : obj.args_end].strip()
@@ -262,11 +301,24 @@ class ToolCallParser:
         name, arguments = call
         self._announce(obj, name)
         if obj.index is not None:
+            self._done_calls.append(obj.text)
+            self.whole_calls += 1
             self._arguments(obj.index, arguments)
 
-    def _finish_object(self) -> None:
+    def _finish_object(self, cut: bool) -> None:
         """The reply ended inside an object: a call cut short keeps what it sent."""
         obj = self._object
+        if obj.held:  # cut while it repeated an earlier call
+            self._mode = "text"
+            return
+        if cut and obj.index is None and not obj.dropped:
+            # A call whose name is whole, with the arguments written so far; cut before its
+            # name was whole, nothing.
+            named = _CALL_NAME.match(obj.text)
+            if named is not None:
+                self._announce(obj, _unquote(named.group(1)))
+            self._mode = "text"
+            return
         if obj.index is not None or obj.dropped:
             if obj.index is not None and obj.args_quoted and obj.args_start is not None:
                 self._arguments(obj.index, obj.text[obj.args_start :].strip())
@@ -282,9 +334,11 @@ class ToolCallParser:
     def _start_run(self, consumed: str) -> None:
         self._mode, self._run_text, self._run_calls = "run", consumed, 0
 
-    def _end_run(self, trailing: str = "") -> None:
-        """Back to text; a run that held no call was content after all."""
-        self._content((self._run_text if self._run_calls == 0 else "") + trailing)
+    def _end_run(self, trailing: str = "", drop: bool = False) -> None:
+        """Back to text; a run that held no call was content after all (unless dropped: a
+        reply cut inside a run)."""
+        if not drop:
+            self._content((self._run_text if self._run_calls == 0 else "") + trailing)
         self._mode, self._run_text, self._run_calls = "text", "", 0
 
     def _content(self, text: str) -> None:
@@ -310,12 +364,14 @@ class ToolCallParser:
         return events
 
 
-def parse_reply(fmt: ToolFormat, text: str, max_calls: int | None) -> tuple[str, list[ParsedCall]]:
+def parse_reply(
+    fmt: ToolFormat, text: str, max_calls: int | None, cut: bool = False
+) -> tuple[str, list[ParsedCall]]:
     """The content and the calls of a whole reply, as the streamed events add up."""
     parser = ToolCallParser(fmt, max_calls)
     content: list[str] = []
     calls: list[ParsedCall] = []
-    for event in [*parser.push(text), *parser.finish()]:
+    for event in [*parser.push(text), *parser.finish(cut)]:
         if isinstance(event, ContentDelta):
             content.append(event.text)
         elif isinstance(event, CallStart):

@@ -8,6 +8,7 @@ model can only write a call (of that function) whose arguments match the functio
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from loomserve.gateway.tokenizer import Pieces, Vocab
 from loomserve.gateway.tool_format import ToolFormat
 from loomserve.gateway.tool_grammar import ToolGrammarError, tool_grammar
 from loomserve.gateway.tool_parser import ToolCallParser
+from loomserve.gateway.tool_template import TemplateTools, generic_tools_prompt
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
@@ -31,6 +33,8 @@ class ToolRequest:
     choice: Literal["auto", "required", "named"]
     parallel: bool  # parallel_tool_calls: more than one call per reply
     grammar: str | None  # forces a call, for `required` and a named function
+    # The system prompt that shows the tools to a model whose template cannot ("" if it can).
+    injected_prompt: str = ""
 
     def parser(self) -> ToolCallParser:
         """A fresh parser for one reply."""
@@ -41,8 +45,18 @@ class ToolRequest:
         return None if self.parallel else 1
 
 
-def tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) -> ToolRequest | None:
+def tool_request(
+    body: ChatCompletionRequest, template_tools: TemplateTools, vocab: Vocab
+) -> ToolRequest | None:
     """The request's tools, or None when it has none or chose `none`; 400 for bad ones."""
+    request = _tool_request(body, template_tools.format, vocab)
+    if request is not None and not template_tools.renders_tools:
+        prompt = generic_tools_prompt(request.definitions)
+        request = dataclasses.replace(request, injected_prompt=prompt)
+    return request
+
+
+def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) -> ToolRequest | None:
     tools = body.tools or []
     choice = body.tool_choice
     if not tools:
