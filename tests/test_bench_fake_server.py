@@ -174,6 +174,11 @@ def run(
     return asyncio.run(go())
 
 
+def within(measured: float, nominal: float) -> bool:
+    """A timing the fake server's sleeps set: no less than nominal, at most twice it."""
+    return 0.9 * nominal <= measured <= 2.0 * nominal
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_metrics_match_the_servers_timetable(server, endpoint: str) -> None:
     fake, url = server
@@ -182,15 +187,18 @@ def test_metrics_match_the_servers_timetable(server, endpoint: str) -> None:
     assert (m.completed, m.failed) == (6, 0)
     assert m.total_output == 36 and m.usage_missing == 0 and m.short_outputs == 0
     assert m.total_input == 6 * 3  # from usage.prompt_tokens
-    assert m.ttft.mean_ms == pytest.approx(100.0, abs=15.0)
-    assert m.ttft.percentiles_ms[99.0] < 160.0
+    # The server sleeps its timetable, so each figure is at least the nominal one (less a
+    # clock's rounding); a busy shared machine only adds, so the upper bounds are loose: they
+    # catch a wrong unit or a wrong count, not scheduling delays.
+    assert within(m.ttft.mean_ms, 100.0)
+    assert m.ttft.percentiles_ms[99.0] < 2 * 160.0
     assert m.itl.count == 6 * 5
-    assert m.itl.mean_ms == pytest.approx(20.0, abs=3.0)
-    assert m.itl.median_ms == pytest.approx(20.0, abs=5.0)
-    assert m.tpot.mean_ms == pytest.approx(20.0, abs=3.0)
-    assert m.e2el.mean_ms == pytest.approx(200.0, abs=20.0)
+    assert within(m.itl.mean_ms, 20.0)
+    assert within(m.itl.median_ms, 20.0)
+    assert within(m.tpot.mean_ms, 20.0)
+    assert within(m.e2el.mean_ms, 200.0)
     # Two waves of three: about 2 × 200 ms in all.
-    assert result.duration_s == pytest.approx(0.4, abs=0.15)
+    assert within(result.duration_s, 0.4)
     assert m.request_throughput == pytest.approx(6 / result.duration_s)
     assert m.output_throughput == pytest.approx(36 / result.duration_s)
     assert fake.bodies[0]["stream_options"] == {"include_usage": True}
