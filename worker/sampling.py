@@ -7,6 +7,14 @@ the argmax of the logits directly: the same token llama.cpp's greedy sampler pic
 first maximum), without copying the whole vocabulary into candidate structs. sample_rows
 takes those argmaxes for a whole tick in one numpy call.
 
+A request with a grammar samples lazily, as llama.cpp's common_sampler_sample does: its
+chain (without the grammar) picks a token, the grammar is asked about that one token, and
+only when it refuses does the grammar mask the whole vocabulary for a second pick. Masking
+262,144 tokens costs far more than a forward pass of a small model; most tokens pass the
+check. The grammar advances by the kept token only (grammar_state.py). For greedy requests
+the token is the same as masking first: the first maximum over all tokens, when the grammar
+allows it, is the first maximum over those it allows.
+
 Penalties see the generated tokens only, not the prompt, as in llama-server.
 """
 
@@ -16,7 +24,9 @@ import llama_cpp as llama
 import numpy as np
 
 from loomserve.protocol import SamplingParams
+from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
+from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
 
 
 class InvalidSampling(ValueError):
@@ -24,30 +34,77 @@ class InvalidSampling(ValueError):
 
 
 class Sampler:
-    """One request's sampling state; sample() picks and accepts the next token."""
+    """One request's sampling state; sample() picks and accepts the next token.
 
-    __slots__ = ("_chain", "_ctx")
+    After sample(): `failure` says why the request must end with an error (its grammar grew
+    too complex; the token returned is then meaningless), and `grammar_complete` whether its
+    grammar allows nothing more but an end-of-generation token.
+    """
 
-    def __init__(self, chain: llama.llama_sampler_p | None, ctx) -> None:
-        self._chain = chain  # None: plain greedy, an argmax over the logits
+    __slots__ = ("_chain", "_ctx", "_grammar", "failure", "grammar_complete")
+
+    def __init__(
+        self, chain: llama.llama_sampler_p | None, ctx, grammar: GrammarState | None = None
+    ) -> None:
+        self._chain = chain  # None: greedy, an argmax over the logits (then the grammar)
         self._ctx = ctx
+        self._grammar = grammar  # checked lazily, never in the chain
+        self.failure: str | None = None
+        self.grammar_complete = False
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token for the output at batch_index of the last decode, whose logits these are."""
+        if self._grammar is not None:
+            return self._sample_with_grammar(logits)
         if self._chain is None:
             return int(logits.argmax())
         # llama_sampler_sample also accepts the token into every sampler of the chain.
         return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
 
+    def _sample_with_grammar(self, logits: np.ndarray) -> int:
+        grammar, chain = self._grammar, self._chain
+        candidates = grammar.shared.candidates
+        if chain is None:
+            token = int(logits.argmax())
+        else:
+            candidates.fill(logits)
+            llama.llama_sampler_apply(chain, candidates.pointer)
+            token = candidates.selected()
+        if not grammar.allows(token):
+            # Refused: mask the vocabulary, then pick again (the chain's own stages cannot
+            # bring back a token the mask set to -inf).
+            candidates.fill(logits)
+            grammar.mask(candidates)
+            if chain is None:
+                token = candidates.first_maximum()
+            else:
+                llama.llama_sampler_apply(chain, candidates.pointer)
+                token = candidates.selected()
+            if not grammar.allows(token):  # it refuses every token the bias leaves
+                self.failure = "the grammar allows none of the tokens the request may produce"
+                return token
+        try:
+            grammar.accept(token)
+        except GrammarTooComplex as exc:
+            self.failure = str(exc)
+            return token
+        if chain is not None:
+            llama.llama_sampler_accept(chain, token)
+        self.grammar_complete = grammar.complete()
+        return token
+
     @property
     def plain_greedy(self) -> bool:
         """Whether the token is the logits' argmax and nothing else (no state to update)."""
-        return self._chain is None
+        return self._chain is None and self._grammar is None
 
     def close(self) -> None:
         if self._chain is not None:
             llama.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
 
 
 def sample_rows(samplers: list[Sampler], batch_indices: list[int], logits: np.ndarray) -> list[int]:
@@ -72,13 +129,9 @@ def sample_rows(samplers: list[Sampler], batch_indices: list[int], logits: np.nd
     return tokens
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    return (
-        params.greedy
-        and not params.logit_bias
-        and not params.grammar
-        and not _has_penalties(params)
-    )
+def _is_argmax(params: SamplingParams) -> bool:
+    """Whether the chain would pick the logits' argmax (before any grammar)."""
+    return params.greedy and not params.logit_bias and not _has_penalties(params)
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -108,18 +161,9 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
-    if _is_plain_greedy(params):
-        return Sampler(None, ctx)
-
-    grammar = None
-    if params.grammar:
-        problem = grammar_problem(params.grammar)
-        if problem:
-            raise InvalidSampling(problem)
-        # Parsed first: a bad grammar is refused before anything else is allocated.
-        grammar = llama.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
-        if not grammar:
-            raise InvalidSampling("the grammar does not parse as GBNF with a `root` rule")
+    grammar = _grammar(params.grammar, vocab, n_vocab) if params.grammar else None
+    if _is_argmax(params):
+        return Sampler(None, ctx, grammar)
 
     stages: list[llama.llama_sampler_p] = []
     if params.logit_bias:
@@ -130,9 +174,6 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     if _has_penalties(params):
         last_n = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
         stages.append(_penalties(n_vocab, last_n, params))
-    if grammar:
-        # Before the truncating samplers, so top-k and friends choose among valid tokens.
-        stages.append(grammar)
     if params.greedy:
         stages.append(llama.llama_sampler_init_greedy())
     else:
@@ -151,4 +192,16 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     chain = llama.llama_sampler_chain_init(chain_params)
     for stage in stages:
         llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
-    return Sampler(chain, ctx)
+    return Sampler(chain, ctx, grammar)
+
+
+def _grammar(text: str, vocab, n_vocab: int) -> GrammarState:
+    """The request's grammar, parsed first: a bad one is refused before anything else is
+    allocated."""
+    problem = grammar_problem(text) or grammar_shape_problem(text)
+    if problem:
+        raise InvalidSampling(problem)
+    sampler = llama.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+    if not sampler:
+        raise InvalidSampling("the grammar does not parse as GBNF with a `root` rule")
+    return GrammarState(sampler, grammar_vocab(vocab, n_vocab))
