@@ -30,6 +30,9 @@ import structlog
 log = structlog.get_logger(__name__)
 
 MAX_STACKS = 1024  # parse stacks a request's grammar may keep; JSON schemas keep a few dozen
+# Growth is learnt from tokens that start with this many stacks or more: below, a token that
+# opens a few alternatives says nothing about the grammar doubling per character.
+GROWTH_FROM = 16
 # Where llama.cpp keeps the grammar (src/llama-sampler.cpp, src/llama-grammar.h): the grammar
 # sampler's context is {vocab*, std::string, std::string, llama_grammar*}, and llama_grammar
 # starts {vocab*, rules (a vector), stacks (a vector of vectors of element pointers)}.
@@ -193,7 +196,7 @@ class GrammarState:
         self._one = llama.llama_token_data_array()
         self._one.data = (llama.llama_token_data * 1)()
         self._one_pointer = ctypes.pointer(self._one)
-        self._growth = 1.0  # the most the stacks have multiplied per byte of an accepted token
+        self._growth = 1.0  # the most the stacks have multiplied per byte of a token (from 16)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar lets this token come next (one candidate, not the vocabulary)."""
@@ -221,7 +224,7 @@ class GrammarState:
         after = _stacks(self.sampler)[1]
         if after > MAX_STACKS:
             raise GrammarTooComplex(self._too_complex(after))
-        if after > before:
+        if after > before >= GROWTH_FROM:
             self._growth = max(self._growth, (after / before) ** (1 / length))
 
     @staticmethod
