@@ -207,6 +207,33 @@ def test_the_grammar_advances_only_by_the_token_kept(engine):
         sampler.close()
 
 
+def test_a_token_beyond_the_best_is_found_by_the_mask(engine):
+    """Every allowed token scores below the tied best: the scan cannot settle it, the mask
+    over the whole vocabulary does, and picks the first maximum among the allowed."""
+    grammar = 'root ::= "{" [a-z]+ "}"'
+
+    def sampler():
+        params = SamplingParams(temperature=0.0, grammar=grammar)
+        return build_sampler(params, engine.ctx, engine.vocab, engine.n_vocab, 256)
+
+    probe = sampler()
+    try:
+        allowed = [t for t in range(engine.n_vocab) if probe._grammar.allows(t)]
+    finally:
+        probe.close()
+    assert allowed
+    rng = np.random.default_rng(1)
+    logits = np.zeros(engine.n_vocab, dtype=np.float32)
+    logits[allowed] = rng.uniform(-9.0, -5.0, len(allowed)).astype(np.float32)
+    expected = min(allowed, key=lambda t: (-logits[t], t))
+    kept = sampler()
+    try:
+        assert kept.sample(0, logits) == expected
+        assert kept.failure is None
+    finally:
+        kept.close()
+
+
 def test_the_stack_layout_reads_on_this_build(engine):
     """The bound and the completion check read llama.cpp's stacks; this build must allow it."""
     shared = grammar_vocab(engine.vocab, engine.n_vocab)
@@ -263,3 +290,29 @@ def test_an_ambiguous_grammar_fails_its_request_alone(engine, config):
     alone.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
     drain(alone)
     assert tokens["beside"] == alone_collector.tokens()["beside"]
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+def test_greedy_picks_the_first_maximum_among_allowed_tokens(engine, name):
+    """Against brute force, with many ties (logits rounded): the scan of the best tokens and
+    the mask behind it give the token masking first would."""
+    params = SamplingParams(temperature=0.0, grammar=GRAMMARS[name])
+
+    def sampler():
+        return build_sampler(params, engine.ctx, engine.vocab, engine.n_vocab, 256)
+
+    probe = sampler()
+    try:
+        allowed = np.array([t for t in range(engine.n_vocab) if probe._grammar.allows(t)])
+    finally:
+        probe.close()
+    rng = np.random.default_rng(len(name))
+    for _ in range(30):
+        logits = np.round(rng.standard_normal(engine.n_vocab), 1).astype(np.float32)
+        best = logits[allowed].max()
+        expected = int(allowed[logits[allowed] == best].min())
+        fresh = sampler()
+        try:
+            assert fresh.sample(0, logits) == expected
+        finally:
+            fresh.close()

@@ -86,6 +86,11 @@ class Candidates:
         """The token the chain's last stage selected."""
         return int(self._buffer["id"][self.array.selected])
 
+    def logits(self) -> np.ndarray:
+        """The entries' logits as the samplers left them (a view; in id order unless a stage
+        sorted them: logit bias, penalties and greedy do not)."""
+        return self._buffer["logit"][: self.array.size]
+
     def first_maximum(self) -> int:
         """The greedy choice over the entries as they are, which must still be in id order
         (a grammar mask leaves them so): llama.cpp's greedy sampler picks the first maximum."""
@@ -122,17 +127,18 @@ class GrammarVocab:
         return n
 
 
-_VOCABS: dict[tuple[int, int], GrammarVocab] = {}
+_VOCABS: dict[tuple[int, int, int], GrammarVocab] = {}
 
 
 def grammar_vocab(vocab, n_vocab: int) -> GrammarVocab:
     """The shared state for this vocabulary, made on its first grammar."""
-    key = (ctypes.cast(vocab, ctypes.c_void_p).value or 0, n_vocab)
+    eog = llama.llama_vocab_eos(vocab)
+    if eog < 0:
+        eog = llama.llama_vocab_eot(vocab)
+    # The end token in the key too: a model loaded where a freed one was is another entry.
+    key = (ctypes.cast(vocab, ctypes.c_void_p).value or 0, n_vocab, eog)
     shared = _VOCABS.get(key)
     if shared is None:
-        eog = llama.llama_vocab_eos(vocab)
-        if eog < 0:
-            eog = llama.llama_vocab_eot(vocab)
         readable = _layout_checks_out(vocab)
         if not readable:
             log.warning(

@@ -10,10 +10,12 @@ takes those argmaxes for a whole tick in one numpy call.
 A request with a grammar samples lazily, as llama.cpp's common_sampler_sample does: its
 chain (without the grammar) picks a token, the grammar is asked about that one token, and
 only when it refuses does the grammar mask the whole vocabulary for a second pick. Masking
-262,144 tokens costs far more than a forward pass of a small model; most tokens pass the
-check. The grammar advances by the kept token only (grammar_state.py). For greedy requests
-the token is the same as masking first: the first maximum over all tokens, when the grammar
-allows it, is the first maximum over those it allows.
+262,144 tokens costs more than a forward pass of a small model; most tokens pass the check.
+A greedy request checks its next best tokens one at a time first (_best_allowed) and masks
+only when none of them settles it. The grammar advances by the kept token only
+(grammar_state.py). For greedy requests the token is the same as masking first: the first
+maximum over all tokens, when the grammar allows it, is the first maximum over those it
+allows.
 
 Penalties see the generated tokens only, not the prompt, as in llama-server.
 """
@@ -28,6 +30,10 @@ from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
 from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
 
+# A greedy pick the grammar refused: this many of the next best are checked one at a time
+# before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
+GREEDY_SCAN = 32
+
 
 class InvalidSampling(ValueError):
     """The request's sampling settings cannot run on this model (bad grammar, bad token id)."""
@@ -41,14 +47,19 @@ class Sampler:
     grammar allows nothing more but an end-of-generation token.
     """
 
-    __slots__ = ("_chain", "_ctx", "_grammar", "failure", "grammar_complete")
+    __slots__ = ("_chain", "_ctx", "_grammar", "_greedy", "failure", "grammar_complete")
 
     def __init__(
-        self, chain: llama.llama_sampler_p | None, ctx, grammar: GrammarState | None = None
+        self,
+        chain: llama.llama_sampler_p | None,
+        ctx,
+        grammar: GrammarState | None = None,
+        greedy: bool = False,
     ) -> None:
         self._chain = chain  # None: greedy, an argmax over the logits (then the grammar)
         self._ctx = ctx
         self._grammar = grammar  # checked lazily, never in the chain
+        self._greedy = chain is None or greedy  # the chain ends in llama.cpp's greedy sampler
         self.failure: str | None = None
         self.grammar_complete = False
 
@@ -71,17 +82,8 @@ class Sampler:
             llama.llama_sampler_apply(chain, candidates.pointer)
             token = candidates.selected()
         if not grammar.allows(token):
-            # Refused: mask the vocabulary, then pick again (the chain's own stages cannot
-            # bring back a token the mask set to -inf).
-            candidates.fill(logits)
-            grammar.mask(candidates)
-            if chain is None:
-                token = candidates.first_maximum()
-            else:
-                llama.llama_sampler_apply(chain, candidates.pointer)
-                token = candidates.selected()
-            if not grammar.allows(token):  # it refuses every token the bias leaves
-                self.failure = "the grammar allows none of the tokens the request may produce"
+            token = self._resample(logits)
+            if self.failure is not None:
                 return token
         try:
             grammar.accept(token)
@@ -91,6 +93,29 @@ class Sampler:
         if chain is not None:
             llama.llama_sampler_accept(chain, token)
         self.grammar_complete = grammar.complete()
+        return token
+
+    def _resample(self, logits: np.ndarray) -> int:
+        """The token when the grammar refused the chain's: for greedy, the best of the next
+        GREEDY_SCAN tokens the grammar allows, one check each; else (or when none of those
+        settles it) the whole vocabulary masked and the chain run again."""
+        grammar, chain = self._grammar, self._chain
+        candidates = grammar.shared.candidates
+        if self._greedy:
+            # The chain's logits, after bias and penalties, are still in the buffer in id order.
+            scores = logits if chain is None else candidates.logits()
+            token = _best_allowed(scores, grammar)
+            if token is not None:
+                return token
+        candidates.fill(logits)
+        grammar.mask(candidates)  # the chain cannot bring back a token set to -inf
+        if chain is None:
+            token = candidates.first_maximum()
+        else:
+            llama.llama_sampler_apply(chain, candidates.pointer)
+            token = candidates.selected()
+        if not grammar.allows(token):  # it refuses every token the bias leaves
+            self.failure = "the grammar allows none of the tokens the request may produce"
         return token
 
     @property
@@ -192,7 +217,28 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     chain = llama.llama_sampler_chain_init(chain_params)
     for stage in stages:
         llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
-    return Sampler(chain, ctx, grammar)
+    return Sampler(chain, ctx, grammar, greedy=params.greedy)
+
+
+def _best_allowed(scores: np.ndarray, grammar: GrammarState) -> int | None:
+    """The first maximum of `scores` among the tokens the grammar allows, when one of the
+    GREEDY_SCAN best is allowed and scores strictly more than the rest; else None.
+
+    The same token as masking every refused token and taking the first maximum: the best
+    tokens are checked by score, then id, and one scoring more than the GREEDY_SCAN-th best
+    beats every token left out (a tie with those might hide a lower id: None).
+    """
+    k = min(GREEDY_SCAN, len(scores))
+    top = np.argpartition(scores, -k)[-k:]
+    values = scores[top]
+    floor = values.min()
+    for i in np.lexsort((top, -values)):
+        if values[i] <= floor:
+            return None
+        token = int(top[i])
+        if grammar.allows(token):
+            return token
+    return None
 
 
 def _grammar(text: str, vocab, n_vocab: int) -> GrammarState:
