@@ -49,17 +49,23 @@ def grammar_shape_problem(grammar: str) -> str | None:
 
 def _flatten(grammar: str) -> dict[str, _Rule] | None:
     """Every rule, groups as rules of their own keyed `rule#n`; None when it does not parse."""
-    tokens = [t for t in _GBNF_TOKEN.finditer(grammar) if t.lastgroup != "comment"]
+    tokens = [
+        (t.lastgroup, t.group(), t)
+        for t in _GBNF_TOKEN.finditer(grammar)
+        if t.lastgroup != "comment"
+    ]
     rules: dict[str, _Rule] = {}
     groups: list[_Rule] = []  # the open groups, innermost last; [0] is the rule itself
     n_groups = 0
-    for i, token in enumerate(tokens):
-        kind, text = token.lastgroup, token.group()
-        starts_rule = i + 1 < len(tokens) and tokens[i + 1].group() == "::="
+    for i, (kind, text, token) in enumerate(tokens):
+        starts_rule = i + 1 < len(tokens) and tokens[i + 1][1] == "::="
         if kind == "atom" and starts_rule and text[0] != "<":
             if len(groups) > 1:
                 return None  # a group left open
-            groups = [rules.setdefault(text, _Rule(text))]
+            rule = rules.get(text)
+            if rule is None:
+                rule = rules[text] = _Rule(text)
+            groups = [rule]
             continue
         if text == "::=":
             continue
@@ -81,7 +87,7 @@ def _flatten(grammar: str) -> dict[str, _Rule] | None:
             n_groups += 1
             key = f"{groups[0].name}#{n_groups}"
             current[-1].append((key, False))
-            groups.append(rules.setdefault(key, _Rule(groups[0].name)))
+            groups.append(rules.setdefault(key, _Rule(groups[0].name)))  # a new key
         elif text == ")":
             if len(groups) < 2:
                 return None

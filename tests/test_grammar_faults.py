@@ -18,8 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from loomserve.protocol import ErrorCode, Generate, SamplingParams
+from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.grammar_state import UNBOUNDED_ENV
@@ -58,6 +60,32 @@ class Stream:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the stream is frozen"
         return self.events
+
+
+@pytest.mark.parametrize(
+    ("grammar", "stuck"),
+    [
+        (NEVER_ENDS, ["root", "x"]),
+        ('root ::= "a" | "b" y\ny ::= "c" y', ["y"]),  # reachable, though root can end
+        ('root ::= ( "a" root )+', ["root"]),
+        ('root ::= "a" (\n "b" | c )\nc ::= "d" c # a comment', ["c"]),
+        ('root ::= x\nx ::= "a" x "b" | "a" x "c" | ""', []),  # ends: the bound's business
+        ('root ::= "a" | "b" y\ny ::= "c" y*', []),
+        ('root ::= ( "a" root ){0,3}', []),
+        ('root ::= [a-z]+ "x"\nunused ::= unused "a"', []),  # unreachable
+        ("root ::= <[12]> root | <[13]>", []),
+        (JSON_GBNF, []),
+        (json_schema_to_gbnf('{"type": "array", "items": {"type": "object"}}'), []),
+        ("root ::= (", []),  # does not parse: llama.cpp's parser says why
+    ],
+)
+def test_grammars_that_can_never_finish_are_named(grammar: str, stuck: list[str]) -> None:
+    problem = grammar_shape_problem(grammar)
+    if not stuck:
+        assert problem is None
+    else:
+        assert problem is not None and "can never finish" in problem
+        assert all(f"`{name}`" in problem for name in stuck), problem
 
 
 def test_a_grammar_that_can_never_finish_gets_a_400(tiny_model_path: Path) -> None:
