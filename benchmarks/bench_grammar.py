@@ -12,6 +12,7 @@ each request's tokens/s (completion tokens over its whole latency) and the aggre
 
     python -m benchmarks.bench_grammar                   # the default model, 2 rounds
     python -m benchmarks.bench_grammar --rounds 3 --llama-server ''   # loomserve only
+    python -m benchmarks.bench_grammar --workloads plain,tool_call
 """
 
 from __future__ import annotations
@@ -171,7 +172,19 @@ def median(values: list[float]) -> float:
 @click.option(
     "--llama-server", "llama_server", default=LLAMA_SERVER, help="Binary; '' to leave it out."
 )
-def main(model: str | None, rounds: int, max_tokens: int, sequential: int, llama_server: str):
+@click.option(
+    "--workloads",
+    default=",".join(WORKLOADS),
+    help="Comma-separated, of: plain, json_schema, tool_call (plain is the reference).",
+)
+def main(
+    model: str | None,
+    rounds: int,
+    max_tokens: int,
+    sequential: int,
+    llama_server: str,
+    workloads: str,
+):
     """Run every workload on every server, interleaved, and print the medians."""
     model_path = resolve_model(model)
     workdir = Path(tempfile.mkdtemp(prefix="bench-grammar-"))
@@ -193,7 +206,8 @@ def main(model: str | None, rounds: int, max_tokens: int, sequential: int, llama
             wait_healthy(url, process)
             for workload in WORKLOADS:  # warm up: load pages, compile nothing twice
                 one_request(url, workload_body(workload, "warming up", 8))
-        runs = [(w, c, s) for w in WORKLOADS for c in (1, SLOTS) for s in servers]
+        chosen = [w for w in WORKLOADS if w in workloads.split(",")]
+        runs = [(w, c, s) for w in chosen for c in (1, SLOTS) for s in servers]
         for round_index in range(rounds):
             for workload, concurrency, server in runs if round_index % 2 == 0 else runs[::-1]:
                 url = servers[server][0]
