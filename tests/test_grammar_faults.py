@@ -11,6 +11,7 @@ not.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -26,6 +27,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.grammar_state import UNBOUNDED_ENV
 from loomserve.worker.loop import TickLoop
+from loomserve.worker.watchdog import Watchdog
 from tests.procs import Proc, start_gateway, start_worker
 from tests.test_worker_engine import GW, Collector, drain
 
@@ -191,3 +193,44 @@ def test_sigterm_ends_a_worker_stuck_in_its_tick(tiny_model_path: Path, unbounde
         assert "asked to stop" in w.logs()
         reader.join(30)
         assert not reader.is_alive()
+
+
+class FakeLoop:
+    """The one attribute of the tick loop the watchdog reads."""
+
+    busy_since: float | None = None
+
+
+def test_the_watchdog_fires_on_an_old_tick_only() -> None:
+    loop, fired = FakeLoop(), []
+    watchdog = Watchdog(loop, limit=1.0, stop_grace=0.5, on_stuck=fired.append)
+    watchdog.start()
+    try:
+        time.sleep(1.5)  # idle: waiting for work is not being stuck
+        assert fired == []
+        for _ in range(15):  # short ticks, one after another
+            loop.busy_since = time.monotonic()
+            time.sleep(0.1)
+        assert fired == []
+        time.sleep(1.5)  # the last one never ends
+        assert len(fired) == 1 and "a tick has run" in fired[0]
+    finally:
+        watchdog.stop()
+
+
+def test_a_stop_signal_during_a_stuck_tick_fires_after_the_grace() -> None:
+    """The signal reaches the watchdog through the wakeup fd, whatever the main thread does."""
+    loop, fired = FakeLoop(), []
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    watchdog = Watchdog(loop, limit=60.0, stop_grace=0.5, on_stuck=fired.append)
+    watchdog.start()
+    try:
+        loop.busy_since = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(fired) == 1 and "asked to stop" in fired[0]
+    finally:
+        watchdog.stop()
+        signal.signal(signal.SIGTERM, previous)

@@ -79,7 +79,10 @@ class Watchdog:
             with contextlib.suppress(ValueError):
                 signal.set_wakeup_fd(self._previous_wakeup)
             self._previous_wakeup = None
-        self._thread.join(timeout=2 * MAX_CHECK_SECONDS)
+        with contextlib.suppress(OSError):  # wake it now rather than at its next check
+            self._signal_out.send(b"\0")
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * MAX_CHECK_SECONDS)
         self._signal_in.close()
         self._signal_out.close()
 
