@@ -161,6 +161,13 @@ def worker_options(func):
             "exits (status 3) to be restarted.",
         ),
         click.option(
+            "--tick-watchdog",
+            type=click.FloatRange(min=1.0),
+            default=default_of(WorkerConfig, "tick_watchdog"),
+            help="Seconds a tick may run before the worker calls it stuck, declares its "
+            "engine dead and exits (status 3) to be restarted.",
+        ),
+        click.option(
             "--batch-invariant/--no-batch-invariant",
             default=default_of(WorkerConfig, "batch_invariant"),
             help="Greedy output the same alone and batched: a KV stream per slot and per-row "

@@ -3,7 +3,9 @@
 JSON schemas become GBNF in llama-cpp-python's converter, which writes repetitions out in
 full (`maxLength: 10000000` is an 80 MB grammar nested ten million groups deep), so a schema
 is bounded before conversion; every grammar is then bounded again by protocol.limits before
-llama.cpp's own parser, which recurses per nested group, compiles it.
+llama.cpp's own parser, which recurses per nested group, compiles it. A grammar that parses
+but can never finish (protocol.grammar_shape: a rule whose every alternative recurses)
+is refused as well: llama.cpp would follow it until its parse stacks freeze the worker.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 from loomserve.gateway.errors import invalid_request
 from loomserve.gateway.schemas import GenerationFields
 from loomserve.gateway.tokenizer import Vocab
+from loomserve.protocol.grammar_shape import grammar_shape_problem
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 64
@@ -40,7 +43,7 @@ def request_grammar(request: GenerationFields, vocab: Vocab) -> str | None:
         grammar, param = _json_grammar(fmt), "response_format"
     else:
         return None
-    error = vocab.grammar_error(grammar)
+    error = vocab.grammar_error(grammar) or grammar_shape_problem(grammar)
     if error:
         raise invalid_request(error, param)
     return grammar

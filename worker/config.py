@@ -62,6 +62,10 @@ class WorkerConfig:
     # gateway, and exits (status 3) for its supervisor to restart it. One failing tick
     # fails only the requests it ran.
     max_failed_ticks: int = 3
+    # A tick running longer than this many seconds is stuck (a native call that never
+    # returns): the worker says it is not ready, tells every gateway, and exits (status 3)
+    # for its supervisor to restart it (watchdog.py).
+    tick_watchdog: float = 30.0
     # On SIGTERM, running and queued requests get this long to finish; the rest are
     # cancelled with an error. New requests are refused meanwhile.
     shutdown_timeout: float = 5.0
@@ -91,6 +95,8 @@ class WorkerConfig:
             raise ValueError("batch_tokens must leave room for one decode token per slot")
         if self.max_failed_ticks < 1:
             raise ValueError("max_failed_ticks must be at least 1")
+        if self.tick_watchdog < 1:
+            raise ValueError("tick_watchdog must be at least 1 second")
         if self.shutdown_timeout < 0 or self.gateway_timeout <= 0:
             raise ValueError("shutdown_timeout and gateway_timeout must not be negative")
         if self.prefill_chunk < 1:

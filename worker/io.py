@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import zmq
@@ -277,7 +277,8 @@ class WorkerIO:
                 return
             self._admit(gateway, now)
             log.info("gateway connected", gateway=_name(gateway), gateway_id=message.gateway_id)
-            self._send_now(gateway, self.model_info)
+            # Not ready while draining or dying: a Hello must not put it back in rotation.
+            self._send_now(gateway, replace(self.model_info, ready=self.ready))
             return
         if gateway in gateways.lost:
             # Its requests were cancelled when it went silent; it must start over.

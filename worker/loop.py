@@ -27,6 +27,7 @@ from loomserve.protocol import (
     Embed,
     ErrorCode,
     Finish,
+    FinishReason,
     Generate,
     Message,
     Outputs,
@@ -178,6 +179,7 @@ class TickLoop:
         self._faults = DecodeFaults.from_env()  # tests only: see faults.py
         self._outputs: dict[bytes, Outputs] = {}
         self._scoring: Step | None = None  # this tick's step when a run scores its prompt
+        self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
@@ -243,8 +245,10 @@ class TickLoop:
     def tick(self, block: bool = True) -> None:
         """One pass of the loop; with block, waits for input when there is nothing to do."""
         # 1. New requests and cancellations (blocking only when there is nothing else).
+        self.busy_since = None  # waiting for work is not being stuck
         embedding = self.embedder is not None and self.embedder.pending
         self._take_input(block=block and not (self.scheduler.has_work() or embedding))
+        self.busy_since = time.monotonic()
         if self._stop_by is not None and not (self.scheduler.has_work() or embedding):
             return
         started = time.perf_counter()
@@ -480,6 +484,12 @@ class TickLoop:
         tokens = sample_rows(samplers, [index for _, index in sampled], logits)
         for row, ((slot, _), token) in enumerate(zip(sampled, tokens, strict=True)):
             request = slot.request
+            sampler = request.sampler
+            if sampler.failure is not None:  # its grammar grew too complex (grammar_state.py)
+                slot.finish(FinishReason.ERROR, sampler.failure)
+                continue
+            if sampler.grammar_complete:  # the token ends it: before max_tokens can
+                slot.finish(FinishReason.STOP)
             asked = request.params.logprobs is not None
             logprobs = self._logprobs(slot, logits[row], token) if asked else None
             chunk = record_token(slot, token, is_eog(token), now)

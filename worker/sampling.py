@@ -7,6 +7,16 @@ the argmax of the logits directly: the same token llama.cpp's greedy sampler pic
 first maximum), without copying the whole vocabulary into candidate structs. sample_rows
 takes those argmaxes for a whole tick in one numpy call.
 
+A request with a grammar samples lazily, as llama.cpp's common_sampler_sample does: its
+chain (without the grammar) picks a token, the grammar is asked about that one token, and
+only when it refuses does the grammar mask the whole vocabulary for a second pick. Masking
+262,144 tokens costs more than a forward pass of a small model; most tokens pass the check.
+A greedy request checks its next best tokens one at a time first (_best_allowed) and masks
+only when none of them settles it. The grammar advances by the kept token only
+(grammar_state.py). For greedy requests the token is the same as masking first: the first
+maximum over all tokens, when the grammar allows it, is the first maximum over those it
+allows.
+
 Penalties see the generated tokens only, not the prompt, as in llama-server.
 """
 
@@ -16,7 +26,13 @@ import llama_cpp as llama
 import numpy as np
 
 from loomserve.protocol import SamplingParams
+from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
+from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
+
+# A greedy pick the grammar refused: this many of the next best are checked one at a time
+# before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
+GREEDY_SCAN = 32
 
 
 class InvalidSampling(ValueError):
@@ -24,30 +40,96 @@ class InvalidSampling(ValueError):
 
 
 class Sampler:
-    """One request's sampling state; sample() picks and accepts the next token."""
+    """One request's sampling state; sample() picks and accepts the next token.
 
-    __slots__ = ("_chain", "_ctx")
+    After sample(): `failure` says why the request must end with an error (its grammar grew
+    too complex; the token returned is then meaningless), and `grammar_complete` whether its
+    grammar allows nothing more but an end-of-generation token.
+    """
 
-    def __init__(self, chain: llama.llama_sampler_p | None, ctx) -> None:
-        self._chain = chain  # None: plain greedy, an argmax over the logits
+    __slots__ = ("_chain", "_ctx", "_grammar", "_greedy", "failure", "grammar_complete")
+
+    def __init__(
+        self,
+        chain: llama.llama_sampler_p | None,
+        ctx,
+        grammar: GrammarState | None = None,
+        greedy: bool = False,
+    ) -> None:
+        self._chain = chain  # None: greedy, an argmax over the logits (then the grammar)
         self._ctx = ctx
+        self._grammar = grammar  # checked lazily, never in the chain
+        self._greedy = chain is None or greedy  # the chain ends in llama.cpp's greedy sampler
+        self.failure: str | None = None
+        self.grammar_complete = False
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token for the output at batch_index of the last decode, whose logits these are."""
+        if self._grammar is not None:
+            return self._sample_with_grammar(logits)
         if self._chain is None:
             return int(logits.argmax())
         # llama_sampler_sample also accepts the token into every sampler of the chain.
         return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
 
+    def _sample_with_grammar(self, logits: np.ndarray) -> int:
+        grammar, chain = self._grammar, self._chain
+        candidates = grammar.shared.candidates
+        if chain is None:
+            token = int(logits.argmax())
+        else:
+            candidates.fill(logits)
+            llama.llama_sampler_apply(chain, candidates.pointer)
+            token = candidates.selected()
+        if not grammar.allows(token):
+            token = self._resample(logits)
+            if self.failure is not None:
+                return token
+        try:
+            grammar.accept(token)
+        except GrammarTooComplex as exc:
+            self.failure = str(exc)
+            return token
+        if chain is not None:
+            llama.llama_sampler_accept(chain, token)
+        self.grammar_complete = grammar.complete()
+        return token
+
+    def _resample(self, logits: np.ndarray) -> int:
+        """The token when the grammar refused the chain's: for greedy, the best of the next
+        GREEDY_SCAN tokens the grammar allows, one check each; else (or when none of those
+        settles it) the whole vocabulary masked and the chain run again."""
+        grammar, chain = self._grammar, self._chain
+        candidates = grammar.shared.candidates
+        if self._greedy:
+            # The chain's logits, after bias and penalties, are still in the buffer in id order.
+            scores = logits if chain is None else candidates.logits()
+            token = _best_allowed(scores, grammar)
+            if token is not None:
+                return token
+        candidates.fill(logits)
+        grammar.mask(candidates)  # the chain cannot bring back a token set to -inf
+        if chain is None:
+            token = candidates.first_maximum()
+        else:
+            llama.llama_sampler_apply(chain, candidates.pointer)
+            token = candidates.selected()
+        if not grammar.allows(token):  # it refuses every token the bias leaves
+            self.failure = "the grammar allows none of the tokens the request may produce"
+        return token
+
     @property
     def plain_greedy(self) -> bool:
         """Whether the token is the logits' argmax and nothing else (no state to update)."""
-        return self._chain is None
+        return self._chain is None and self._grammar is None
 
     def close(self) -> None:
         if self._chain is not None:
             llama.llama_sampler_free(self._chain)
             self._chain = None
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
 
 
 def sample_rows(samplers: list[Sampler], batch_indices: list[int], logits: np.ndarray) -> list[int]:
@@ -72,13 +154,9 @@ def sample_rows(samplers: list[Sampler], batch_indices: list[int], logits: np.nd
     return tokens
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    return (
-        params.greedy
-        and not params.logit_bias
-        and not params.grammar
-        and not _has_penalties(params)
-    )
+def _is_argmax(params: SamplingParams) -> bool:
+    """Whether the chain would pick the logits' argmax (before any grammar)."""
+    return params.greedy and not params.logit_bias and not _has_penalties(params)
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -108,18 +186,9 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
-    if _is_plain_greedy(params):
-        return Sampler(None, ctx)
-
-    grammar = None
-    if params.grammar:
-        problem = grammar_problem(params.grammar)
-        if problem:
-            raise InvalidSampling(problem)
-        # Parsed first: a bad grammar is refused before anything else is allocated.
-        grammar = llama.llama_sampler_init_grammar(vocab, params.grammar.encode(), b"root")
-        if not grammar:
-            raise InvalidSampling("the grammar does not parse as GBNF with a `root` rule")
+    grammar = _grammar(params.grammar, vocab, n_vocab) if params.grammar else None
+    if _is_argmax(params):
+        return Sampler(None, ctx, grammar)
 
     stages: list[llama.llama_sampler_p] = []
     if params.logit_bias:
@@ -130,9 +199,6 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     if _has_penalties(params):
         last_n = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
         stages.append(_penalties(n_vocab, last_n, params))
-    if grammar:
-        # Before the truncating samplers, so top-k and friends choose among valid tokens.
-        stages.append(grammar)
     if params.greedy:
         stages.append(llama.llama_sampler_init_greedy())
     else:
@@ -151,4 +217,37 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     chain = llama.llama_sampler_chain_init(chain_params)
     for stage in stages:
         llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
-    return Sampler(chain, ctx)
+    return Sampler(chain, ctx, grammar, greedy=params.greedy)
+
+
+def _best_allowed(scores: np.ndarray, grammar: GrammarState) -> int | None:
+    """The first maximum of `scores` among the tokens the grammar allows, when one of the
+    GREEDY_SCAN best is allowed and scores strictly more than the rest; else None.
+
+    The same token as masking every refused token and taking the first maximum: the best
+    tokens are checked by score, then id, and one scoring more than the GREEDY_SCAN-th best
+    beats every token left out (a tie with those might hide a lower id: None).
+    """
+    k = min(GREEDY_SCAN, len(scores))
+    top = np.argpartition(scores, -k)[-k:]
+    values = scores[top]
+    floor = values.min()
+    for i in np.lexsort((top, -values)):
+        if values[i] <= floor:
+            return None
+        token = int(top[i])
+        if grammar.allows(token):
+            return token
+    return None
+
+
+def _grammar(text: str, vocab, n_vocab: int) -> GrammarState:
+    """The request's grammar, parsed first: a bad one is refused before anything else is
+    allocated."""
+    problem = grammar_problem(text) or grammar_shape_problem(text)
+    if problem:
+        raise InvalidSampling(problem)
+    sampler = llama.llama_sampler_init_grammar(vocab, text.encode(), b"root")
+    if not sampler:
+        raise InvalidSampling("the grammar does not parse as GBNF with a `root` rule")
+    return GrammarState(sampler, grammar_vocab(vocab, n_vocab))

@@ -28,6 +28,7 @@ from loomserve.worker.ipc_lock import EndpointInUse, claim_endpoint
 from loomserve.worker.loop import TickLoop
 from loomserve.worker.metrics import WorkerMetrics
 from loomserve.worker.strategies import load_strategy
+from loomserve.worker.watchdog import Watchdog, exit_now
 
 log = structlog.get_logger(__name__)
 
@@ -124,8 +125,17 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         io.ready = False
         loop.stop()
 
+    def on_stuck(why: str) -> None:
+        # From the watchdog's thread: the main thread is stuck in the tick and cannot help.
+        io.ready = False
+        io.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, why))
+        time.sleep(DEAD_NOTICE_SECONDS)
+        exit_now(EXIT_ENGINE_DEAD)
+
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     io.start(loop)
+    watchdog = Watchdog(loop, config.tick_watchdog, config.shutdown_timeout, on_stuck)
+    watchdog.start()
     log.info(
         "worker listening",
         bind=io.endpoint,
@@ -143,6 +153,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             # has read these gives its requests the vaguer "connection closed".
             time.sleep(DEAD_NOTICE_SECONDS)
     finally:
+        watchdog.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         io.close()
