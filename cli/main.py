@@ -439,7 +439,7 @@ def gateway(
     """Run one HTTP gateway alone."""
     from loomserve.cli.logs import configure_logging
     from loomserve.cli.supervisor import reuse_port_socket
-    from loomserve.gateway.server import run_gateway
+    from loomserve.gateway.http.server import run_gateway
 
     configure_logging(level=log_level, json=log_json)
     try:

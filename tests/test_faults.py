@@ -23,7 +23,7 @@ import httpx
 import pytest
 import zmq
 
-from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.protocol import (
     PROTOCOL_VERSION,
     Accepted,

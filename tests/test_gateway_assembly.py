@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from loomserve.gateway.assembly import Done, PromptScores, TextAssembly, TokenLogprob
-from loomserve.gateway.client import RequestHandle
-from loomserve.gateway.errors import worker_error
-from loomserve.gateway.request import GenerationRequest, Prompt
-from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, Usage
-from loomserve.gateway.worker_errors import (
+from loomserve.gateway.api.errors import worker_error
+from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from loomserve.gateway.generate.assembly import Done, PromptScores, TextAssembly, TokenLogprob
+from loomserve.gateway.request.generation_request import GenerationRequest, Prompt
+from loomserve.gateway.workers.client import RequestHandle
+from loomserve.gateway.workers.errors import (
     WorkerBadOutput,
     WorkerFailed,
     WorkerLost,

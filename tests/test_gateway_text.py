@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 from llama_cpp import llama_vocab_get_text
 
-from loomserve.gateway.chat_template import (
+from loomserve.gateway.api.errors import APIError
+from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
+from loomserve.gateway.request.params import max_new_tokens, sampling_params, stop_strings
+from loomserve.gateway.text.chat_template import (
     CHATML_TEMPLATE,
     BuiltinChatTemplate,
     ChatTemplate,
@@ -16,12 +19,9 @@ from loomserve.gateway.chat_template import (
     builtin_templates,
     choose_template,
 )
-from loomserve.gateway.errors import APIError
-from loomserve.gateway.params import max_new_tokens, sampling_params, stop_strings
-from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from loomserve.gateway.stop import StopMatcher
-from loomserve.gateway.tokenizer import IncrementalDetokenizer, Vocab
-from loomserve.gateway.tool_template import TemplateTools
+from loomserve.gateway.text.stop import StopMatcher
+from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Vocab
+from loomserve.gateway.tools.template import TemplateTools
 
 
 @pytest.fixture(scope="module")

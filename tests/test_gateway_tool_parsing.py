@@ -8,18 +8,18 @@ from typing import Any
 
 import pytest
 
-from loomserve.gateway.chat_template import CHATML_TEMPLATE, ChatTemplate
-from loomserve.gateway.tokenizer import Vocab
-from loomserve.gateway.tool_format import GENERIC, HERMES, JSON, LLAMA3, MISTRAL, ToolFormat
-from loomserve.gateway.tool_grammar import ToolGrammarError, tool_grammar
-from loomserve.gateway.tool_parser import (
+from loomserve.gateway.text.chat_template import CHATML_TEMPLATE, ChatTemplate
+from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.tools.format import GENERIC, HERMES, JSON, LLAMA3, MISTRAL, ToolFormat
+from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
+from loomserve.gateway.tools.parser import (
     ArgumentsDelta,
     CallStart,
     ContentDelta,
     ToolCallParser,
     parse_reply,
 )
-from loomserve.gateway.tool_template import TemplateTools
+from loomserve.gateway.tools.template import TemplateTools
 
 
 def streamed(fmt: ToolFormat, text: str, max_calls: int | None = None, step: int = 1):

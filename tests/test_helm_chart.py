@@ -19,7 +19,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions, latest_version
 
-from loomserve.gateway.app import _open_routes
+from loomserve.gateway.http.app import _open_routes
 from tests.test_compose import envvars, parse
 
 CHART = Path(__file__).resolve().parent.parent / "deploy/helm/loomserve"

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from loomserve.gateway.errors import APIError
-from loomserve.gateway.grammar import MAX_SCHEMA_DEPTH, MAX_SCHEMA_REPEAT, schema_problem
-from loomserve.gateway.params import MAX_STOP_CHARS, stop_strings
+from loomserve.gateway.api.errors import APIError
+from loomserve.gateway.request.params import MAX_STOP_CHARS, stop_strings
+from loomserve.gateway.text.grammar import MAX_SCHEMA_DEPTH, MAX_SCHEMA_REPEAT, schema_problem
 from loomserve.protocol import Rejected, SamplingParams
 from loomserve.protocol.limits import (
     MAX_GRAMMAR_BYTES,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loomserve.gateway.routing import PREFIX_BLOCK_TOKENS
+from loomserve.gateway.workers.routing import PREFIX_BLOCK_TOKENS
 from tests.procs import Proc, Samples, free_port, scrape_metrics, start_gateway, start_worker
 from tests.tiny_model import ModelShape, write_tiny_model
 

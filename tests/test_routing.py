@@ -13,8 +13,8 @@ import pytest
 
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.endpoints import expand, needs_resolving, split_tcp, tcp_endpoint
-from loomserve.gateway.pool import WorkerPool
-from loomserve.gateway.routing import (
+from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.gateway.workers.routing import (
     AFFINITY_SLACK,
     PREFIX_BLOCK_TOKENS,
     PrefixAffinity,

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.protocol import (
     PROTOCOL_VERSION,
     Accepted,

@@ -49,7 +49,7 @@ def dealer(
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.SNDHWM, hwm)
     if curve is not None:
-        from loomserve.gateway.curve import set_curve_client
+        from loomserve.gateway.workers.curve import set_curve_client
 
         set_curve_client(sock, *curve)
     sock.connect(endpoint)

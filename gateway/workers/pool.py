@@ -27,22 +27,27 @@ from dataclasses import dataclass
 import structlog
 import zmq.asyncio
 
-from loomserve.gateway.client import RequestHandle, WorkerClient, gateway_identity, stop_tasks
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.endpoints import expand, needs_resolving
 from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.routing import (
+from loomserve.gateway.workers.client import (
+    RequestHandle,
+    WorkerClient,
+    gateway_identity,
+    stop_tasks,
+)
+from loomserve.gateway.workers.errors import (
+    WorkerClientError,
+    WorkerLost,
+    WorkerRejected,
+    WorkerUnavailable,
+)
+from loomserve.gateway.workers.routing import (
     Choice,
     PrefixAffinity,
     WorkerLoad,
     choose_worker,
     prefix_key,
-)
-from loomserve.gateway.worker_errors import (
-    WorkerClientError,
-    WorkerLost,
-    WorkerRejected,
-    WorkerUnavailable,
 )
 from loomserve.protocol.messages import (
     Embed,

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from loomserve.gateway import prompts
-from loomserve.gateway.errors import invalid_request
-from loomserve.gateway.pool import WorkerPool
-from loomserve.gateway.schemas import EmbeddingRequest
-from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.api.errors import invalid_request
+from loomserve.gateway.api.schemas import EmbeddingRequest
+from loomserve.gateway.request import prompts
+from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.workers.pool import WorkerPool
 from loomserve.protocol import Embed
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
 

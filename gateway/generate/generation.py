@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loomserve.gateway.assembly import (
+from loomserve.gateway.generate.assembly import (
     Done,
     PromptScores,
     TextAssembly,
     TextDelta,
     finish_failure,
 )
-from loomserve.gateway.client import RequestHandle, WorkerClient
 from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.pool import WorkerPool
-from loomserve.gateway.request import GenerationRequest
-from loomserve.gateway.tokenizer import Pieces
-from loomserve.gateway.worker_errors import WorkerClientError, WorkerLost
+from loomserve.gateway.request.generation_request import GenerationRequest
+from loomserve.gateway.text.tokenizer import Pieces
+from loomserve.gateway.workers.client import RequestHandle, WorkerClient
+from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
+from loomserve.gateway.workers.pool import WorkerPool
 from loomserve.protocol.messages import Finish, TokenChunk
 
 log = structlog.get_logger(__name__)

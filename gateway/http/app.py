@@ -15,31 +15,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from loomserve.gateway import prompts
-from loomserve.gateway.chat_template import Renderer, choose_template
-from loomserve.gateway.config import DEFAULT_TENANT, GatewayConfig
-from loomserve.gateway.drain import Drain
-from loomserve.gateway.embeddings import create_embeddings
-from loomserve.gateway.errors import APIError, install_handlers, invalid_request, unavailable
-from loomserve.gateway.group import GenerationGroup
-from loomserve.gateway.json_route import OffLoopJSONRoute
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.middleware import AccessMiddleware, BodyLimitMiddleware
-from loomserve.gateway.params import (
-    COMPLETION_DEFAULT_MAX_TOKENS,
-    MAX_CHOICES,
-    max_new_tokens,
-    reject_unsupported,
-    request_priority,
-    sampling_params,
-    score_only,
-    stop_strings,
-    user_tenant,
-)
-from loomserve.gateway.pool import WorkerPool
-from loomserve.gateway.render import StreamChunks, response_body
-from loomserve.gateway.request import ApiBody, GenerationRequest, Prompt
-from loomserve.gateway.schemas import (
+from loomserve.gateway.api.errors import APIError, install_handlers, invalid_request, unavailable
+from loomserve.gateway.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -55,10 +32,38 @@ from loomserve.gateway.schemas import (
     TokenizeResponse,
     TokenPiece,
 )
-from loomserve.gateway.streaming import EventStreamResponse, collect, event_stream, until_disconnect
-from loomserve.gateway.tokenizer import Pieces, Vocab
-from loomserve.gateway.tool_template import TemplateTools
-from loomserve.gateway.tools import MarkerPieces, tool_request
+from loomserve.gateway.config import DEFAULT_TENANT, GatewayConfig
+from loomserve.gateway.generate.group import GenerationGroup
+from loomserve.gateway.generate.render import StreamChunks, response_body
+from loomserve.gateway.generate.streaming import (
+    EventStreamResponse,
+    collect,
+    event_stream,
+    until_disconnect,
+)
+from loomserve.gateway.http.drain import Drain
+from loomserve.gateway.http.embeddings import create_embeddings
+from loomserve.gateway.http.json_route import OffLoopJSONRoute
+from loomserve.gateway.http.middleware import AccessMiddleware, BodyLimitMiddleware
+from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.request import prompts
+from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
+from loomserve.gateway.request.params import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
+    max_new_tokens,
+    reject_unsupported,
+    request_priority,
+    sampling_params,
+    score_only,
+    stop_strings,
+    user_tenant,
+)
+from loomserve.gateway.text.chat_template import Renderer, choose_template
+from loomserve.gateway.text.tokenizer import Pieces, Vocab
+from loomserve.gateway.tools.checks import MarkerPieces, tool_request
+from loomserve.gateway.tools.template import TemplateTools
+from loomserve.gateway.workers.pool import WorkerPool
 from loomserve.protocol.messages import ModelInfo
 
 log = structlog.get_logger(__name__)

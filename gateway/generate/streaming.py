@@ -17,11 +17,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loomserve.gateway.assembly import Done, PromptScores, TextDelta, TokenLogprob
-from loomserve.gateway.errors import worker_error
-from loomserve.gateway.group import GenerationGroup
-from loomserve.gateway.render import DONE_EVENT, StreamChunks, error_event
-from loomserve.gateway.worker_errors import WorkerClientError
+from loomserve.gateway.api.errors import worker_error
+from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
+from loomserve.gateway.generate.group import GenerationGroup
+from loomserve.gateway.generate.render import DONE_EVENT, StreamChunks, error_event
+from loomserve.gateway.workers.errors import WorkerClientError
 
 log = structlog.get_logger(__name__)
 

@@ -11,11 +11,11 @@ import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from loomserve.gateway.chat_template import ChatTemplateError, Renderer
-from loomserve.gateway.errors import invalid_request
-from loomserve.gateway.schemas import ChatMessage, ToolCall
-from loomserve.gateway.tokenizer import Vocab
-from loomserve.gateway.tool_template import TemplateTools
+from loomserve.gateway.api.errors import invalid_request
+from loomserve.gateway.api.schemas import ChatMessage, ToolCall
+from loomserve.gateway.text.chat_template import ChatTemplateError, Renderer
+from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.tools.template import TemplateTools
 
 OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
 T = TypeVar("T")

@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator, Iterable
 
 import structlog
 
-from loomserve.gateway.assembly import Done, PromptScores, TextDelta
-from loomserve.gateway.generation import Generation
+from loomserve.gateway.api.schemas import Usage
+from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta
+from loomserve.gateway.generate.generation import Generation
 from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.pool import WorkerPool
-from loomserve.gateway.request import GenerationRequest
-from loomserve.gateway.schemas import Usage
-from loomserve.gateway.tokenizer import Pieces
-from loomserve.gateway.worker_errors import WorkerClientError
+from loomserve.gateway.request.generation_request import GenerationRequest
+from loomserve.gateway.text.tokenizer import Pieces
+from loomserve.gateway.workers.errors import WorkerClientError
+from loomserve.gateway.workers.pool import WorkerPool
 
 log = structlog.get_logger(__name__)
 

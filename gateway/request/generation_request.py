@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from loomserve.gateway.tool_parser import ToolCallParser
-from loomserve.gateway.tools import ToolRequest
+from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
+from loomserve.gateway.tools.checks import ToolRequest
+from loomserve.gateway.tools.parser import ToolCallParser
 from loomserve.protocol.messages import Generate, SamplingParams
 
 ApiBody = CompletionRequest | ChatCompletionRequest

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomserve.gateway.tool_format import ToolFormat
+from loomserve.gateway.tools.format import ToolFormat
 
 # The head of a call written name first; the arguments' JSON starts right after it.
 _CALL_HEAD = re.compile(

@@ -6,10 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomserve.gateway.assembly import Done, PromptScores, TextDelta, TokenLogprob
-from loomserve.gateway.errors import APIError
-from loomserve.gateway.request import GenerationRequest
-from loomserve.gateway.schemas import (
+from loomserve.gateway.api.errors import APIError
+from loomserve.gateway.api.schemas import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -23,7 +21,9 @@ from loomserve.gateway.schemas import (
     TopLogprob,
     Usage,
 )
-from loomserve.gateway.tool_parser import (
+from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
+from loomserve.gateway.request.generation_request import GenerationRequest
+from loomserve.gateway.tools.parser import (
     ArgumentsDelta,
     CallStart,
     ContentDelta,

@@ -12,12 +12,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from loomserve.gateway.errors import invalid_request
-from loomserve.gateway.schemas import ChatCompletionRequest, NamedToolChoice
-from loomserve.gateway.tokenizer import Pieces, Vocab
-from loomserve.gateway.tool_format import ToolFormat
-from loomserve.gateway.tool_grammar import ToolGrammarError, tool_grammar
-from loomserve.gateway.tool_parser import ToolCallParser
+from loomserve.gateway.api.errors import invalid_request
+from loomserve.gateway.api.schemas import ChatCompletionRequest, NamedToolChoice
+from loomserve.gateway.text.tokenizer import Pieces, Vocab
+from loomserve.gateway.tools.format import ToolFormat
+from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
+from loomserve.gateway.tools.parser import ToolCallParser
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 

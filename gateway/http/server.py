@@ -15,13 +15,13 @@ import llama_cpp  # noqa: F401
 import structlog
 import uvicorn
 
-from loomserve.gateway.app import create_app
 from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.drain import Drain
-from loomserve.gateway.http_protocol import HeaderTimeoutProtocol
+from loomserve.gateway.http.app import create_app
+from loomserve.gateway.http.drain import Drain
+from loomserve.gateway.http.http_protocol import HeaderTimeoutProtocol
 from loomserve.gateway.metrics import GatewayMetrics, mark_dead
-from loomserve.gateway.pool import WorkerPool
-from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.workers.pool import WorkerPool
 
 log = structlog.get_logger(__name__)
 

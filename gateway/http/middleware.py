@@ -10,7 +10,7 @@ import uuid
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loomserve.gateway.errors import APIError, invalid_request
+from loomserve.gateway.api.errors import APIError, invalid_request
 from loomserve.gateway.metrics import GatewayMetrics
 
 log = structlog.get_logger(__name__)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loomserve.gateway.schemas import Usage
-from loomserve.gateway.stop import StopMatcher
-from loomserve.gateway.tokenizer import IncrementalDetokenizer, Pieces
-from loomserve.gateway.worker_errors import WorkerBadOutput, WorkerFailed, WorkerLost
+from loomserve.gateway.api.schemas import Usage
+from loomserve.gateway.text.stop import StopMatcher
+from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Pieces
+from loomserve.gateway.workers.errors import WorkerBadOutput, WorkerFailed, WorkerLost
 from loomserve.protocol.messages import (
     Finish,
     FinishReason,

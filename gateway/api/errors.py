@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loomserve.gateway.worker_errors import (
+from loomserve.gateway.workers.errors import (
     WorkerBadOutput,
     WorkerClientError,
     WorkerFailed,

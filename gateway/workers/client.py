@@ -26,9 +26,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.curve import set_curve_client
 from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.worker_errors import (
+from loomserve.gateway.workers.curve import set_curve_client
+from loomserve.gateway.workers.errors import (
     WorkerClientError,
     WorkerLost,
     WorkerRejected,

@@ -13,8 +13,8 @@ from typing import Any
 
 from llama_cpp.llama_grammar import SchemaConverter
 
-from loomserve.gateway.grammar import schema_problem
-from loomserve.gateway.tool_format import ToolFormat
+from loomserve.gateway.text.grammar import schema_problem
+from loomserve.gateway.tools.format import ToolFormat
 
 # A character of a JSON string: anything but a quote, a backslash or a control character,
 # or an escape.

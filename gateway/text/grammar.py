@@ -14,9 +14,9 @@ from typing import Any
 
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from loomserve.gateway.errors import invalid_request
-from loomserve.gateway.schemas import GenerationFields
-from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.api.errors import invalid_request
+from loomserve.gateway.api.schemas import GenerationFields
+from loomserve.gateway.text.tokenizer import Vocab
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 64

@@ -10,10 +10,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from loomserve.gateway.errors import APIError, invalid_request
-from loomserve.gateway.grammar import request_grammar
-from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
-from loomserve.gateway.tokenizer import Vocab
+from loomserve.gateway.api.errors import APIError, invalid_request
+from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from loomserve.gateway.text.grammar import request_grammar
+from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.protocol.limits import MAX_LOGIT_BIAS
 from loomserve.protocol.messages import (
     MAX_TENANT_CHARS,

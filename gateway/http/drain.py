@@ -12,8 +12,8 @@ import time
 
 import structlog
 
-from loomserve.gateway.group import GenerationGroup
-from loomserve.gateway.worker_errors import WorkerLost
+from loomserve.gateway.generate.group import GenerationGroup
+from loomserve.gateway.workers.errors import WorkerLost
 
 log = structlog.get_logger(__name__)
 
