@@ -27,7 +27,7 @@ from loomserve.cli.main import build_gateway_config, main
 from loomserve.gateway.config import unnamed_key_tenant
 from tests.procs import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cli", "gateway", "protocol", "worker")
 # Client conventions kept on purpose: the benchmark reads the key every OpenAI client reads.
 FOREIGN_ENVVARS = {("bench", "api_key"): "OPENAI_API_KEY"}

@@ -14,8 +14,8 @@ import pytest
 
 from loomserve.cli import serve as serving
 from loomserve.cli.main import main
+from tests.cli.test_cli import ROOT, children_of, clean_env, role
 from tests.procs import free_port
-from tests.test_cli import ROOT, children_of, clean_env, role
 
 
 def plan(**overrides: object) -> serving.ServePlan:

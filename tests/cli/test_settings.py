@@ -18,7 +18,7 @@ from loomserve.cli.main import default_of, main
 from loomserve.gateway.config import GatewayConfig
 from loomserve.worker.config import WorkerConfig
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 # Fields set from something other than an option of the same name.
 WORKER_DERIVED = {"model_path": "model"}

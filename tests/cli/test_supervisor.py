@@ -1,7 +1,7 @@
 """The supervisor on plain Python children: restarts, crash loops, stop order, SIGKILL, orphans.
 
 Most children are stand-ins on purpose: what is under test is process handling, not serving
-(tests/test_cli.py runs `serve` on the real worker and gateways). The last test kills the real
+(tests/cli/test_cli.py runs `serve` on the real worker and gateways). The last test kills the real
 worker under `serve` again and again.
 """
 
@@ -22,8 +22,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from loomserve.cli.supervisor import MAX_QUICK_EXITS, ChildSpec, Supervisor, describe_returncode
+from tests.cli.test_cli import ROOT, Served, children_of, clean_env, role, wait_until
 from tests.procs import free_port
-from tests.test_cli import ROOT, Served, children_of, clean_env, role, wait_until
 
 
 def python_child(name: str, code: str, workdir: Path, stop_stage: int = 0) -> ChildSpec:
@@ -171,7 +171,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         from loomserve.cli.supervisor import ChildSpec, Supervisor
         code = "import os, time; open('child.pid', 'w').write(str(os.getpid())); time.sleep(60)"
         Supervisor([ChildSpec("sleeper", [sys.executable, "-c", code], dict(os.environ))]).run()

@@ -31,7 +31,7 @@ import yaml
 from loomserve.cli.main import main
 from tests.procs import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 MONITORING = {name for name, s in SERVICES.items() if "monitoring" in s.get("profiles", [])}

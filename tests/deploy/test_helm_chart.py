@@ -20,9 +20,9 @@ import yaml
 from kubernetes_validate.utils import all_versions, latest_version
 
 from loomserve.gateway.http.app import _open_routes
-from tests.test_compose import envvars, parse
+from tests.deploy.test_compose import envvars, parse
 
-CHART = Path(__file__).resolve().parent.parent / "deploy/helm/loomserve"
+CHART = Path(__file__).resolve().parents[2] / "deploy/helm/loomserve"
 KUBERNETES = sorted({min(all_versions(), key=lambda v: tuple(map(int, v.split(".")))),
                      latest_version()})  # fmt: skip
 RELEASE, NAMESPACE = "loomserve", "serving"

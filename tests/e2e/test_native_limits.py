@@ -29,7 +29,7 @@ from loomserve.protocol.limits import (
 )
 from loomserve.worker.sampling import InvalidSampling, build_sampler
 from tests.procs import Proc, start_gateway, start_worker
-from tests.test_worker_server import Gateway, greedy
+from tests.worker.test_server import Gateway, greedy
 
 NESTED = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000  # 40 KB, the grammar
 

@@ -1,6 +1,6 @@
 """Tool calls through the clients users run, LangChain and litellm, on the tiny model.
 
-The same server as test_gateway_tools.py (generic format, the grammar forcing the call);
+The same server as test_tools.py (generic format, the grammar forcing the call);
 each client must turn the reply into its own tool-call objects, in the declared schema.
 """
 
@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.e2e.test_tools import ASCII_ONLY, MESSAGES, TOOLS, WEATHER
 from tests.procs import Proc, start_gateway, start_worker
-from tests.test_gateway_tools import ASCII_ONLY, MESSAGES, TOOLS, WEATHER
 
 # litellm would fetch its model price list from the internet at import.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")

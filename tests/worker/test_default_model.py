@@ -20,8 +20,8 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.loop import TickLoop
 from tests.procs import start_worker
-from tests.test_worker_engine import Collector, drain, run_alone, run_staggered
-from tests.test_worker_server import Gateway
+from tests.worker.test_engine import Collector, drain, run_alone, run_staggered
+from tests.worker.test_server import Gateway
 
 pytestmark = pytest.mark.default_model
 

@@ -14,7 +14,7 @@ from loomserve.worker.preemption import choose_victim
 from loomserve.worker.queueing import WaitingQueue
 from loomserve.worker.scheduler import Request, Scheduler, Slot
 from loomserve.worker.strategies import SlotPhase
-from tests.test_worker_engine import GW, drain, new_loop
+from tests.worker.test_engine import GW, drain, new_loop
 
 # --- the scheduler's decisions, without a model -------------------------------------------
 
