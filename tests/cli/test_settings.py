@@ -1,8 +1,9 @@
-"""Settings are declared once, on the config dataclasses; the command line and README follow.
+"""Settings are declared once, on the config dataclasses; the command line and docs follow.
 
 The click options take their defaults from WorkerConfig and GatewayConfig (cli.main.default_of),
-every field can be set from the command line, and the README's option tables list every
-option with the same default. A new setting that misses one of the three fails here.
+every field can be set from the command line, and docs/options.md's tables, generated from the
+click options (`python -m loomserve.cli.docgen`), are up to date and list every option with the
+same default. A new setting that misses one of these fails here.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 import click
 import pytest
 
+from loomserve.cli import docgen
 from loomserve.cli.main import default_of, main
 from loomserve.gateway.config import GatewayConfig
 from loomserve.worker.config import WorkerConfig
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+OPTIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 
 # Fields set from something other than an option of the same name.
 WORKER_DERIVED = {"model_path": "model"}
@@ -64,9 +66,15 @@ def test_serve_takes_every_worker_and_gateway_option() -> None:
         assert not missing, f"serve lacks {command_name} options {missing}"
 
 
-def readme_option_rows() -> dict[str, str]:
-    """`--flag` → the Default cell of its row, from the README's Command line tables."""
-    section = README[README.index("## Command line") : README.index("## Batching strategies")]
+def test_the_option_tables_are_generated_from_the_click_options() -> None:
+    current = OPTIONS_MD.read_text()
+    assert docgen.regenerate(current) == current, "run: python -m loomserve.cli.docgen"
+
+
+def documented_option_rows() -> dict[str, str]:
+    """`--flag` → the Default cell of its row, from docs/options.md's tables of the servers."""
+    text = OPTIONS_MD.read_text()
+    section = text[: text.index("## `loomserve bench`")]
     rows = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -81,7 +89,7 @@ def readme_option_rows() -> dict[str, str]:
 
 
 def rendered(default: object) -> str | None:
-    """How the README writes a default; None where it uses words ("none", "the model's")."""
+    """How the tables write a default; None where it uses words ("none", "the model's")."""
     if isinstance(default, bool):
         return "on" if default else "off"
     if (
@@ -98,13 +106,13 @@ def rendered(default: object) -> str | None:
 
 
 @pytest.mark.parametrize("command_name", ["worker", "gateway", "serve"])
-def test_the_readme_lists_every_option_with_its_default(command_name: str) -> None:
-    rows = readme_option_rows()
+def test_the_docs_list_every_option_with_its_default(command_name: str) -> None:
+    rows = documented_option_rows()
     for option in options_of(command_name).values():
         if option.name in ("log_level", "log_json"):  # described in prose below the tables
             continue
         flag = next(o for o in option.opts if o.startswith("--"))
-        assert flag in rows, f"README's option tables lack {flag}"
+        assert flag in rows, f"docs/options.md lacks {flag}"
         expected = rendered(option.default)
         if expected is not None:
-            assert rows[flag] == expected, f"README gives {flag} default {rows[flag]!r}"
+            assert rows[flag] == expected, f"docs/options.md gives {flag} default {rows[flag]!r}"
