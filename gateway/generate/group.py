@@ -52,7 +52,7 @@ class GenerationGroup:
     @classmethod
     async def start(
         cls,
-        client: WorkerPool,
+        pool: WorkerPool,
         vocab: Pieces,
         request: GenerationRequest,
         metrics: GatewayMetrics | None,
@@ -62,11 +62,11 @@ class GenerationGroup:
         started: list[Generation] = []
         try:
             firsts = range(0, request.n_choices, n)
-            started += await _start_all(client, vocab, request, firsts, metrics)
+            started += await _start_all(pool, vocab, request, firsts, metrics)
             if n > 1:
                 await asyncio.gather(*(g.first_output() for g in started))
                 copies = (i for i in range(request.n_choices) if i % n)
-                started += await _start_all(client, vocab, request, copies, metrics)
+                started += await _start_all(pool, vocab, request, copies, metrics)
         except BaseException:
             for generation in started:
                 generation.close()
@@ -164,7 +164,7 @@ class GenerationGroup:
 
 
 async def _start_all(
-    client: WorkerPool,
+    pool: WorkerPool,
     vocab: Pieces,
     request: GenerationRequest,
     indices: Iterable[int],
@@ -172,7 +172,7 @@ async def _start_all(
 ) -> list[Generation]:
     """Submit these choices at once; all taken, or the first refusal raised (none kept)."""
     results = await asyncio.gather(
-        *(Generation.start(client, vocab, request, i, metrics) for i in indices),
+        *(Generation.start(pool, vocab, request, i, metrics) for i in indices),
         return_exceptions=True,
     )
     started = [r for r in results if isinstance(r, Generation)]

@@ -94,21 +94,21 @@ class Gateway:
     template: Renderer
     template_tools: TemplateTools  # what the template renders of tools; the call syntax
     tool_pieces: Pieces  # the vocabulary's pieces, with control-token call markers as text
-    client: WorkerPool  # every worker; it looks like one that is ready while any is
+    pool: WorkerPool  # every worker; it looks like one that is ready while any is
     metrics: GatewayMetrics
     started_at: int
     drain: Drain = field(default_factory=Drain)  # SIGTERM: stop admitting, finish, exit
 
     def worker_info(self) -> ModelInfo:
         """The worker's ModelInfo when it can take requests; 503 otherwise."""
-        reason = self.client.unavailable_reason()
-        if reason or self.client.info is None:
+        reason = self.pool.unavailable_reason()
+        if reason or self.pool.info is None:
             raise unavailable(reason or "not connected to the worker")
-        return self.client.info
+        return self.pool.info
 
 
 def create_app(
-    config: GatewayConfig, vocab: Vocab, client: WorkerPool, metrics: GatewayMetrics
+    config: GatewayConfig, vocab: Vocab, pool: WorkerPool, metrics: GatewayMetrics
 ) -> FastAPI:
     """The ASGI app; its lifespan connects the WorkerPool to the workers."""
     own = vocab.chat_template
@@ -127,21 +127,21 @@ def create_app(
     tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
     log.debug("chat template", tool_format=template_tools.format.name)
     gateway = Gateway(
-        config, vocab, template, template_tools, tool_pieces, client, metrics, int(time.time())
+        config, vocab, template, template_tools, tool_pieces, pool, metrics, int(time.time())
     )
     metrics.model_info.labels(model_name=config.served_model_name).set(1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await client.start()
+        await pool.start()
         # Several gateways may share one port: do not take connections (and answer them
         # 503) before a worker has answered, unless they are slow to come.
-        if not await client.wait_for_worker(config.worker_timeout):
+        if not await pool.wait_for_worker(config.worker_timeout):
             log.warning("no answer from the worker yet; answering 503 until it comes")
         try:
             yield
         finally:
-            await client.close()
+            await pool.close()
 
     app = FastAPI(
         title="loomserve gateway",
@@ -207,19 +207,19 @@ def _open_routes(gateway: Gateway) -> APIRouter:
         The slot counts are those of every worker in rotation, summed.
         503 also while the gateway drains on its way down.
         """
-        reason = gateway.client.unavailable_reason()
+        reason = gateway.pool.unavailable_reason()
         if gateway.drain.draining:
             reason = "the gateway is shutting down"
         if reason:
             return unavailable(reason).response()
-        beat = gateway.client.heartbeat
-        ready, known = gateway.client.counts()
+        load = gateway.pool.load
+        ready, known = gateway.pool.counts()
         body: dict[str, Any] = {"status": "ok", "workers_ready": ready, "workers": known}
-        if beat is not None:
+        if load is not None:
             body |= {
-                "slots_idle": beat.free_slots,
-                "slots_processing": beat.running,
-                "queue_depth": beat.queue_depth,
+                "slots_idle": load.free_slots,
+                "slots_processing": load.running,
+                "queue_depth": load.queue_depth,
             }
         return JSONResponse(body)
 
@@ -245,7 +245,7 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     vocab = gateway.vocab
 
     def model_card() -> ModelCard:
-        info = gateway.client.info
+        info = gateway.pool.info
         return ModelCard(
             id=gateway.config.served_model_name,
             created=gateway.started_at,
@@ -278,7 +278,7 @@ def _api_routes(gateway: Gateway) -> APIRouter:
         """Embeddings of the inputs: for a model with a pooling head, or with `--embeddings`."""
         _check_model(gateway, body.model)
         name = gateway.config.served_model_name
-        work = create_embeddings(gateway.client, body, vocab, name)
+        work = create_embeddings(gateway.pool, body, vocab, name)
         result = await until_disconnect(http, work)
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -337,7 +337,7 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
         max_tokens=[p.params.max_tokens for p in request.prompts],
     )
     pieces = gateway.tool_pieces if request.tools else gateway.vocab
-    group = await GenerationGroup.start(gateway.client, pieces, request, gateway.metrics)
+    group = await GenerationGroup.start(gateway.pool, pieces, request, gateway.metrics)
     drain.track(group)
 
     def close() -> None:
@@ -418,7 +418,7 @@ async def _prepare(
         own = dataclasses.replace(params, max_tokens=limit)
         request_prompts.append(Prompt(tokens=tokens, params=own, text=text))
     response_id = f"{id_prefix}-{request_id}"
-    if gateway.client.in_use(response_id) or gateway.client.in_use(f"{response_id}-0"):
+    if gateway.pool.in_use(response_id) or gateway.pool.in_use(f"{response_id}-0"):
         raise APIError(
             409,
             f"a request with X-Request-Id {request_id!r} is still running",

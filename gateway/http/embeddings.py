@@ -51,11 +51,11 @@ async def embed_request(body: EmbeddingRequest, vocab: Vocab) -> Embed:
 
 
 async def create_embeddings(
-    client: WorkerPool, body: EmbeddingRequest, vocab: Vocab, model: str
+    pool: WorkerPool, body: EmbeddingRequest, vocab: Vocab, model: str
 ) -> dict[str, Any]:
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)
-    reply = await client.embed(embed)
+    reply = await pool.embed(embed)
     vectors = np.frombuffer(reply.vectors, dtype="<f4").reshape(len(embed.inputs), reply.size)
     data = []
     for index, vector in enumerate(vectors):

@@ -54,7 +54,6 @@ from loomserve.protocol.messages import (
     Embeddings,
     ErrorCode,
     Generate,
-    Heartbeat,
     ModelInfo,
 )
 
@@ -65,6 +64,15 @@ WATCH_SECONDS = 0.25  # how often rotation changes are logged and the metrics re
 MAX_WORKERS_PER_REQUEST = 2  # the first worker, and one other when the first fails it
 # Refusals another worker may not share; the others (prompt too long...) any worker repeats.
 RETRYABLE_REJECTIONS = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NOT_READY})
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLoad:
+    """Slots and queue of one worker (from its heartbeat) or of every ready worker, summed."""
+
+    queue_depth: int
+    free_slots: int
+    running: int
 
 
 @dataclass(slots=True)
@@ -169,21 +177,18 @@ class WorkerPool:
         return min(infos, key=lambda info: info.slot_context) if infos else None
 
     @property
-    def heartbeat(self) -> Heartbeat | None:
-        """The ready workers' latest heartbeats, summed; None while none is ready.
+    def load(self) -> SlotLoad | None:
+        """The ready workers' latest loads, summed; None while none is ready.
 
         A worker that answered Hello but has not heartbeated yet counts as idle, as in routing.
         """
-        beats = [_latest_load(client) for client in self.in_rotation() if client.info]
-        if not beats:
+        loads = [_latest_load(client) for client in self.in_rotation() if client.info]
+        if not loads:
             return None
-        return Heartbeat(
-            sent_at=max(beat.sent_at for beat in beats),
-            ping_sent_at=0.0,
-            ready=True,
-            queue_depth=sum(beat.queue_depth for beat in beats),
-            free_slots=sum(beat.free_slots for beat in beats),
-            running=sum(beat.running for beat in beats),
+        return SlotLoad(
+            queue_depth=sum(load.queue_depth for load in loads),
+            free_slots=sum(load.free_slots for load in loads),
+            running=sum(load.running for load in loads),
         )
 
     # --- requests ------------------------------------------------------------------
@@ -252,13 +257,13 @@ class WorkerPool:
                 continue
             if client.unavailable_reason() is not None:
                 continue
-            beat = _latest_load(client)
+            load = _latest_load(client)
             loads.append(
                 WorkerLoad(
                     endpoint,
                     client.info.slots,
-                    beat.free_slots,
-                    beat.queue_depth,
+                    load.free_slots,
+                    load.queue_depth,
                     client.pending_requests,
                     client.open_requests,
                 )
@@ -382,10 +387,10 @@ class WorkerPool:
                 self.metrics.worker_requests_in_flight.labels(endpoint).set(client.open_requests)
 
 
-def _latest_load(client: WorkerClient) -> Heartbeat:
-    """The client's latest heartbeat, or an idle one from its ModelInfo before the first."""
-    if client.heartbeat is not None:
-        return client.heartbeat
+def _latest_load(client: WorkerClient) -> SlotLoad:
+    """The load of the client's latest heartbeat, or idle from its ModelInfo before the first."""
+    beat = client.heartbeat
+    if beat is not None:
+        return SlotLoad(beat.queue_depth, beat.free_slots, beat.running)
     assert client.info is not None
-    slots = client.info.slots
-    return Heartbeat(0.0, 0.0, ready=True, queue_depth=0, free_slots=slots, running=0)
+    return SlotLoad(queue_depth=0, free_slots=client.info.slots, running=0)

@@ -179,7 +179,7 @@ def test_a_pool_without_any_address_says_why() -> None:
         pool = WorkerPool(config, 100, "fingerprint", resolver=resolver)
         await pool.resolve()
         reason = pool.unavailable_reason()
-        assert pool.info is None and pool.heartbeat is None
+        assert pool.info is None and pool.load is None
         await pool.close()
         return reason
 
