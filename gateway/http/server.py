@@ -40,7 +40,7 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
         log.info(
             "gateway starting",
             listen=listen,
-            workers=list(config.workers),
+            workers=list(config.worker_endpoints),
             model=config.served_model_name,
             gateway_id=pool.identity,
             auth=bool(config.api_keys),

@@ -125,7 +125,7 @@ class WorkerClient:
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.config = config
-        self.endpoint = endpoint or config.workers[0]  # one worker's address
+        self.endpoint = endpoint or config.worker_endpoints[0]  # one worker's address
         self.identity = identity or gateway_identity()
         self.vocab_size = vocab_size
         self.vocab_fingerprint = vocab_fingerprint

@@ -115,7 +115,7 @@ class WorkerPool:
         """Resolve the endpoints, connect to every worker, start watching them."""
         await self.resolve()
         self._tasks = [asyncio.create_task(self._watch_loop(), name="workers-watch")]
-        if any(needs_resolving(endpoint) for endpoint in self.config.workers):
+        if any(needs_resolving(endpoint) for endpoint in self.config.worker_endpoints):
             self._tasks.append(asyncio.create_task(self._resolve_loop(), name="workers-resolve"))
 
     async def wait_for_worker(self, timeout: float) -> bool:
@@ -293,7 +293,7 @@ class WorkerPool:
 
     async def resolve(self) -> None:
         """Look the endpoints up again and connect to new addresses, retire vanished ones."""
-        for endpoint in self.config.workers:
+        for endpoint in self.config.worker_endpoints:
             try:
                 addresses = await asyncio.to_thread(self._resolver, endpoint)
             except OSError as exc:
@@ -312,7 +312,9 @@ class WorkerPool:
             if addresses != self._resolved.get(endpoint) and addresses != [endpoint]:
                 log.info("worker endpoint resolved", endpoint=endpoint, workers=addresses)
             self._resolved[endpoint] = addresses
-        wanted = dict.fromkeys(a for e in self.config.workers for a in self._resolved.get(e, []))
+        wanted = dict.fromkeys(
+            a for e in self.config.worker_endpoints for a in self._resolved.get(e, [])
+        )
         await self._sync(list(wanted))
 
     async def _sync(self, wanted: list[str]) -> None:

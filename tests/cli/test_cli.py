@@ -145,7 +145,7 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
     )
     gateway_params = parse("gateway", [])
     gateway = build_gateway_config(gateway_params.pop("worker_endpoint"), **gateway_params)
-    assert gateway.workers == ("tcp://10.0.0.7:5555", "tcp://workers:5555")
+    assert gateway.worker_endpoints == ("tcp://10.0.0.7:5555", "tcp://workers:5555")
     assert set(gateway.api_keys) == {"first", "second"}
     # Keys without a name are tenants of their own, named by a hash, never by the key.
     assert gateway.api_keys["first"] == unnamed_key_tenant("first") != "first"

@@ -26,7 +26,7 @@ OPTIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 WORKER_DERIVED = {"model_path": "model"}
 GATEWAY_DERIVED = {
     "model_path": "model",
-    "workers": "worker_endpoint",
+    "worker_endpoints": "worker_endpoint",
     "model_name": "served_model_name",
     "api_keys": "api_key",
 }

@@ -105,9 +105,9 @@ def test_endpoints_that_stand_for_themselves() -> None:
         with pytest.raises(ValueError):
             split_tcp(bad)
     with pytest.raises(ValueError):
-        GatewayConfig(model_path=Path("m.gguf"), workers=("tcp://no-port",))
+        GatewayConfig(model_path=Path("m.gguf"), worker_endpoints=("tcp://no-port",))
     with pytest.raises(ValueError):
-        GatewayConfig(model_path=Path("m.gguf"), workers=())
+        GatewayConfig(model_path=Path("m.gguf"), worker_endpoints=())
 
 
 def test_a_name_means_every_address_it_resolves_to() -> None:
@@ -133,7 +133,7 @@ def test_the_pool_follows_the_resolved_addresses() -> None:
         return answer
 
     config = GatewayConfig(
-        model_path=Path("m.gguf"), workers=("tcp://workers:5555", "tcp://10.9.0.9:5555")
+        model_path=Path("m.gguf"), worker_endpoints=("tcp://workers:5555", "tcp://10.9.0.9:5555")
     )
 
     async def scenario() -> None:
@@ -170,7 +170,7 @@ def test_the_pool_follows_the_resolved_addresses() -> None:
 
 
 def test_a_pool_without_any_address_says_why() -> None:
-    config = GatewayConfig(model_path=Path("m.gguf"), workers=("tcp://gone.invalid:5555",))
+    config = GatewayConfig(model_path=Path("m.gguf"), worker_endpoints=("tcp://gone.invalid:5555",))
 
     def resolver(endpoint: str) -> list[str]:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
