@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loomserve.gateway.endpoints import split_tcp
+from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
 
-DEFAULT_TENANT = "default"  # requests with neither a named API key nor a `user`
 _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 
 

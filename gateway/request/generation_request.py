@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from loomserve.gateway.tools.checks import ToolRequest
 from loomserve.gateway.tools.parser import ToolCallParser
-from loomserve.protocol.messages import Generate, SamplingParams
+from loomserve.protocol.messages import DEFAULT_TENANT, Generate, SamplingParams
 
 ApiBody = CompletionRequest | ChatCompletionRequest
 
@@ -48,7 +48,7 @@ class GenerationRequest:
     # the worker generates one token all the same, which the gateway drops.
     score_only: bool = False
     priority: int = 0  # lower is served first when the worker schedules by priority
-    tenant: str = ""  # the API key's name, else the body's `user`; "" for the shared tenant
+    tenant: str = DEFAULT_TENANT  # the API key's name, else the body's `user`
 
     def tool_parser(self) -> ToolCallParser | None:
         """A parser for the reply's tool calls, when the request has tools."""

@@ -28,6 +28,7 @@ from loomserve.protocol import (
     encode,
 )
 from loomserve.protocol.codec import TooLong, request_id_of
+from loomserve.protocol.messages import DEFAULT_TENANT
 
 EVERY_MESSAGE = [
     Hello(gateway_id="gw-1"),
@@ -181,7 +182,10 @@ EVERY_MESSAGE_FRAMES = {type(m).__name__: encode(m) for m in EVERY_MESSAGE}
 
 def test_generate_bounds_priority_and_tenant():
     params = SamplingParams()
-    assert Generate("r", [1], params).priority == 0 and Generate("r", [1], params).tenant == ""
+    assert (
+        Generate("r", [1], params).priority == 0
+        and Generate("r", [1], params).tenant == DEFAULT_TENANT
+    )
     with pytest.raises(ValueError):
         Generate("r", [1], params, priority=2**31)
     with pytest.raises(ValueError):
