@@ -98,9 +98,6 @@ JSON = ToolFormat(
     parallel=False,
 )
 
-FORMATS = {f.name: f for f in (HERMES, GENERIC, MISTRAL, LLAMA3, JSON)}
-
-
 def detect(template_source: str, renders_tools: bool) -> ToolFormat:
     """The format a template's model uses, from markers in the template's own text."""
     if "<tool_call>" in template_source:

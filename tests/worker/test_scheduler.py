@@ -119,7 +119,7 @@ def test_a_prompt_goes_to_the_slot_caching_its_longest_prefix():
     scheduler.enqueue(request("d", [1, 2, 3, 4, 8, 8]))
     (admission,) = scheduler.admit(tick=2, now=0.0)
     assert admission.slot is slot_a and admission.reused == 4
-    assert admission.request.prefix_hit_tokens == 4 and admission.slot.n_in_cache == 4
+    assert admission.request.cached_tokens == 4 and admission.slot.n_in_cache == 4
 
 
 @pytest.mark.parametrize(("min_copy_tokens", "copied"), [(1, True), (4, True), (5, False)])
@@ -240,7 +240,7 @@ def test_a_prompt_scored_for_its_logprobs_is_evaluated_whole_with_logits_on_all(
     (admission,) = scheduler.admit(tick=4, now=0.0)
     # Its cached prefix would have no logits: none reused, and the other cache is kept.
     assert admission.reused == 0 and admission.source is None
-    assert admission.slot is slot_a and admission.request.prefix_hit_tokens == 0
+    assert admission.slot is slot_a and admission.request.cached_tokens == 0
     step = scheduler.schedule(budget=64, chunk_size=4)
     assert [(r.tokens, r.start, r.sample, r.score) for r in step.runs] == [
         ([1, 2, 3, 4], 0, False, True)

@@ -171,7 +171,7 @@ def test_with_a_stream_per_slot_a_prefix_away_from_busy_slots_is_copied_beside_t
     a, b, _ = admit(scheduler, request("a", shared), request("b", [7]), request("c", [8]))
     end(scheduler, a, b, tick=1)  # slot 0 keeps a's prompt; only slot 2 is busy
     (d,) = admit(scheduler, request("d", [*shared, 9]), tick=2)
-    assert d.index in (1, 3) and d.request.prefix_hit_tokens == len(shared)
+    assert d.index in (1, 3) and d.request.cached_tokens == len(shared)
     assert scheduler.slots[0].request is None  # the cache was copied, not taken over
 
 
