@@ -98,6 +98,7 @@ JSON = ToolFormat(
     parallel=False,
 )
 
+
 def detect(template_source: str, renders_tools: bool) -> ToolFormat:
     """The format a template's model uses, from markers in the template's own text."""
     if "<tool_call>" in template_source:
