@@ -8,7 +8,6 @@ from typing import Any
 
 from loomserve.gateway.api.errors import APIError
 from loomserve.gateway.api.schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
@@ -16,21 +15,13 @@ from loomserve.gateway.api.schemas import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
-    FunctionCall,
-    ToolCall,
     TopLogprob,
     Usage,
 )
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
 from loomserve.gateway.request.generation_request import GenerationRequest
-from loomserve.gateway.tools.parser import (
-    ArgumentsDelta,
-    CallStart,
-    ContentDelta,
-    ToolCallParser,
-    ToolEvent,
-    parse_reply,
-)
+from loomserve.gateway.tools.parser import ContentDelta, ToolCallParser, ToolEvent
+from loomserve.gateway.tools.replies import assistant_message, tool_call_delta
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -194,7 +185,7 @@ def response_body(
     if request.chat:
         chat_choices = []
         for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):
-            message, reason = _assistant_message(request, text, done.finish_reason)
+            message, reason = assistant_message(request.tools, text, done.finish_reason)
             chat_choices.append(
                 ChatChoice(
                     index=i,
@@ -217,28 +208,3 @@ def response_body(
             )
         )
     return Completion(**head, choices=choices, usage=usage)
-
-
-def _assistant_message(
-    request: GenerationRequest, text: str, reason: str
-) -> tuple[AssistantMessage, Any]:
-    """The reply as content and tool calls; finish_reason `tool_calls` when it made some."""
-    tools = request.tools
-    if tools is None:
-        return AssistantMessage(content=text), reason
-    content, parsed = parse_reply(tools.format, text, tools.max_calls)
-    if not parsed:
-        return AssistantMessage(content=content), reason
-    calls = [
-        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed
-    ]
-    message = AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
-    return message, "tool_calls" if reason == "stop" else reason
-
-
-def tool_call_delta(event: CallStart | ArgumentsDelta) -> dict[str, Any]:
-    """One tool-call delta as OpenAI streams it: id, type and name first, then arguments."""
-    if isinstance(event, CallStart):
-        function = {"name": event.name, "arguments": ""}
-        return {"index": event.index, "id": event.id, "type": "function", "function": function}
-    return {"index": event.index, "function": {"arguments": event.text}}
