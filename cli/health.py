@@ -11,7 +11,7 @@ from pathlib import Path
 
 import zmq
 
-from loomserve.gateway.curve import set_curve_client
+from loomserve.gateway.workers.curve import set_curve_client
 from loomserve.protocol.codec import DecodeError, decode, encode
 from loomserve.protocol.messages import Heartbeat, Ping
 

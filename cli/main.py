@@ -343,7 +343,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         template = Path(template).read_text()
     return GatewayConfig(
         model_path=resolve_model(opts["model"]),
-        workers=(workers,) if isinstance(workers, str) else tuple(workers),
+        worker_endpoints=(workers,) if isinstance(workers, str) else tuple(workers),
         host=opts["host"],
         port=opts["port"],
         model_name=opts["served_model_name"],
@@ -426,7 +426,7 @@ def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     "--worker",
     "worker_endpoint",
     multiple=True,
-    default=default_of(GatewayConfig, "workers"),
+    default=default_of(GatewayConfig, "worker_endpoints"),
     help="ZeroMQ endpoint of a worker (repeatable; space-separated in the variable). "
     "tcp://NAME:PORT means every address NAME resolves to, looked up again every few seconds.",
 )
@@ -446,7 +446,7 @@ def gateway(
     """Run one HTTP gateway alone."""
     from loomserve.cli.logs import configure_logging
     from loomserve.cli.supervisor import reuse_port_socket
-    from loomserve.gateway.server import run_gateway
+    from loomserve.gateway.http.server import run_gateway
 
     configure_logging(level=log_level, json=log_json)
     try:

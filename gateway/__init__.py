@@ -1,23 +1,22 @@
 """Stateless OpenAI-compatible HTTP gateways that forward requests to workers over ZeroMQ.
 
-A request's path, one module a step:
+Subpackages by job, each importing only those below it (pyproject's import contracts):
 
-    app.py         the route checks the body (params.py, prompts.py) into a GenerationRequest
-    request.py     GenerationRequest: id, body, prompts with their SamplingParams, n, stops
-    group.py       GenerationGroup.start submits each choice, as one, then merges their output
-    generation.py  Generation: one choice, a worker sequence submitted through pool.py
-    pool.py        WorkerPool: one client per worker (endpoints.py resolves them); routing.py
-                   picks the worker: most headroom, or the one that served the prompt's prefix
-    client.py      WorkerClient: one worker's DEALER socket, routing replies to each RequestHandle
-    assembly.py    TextAssembly: tokens to text, stop strings, finish reason, usage (pure)
-    streaming.py   deliver as server-sent events or as one body, watching for disconnects
-    render.py      the OpenAI response bodies and stream chunks
+    http/      the edge: app.py's routes, middleware, server.py, draining, /v1/embeddings
+    translate/ /v1/responses and /v1/messages, translated into the chat path and back
+    generate/  group.py submits each choice (generation.py) and merges their output;
+               assembly.py turns tokens into text; render.py shapes OpenAI's bodies and
+               chunks; streaming.py delivers them as one body or server-sent events
+    request/   params.py and prompts.py check a body into a GenerationRequest
+               (generation_request.py): prompts with their SamplingParams, n, stops
+    tools/     tool calls: checks.py, the call formats (format.py), rendering through the
+               chat template (template.py), the grammar of a required call, the parser
+    text/      tokenizer, chat templates, JSON-schema grammars, stop strings
+    api/       OpenAI's request and response bodies (schemas.py) and error shape (errors.py)
+    workers/   WorkerPool (pool.py) picks a worker (routing.py); WorkerClient (client.py)
+               owns one worker's DEALER socket; CURVE keys; the transport errors (errors.py)
+    config.py, metrics.py, endpoints.py: settings, Prometheus metrics, worker addresses
 
-Tool calls (chat with `tools`): tools.py checks them and builds the grammar a required call
-needs (tool_grammar.py), tool_template.py renders them through the chat template, and
-render.py hands the text to tool_parser.py for `tool_calls`. /v1/embeddings takes a shorter
-path: embeddings.py sends one Embed through client.py and shapes the vectors it gets back.
-
-What goes wrong with the worker is raised as a worker_errors.py exception; errors.py alone
-turns it into an HTTP status.
+What goes wrong with the worker is raised as a workers/errors.py exception; api/errors.py
+alone turns it into an HTTP status.
 """

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loomserve.gateway.endpoints import split_tcp
+from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
 
-DEFAULT_TENANT = "default"  # requests with neither a named API key nor a `user`
 _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 
 
@@ -32,7 +32,7 @@ class GatewayConfig:
 
     model_path: Path  # the gateway loads the vocabulary only, to own the text
     # The workers' ROUTER endpoints; a tcp:// host name stands for each address it resolves to.
-    workers: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
+    worker_endpoints: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str | None = None  # served name in /v1/models; default: the file's stem
@@ -52,9 +52,9 @@ class GatewayConfig:
     body_timeout: float = 60.0  # and its body within this after them, or 408
 
     def __post_init__(self) -> None:
-        if not self.workers:
+        if not self.worker_endpoints:
             raise ValueError("at least one worker endpoint is needed")
-        for endpoint in self.workers:
+        for endpoint in self.worker_endpoints:
             split_tcp(endpoint)  # a malformed tcp:// endpoint fails here, not at connect time
         if self.heartbeat_interval <= 0 or self.worker_timeout <= 0:
             raise ValueError("heartbeat_interval and worker_timeout must be positive")

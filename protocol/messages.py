@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# The tenant of requests with neither a named API key nor a `user`: one name, on both sides.
+DEFAULT_TENANT = "default"
+
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
 # and tenant
 PROTOCOL_VERSION = 6
@@ -117,7 +120,7 @@ class Generate:
     prompt_tokens: list[int]
     params: SamplingParams
     priority: int = 0  # lower is served first when the worker schedules by priority
-    tenant: str = ""  # who it is for, for fair shares; "" is the shared default tenant
+    tenant: str = DEFAULT_TENANT  # who it is for, for fair shares
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:

@@ -1,6 +1,6 @@
 """Test-only fault injection: make the tick loop's forward pass raise.
 
-The fault tests (tests/test_faults.py) start a worker with LOOMSERVE_TEST_FAIL_DECODE set:
+The fault tests (tests/e2e/test_faults.py) start a worker with LOOMSERVE_TEST_FAIL_DECODE set:
 `once` makes the first forward pass raise, `every` makes every one raise. It exists to test
 how the worker fails; never set it on a server.
 """

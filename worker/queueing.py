@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-DEFAULT_TENANT = "default"
+from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
 
 
 class Policy(StrEnum):

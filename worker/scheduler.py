@@ -58,7 +58,7 @@ class Request:
     sampler: object = None  # the engine's sampler chain, built at acceptance
     admitted_at: float = 0.0
     first_token_at: float = 0.0
-    prefix_hit_tokens: int = 0  # prompt tokens whose KV was reused from an earlier request
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (Finish.cached_tokens, usage)
     completion_tokens: int = 0
     priority: int = 0  # lower is served first under the priority policy
     tenant: str = DEFAULT_TENANT
@@ -208,7 +208,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Scheduler:
-    """Slots plus a bounded FIFO of requests waiting for one, and each request's life in them."""
+    """Slots plus a bounded queue of requests waiting for one, and each request's life in them.
+
+    The queue (queueing.py) is per-tenant priority heaps: arrival order under fcfs.
+    """
 
     def __init__(
         self,
@@ -347,7 +350,7 @@ class Scheduler:
         _set_phase(slot)
         if not request.admitted_at:  # its first admission: the queue time and cache hits
             request.admitted_at = now
-            request.prefix_hit_tokens = reused
+            request.cached_tokens = reused
         self._slot_of[request.key] = slot
         self.waiting.started(request.tenant)
         return Admission(slot, request, reused, source if reused else None, restore)
@@ -358,7 +361,7 @@ class Scheduler:
         slot = admission.slot
         slot.n_in_cache = 0
         if admission.request.resume_tokens is None:
-            admission.request.prefix_hit_tokens = 0
+            admission.request.cached_tokens = 0
         _set_phase(slot)
 
     # --- preemption ---------------------------------------------------------------------
@@ -638,7 +641,7 @@ class Scheduler:
             reason=reason.value,
             prompt_tokens=len(request.prompt),
             completion_tokens=request.completion_tokens,
-            cached_tokens=request.prefix_hit_tokens,
+            cached_tokens=request.cached_tokens,
             queue_seconds=started - request.arrived_at,
             message=message,
         )

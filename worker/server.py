@@ -12,7 +12,7 @@ import time
 # one that imported llama_cpp first loaded fine (issue 10.1). pyzmq's wheel bundles libzmq,
 # linked to the system's libstdc++ and libgcc_s: loaded first, those are the copies the whole
 # process keeps, whatever llama.cpp's CUDA libraries were built against (the likely clash; not
-# yet confirmed on a GPU). tests/test_import_order.py fails if this order regresses.
+# yet confirmed on a GPU). tests/e2e/test_import_order.py fails if this order regresses.
 import llama_cpp  # first, see above
 import structlog
 import zmq

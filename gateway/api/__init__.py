@@ -1,0 +1,1 @@
+"""The OpenAI API shapes: request and response bodies, and errors in OpenAI's shape."""

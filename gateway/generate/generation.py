@@ -1,0 +1,215 @@
+"""One sequence running in the worker (one choice of a request): its output as text deltas
+and a Done, and its metrics.
+
+The text itself is TextAssembly's job (assembly.py); this is the thin async loop around it
+that reads the worker's messages, cancels the sequence when a stop string matched or the
+client left, and records what the sequence cost. group.py runs the choices of a request.
+When its worker is lost before the first token, the sequence is sent once more, to another
+worker (the client has seen nothing of it yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from loomserve.gateway.generate.assembly import (
+    Done,
+    PromptScores,
+    TextAssembly,
+    TextDelta,
+    finish_failure,
+)
+from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.request.generation_request import GenerationRequest
+from loomserve.gateway.text.tokenizer import Pieces
+from loomserve.gateway.workers.client import RequestHandle, WorkerClient
+from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
+from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.protocol.messages import Finish, TokenChunk
+
+log = structlog.get_logger(__name__)
+
+# After a stop string matched, how long to wait for the worker's Finish (for its usage).
+FINISH_GRACE_SECONDS = 2.0
+
+
+@dataclass(slots=True)
+class Generation:
+    """A sequence the worker accepted; iterate `events()` once, and `close()` when done."""
+
+    request: GenerationRequest
+    index: int  # the choice this sequence is
+    handle: RequestHandle
+    client: WorkerClient  # the worker running it now
+    pool: WorkerPool
+    tried: set[str]  # the workers it was sent to
+    assembly: TextAssembly
+    metrics: GatewayMetrics | None
+    finished: bool = False
+    cut_short: bool = False  # cancelled in the worker while it ran: nobody read it to the end
+    _first_token_at: float | None = field(default=None, init=False)
+    _last_token_at: float = field(default=0.0, init=False)
+    _pending: list[TokenChunk | Finish] = field(default_factory=list, init=False)
+
+    @classmethod
+    async def start(
+        cls,
+        pool: WorkerPool,
+        vocab: Pieces,
+        request: GenerationRequest,
+        index: int,
+        metrics: GatewayMetrics | None,
+    ) -> Generation:
+        """Submit choice `index`; raises the client's errors if no worker takes it."""
+        deadline = request.arrived_at + pool.config.request_timeout
+        generate = request.to_worker(index)
+        tried: set[str] = set()
+        client, handle = await pool.submit(generate, deadline, tried)
+        scored = generate.params.prompt_logprobs is not None
+        assembly = TextAssembly(
+            vocab,
+            request.text_matcher(),
+            len(generate.prompt_tokens),
+            scored_prompt=generate.prompt_tokens if scored else None,
+            score_only=request.score_only,
+        )
+        return cls(request, index, handle, client, pool, tried, assembly, metrics)
+
+    async def first_output(self) -> bool:
+        """Wait for the worker's first output (the prompt is then in its cache); True then.
+
+        Raises the request's error when it ends before any output, so that a request the
+        worker fails or drops (queued, then cancelled) gets its own HTTP status, not a 200.
+        """
+        if not self._pending:
+            self._pending = await self.handle.next_events()
+        first = self._pending[0]
+        failure = finish_failure(first) if isinstance(first, Finish) else None
+        if failure is not None:  # it ended before any output: failed or dropped
+            raise failure
+        return True
+
+    async def events(self) -> AsyncIterator[PromptScores | TextDelta | Done]:
+        """The prompt's scores when it asked for them, text deltas, then one Done; raises
+        WorkerClientError if the worker fails or is lost."""
+        assembly = self.assembly
+        finish: Finish | None = None
+        try:
+            while finish is None and not assembly.stopped:
+                try:
+                    batch = self._pending or await self.handle.next_events()
+                except WorkerLost as lost:
+                    await self._resend(lost)
+                    continue
+                self._pending = []
+                self._observe_tokens(batch)
+                delta = TextDelta("")
+                for position, event in enumerate(batch):
+                    if isinstance(event, Finish):
+                        finish = event
+                        break
+                    if event.prompt_logprobs is not None:
+                        assembly.push_prompt(event.prompt_logprobs)
+                    before = assembly.generated
+                    delta.text += assembly.take(event)
+                    if event.logprobs:
+                        delta.logprobs += assembly.logprobs(event, assembly.generated - before)
+                    if assembly.stopped:
+                        later = batch[position + 1 :]
+                        finish = next((e for e in later if isinstance(e, Finish)), None)
+                        break
+                if scores := assembly.prompt_scores():
+                    yield scores
+                if delta.text or delta.logprobs:
+                    yield delta
+            if assembly.stopped:
+                finish = await self._cancel_after_stop(finish)
+            tail, done = assembly.done(finish)
+            if scores := assembly.prompt_scores(final=True):  # cut short before it was whole
+                yield scores
+            if tail:
+                yield TextDelta(tail)
+            self._record(done, finish)
+            yield done
+        finally:
+            self.close()
+
+    def interrupt(self, error: WorkerClientError) -> None:
+        """Make the reader's next wait raise this error (tokens already queued come first)."""
+        self.handle.events.put_nowait(error)
+
+    def close(self) -> None:
+        """End the sequence; if it still runs in the worker, cancel it there (`cut_short`)."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.client.is_open(self.handle):
+            self.client.cancel(self.handle)
+            self.cut_short = True
+
+    async def _resend(self, lost: WorkerLost) -> None:
+        """The worker was lost: before the first token, send the sequence to another worker.
+
+        Raises `lost` when tokens were already handed out or no other worker takes it.
+        """
+        if self._first_token_at is not None or self.finished:
+            raise lost
+        try:
+            client, handle = await self.pool.submit(
+                self.request.to_worker(self.index), self.handle.deadline, self.tried
+            )
+        except WorkerClientError:
+            raise lost from None
+        log.info(
+            "worker lost before the first token; sequence sent to another worker",
+            request_id=self.request.id,
+            worker=client.endpoint,
+        )
+        self.client, self.handle = client, handle
+
+    async def _cancel_after_stop(self, finish: Finish | None) -> Finish | None:
+        """A stop string matched: cancel in the worker, and wait briefly for its Finish."""
+        still_running = self.client.is_open(self.handle)
+        self.finished = True
+        if still_running:
+            self.client.cancel(self.handle)
+        if finish is not None or not still_running:
+            return finish
+        try:
+            async with asyncio.timeout(FINISH_GRACE_SECONDS):
+                while not isinstance(finish, Finish):
+                    finish = await self.handle.next_event()
+        except (TimeoutError, WorkerClientError):
+            self.client.forget(self.handle)
+            return None
+        return finish
+
+    def _record(self, done: Done, finish: Finish | None) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        if finish is not None:
+            m.request_queue_time.observe(finish.queue_seconds)
+        m.prompt_tokens.inc(done.usage.prompt_tokens)
+        m.generation_tokens.inc(done.usage.completion_tokens)
+        m.request_success.labels(done.finish_reason).inc()
+
+    def _observe_tokens(self, batch: list[TokenChunk | Finish]) -> None:
+        count = sum(len(e.token_ids) for e in batch if isinstance(e, TokenChunk))
+        if not count:  # a batch with only a Finish in it
+            return
+        now = time.monotonic()
+        m = self.metrics
+        if m is not None:
+            if self._first_token_at is None:
+                m.time_to_first_token.observe(now - self.request.arrived_at)
+            else:
+                m.inter_token_latency.observe((now - self._last_token_at) / count)
+        if self._first_token_at is None:
+            self._first_token_at = now
+        self._last_token_at = now

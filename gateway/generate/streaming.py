@@ -1,0 +1,116 @@
+"""Delivering a generation over HTTP: as server-sent events, or collected into one body.
+
+Either way the client's disconnect is watched, and the request is cancelled in the worker
+as soon as it is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import structlog
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from loomserve.gateway.api.errors import worker_error
+from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
+from loomserve.gateway.generate.group import GenerationGroup
+from loomserve.gateway.generate.render import DONE_EVENT, StreamChunks, error_event
+from loomserve.gateway.workers.errors import WorkerClientError
+
+log = structlog.get_logger(__name__)
+
+
+async def collect(
+    group: GenerationGroup,
+) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
+    """Each choice's whole text, Done and logprobs (the prompt's first, when it was scored),
+    in choice order, for a non-streaming request."""
+    n_choices = group.request.n_choices
+    parts: list[list[str]] = [[] for _ in range(n_choices)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n_choices)]
+    async for index, event in group.events():
+        if isinstance(event, TextDelta):
+            parts[index].append(event.text)
+            logprobs[index] += event.logprobs
+        elif isinstance(event, PromptScores):
+            logprobs[index] = event.logprobs + logprobs[index]
+    dones = [group.dones[i] for i in range(n_choices)]
+    return ["".join(p) for p in parts], dones, logprobs
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """The result of work, or None if the client disconnects first (work is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIterator[str]:
+    """The SSE events of a streaming request; a failure ends it with an error event."""
+    for index in range(group.request.n_choices):
+        opening = chunks.opening(index)
+        if opening:
+            yield opening
+    try:
+        async for index, event in group.events():
+            if isinstance(event, TextDelta):
+                if piece := chunks.text(index, event):  # "" while tool calls are parsed
+                    yield piece
+            elif isinstance(event, PromptScores):
+                yield chunks.echo(index, event)
+            else:
+                yield chunks.finish(index, event.finish_reason)
+        if chunks.request.include_usage:
+            yield chunks.usage(group.usage())
+        yield DONE_EVENT
+    except WorkerClientError as failure:
+        error = worker_error(failure)
+        log.warning("stream failed", status=error.status, error=error.message)
+        yield error_event(error)
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects, whatever the server.
+
+    Starlette only watches for the disconnect on ASGI spec < 2.4; here it is always watched,
+    and on_close runs however the stream ends, so the worker's slot is freed within a tick.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await _disconnected(receive)
+                group.cancel_scope.cancel()
+        finally:
+            self.on_close()

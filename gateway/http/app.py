@@ -1,0 +1,468 @@
+"""The gateway's HTTP API: OpenAI's completions, chat and models; llama-server's extras."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+from loomserve.gateway.api.errors import APIError, install_handlers, invalid_request, unavailable
+from loomserve.gateway.api.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingList,
+    EmbeddingRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenPiece,
+)
+from loomserve.gateway.config import DEFAULT_TENANT, GatewayConfig
+from loomserve.gateway.generate.group import GenerationGroup
+from loomserve.gateway.generate.render import StreamChunks, response_body
+from loomserve.gateway.generate.streaming import (
+    EventStreamResponse,
+    collect,
+    event_stream,
+    until_disconnect,
+)
+from loomserve.gateway.http.drain import Drain
+from loomserve.gateway.http.embeddings import create_embeddings
+from loomserve.gateway.http.json_route import OffLoopJSONRoute
+from loomserve.gateway.http.middleware import AccessMiddleware, BodyLimitMiddleware
+from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.request import prompts
+from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
+from loomserve.gateway.request.params import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
+    max_new_tokens,
+    reject_unsupported,
+    request_priority,
+    sampling_params,
+    score_only,
+    stop_strings,
+    user_tenant,
+)
+from loomserve.gateway.text.chat_template import Renderer, choose_template
+from loomserve.gateway.text.tokenizer import Pieces, Vocab
+from loomserve.gateway.tools.checks import MarkerPieces, tool_request
+from loomserve.gateway.tools.template import TemplateTools
+from loomserve.gateway.translate.messages import messages_router
+from loomserve.gateway.translate.responses import responses_router
+from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.protocol.messages import ModelInfo
+
+log = structlog.get_logger(__name__)
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [
+        (400, "Invalid request, or prompt too long for the context"),
+        (401, "Missing or invalid API key"),
+        (404, "Unknown model"),
+        (408, "The request's headers or body came too slowly"),
+        (413, "Request body too large"),
+        (500, "The engine failed the request"),
+        (502, "The worker's output for the request broke the protocol"),
+        (503, "Worker busy (queue full), unavailable, or the gateway shutting down; Retry-After"),
+        (504, "The request ran past the server's request timeout"),
+    ]
+}
+
+
+@dataclass(slots=True)
+class Gateway:
+    """What the routes share: settings, the vocabulary, the chat template, the workers."""
+
+    config: GatewayConfig
+    vocab: Vocab
+    template: Renderer
+    template_tools: TemplateTools  # what the template renders of tools; the call syntax
+    tool_pieces: Pieces  # the vocabulary's pieces, with control-token call markers as text
+    pool: WorkerPool  # every worker; it looks like one that is ready while any is
+    metrics: GatewayMetrics
+    started_at: int
+    drain: Drain = field(default_factory=Drain)  # SIGTERM: stop admitting, finish, exit
+
+    def worker_info(self) -> ModelInfo:
+        """The worker's ModelInfo when it can take requests; 503 otherwise."""
+        reason = self.pool.unavailable_reason()
+        if reason or self.pool.info is None:
+            raise unavailable(reason or "not connected to the worker")
+        return self.pool.info
+
+
+def create_app(
+    config: GatewayConfig, vocab: Vocab, pool: WorkerPool, metrics: GatewayMetrics
+) -> FastAPI:
+    """The ASGI app; its lifespan connects the WorkerPool to the workers."""
+    own = vocab.chat_template
+    chosen = choose_template(
+        config.chat_template, own, vocab.architecture, vocab.bos_text, vocab.eos_text
+    )
+    if chosen.fallback:
+        log.warning(
+            "the model ships no chat template; chats use a stand-in",
+            template=chosen.origin,
+            architecture=vocab.architecture or "unknown",
+            override="--chat-template (a llama.cpp built-in name, Jinja text or a file)",
+        )
+    template = chosen.renderer
+    template_tools = TemplateTools.probe(template)
+    tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
+    log.debug("chat template", tool_format=template_tools.format.name)
+    gateway = Gateway(
+        config, vocab, template, template_tools, tool_pieces, pool, metrics, int(time.time())
+    )
+    metrics.model_info.labels(model_name=config.served_model_name).set(1)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        # Several gateways may share one port: do not take connections (and answer them
+        # 503) before a worker has answered, unless they are slow to come.
+        if not await pool.wait_for_worker(config.worker_timeout):
+            log.warning("no answer from the worker yet; answering 503 until it comes")
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(
+        title="loomserve gateway",
+        summary="OpenAI-compatible completions over a continuous-batching llama.cpp worker.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    install_handlers(app)
+    app.include_router(_open_routes(gateway))
+    app.include_router(_api_routes(gateway), dependencies=[Depends(_api_key_checker(config))])
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout
+    )
+    app.add_middleware(AccessMiddleware, metrics=metrics)
+    if config.allowed_origins:
+        # Outermost, so that errors (401, 413) carry the headers too and a browser shows them.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+            max_age=600,
+        )
+    return app
+
+
+def _api_key_checker(config: GatewayConfig) -> Callable[[Request], None]:
+    keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
+
+    def check_api_key(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not token and "x-api-key" in request.headers:  # Anthropic's clients send it so
+            scheme, token = "bearer", request.headers["x-api-key"]
+        given = token.strip().encode()
+        # Every key is compared, so the time taken says nothing about which one matched.
+        matched = [tenant for key, tenant in keys if hmac.compare_digest(given, key)]
+        if scheme.lower() == "bearer" and matched:
+            request.state.tenant = matched[0]  # the key's tenant: fair shares, metrics
+        else:
+            raise APIError(
+                401,
+                "missing or invalid API key; send it as 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return check_api_key
+
+
+# --- open routes: probes and metrics --------------------------------------------
+
+
+def _open_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health", tags=["probes"], responses={503: ERROR_RESPONSES[503]})
+    async def health() -> JSONResponse:
+        """200 while a worker is connected, heartbeating and serves our vocabulary; else 503.
+
+        The slot counts are those of every worker in rotation, summed.
+        503 also while the gateway drains on its way down.
+        """
+        reason = gateway.pool.unavailable_reason()
+        if gateway.drain.draining:
+            reason = "the gateway is shutting down"
+        if reason:
+            return unavailable(reason).response()
+        load = gateway.pool.load
+        ready, known = gateway.pool.counts()
+        body: dict[str, Any] = {"status": "ok", "workers_ready": ready, "workers": known}
+        if load is not None:
+            body |= {
+                "slots_idle": load.free_slots,
+                "slots_processing": load.running,
+                "queue_depth": load.queue_depth,
+            }
+        return JSONResponse(body)
+
+    @router.get("/live", tags=["probes"])
+    async def live() -> dict[str, str]:
+        """200 whenever the gateway process runs."""
+        return {"status": "ok"}
+
+    @router.get("/metrics", tags=["probes"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics (of every gateway on this host in multiprocess mode)."""
+        content, content_type = gateway.metrics.render()
+        return Response(content, media_type=content_type)
+
+    return router
+
+
+# --- the API ----------------------------------------------------------------------
+
+
+def _api_routes(gateway: Gateway) -> APIRouter:
+    router = APIRouter(responses=ERROR_RESPONSES, route_class=OffLoopJSONRoute)
+    vocab = gateway.vocab
+
+    def model_card() -> ModelCard:
+        info = gateway.pool.info
+        return ModelCard(
+            id=gateway.config.served_model_name,
+            created=gateway.started_at,
+            max_model_len=info.slot_context if info is not None else None,
+        )
+
+    @router.get("/v1/models", tags=["openai"])
+    async def models() -> ModelList:
+        """The one model this server runs."""
+        return ModelList(data=[model_card()])
+
+    @router.get("/v1/models/{model:path}", tags=["openai"])
+    async def model(model: str) -> ModelCard:
+        """The model by its name; 404 for any other name."""
+        _check_model(gateway, model)
+        return model_card()
+
+    @router.post("/v1/completions", tags=["openai"], response_model=Completion)
+    async def completions(body: CompletionRequest, http: Request) -> Response:
+        """Text completion; streams server-sent events when `stream` is true."""
+        return await _generate(gateway, http, body)
+
+    @router.post("/v1/chat/completions", tags=["openai"], response_model=ChatCompletion)
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
+        """Chat completion through the model's chat template; streams when `stream` is true."""
+        return await _generate(gateway, http, body)
+
+    @router.post("/v1/embeddings", tags=["openai"], response_model=EmbeddingList)
+    async def embeddings(body: EmbeddingRequest, http: Request) -> Response:
+        """Embeddings of the inputs: for a model with a pooling head, or with `--embeddings`."""
+        _check_model(gateway, body.model)
+        name = gateway.config.served_model_name
+        work = create_embeddings(gateway.pool, body, vocab, name)
+        result = await until_disconnect(http, work)
+        if result is None:
+            return Response(status_code=499)  # nobody is listening any more
+        return JSONResponse(result)
+
+    @router.post("/tokenize", tags=["llama.cpp"])
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of `content` (with their pieces when `with_pieces`), as llama-server."""
+        tokens = await prompts.tokenize(vocab, body.content, body.add_special, body.parse_special)
+        if body.with_pieces:
+            pieces = await prompts.off_loop(len(tokens), lambda: [vocab.text_of(t) for t in tokens])
+            return TokenizeResponse(
+                tokens=[TokenPiece(id=t, piece=p) for t, p in zip(tokens, pieces, strict=True)]
+            )
+        return TokenizeResponse(tokens=tokens)
+
+    @router.post("/detokenize", tags=["llama.cpp"])
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of token ids, as llama-server."""
+        await prompts.off_loop(
+            len(body.tokens), lambda: prompts.check_token_ids(vocab, body.tokens, "tokens")
+        )
+        text = await prompts.off_loop(len(body.tokens), lambda: vocab.detokenize(body.tokens))
+        return DetokenizeResponse(content=text)
+
+    # The Responses and Messages APIs: translations at the edge into the chat path.
+    run = functools.partial(_generate, gateway)
+    count = functools.partial(_prompt_tokens, gateway)
+    name = gateway.config.served_model_name
+    for extra in (responses_router, messages_router):
+        router.include_router(
+            extra(run, count, name, responses=ERROR_RESPONSES, route_class=OffLoopJSONRoute)
+        )
+    return router
+
+
+async def _prompt_tokens(gateway: Gateway, body: ChatCompletionRequest) -> int:
+    """The prompt's token count of a chat request: template, tools and all."""
+    _check_model(gateway, body.model)
+    tools = tool_request(body, gateway.template_tools, gateway.vocab)
+    tokens = await prompts.chat_prompt(
+        gateway.vocab,
+        gateway.template,
+        body.messages,
+        gateway.template_tools,
+        tools.definitions if tools else None,
+    )
+    return len(tokens)
+
+
+def _check_model(gateway: Gateway, model: str | None) -> None:
+    name = gateway.config.served_model_name
+    if model is not None and model != name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server runs `{name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+# --- running a request ------------------------------------------------------------
+
+
+async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
+    """Check the request, run it in the worker, answer as one body or as a stream."""
+    drain = gateway.drain
+    if drain.draining:
+        raise _shutting_down()
+    request = await _prepare(
+        gateway, body, http.state.request_id, getattr(http.state, "tenant", None)
+    )
+    log.debug(
+        "request",
+        response_id=request.id,
+        choices=request.n_choices,
+        prompt_tokens=[len(p.tokens) for p in request.prompts],
+        max_tokens=[p.params.max_tokens for p in request.prompts],
+    )
+    pieces = gateway.tool_pieces if request.tools else gateway.vocab
+    group = await GenerationGroup.start(gateway.pool, pieces, request, gateway.metrics)
+    drain.track(group)
+
+    def close() -> None:
+        group.close()
+        drain.untrack(group)
+
+    if request.stream:
+        # The 200 goes out with the first output: an error before it gets its own status.
+        try:
+            waited = await until_disconnect(http, group.first_outputs())
+        except BaseException:
+            close()
+            raise
+        if not waited:  # the client left while it waited
+            close()
+            return Response(status_code=499)
+        chunks = StreamChunks(request)
+        return EventStreamResponse(event_stream(group, chunks), on_close=close)
+    try:
+        outcome = await until_disconnect(http, collect(group))
+    finally:
+        close()
+    if outcome is None:
+        return Response(status_code=499)  # nobody is listening any more
+    texts, dones, logprobs = outcome
+    body = response_body(request, texts, dones, logprobs, group.usage())
+    return JSONResponse(body.model_dump())
+
+
+def _shutting_down() -> APIError:
+    error = unavailable("the gateway is shutting down; retry the request", code="shutting_down")
+    error.headers = {**(error.headers or {}), "Connection": "close"}
+    return error
+
+
+async def _prepare(
+    gateway: Gateway, body: ApiBody, request_id: str, key_tenant: str | None = None
+) -> GenerationRequest:
+    """The GenerationRequest of a body; every 4xx the gateway can tell by itself comes here.
+
+    The tenant is the authorising API key's, else the body's `user`, else the shared one.
+    """
+    arrived = time.monotonic()
+    vocab = gateway.vocab
+    _check_model(gateway, body.model)
+    reject_unsupported(body)
+    stops = stop_strings(body.stop)
+    params = sampling_params(body, 1, vocab)
+    tools = None
+    if isinstance(body, ChatCompletionRequest):
+        tools = tool_request(body, gateway.template_tools, vocab)
+        if tools is not None and tools.grammar:
+            params.grammar = tools.grammar
+        tokens = await prompts.chat_prompt(
+            vocab,
+            gateway.template,
+            body.messages,
+            gateway.template_tools,
+            tools.definitions if tools else None,
+        )
+        texts = [(tokens, "")]
+        requested = body.max_completion_tokens
+        if requested is None:
+            requested = body.max_tokens
+        default, id_prefix = None, "chatcmpl"
+    else:
+        texts = await prompts.completion_prompts(vocab, body.prompt, bool(body.echo))
+        requested, default, id_prefix = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "cmpl"
+        if score_only(body):  # the worker generates at least one token: the gateway drops it
+            requested = 1
+    n = body.n or 1
+    if len(texts) * n > MAX_CHOICES:
+        raise invalid_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", "n")
+    info = gateway.worker_info()
+    request_prompts = []
+    for tokens, text in texts:
+        limit = max_new_tokens(requested, default, len(tokens), info.slot_context)
+        own = dataclasses.replace(params, max_tokens=limit)
+        request_prompts.append(Prompt(tokens=tokens, params=own, text=text))
+    response_id = f"{id_prefix}-{request_id}"
+    if gateway.pool.in_use(response_id) or gateway.pool.in_use(f"{response_id}-0"):
+        raise APIError(
+            409,
+            f"a request with X-Request-Id {request_id!r} is still running",
+            code="duplicate_request_id",
+        )
+    return GenerationRequest(
+        id=response_id,
+        body=body,
+        prompts=request_prompts,
+        n=n,
+        stops=stops,
+        model=gateway.config.served_model_name,
+        arrived_at=arrived,
+        created=int(time.time()),
+        tools=tools,
+        score_only=score_only(body),
+        priority=request_priority(body.priority),
+        tenant=key_tenant or user_tenant(body.user) or DEFAULT_TENANT,
+    )

@@ -1,0 +1,68 @@
+"""POST /v1/embeddings: inputs to token ids, one Embed to the worker, OpenAI's response.
+
+The worker computes the vectors in its embedding context (worker/embeddings.py) and sends
+them L2-normalized as float32; `encoding_format: base64` sends those bytes as they are, which
+is what the `openai` client asks for by default and decodes.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import Any
+
+import numpy as np
+
+from loomserve.gateway.api.errors import invalid_request
+from loomserve.gateway.api.schemas import EmbeddingRequest
+from loomserve.gateway.request import prompts
+from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.protocol import Embed
+from loomserve.protocol.messages import MAX_EMBED_INPUTS
+
+MAX_INPUTS = MAX_EMBED_INPUTS  # OpenAI's limit on inputs per request
+
+
+async def embed_request(body: EmbeddingRequest, vocab: Vocab) -> Embed:
+    """The Embed for a request's inputs; 400 for empty or bad ones."""
+    if body.dimensions is not None:
+        raise invalid_request("dimensions is not supported", "dimensions")
+    raw = body.input
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+        raw = [raw]
+    if not raw:
+        raise invalid_request("input must not be empty", "input")
+    if len(raw) > MAX_INPUTS:
+        raise invalid_request(f"at most {MAX_INPUTS} inputs per request", "input")
+    inputs: list[list[int]] = []
+    for item in raw:
+        if item == "":
+            raise invalid_request("an input is an empty string", "input")
+        if isinstance(item, str):
+            tokens = await prompts.tokenize(vocab, item, add_special=True, parse_special=False)
+        else:
+            prompts.check_token_ids(vocab, item, "input")
+            tokens = list(item)
+        if not tokens:
+            raise invalid_request("an input is empty", "input")
+        inputs.append(tokens)
+    return Embed(f"embd-{uuid.uuid4().hex}", inputs)
+
+
+async def create_embeddings(
+    pool: WorkerPool, body: EmbeddingRequest, vocab: Vocab, model: str
+) -> dict[str, Any]:
+    """The response body of one embeddings request."""
+    embed = await embed_request(body, vocab)
+    reply = await pool.embed(embed)
+    vectors = np.frombuffer(reply.vectors, dtype="<f4").reshape(len(embed.inputs), reply.size)
+    data = []
+    for index, vector in enumerate(vectors):
+        if body.encoding_format == "base64":
+            value: Any = base64.b64encode(vector.tobytes()).decode()
+        else:
+            value = vector.tolist()
+        data.append({"object": "embedding", "index": index, "embedding": value})
+    usage = {"prompt_tokens": reply.prompt_tokens, "total_tokens": reply.prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}

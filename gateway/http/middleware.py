@@ -1,0 +1,142 @@
+"""Pure ASGI middleware: the body size limit, and one log line and metric per request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+
+import structlog
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from loomserve.gateway.api.errors import APIError, invalid_request
+from loomserve.gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger(__name__)
+
+QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
+# A client's X-Request-Id is taken as the request's id when it looks like one.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over max_bytes, by Content-Length or by counting a streamed body; 408
+    for a body that takes longer than timeout to arrive (a slow-body attack holds no slot).
+
+    The body is read here (FastAPI reads it whole anyway) and replayed to the app; later
+    receive() calls go to the server, so the app still sees the client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 60.0) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(
+            413,
+            f"the request body is larger than {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+        declared = _header(scope, b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await invalid_request("bad Content-Length header").response()(scope, receive, send)
+                return
+            if int(declared) > self.max_bytes:
+                await too_large.response()(scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return  # the client left before it finished sending
+                    body = message.get("body", b"")
+                    size += len(body)
+                    if size > self.max_bytes:
+                        await too_large.response()(scope, receive, send)
+                        return
+                    chunks.append(body)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            too_slow = APIError(
+                408,
+                f"the request body did not arrive within {self.timeout:g}s",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
+            await too_slow.response()(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class AccessMiddleware:
+    """Gives each request its id, counts every response by route and status, and logs it.
+
+    The id is the client's X-Request-Id when it sends a usable one, else a fresh one; every
+    log line about the request carries it, the response echoes it in X-Request-Id, and the
+    routes find it in `request.state.request_id`.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        structlog.contextvars.clear_contextvars()
+        started = time.monotonic()
+        status = 500
+        given = _header(scope, b"x-request-id")
+        request_id = given if given and REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+
+        async def record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "other")
+            self.metrics.http_requests.labels(path, str(status)).inc()
+            if scope["path"] not in QUIET_PATHS or status >= 400:
+                log.info(
+                    "http request",
+                    method=scope["method"],
+                    path=scope["path"],
+                    status=status,
+                    seconds=round(time.monotonic() - started, 4),
+                )
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1").strip()
+    return None

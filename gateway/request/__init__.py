@@ -1,0 +1,1 @@
+"""Request building: an OpenAI body checked into prompts, sampling parameters, a request."""

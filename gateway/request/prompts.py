@@ -1,0 +1,122 @@
+"""Prompts to token ids: completion prompts, chat messages through the template, checks.
+
+Long texts are tokenized in a thread, so that one huge prompt does not stall every other
+stream of this gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from loomserve.gateway.api.errors import invalid_request
+from loomserve.gateway.api.schemas import ChatMessage, ToolCall
+from loomserve.gateway.text.chat_template import ChatTemplateError, Renderer
+from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.tools.template import TemplateTools
+
+OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
+T = TypeVar("T")
+
+
+async def tokenize(vocab: Vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    """vocab.tokenize, off the event loop for long texts."""
+    return await off_loop(len(text), lambda: vocab.tokenize(text, add_special, parse_special))
+
+
+async def off_loop(size: int, work: Callable[[], T]) -> T:
+    """work(), in a thread when size says it is big enough to stall the other streams."""
+    if size > OFF_LOOP_SIZE:
+        return await asyncio.to_thread(work)
+    return work()
+
+
+def check_token_ids(vocab: Vocab, tokens: list[int], param: str) -> None:
+    """400 naming the first id that is not in the vocabulary."""
+    bad = next((t for t in tokens if not vocab.is_valid(t)), None)
+    if bad is not None:
+        last = vocab.n_tokens - 1
+        raise invalid_request(f"token id {bad} is not in the vocabulary (0..{last})", param)
+
+
+async def completion_prompts(vocab: Vocab, prompt: Any, echo: bool) -> list[tuple[list[int], str]]:
+    """Each prompt's token ids, and its text when echo wants it ("" otherwise), from a
+    string, token ids, or a list of either."""
+    many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    result = []
+    for one in prompt if many else [prompt]:
+        if isinstance(one, str):
+            tokens = await tokenize(vocab, one, add_special=True, parse_special=True)
+            text = one
+        else:
+            await off_loop(len(one), lambda one=one: check_token_ids(vocab, one, "prompt"))
+            tokens, text = one, ""
+            if echo:
+                text = await off_loop(len(one), lambda one=one: vocab.detokenize(one))
+        if not tokens:
+            raise invalid_request("the prompt is empty", "prompt")
+        result.append((tokens, text))
+    if not result:
+        raise invalid_request("the prompt is empty", "prompt")
+    return result
+
+
+async def chat_prompt(
+    vocab: Vocab,
+    template: Renderer,
+    messages: list[ChatMessage],
+    template_tools: TemplateTools,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of the chat template rendered over the messages (and tools), with BOS once."""
+    dicts, tools = template_tools.prepare([_message_dict(m) for m in messages], tools)
+    try:
+        text = template.render(dicts, tools=tools)
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from exc
+    tokens = await tokenize(vocab, text, add_special=False, parse_special=True)
+    # Templates usually write the BOS text themselves; add it only where they did not.
+    if vocab.add_bos and vocab.bos_id >= 0 and (not tokens or tokens[0] != vocab.bos_id):
+        tokens.insert(0, vocab.bos_id)
+    if not tokens:
+        raise invalid_request("the messages render to an empty prompt", "messages")
+    return tokens
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise invalid_request(
+                    f"content parts of type {part.type!r} are not supported; send text",
+                    "messages",
+                )
+            parts.append(part.text)
+        content = "".join(parts)
+    result: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name:
+        result["name"] = message.name
+    if message.tool_calls:
+        # HF templates take the arguments as a mapping (they write them with tojson).
+        result["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": _arguments(call)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        result["tool_call_id"] = message.tool_call_id
+    return result
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        return call.function.arguments

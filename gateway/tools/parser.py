@@ -1,0 +1,424 @@
+"""The model's text to content and tool calls, incrementally, in one ToolFormat's syntax.
+
+Pure: feed `push` the text as it comes and call `finish` once. A call is announced (id and
+name) as soon as `{"name": "...", "arguments":` has been seen, and its arguments follow as
+fragments of their JSON text, the way OpenAI streams tool calls. An object whose keys come in
+another order is announced whole when it closes. Text that turns out not to be a call (no
+name, broken JSON) is given back as content, unless part of it was already sent as a call.
+
+A call that repeats an earlier call of the same reply word for word is dropped: it is held
+while its text is a prefix of the earlier call's, and sent only once it differs. A reply cut
+by max_tokens (`finish(cut=True)`) never gives a call's beginning back as content: a call
+whose name is whole is sent with the arguments written so far (vLLM's shape for a cut call),
+and the rest of an unfinished call or call marker is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from loomserve.gateway.tools.format import ToolFormat
+
+# The head of a call written name first; the arguments' JSON starts right after it.
+_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:'
+)
+# The head of a call cut short before its arguments: only its name is known.
+_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_HEAD_LIMIT = 512  # characters; past this an object is not written name first
+_BETWEEN_CALLS = " \t\r\n,;["  # what may separate calls in a run
+
+
+@dataclass(slots=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class CallStart:
+    """A new call: its index among this reply's calls, id and function name."""
+
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(slots=True)
+class ArgumentsDelta:
+    """More of the arguments' JSON text of call `index`."""
+
+    index: int
+    text: str
+
+
+ToolEvent = ContentDelta | CallStart | ArgumentsDelta
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(slots=True)
+class _Object:
+    """The JSON object being read: its text and where its arguments are."""
+
+    text: str = ""
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    index: int | None = None  # the call's index once announced
+    dropped: bool = False  # a call past max_calls: read, never sent
+    args_start: int | None = None
+    args_end: int | None = None
+    args_sent: int = 0  # text[args_start:args_sent] has been sent
+    args_quoted: bool = False  # arguments written as a JSON string: sent decoded, at the end
+    held: bool = False  # so far word for word an earlier call: not announced (yet)
+    name: str = ""
+
+
+@dataclass(slots=True)
+class ToolCallParser:
+    """Splits one reply into content and calls; max_calls None means any number."""
+
+    format: ToolFormat
+    max_calls: int | None = None
+    calls: int = 0  # calls announced so far
+    repeats: int = 0  # calls dropped because they repeated an earlier one word for word
+    whole_calls: int = 0  # calls announced whose object closed
+    _buffer: str = ""
+    _mode: str = "text"  # "text", "run" (between calls), "object"
+    _at_start: bool = True
+    _run_text: str = ""  # what a run consumed, given back as content if it held no call
+    _run_calls: int = 0
+    _object: _Object = field(default_factory=_Object)
+    _done_calls: list[str] = field(default_factory=list)  # the text of each whole call
+    _events: list[ToolEvent] = field(default_factory=list)
+
+    def push(self, text: str) -> list[ToolEvent]:
+        """The events this text completes."""
+        self._buffer += text
+        while self._step():
+            pass
+        return self._take()
+
+    def finish(self, cut: bool = False) -> list[ToolEvent]:
+        """The events of the end of the reply: what was held back, as content or arguments.
+
+        cut: the reply ended at max_tokens; an unfinished call is not content then.
+        """
+        if self._mode == "object":
+            self._finish_object(cut)
+        elif self._mode == "run":
+            self._end_run(drop=cut)
+            if cut:  # what is left is the start of a closing marker, cut short
+                self._buffer = ""
+        buffer = self._buffer
+        if cut:  # the start of a call marker, cut short
+            buffer = buffer[: len(buffer) - _partial_marker(buffer, self.format.opens)]
+        if not (self.calls and buffer.isspace()):
+            self._content(buffer)
+        self._buffer = ""
+        return self._take()
+
+    # --- states ------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """Make progress on the buffer; False when it needs more text."""
+        if self._mode == "text":
+            return self._step_text()
+        if self._mode == "run":
+            return self._step_run()
+        return self._step_object()
+
+    def _step_text(self) -> bool:
+        buffer, fmt = self._buffer, self.format
+        if not buffer:
+            return False
+        if fmt.bare_json and self._at_start:
+            stripped = buffer.lstrip()
+            if not stripped:
+                return False  # leading whitespace: held until the first real character
+            self._at_start = False
+            if stripped[0] in "{[":
+                self._start_run(buffer[: len(buffer) - len(stripped)])
+                self._buffer = stripped
+                return True
+        self._at_start = False
+        found = [(buffer.find(m), m) for m in fmt.opens]
+        found = [(i, m) for i, m in found if i >= 0]
+        if found:
+            at, marker = min(found)
+            if not (self.calls and buffer[:at].isspace()):  # else: space between calls
+                self._content(buffer[:at])
+            self._start_run(marker)
+            self._buffer = buffer[at + len(marker) :]
+            return True
+        hold = _partial_marker(buffer, fmt.opens)
+        if self.calls and buffer[: len(buffer) - hold].isspace():
+            return False  # after a call: space before another call is no content
+        self._content(buffer[: len(buffer) - hold])
+        self._buffer = buffer[len(buffer) - hold :]
+        return False
+
+    def _step_run(self) -> bool:
+        buffer = self._buffer
+        skip = len(buffer) - len(buffer.lstrip(_BETWEEN_CALLS))
+        self._run_text += buffer[:skip]
+        buffer = self._buffer = buffer[skip:]
+        if not buffer:
+            return False
+        closes = self.format.closes
+        if buffer[0] == "{":
+            self._mode, self._object = "object", _Object()
+            return True
+        if buffer[0] == "]" and closes is None:
+            self._run_text += "]"
+            self._buffer = buffer[1:]
+            self._end_run()
+            return True
+        if closes is not None:
+            if buffer.startswith(closes):
+                self._run_text += closes
+                self._buffer = buffer[len(closes) :]
+                self._end_run()
+                return True
+            if closes.startswith(buffer):
+                return False  # maybe the closing marker, cut short
+        self._end_run()
+        return True
+
+    def _step_object(self) -> bool:
+        obj, buffer = self._object, self._buffer
+        if not buffer:
+            return False
+        used = 0
+        for ch in buffer:
+            used += 1
+            self._read_char(obj, ch)
+            if obj.depth == 0:
+                break
+        self._buffer = buffer[used:]
+        if obj.held and not self._repeats(obj.text):
+            obj.held = False  # it differs from every earlier call: a call of its own
+            self._announce(obj, obj.name)
+        self._send_arguments(obj)
+        if obj.depth == 0:
+            self._close_object(obj)
+        return obj.depth == 0
+
+    # --- one object ----------------------------------------------------------------
+
+    def _read_char(self, obj: _Object, ch: str) -> None:
+        position = len(obj.text)
+        obj.text += ch
+        if obj.in_string:
+            if obj.escaped:
+                obj.escaped = False
+            elif ch == "\\":
+                obj.escaped = True
+            elif ch == '"':
+                obj.in_string = False
+            return
+        if (
+            obj.args_start is not None
+            and obj.args_end is None
+            and position > obj.args_start
+            and obj.depth == 1
+            and ch in ",}"
+        ):
+            obj.args_end = position
+        if obj.depth == 1 and not ch.isspace() and ch not in ",:}":
+            self._maybe_announce(obj, position)  # a key or a value starts here
+        if ch == '"':
+            obj.in_string = True
+        elif ch in "{[":
+            obj.depth += 1
+        elif ch in "}]":
+            obj.depth -= 1
+
+    def _maybe_announce(self, obj: _Object, position: int) -> None:
+        """At the first character of a value: announce the call if these are its arguments."""
+        if obj.index is not None or obj.dropped or position > _HEAD_LIMIT:
+            return
+        head = _CALL_HEAD.match(obj.text)
+        if head is None or obj.text[head.end() : position].strip():
+            return
+        obj.args_start = obj.args_sent = position
+        obj.args_quoted = obj.text[position] == '"'
+        obj.name = _unquote(head.group(1))
+        if self._repeats(obj.text):
+            obj.held = True
+            return
+        self._announce(obj, obj.name)
+
+    def _repeats(self, text: str) -> bool:
+        """Whether text is, so far, word for word an earlier call of this reply."""
+        return any(done.startswith(text) for done in self._done_calls)
+
+    def _announce(self, obj: _Object, name: str) -> None:
+        self._run_calls += 1
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            obj.dropped = True
+            return
+        obj.index = self.calls
+        self.calls += 1
+        self._events.append(CallStart(obj.index, self.format.new_call_id(), name))
+
+    def _send_arguments(self, obj: _Object) -> None:
+        """Send the arguments' text read so far, holding back what may be trailing space."""
+        if obj.index is None or obj.args_start is None or obj.args_quoted:
+            return
+        end = obj.args_end if obj.args_end is not None else len(obj.text)
+        end = obj.args_start + len(obj.text[obj.args_start : end].rstrip())
+        if end > obj.args_sent:
+            self._arguments(obj.index, obj.text[obj.args_sent : end])
+            obj.args_sent = end
+
+    def _close_object(self, obj: _Object) -> None:
+        self._mode = "run"
+        if obj.held or (obj.args_start is None and obj.text in self._done_calls):
+            self._run_calls += 1  # a call all the same: the run is no content
+            self.repeats += 1
+            return
+        if obj.index is not None:
+            self._done_calls.append(obj.text)
+            self.whole_calls += 1
+        if obj.args_start is not None:  # announced (or dropped) as it came
+            if obj.args_quoted and obj.index is not None:
+                raw = obj.text[obj.args_start : obj.args_end].strip()
+                self._arguments(obj.index, _decoded_string(raw))
+            return
+        call = _as_call(obj.text)
+        if call is None:
+            self._end_run(obj.text)  # not a call: it and what came before are content
+            return
+        name, arguments = call
+        self._announce(obj, name)
+        if obj.index is not None:
+            self._done_calls.append(obj.text)
+            self.whole_calls += 1
+            self._arguments(obj.index, arguments)
+
+    def _finish_object(self, cut: bool) -> None:
+        """The reply ended inside an object: a call cut short keeps what it sent."""
+        obj = self._object
+        if obj.held:  # cut while it repeated an earlier call
+            self._mode = "text"
+            return
+        if cut and obj.index is None and not obj.dropped:
+            # A call whose name is whole, with the arguments written so far; cut before its
+            # name was whole, nothing.
+            named = _CALL_NAME.match(obj.text)
+            if named is not None:
+                self._announce(obj, _unquote(named.group(1)))
+            self._mode = "text"
+            return
+        if obj.index is not None or obj.dropped:
+            if obj.index is not None and obj.args_quoted and obj.args_start is not None:
+                self._arguments(obj.index, obj.text[obj.args_start :].strip())
+            else:
+                self._send_arguments(obj)
+            self._mode = "text"
+            return
+        self._mode = "run"
+        self._end_run(obj.text)
+
+    # --- runs and output -------------------------------------------------------------
+
+    def _start_run(self, consumed: str) -> None:
+        self._mode, self._run_text, self._run_calls = "run", consumed, 0
+
+    def _end_run(self, trailing: str = "", drop: bool = False) -> None:
+        """Back to text; a run that held no call was content after all (unless dropped: a
+        reply cut inside a run)."""
+        if not drop:
+            self._content((self._run_text if self._run_calls == 0 else "") + trailing)
+        self._mode, self._run_text, self._run_calls = "text", "", 0
+
+    def _content(self, text: str) -> None:
+        if not text:
+            return
+        last = self._events[-1] if self._events else None
+        if isinstance(last, ContentDelta):
+            last.text += text
+        else:
+            self._events.append(ContentDelta(text))
+
+    def _arguments(self, index: int, text: str) -> None:
+        if not text:
+            return
+        last = self._events[-1] if self._events else None
+        if isinstance(last, ArgumentsDelta) and last.index == index:
+            last.text += text
+        else:
+            self._events.append(ArgumentsDelta(index, text))
+
+    def _take(self) -> list[ToolEvent]:
+        events, self._events = self._events, []
+        return events
+
+
+def parse_reply(
+    fmt: ToolFormat, text: str, max_calls: int | None, cut: bool = False
+) -> tuple[str, list[ParsedCall]]:
+    """The content and the calls of a whole reply, as the streamed events add up."""
+    parser = ToolCallParser(fmt, max_calls)
+    content: list[str] = []
+    calls: list[ParsedCall] = []
+    for event in [*parser.push(text), *parser.finish(cut)]:
+        if isinstance(event, ContentDelta):
+            content.append(event.text)
+        elif isinstance(event, CallStart):
+            calls.append(ParsedCall(event.id, event.name, ""))
+        else:
+            calls[event.index].arguments += event.text
+    return "".join(content), calls
+
+
+def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of text that may be the start of a marker."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(text)), longest, -1):
+            if marker.startswith(text[-size:]):
+                longest = size
+                break
+    return longest
+
+
+def _unquote(body: str) -> str:
+    try:
+        return json.loads(f'"{body}"')
+    except json.JSONDecodeError:
+        return body
+
+
+def _decoded_string(raw: str) -> str:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+    return value if isinstance(value, str) else raw
+
+
+def _as_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of an object that is a call written in another key order."""
+    try:
+        value: Any = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    key = "arguments" if "arguments" in value else "parameters"
+    if key not in value:
+        return None
+    arguments = value[key]
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return value["name"], arguments

@@ -1,0 +1,33 @@
+"""A chat reply's tool calls in OpenAI's shapes: the whole message, and the streamed deltas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loomserve.gateway.api.schemas import AssistantMessage, FunctionCall, ToolCall
+from loomserve.gateway.tools.checks import ToolRequest
+from loomserve.gateway.tools.parser import ArgumentsDelta, CallStart, parse_reply
+
+
+def assistant_message(
+    tools: ToolRequest | None, text: str, reason: str
+) -> tuple[AssistantMessage, Any]:
+    """The reply as content and tool calls; finish_reason `tool_calls` when it made some."""
+    if tools is None:
+        return AssistantMessage(content=text), reason
+    content, parsed = parse_reply(tools.format, text, tools.max_calls, cut=reason == "length")
+    if not parsed:
+        return AssistantMessage(content=content), reason
+    calls = [
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed
+    ]
+    message = AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
+    return message, "tool_calls" if reason == "stop" else reason
+
+
+def tool_call_delta(event: CallStart | ArgumentsDelta) -> dict[str, Any]:
+    """One tool-call delta as OpenAI streams it: id, type and name first, then arguments."""
+    if isinstance(event, CallStart):
+        function = {"name": event.name, "arguments": ""}
+        return {"index": event.index, "id": event.id, "type": "function", "function": function}
+    return {"index": event.index, "function": {"arguments": event.text}}

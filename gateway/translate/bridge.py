@@ -1,0 +1,86 @@
+"""The bridge from other APIs to chat: run a translated chat request, read its answer back.
+
+/v1/responses and /v1/messages are translations at the edge. Each turns its body into a
+ChatCompletionRequest and runs it through the chat route's own path (one request type, one
+tokenizer, one template, one tool parser: app._generate), then turns the chat answer, a body
+or a stream of chunks, into its own shape. The chat stream is read back as the dicts it
+carries, so a translator sees exactly what a chat client would.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from loomserve.gateway.api.errors import APIError
+from loomserve.gateway.api.schemas import ChatCompletionRequest
+from loomserve.gateway.generate.streaming import EventStreamResponse
+
+# app._generate bound to its gateway: the chat route's whole path, body to HTTP response.
+ChatRun = Callable[[Request, ChatCompletionRequest], Awaitable[Response]]
+# The prompt's token count of a chat request, through the same template and tools.
+ChatCount = Callable[[ChatCompletionRequest], Awaitable[int]]
+
+
+def named_event(name: str, payload: dict[str, Any]) -> str:
+    """One server-sent event with an event name, as the Responses and Messages APIs send."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {name}\ndata: {data}\n\n"
+
+
+async def chat_chunks(events: AsyncIterator[str | bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a chat stream's events ([DONE] left out)."""
+    async for text in events:
+        text = text.decode() if isinstance(text, bytes) else text
+        for event in text.split("\n\n"):
+            if not event.startswith("data: "):
+                continue
+            data = event[len("data: ") :]
+            if data.strip() == "[DONE]":
+                continue
+            yield json.loads(data)
+
+
+Translate = Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[str]]
+
+
+async def run_translated(
+    run: ChatRun,
+    http: Request,
+    body: ChatCompletionRequest,
+    whole: Callable[[dict[str, Any]], dict[str, Any]],
+    stream: Translate,
+    params: dict[str, str],
+) -> Response:
+    """Run a chat request; answer its body through `whole`, or its stream through `stream`.
+
+    An error's `param` names the chat field: `params` renames it to the caller's API's.
+    """
+    try:
+        response = await run(http, body)
+    except APIError as error:
+        raise renamed(error, params) from None
+    if isinstance(response, EventStreamResponse):
+        events = stream(chat_chunks(response.body_iterator))
+        return EventStreamResponse(events, on_close=response.on_close)
+    if response.status_code != 200:
+        return response  # 499: nobody is listening
+    return Response(
+        json.dumps(whole(json.loads(bytes(response.body))), ensure_ascii=False),
+        media_type="application/json",
+    )
+
+
+def renamed(error: APIError, params: dict[str, str]) -> APIError:
+    """The error with its chat field name (or the head of its dotted path) renamed."""
+    if error.param:
+        head, dot, rest = error.param.partition(".")
+        if error.param in params:
+            error.param = params[error.param]
+        elif head in params:
+            error.param = params[head] + dot + rest
+    return error

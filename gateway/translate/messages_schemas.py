@@ -1,0 +1,64 @@
+"""Request bodies of Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).
+
+Content blocks are declared loosely (JSON objects with a `type`): messages_api.py checks and
+translates them, with a 400 naming what it cannot take.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from loomserve.gateway.api.schemas import INT32_MAX, RequestModel
+
+
+class AnthropicMessage(RequestModel):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]] = Field(
+        description="Text, or blocks: text, tool_use (assistant), tool_result (user)."
+    )
+
+
+class AnthropicTool(RequestModel):
+    """A client tool: its name, description and input's JSON schema."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(description="A JSON schema.")
+    type: Literal["custom"] | None = None
+    cache_control: Any = None
+
+
+class AnthropicToolChoice(RequestModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(default=None, description="The tool, for type `tool`.")
+    disable_parallel_tool_use: bool | None = None
+
+
+class CountTokensRequest(RequestModel):
+    """POST /v1/messages/count_tokens."""
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = Field(
+        default=None, description="Text, or text blocks."
+    )
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: Any = Field(default=None, description="Not supported unless disabled.")
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages."""
+
+    max_tokens: int = Field(ge=1, le=INT32_MAX, description="Required, as Anthropic has it.")
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    stream: bool | None = False
+    metadata: dict[str, Any] | None = Field(
+        default=None, description="`user_id` shares the server as OpenAI's `user` does."
+    )
+    service_tier: str | None = None

@@ -1,0 +1,215 @@
+"""Tool calls without a server: the parser on each format, format detection, template probes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loomserve.gateway.text.chat_template import CHATML_TEMPLATE, ChatTemplate
+from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.tools.format import GENERIC, HERMES, JSON, LLAMA3, MISTRAL, ToolFormat
+from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
+from loomserve.gateway.tools.parser import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ToolCallParser,
+    parse_reply,
+)
+from loomserve.gateway.tools.template import TemplateTools
+
+
+def streamed(fmt: ToolFormat, text: str, max_calls: int | None = None, step: int = 1):
+    """(content, [(name, arguments)]) from feeding text `step` characters at a time."""
+    parser = ToolCallParser(fmt, max_calls)
+    events = []
+    for i in range(0, len(text), step):
+        events += parser.push(text[i : i + step])
+    events += parser.finish()
+    content, calls = "", []
+    for event in events:
+        if isinstance(event, ContentDelta):
+            content += event.text
+        elif isinstance(event, CallStart):
+            assert event.index == len(calls)
+            calls.append([event.name, ""])
+        else:
+            assert isinstance(event, ArgumentsDelta)
+            calls[event.index][1] += event.text
+    return content, [tuple(call) for call in calls]
+
+
+CASES = [
+    (
+        HERMES,
+        'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1]}}\n'
+        '</tool_call>\n<tool_call>{"arguments": {"x": 1}, "name": "g"}</tool_call> Done.',
+        "Sure. Done.",
+        [("get_weather", '{"city": "Paris", "n": [1]}'), ("g", '{"x": 1}')],
+    ),
+    (HERMES, "a < b, and <tool_ca", "a < b, and <tool_ca", []),
+    (HERMES, "bad <tool_call>hello</tool_call> end", "bad <tool_call>hello</tool_call> end", []),
+    (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "a", "arguments": {"q": "}\\"{"}}, '
+        '{"name": "b", "arguments": "{\\"k\\": 2}"}]',
+        "",
+        [("a", '{"q": "}\\"{"}'), ("b", '{"k": 2}')],
+    ),
+    (LLAMA3, '  {"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    (LLAMA3, '<|python_tag|>{"name": "f", "parameters": {}}', "", [("f", "{}")]),
+    (LLAMA3, 'hello {"name": "f"}', 'hello {"name": "f"}', []),
+    (JSON, '{"not": "a call"} rest', '{"not": "a call"} rest', []),
+    (
+        JSON,
+        '[{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]',
+        "",
+        [
+            ("f", "{}"),
+            ("g", "{}"),
+        ],
+    ),
+    # Cut short by max_tokens: the call keeps what it had.
+    (GENERIC, '<tool_call>{"name": "f", "arguments": {"a": "cut', "", [("f", '{"a": "cut')]),
+    (GENERIC, '<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), CASES)
+def test_parser_reads_each_format_whole_and_streamed(
+    fmt: ToolFormat, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    whole_content, whole_calls = parse_reply(fmt, text, None)
+    assert whole_content == content
+    assert [(c.name, c.arguments) for c in whole_calls] == calls
+    for step in (1, 3, 7):
+        assert streamed(fmt, text, step=step) == (content, calls)
+
+
+def test_a_call_is_announced_before_its_arguments_end() -> None:
+    parser = ToolCallParser(HERMES)
+    events = parser.push('<tool_call>{"name": "get_weather", "arguments": {"city": "Par')
+    assert isinstance(events[0], CallStart) and events[0].name == "get_weather"
+    assert events[0].id.startswith("call_")
+    assert events[1:] == [ArgumentsDelta(0, '{"city": "Par')]
+    assert parser.push('is"}}\n</tool_call>') == [ArgumentsDelta(0, 'is"}')]
+    assert parser.finish() == []
+
+
+def test_max_calls_drops_later_calls() -> None:
+    text = HERMES.write_calls([("f", {"a": 1}), ("g", {})])
+    assert HERMES.parallel and text.count("<tool_call>") == 2
+    content, calls = parse_reply(HERMES, text, 1)
+    assert content == "" and [c.name for c in calls] == ["f"]
+
+
+def test_mistral_call_ids_have_nine_characters() -> None:
+    _, calls = parse_reply(MISTRAL, MISTRAL.write_calls([("f", {})]), None)
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+
+
+QWEN_LIKE = (
+    "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "<tool_call>{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}\n{% endfor %}"
+)
+MISTRAL_LIKE = "{% for m in messages %}[INST]{{ m.content }}[/INST]{% endfor %}[TOOL_CALLS]"
+LLAMA_LIKE = "{% for m in messages %}<|start_header_id|>{{ m.role }}{% endfor %}ipython"
+TOOLS_UNKNOWN = "{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{{ messages[0].content }}"
+# Gemma's rule: roles alternate user/assistant, and a system message joins the first user turn.
+GEMMA_LIKE = (
+    "{% set ns = namespace(first='') %}"
+    "{% if messages[0].role == 'system' %}{% set ns.first = messages[0].content + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}"
+    "{% for m in loop_messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "<turn>{{ m.role }}\n{{ ns.first if loop.first else '' }}{{ m.content }}</turn>\n"
+    "{% endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("source", "fmt", "renders_tools"),
+    [
+        (QWEN_LIKE, HERMES, True),
+        (MISTRAL_LIKE, MISTRAL, False),
+        (LLAMA_LIKE, LLAMA3, False),
+        (TOOLS_UNKNOWN, JSON, True),
+        (CHATML_TEMPLATE, GENERIC, False),
+    ],
+)
+def test_the_format_comes_from_the_template(
+    source: str, fmt: ToolFormat, renders_tools: bool
+) -> None:
+    tools = TemplateTools.probe(ChatTemplate(source, "<s>", "</s>"))
+    assert tools.format is fmt
+    assert tools.renders_tools is renders_tools
+
+
+TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+HISTORY: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {}}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {}}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "warm"},
+    {"role": "user", "content": "Thanks. And tomorrow?"},
+]
+
+
+def test_a_template_without_tools_gets_them_as_text() -> None:
+    """Gemma-like: tools in the system prompt, calls as text, results as one user turn."""
+    template = ChatTemplate(GEMMA_LIKE, "<s>", "</s>")
+    support = TemplateTools.probe(template)
+    assert support.format is GENERIC
+    assert not (support.renders_tools or support.renders_calls or support.renders_results)
+    assert support.renders_system
+    messages, tools = support.prepare(HISTORY, [TOOL])
+    assert tools is None
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    prompt = template.render(messages, tools=tools)
+    assert prompt.count('"name": "get_weather"') == 3  # the tool's definition and two calls
+    assert "<tools>" in prompt and "Be brief." in prompt
+    assert "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm" in prompt
+    assert "Thanks. And tomorrow?" in prompt
+
+
+def test_a_template_with_tools_renders_them_itself() -> None:
+    template = ChatTemplate(QWEN_LIKE, "<s>", "</s>")
+    support = TemplateTools.probe(template)
+    assert support.renders_calls
+    messages, tools = support.prepare(HISTORY, [TOOL])
+    assert tools == [TOOL]
+    tool_messages = [m for m in messages if m["role"] == "tool"]
+    assert [m["name"] for m in tool_messages] == ["get_weather", "get_weather"]
+    assert "get_weather" in template.render(messages, tools=tools)
+
+
+def test_grammar_from_schemas_compiles_for_every_format(tiny_model_path: Path) -> None:
+    vocab = Vocab(tiny_model_path)
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+        "$defs": {"Item": {"type": "object", "properties": {"k": {"type": "boolean"}}}},
+    }
+    for fmt in (HERMES, GENERIC, MISTRAL, LLAMA3, JSON):
+        grammar = tool_grammar(fmt, [("f", schema), ("g", None)], parallel=True)
+        assert grammar.count("root ::=") == 1
+        assert vocab.grammar_error(grammar) is None
+        assert '"\\"f\\""' in grammar and '"\\"g\\""' in grammar
+        assert json.dumps(fmt.arguments_key) in grammar.replace('\\"', '"')
+    with pytest.raises(ToolGrammarError):
+        tool_grammar(HERMES, [("f", {"type": "string", "maxLength": 10**7})], parallel=False)

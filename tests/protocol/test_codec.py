@@ -1,0 +1,194 @@
+"""Every wire message round-trips, and bad bytes end as DecodeError, never a crash."""
+
+import math
+
+import msgpack
+import pytest
+
+from loomserve.protocol import (
+    Accepted,
+    Cancel,
+    DecodeError,
+    Embed,
+    Embeddings,
+    Finish,
+    Generate,
+    Heartbeat,
+    Hello,
+    ModelInfo,
+    Outputs,
+    Ping,
+    PromptLogprobs,
+    Rejected,
+    SamplingParams,
+    TokenChunk,
+    TokenLogprobs,
+    WorkerError,
+    decode,
+    encode,
+)
+from loomserve.protocol.codec import TooLong, request_id_of
+from loomserve.protocol.messages import DEFAULT_TENANT
+
+EVERY_MESSAGE = [
+    Hello(gateway_id="gw-1"),
+    Generate(
+        request_id="r1",
+        prompt_tokens=[1, 2, 3],
+        params=SamplingParams(
+            max_tokens=5,
+            temperature=0.0,
+            seed=7,
+            logit_bias={5: -math.inf, 9: 2.5},
+            grammar='root ::= "a"',
+            ignore_eos=True,
+            logprobs=3,
+            prompt_logprobs=2,
+        ),
+        priority=-3,
+        tenant="team-a",
+    ),
+    Embed(request_id="e1", inputs=[[1, 2], [3]]),
+    Cancel(request_id="r1"),
+    Ping(sent_at=12.5),
+    ModelInfo(
+        protocol_version=1,
+        model_name="tiny",
+        vocab_size=300,
+        context_train=256,
+        slot_context=256,
+        slots=4,
+        vocab_fingerprint="ab" * 32,
+        ready=True,
+    ),
+    Accepted(request_id="r1", queue_depth=3),
+    Rejected(request_id="r1", code="queue_full", message="the queue is full"),
+    Outputs(
+        tokens=[
+            TokenChunk(request_id="r1", token_ids=[4, 5]),
+            TokenChunk(
+                request_id="r3",
+                token_ids=[6],
+                logprobs=[TokenLogprobs(-0.5, top_ids=[6, 2], top_logprobs=[-0.5, -1.25])],
+            ),
+            TokenChunk(
+                request_id="r4",
+                token_ids=[],
+                prompt_logprobs=PromptLogprobs(
+                    first=1,
+                    logprobs=[TokenLogprobs(-2.0, [3], [-0.75]), TokenLogprobs(-0.5, [], [])],
+                ),
+            ),
+        ],
+        finishes=[Finish("r2", "length", 3, 5, 1, 0.25)],
+    ),
+    Heartbeat(sent_at=1.0, ping_sent_at=0.5, ready=True, queue_depth=0, free_slots=4, running=0),
+    WorkerError(code="decode_failed", message="boom"),
+    Embeddings(request_id="e1", size=2, vectors=b"\x00\x00\x80?" * 4, prompt_tokens=3),
+]
+
+
+@pytest.mark.parametrize("message", EVERY_MESSAGE, ids=lambda msg: type(msg).__name__)
+def test_every_message_round_trips(message):
+    frames = encode(message)
+    assert len(frames[0]) == 1
+    assert decode(frames) == message
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"\x02"],  # no body
+        [b"\x7f", msgpack.packb([])],  # unknown type
+        [b"\x03", b"\xc1"],  # msgpack's never-used byte
+        [b"\x03", msgpack.packb(["r1", "extra"])],  # too many fields
+        [b"\x03", msgpack.packb([5])],  # wrong type
+        [b"\x02", msgpack.packb(["r1", "not a list", []])],
+        [b"\x02", msgpack.packb(["r1", [1, True], list(SamplingParams().__slots__)])],
+        [
+            b"\x02",
+            msgpack.packb(
+                ["r1", [], [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, {}, None, False]]
+            ),
+        ],
+        [
+            b"\x02",
+            msgpack.packb(
+                ["r1", [1], [0, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, {}, None, False]]
+            ),
+        ],
+        [b"\x04", b"\x91" + b"\xdd\xff\xff\xff\xff"],  # claims a 4-billion-item array
+    ],
+)
+def test_malformed_frames_raise_decode_error(frames):
+    with pytest.raises(DecodeError):
+        decode(frames)
+
+
+def test_invalid_sampling_params_are_refused():
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(prompt_logprobs=21)
+
+
+def test_a_chunk_without_logprobs_costs_two_bytes() -> None:
+    """Requests that do not ask for logprobs pay a msgpack nil per chunk on the wire for the
+    tokens' logprobs, and one for the prompt's."""
+    body = encode(Outputs(tokens=[TokenChunk("r1", [4])], finishes=[]))[1]
+    assert body == msgpack.packb([[["r1", [4], None, None, 0]], []])
+    assert len(body) == len(msgpack.packb([[["r1", [4], 0]], []])) + 2
+
+
+def generate_body(prompt: object, logit_bias: object) -> bytes:
+    params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None, None]
+    return msgpack.packb(["r1", prompt, params, 0, ""])
+
+
+def test_token_ids_and_logit_bias_are_checked_exactly():
+    with pytest.raises(DecodeError):  # a bool is no token id, even in a long prompt
+        decode([b"\x02", generate_body([1] * 1000 + [True], {})])
+    with pytest.raises(DecodeError):
+        decode([b"\x02", generate_body([1, 2.0], {})])
+    with pytest.raises(DecodeError):
+        decode([b"\x02", generate_body([1], {1: True})])
+    message = decode([b"\x02", generate_body([1, 2], {3: 2, 4: -1.5})])
+    assert message.params.logit_bias == {3: 2.0, 4: -1.5}
+    assert type(message.params.logit_bias[3]) is float
+
+
+def test_limits_stop_an_oversized_body_while_it_is_unpacked():
+    long_prompt = [b"\x02", generate_body([1] * 5000, {})]
+    assert len(decode(long_prompt, max_items=5000).prompt_tokens) == 5000
+    with pytest.raises(TooLong, match="max_array_len"):
+        decode(long_prompt, max_items=4999)
+    assert request_id_of(long_prompt) == "r1"  # to reject it by name
+    assert request_id_of([b"\x02", b"\x93\x91\x01"]) is None  # an array where the id is
+    assert request_id_of(encode(Ping(1.0))) is None
+    many_bias = [b"\x02", generate_body([1], {i: 1.0 for i in range(100)})]
+    with pytest.raises(DecodeError, match="max_map_len"):
+        decode(many_bias, max_items=99)
+    # Nested empty arrays where token ids belong: 1 byte each on the wire, 56 in memory.
+    bomb = [b"\x02", msgpack.packb(["r1", [[[]] * 100] * 100, []])]
+    with pytest.raises(DecodeError, match="too many arrays"):
+        decode(bomb, max_containers=8)
+    assert decode(EVERY_MESSAGE_FRAMES["Generate"], max_items=16, max_containers=8)
+
+
+EVERY_MESSAGE_FRAMES = {type(m).__name__: encode(m) for m in EVERY_MESSAGE}
+
+
+def test_generate_bounds_priority_and_tenant():
+    params = SamplingParams()
+    assert (
+        Generate("r", [1], params).priority == 0
+        and Generate("r", [1], params).tenant == DEFAULT_TENANT
+    )
+    with pytest.raises(ValueError):
+        Generate("r", [1], params, priority=2**31)
+    with pytest.raises(ValueError):
+        Generate("r", [1], params, tenant="x" * 129)
+    frames = encode(Generate("r", [1], params, priority=2, tenant="t"))
+    assert decode(frames) == Generate("r", [1], params, 2, "t")

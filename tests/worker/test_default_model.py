@@ -1,0 +1,154 @@
+"""The worker on the default model, Gemma 3 270M (Q4_K_M), in a process and in-process.
+
+The continuous-batching invariant on a real quantized model: with greedy sampling a request's
+tokens are the same alone and batched. It holds because of the worker's batch-invariant
+set-up (one KV stream per slot, per-row K-quant kernels; see worker/engine.py): with one
+shared KV cache or repacked weights, Gemma's near-ties flip within a few dozen tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from loomserve.cli.default_model import default_model_path
+from loomserve.protocol import Generate, Hello, ModelInfo, Outputs, SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine
+from loomserve.worker.loop import TickLoop
+from tests.procs import start_worker
+from tests.worker.test_engine import Collector, drain, run_alone, run_staggered
+from tests.worker.test_server import Gateway
+
+pytestmark = pytest.mark.default_model
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the river, there lived an old",
+    "def fibonacci(n):\n    ",
+    "The three primary colours are",
+]
+# Same token counts as PROMPTS' neighbours, different words.
+OTHER_NEIGHBOURS = [
+    "The history of the printing press in Europe begins in the fifteenth century "
+    "with a German monk",
+    "import numpy as np\nx = ",
+    "A good breakfast starts with",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return default_model_path()
+
+
+def test_the_default_model_starts_and_serves(model_path: Path):
+    with start_worker(model_path, slots=2, ctx_size=512, threads=1) as proc:
+        gateway = Gateway(proc.endpoint, "gw-default-model")
+        try:
+            gateway.send(Hello("gw-default-model"))
+            info = gateway.wait_for(lambda m: isinstance(m, ModelInfo))
+            assert "gemma" in info.model_name.lower() and info.ready
+            assert info.vocab_size == 262_144 and info.context_train == 32_768
+            assert info.slot_context == 512 and info.slots == 2
+            assert len(info.vocab_fingerprint) == 64
+            prompt = [2, 818, 5279, 529, 7001, 563]  # <bos>The capital of France is
+            tokens, finish = gateway.run(
+                Generate("capital", prompt, SamplingParams(max_tokens=8, temperature=0.0))
+            )
+            assert finish.reason == "length" and len(tokens) == 8
+        finally:
+            gateway.close()
+        logs = proc.logs()
+    assert '"model loaded"' in logs and "gemma3" in logs and '"runs_on": "CPU"' in logs
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path):
+    engine = Engine(
+        WorkerConfig(model_path=model_path, slots=4, ctx_size=256, batch_tokens=128, threads=1)
+    )
+    yield engine
+    engine.close()
+
+
+def run_together(engine: Engine, texts: list[str], max_tokens: int = 16) -> dict[str, list[int]]:
+    """All requests submitted before the first tick, so every run has the same batches."""
+    collector = Collector()
+    loop = TickLoop(engine, engine.config, collector)
+    for i, text in enumerate(texts):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        loop.submit(b"gw", Generate(f"r{i}", engine.tokenize(text), params))
+    drain(loop)
+    return collector.tokens(b"gw")
+
+
+def test_batched_greedy_is_isolated_and_repeatable(engine: Engine):
+    for mine, theirs in zip(PROMPTS[1:], OTHER_NEIGHBOURS, strict=True):
+        assert len(engine.tokenize(mine)) == len(engine.tokenize(theirs))
+
+    started = time.monotonic()
+    first = run_together(engine, PROMPTS)
+    again = run_together(engine, PROMPTS)
+    other_neighbours = run_together(engine, [PROMPTS[0], *OTHER_NEIGHBOURS])
+
+    assert first == again
+    assert other_neighbours["r0"] == first["r0"]
+    assert all(len(tokens) == 16 for tokens in first.values())
+    assert engine.detokenize(first["r0"]).strip()
+    assert time.monotonic() - started < 60
+
+
+def test_greedy_tokens_are_the_same_alone_and_batched(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+):
+    # The last two share a long start: one copies it from the other's busy slot.
+    story = f"{PROMPTS[1]} fisherman and his wife, who lived in a small house"
+    texts = [*PROMPTS, *OTHER_NEIGHBOURS, f"{story} and", f"{story} with"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    requests = [Generate(f"r{i}", engine.tokenize(t), params) for i, t in enumerate(texts)]
+    # Small prompt chunks: prompts are prefilled over several ticks beside others' decodes.
+    config = replace(engine.config, prefill_chunk=8)
+    alone = {r.request_id: run_alone(engine, config, r) for r in requests}
+    copied: list[int] = []  # prefix lengths copied from a busy slot's KV stream
+    copy_prefix = engine.copy_prefix
+    monkeypatch.setattr(
+        engine, "copy_prefix", lambda *args: (copied.append(args[2]), copy_prefix(*args))
+    )
+    collector = Collector()
+    loop = TickLoop(engine, config, collector)
+    run_staggered(loop, requests, seed=3)  # 9 requests in waves through 4 slots
+    assert collector.tokens() == alone
+    shared = len(engine.tokenize(story))
+    assert copied == [shared] and collector.finishes()["r8"].cached_tokens == shared
+
+
+def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):
+    collector = Collector()
+    loop = TickLoop(engine, engine.config, collector)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    loop.submit(b"gw", Generate("a", engine.tokenize(PROMPTS[0]), params))
+    drain(loop)
+    per_tick = [len(m.tokens) for m in collector.of_type(Outputs, b"gw") if m.tokens]
+    assert per_tick == [1] * 6  # one token per tick, each in its own Outputs
+    assert collector.finishes(b"gw")["a"].completion_tokens == 6
+
+
+def test_a_quantized_kv_cache_with_flash_attention(model_path: Path):
+    config = WorkerConfig(
+        model_path=model_path,
+        slots=2,
+        ctx_size=128,
+        threads=1,
+        kv_cache_type="q8_0",
+        flash_attn="on",
+    )
+    engine = Engine(config)
+    try:
+        tokens = run_together(engine, PROMPTS[:2], max_tokens=4)
+        assert [len(t) for t in tokens.values()] == [4, 4]
+    finally:
+        engine.close()
