@@ -29,7 +29,7 @@ from loomserve.worker.grammar_state import UNBOUNDED_ENV
 from loomserve.worker.loop import TickLoop
 from loomserve.worker.watchdog import Watchdog
 from tests.procs import Proc, start_gateway, start_worker
-from tests.test_worker_engine import GW, Collector, drain
+from tests.worker.test_engine import GW, Collector, drain
 
 NEVER_ENDS = 'root ::= x\nx ::= "a" x "b" | "a" x "c"'  # the 38 bytes of the issue
 AMBIGUOUS = 'root ::= x\nx ::= "a" x "b" | "a" x "c" | "a"'  # ends, but doubles per "a"

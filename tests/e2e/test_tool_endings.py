@@ -27,8 +27,8 @@ from loomserve.gateway.tools.parser import (
     ToolCallParser,
     parse_reply,
 )
+from tests.e2e.test_tools import ASCII_ONLY
 from tests.procs import Proc, start_gateway, start_worker
-from tests.test_gateway_tools import ASCII_ONLY
 
 CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
 OTHER = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'

@@ -23,7 +23,7 @@ from loomserve.worker.engine import Engine
 from loomserve.worker.grammar_state import MAX_STACKS, grammar_vocab
 from loomserve.worker.loop import TickLoop
 from loomserve.worker.sampling import build_sampler
-from tests.test_worker_engine import GW, Collector, drain
+from tests.worker.test_engine import GW, Collector, drain
 
 SCHEMA = {
     "type": "object",
