@@ -63,6 +63,9 @@ class SamplingParams:
     # The same for every prompt token after the first (completions' echo with logprobs);
     # None: no prompt logprobs. Such a prompt is evaluated whole: no prefix reuse.
     prompt_logprobs: int | None = None
+    # Whether the worker may draft tokens for it (n-gram speculation, when the worker has it
+    # on). The output is the same either way; off spends no compute on drafts.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
