@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
-# and tenant
-PROTOCOL_VERSION = 6
+# and tenant; 7: SamplingParams.speculative
+PROTOCOL_VERSION = 7
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
