@@ -1,12 +1,12 @@
 """Self-speculative n-gram decoding: output tokens/s with drafts and without, side by side.
 
-Starts one `loomserve serve` (speculation on, as by default) and, when its binary is there, one
+Starts one `loomserve serve --spec-ngram` and, when its binary is there, one
 llama-server with `--spec-type ngram-simple` on the same model and threads. Each round runs
 every load against: loomserve with `"speculative": false` in every request (no drafts: the
 plain tick), loomserve as it is, and llama-server; the rounds alternate them so that the
 shared machine's moods spread over all three. Loads (`loomserve bench`, closed loops):
 
-  grounded c=1, c=4: the input-grounded dataset (a passage of ~256 tokens asked back, edited;
+  grounded c=1, c=4: the input-grounded dataset (a passage of ~200 tokens asked back, edited;
                      chat endpoint, greedy), the load speculation is for;
   random c=4, c=16:  random prompts (128 tokens in, 64 out), where drafts rarely match.
 
@@ -55,10 +55,10 @@ class Load:
 
 
 LOADS = (
-    Load("grounded c=1", "input-grounded", 1, 3, "chat", 256, None),
-    Load("grounded c=4", "input-grounded", 4, 8, "chat", 256, None),
+    Load("grounded c=1", "input-grounded", 1, 2, "chat", 200, None),
+    Load("grounded c=4", "input-grounded", 4, 4, "chat", 200, None),
     Load("random c=4", "random", 4, 8, "completions", 128, 64),
-    Load("random c=16", "random", 16, 32, "completions", 128, 64),
+    Load("random c=16", "random", 16, 16, "completions", 128, 64),
 )
 
 
@@ -120,7 +120,7 @@ def run_load(base_url: str, load: Load, seed: int, extra_body: dict | None) -> f
         seed=seed,
         extra_body=extra_body,
         progress=False,
-        num_warmups=1,
+        num_warmups=0,
         duration_s=600.0,
     )
     result = run_session(config, echo=lambda *a, **k: None, warn=lambda *a: None)
@@ -144,7 +144,7 @@ def main(
     procs = []
     try:
         port = free_port()
-        procs.append(loomserve(path, port, threads, []))
+        procs.append(loomserve(path, port, threads, ["--spec-ngram"]))
         url = f"http://127.0.0.1:{port}"
         servers["loomserve, no drafts"] = (url, {"speculative": False})
         servers["loomserve"] = (url, None)

@@ -73,8 +73,9 @@ class WorkerConfig:
     # Self-speculative n-gram drafting in the tick (worker/speculation.py): each generating
     # slot may draft up to num_speculative_tokens tokens that followed an earlier occurrence
     # of its last prompt_lookup_min..max tokens, where the tick-cost model says they are
-    # nearly free. Greedy output is the same with it as without.
-    spec_ngram: bool = True
+    # nearly free. Greedy output is the same with it as without. Off by default: on this
+    # project's 2-core machine it did not win on every load (docs/speculation.md).
+    spec_ngram: bool = False
     num_speculative_tokens: int = 16
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
