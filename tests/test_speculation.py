@@ -236,3 +236,16 @@ def test_with_a_stream_per_slot_every_decode_run_gets_the_same_length():
     assert step.n_extra == 12 and step.ubatches == 1
     scheduler.advance(step)
     assert [slot.n_in_cache for slot in scheduler.slots] == [5, 5, 5]
+
+
+# --- the per-request opt-out ---------------------------------------------------------------
+
+
+def test_a_request_body_opts_out_of_drafts_through_the_gateway():
+    from loomserve.gateway.params import sampling_params
+    from loomserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+
+    out = CompletionRequest(model="m", prompt="hi", speculative=False)
+    assert sampling_params(out, 16, None).speculative is False
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert sampling_params(chat, 16, None).speculative is True
