@@ -174,6 +174,31 @@ def worker_options(func):
             "CPU kernels. Off: one KV cache shared by all slots and the fastest kernels.",
         ),
         click.option(
+            "--spec-ngram/--no-spec-ngram",
+            default=default_of(WorkerConfig, "spec_ngram"),
+            help="Self-speculative n-gram drafting: generating slots draft tokens that "
+            "followed an earlier occurrence of their last tokens, verified in the same pass "
+            "where the learned tick cost says they pay. Greedy output is unchanged.",
+        ),
+        click.option(
+            "--num-speculative-tokens",
+            type=click.IntRange(min=1),
+            default=default_of(WorkerConfig, "num_speculative_tokens"),
+            help="Most drafted tokens per slot and tick.",
+        ),
+        click.option(
+            "--prompt-lookup-min",
+            type=click.IntRange(min=1),
+            default=default_of(WorkerConfig, "prompt_lookup_min"),
+            help="Shortest n-gram matched to draft from.",
+        ),
+        click.option(
+            "--prompt-lookup-max",
+            type=click.IntRange(min=1),
+            default=default_of(WorkerConfig, "prompt_lookup_max"),
+            help="Longest n-gram matched to draft from (the longest match wins).",
+        ),
+        click.option(
             "--log-ticks/--no-log-ticks",
             default=default_of(WorkerConfig, "log_ticks"),
             help="Log one structured event per tick.",

@@ -16,8 +16,8 @@ from enum import StrEnum
 DEFAULT_TENANT = "default"
 
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
-# and tenant
-PROTOCOL_VERSION = 6
+# and tenant; 7: SamplingParams.speculative
+PROTOCOL_VERSION = 7
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -66,6 +66,9 @@ class SamplingParams:
     # The same for every prompt token after the first (completions' echo with logprobs);
     # None: no prompt logprobs. Such a prompt is evaluated whole: no prefix reuse.
     prompt_logprobs: int | None = None
+    # Whether the worker may draft tokens for it (n-gram speculation, when the worker has it
+    # on). The output is the same either way; off spends no compute on drafts.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -74,6 +74,15 @@ class WorkerConfig:
     # own KV stream and use CPU kernels that compute every row alike (see Engine). Off: one
     # KV cache shared by all slots and the fastest kernels.
     batch_invariant: bool = True
+    # Self-speculative n-gram drafting in the tick (worker/speculation.py): each generating
+    # slot may draft up to num_speculative_tokens tokens that followed an earlier occurrence
+    # of its last prompt_lookup_min..max tokens, where the tick-cost model says they are
+    # nearly free. Greedy output is the same with it as without. Off by default: on this
+    # project's 2-core machine it did not win on every load (docs/speculation.md).
+    spec_ngram: bool = False
+    num_speculative_tokens: int = 16
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     # /v1/embeddings for a model without a pooling head, mean-pooled, in a second context
     # (worker/embeddings.py); a model with a pooling head serves them whatever this says.
     embeddings: bool = False
@@ -121,6 +130,10 @@ class WorkerConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.swap_space < 0 or self.max_slots_per_tenant < 0:
             raise ValueError("swap_space and max_slots_per_tenant must not be negative")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be at least 1 and at most prompt_lookup_max")
         self.tenant_weights  # noqa: B018 -- parses them, raising ValueError on a bad one
 
     @property

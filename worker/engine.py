@@ -123,6 +123,14 @@ class TokenBatch:
         self.n_tokens = j
         return j - 1
 
+    def add_verified_run(self, tokens: list[int], first_pos: int, seq: int, n_logits: int) -> int:
+        """Append consecutive tokens of one sequence with logits on the first n_logits of
+        them (a token and its drafts; filler after them); return the first one's index."""
+        first = self.n_tokens
+        self.add_run(tokens, first_pos, seq, False)
+        self.logits[first : first + n_logits] = 1
+        return first
+
 
 class Engine:
     """The model, its one context, and the few llama.cpp calls the loop needs."""

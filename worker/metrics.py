@@ -67,7 +67,7 @@ class WorkerMetrics:
         )
         self.batch_tokens = counter(
             "batch_tokens",
-            "Tokens in tick batches, by kind (decode, prefill, padding).",
+            "Tokens in tick batches, by kind (decode, prefill, padding, draft).",
             ("kind",),
         )
         self.tick_seconds = Histogram(
@@ -113,10 +113,26 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        # Speculation, named as vLLM's vllm:spec_decode_* counters.
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Drafts verified: one per slot and tick that drafted."
+        )
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Drafted tokens verified in a forward pass."
+        )
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Drafted tokens the sampler agreed with."
+        )
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafted tokens by their position in the draft (0: the first).",
+            ("position",),
+        )
         self._tenant_labels = TenantLabels()
         self._decode = self.batch_tokens.labels(kind="decode")
         self._prefill = self.batch_tokens.labels(kind="prefill")
         self._padding = self.batch_tokens.labels(kind="padding")
+        self._draft = self.batch_tokens.labels(kind="draft")
         self._finished_by_reason = {
             r.value: self.finished.labels(reason=r.value) for r in FinishReason
         }
@@ -155,6 +171,14 @@ class WorkerMetrics:
         self._padding.inc(record.pad_tokens)
         self.tick_ubatches.observe(record.ubatches)
         self.generation_tokens.inc(record.sampled_tokens)
+        if record.draft_tokens:
+            self._padding.inc(record.filler_tokens)
+            self._draft.inc(record.draft_tokens)
+            self.spec_drafts.inc(record.drafts)
+            self.spec_draft_tokens.inc(record.draft_tokens)
+            self.spec_accepted_tokens.inc(record.accepted_tokens)
+            for position, count in enumerate(record.accepted_per_position):
+                self.spec_accepted_per_pos.labels(str(position)).inc(count)
 
     def on_finish(self, record: FinishRecord) -> None:
         finish = record.finish

@@ -167,6 +167,11 @@ class Run:
     # A padding token that only joins its neighbours' pass (ubatches.py): its cell is dropped
     # after the forward pass and the slot does not advance.
     pad: bool = False
+    # Speculation (speculation.py): the last `draft` tokens before the filler are drafted
+    # tokens, each with logits, kept only as far as the sampler agrees; the last `filler`
+    # tokens only give the run the tick's common length, and their cells are dropped.
+    draft: int = 0
+    filler: int = 0
 
 
 @dataclass(slots=True)
@@ -177,10 +182,11 @@ class Step:
     runs: list[Run] = field(default_factory=list)  # in slot order, padding runs included
     n_pad: int = 0  # padding tokens among the runs
     ubatches: int = 0  # the forward passes llama.cpp will make of the batch
+    n_extra: int = 0  # drafted and filler tokens (speculation), beyond the plan's
 
     @property
     def n_tokens(self) -> int:
-        return self.plan.n_tokens + self.n_pad
+        return self.plan.n_tokens + self.n_pad + self.n_extra
 
 
 @dataclass(slots=True)
@@ -242,6 +248,7 @@ class Scheduler:
         self._cancelled_waiting: list[tuple[Request, str]] = []
         self._fallback = DecodeMaximal()
         self._strategy_failures = 0
+        self._budget = 0  # the latest schedule()'s token budget
 
     # --- counts -----------------------------------------------------------------------
 
@@ -479,6 +486,7 @@ class Scheduler:
 
     def schedule(self, budget: int, chunk_size: int) -> Step:
         """This tick's runs: the strategy splits the budget; the runs go in slot order."""
+        self._budget = budget
         views = self.views()
         if not views:
             return Step(BatchPlan())
@@ -520,6 +528,37 @@ class Scheduler:
         step.ubatches = count_ubatches(lengths, budget, rules.per_slot_streams)
         return step
 
+    def ubatches_with_filler(self, step: Step, length: int) -> int:
+        """The passes the step would take with `length` more tokens on every decode and
+        padding run (speculation's common length, where each slot has its own KV stream)."""
+        lengths = []
+        for run in step.runs:
+            grows = run.pad or (run.sample and run.slot.phase is SlotPhase.GENERATING)
+            lengths.append((run.slot.index, len(run.tokens) + (length if grows else 0)))
+        return count_ubatches(lengths, self._budget, self.split_rules.per_slot_streams)
+
+    def add_drafts(self, step: Step, drafts: dict[int, list[int]], length: int) -> None:
+        """Put the drafted tokens after each generating slot's last token; with a KV stream
+        per slot, also fill every decode and padding run up to `length` extra tokens."""
+        uniform = self.split_rules.per_slot_streams
+        for run in step.runs:
+            decoding = run.sample and run.slot.phase is SlotPhase.GENERATING
+            if not (decoding or (run.pad and uniform)):
+                continue
+            draft = drafts.get(run.slot.index, []) if decoding else []
+            filler = length - len(draft) if uniform else 0
+            # Filler repeats the run's first token: any token will do, nothing reads it.
+            run.tokens = run.tokens + draft + run.tokens[:1] * filler
+            run.draft, run.filler = len(draft), filler
+            step.n_extra += len(draft) + filler
+        lengths = [(run.slot.index, len(run.tokens)) for run in step.runs]
+        step.ubatches = count_ubatches(lengths, self._budget, self.split_rules.per_slot_streams)
+
+    def accept_drafts(self, slot: Slot, accepted: int) -> None:
+        """`accepted` drafted tokens of the slot's last run are now its sequence's: their
+        cells hold. The loop drops the rest of the run's cells."""
+        slot.n_in_cache += accepted
+
     def _paddable(self, index: int) -> bool:
         slot = self.slots[index]
         # A busy slot's next cell is written by its own next token anyway.
@@ -559,7 +598,8 @@ class Scheduler:
         """The forward pass put every run's tokens in the cache."""
         for run in step.runs:
             if not run.pad:
-                run.slot.n_in_cache += len(run.tokens)
+                # Drafted tokens join the cache as the sampler accepts them (accept_drafts).
+                run.slot.n_in_cache += len(run.tokens) - run.draft - run.filler
 
     def fail(self, step: Step, message: str) -> None:
         """The forward pass failed: every request in it ends with an error."""

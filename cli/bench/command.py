@@ -52,12 +52,18 @@ def _warn(message: str) -> None:
     help="ShareGPT-format JSON file (for --dataset sharegpt; implies it).",
 )
 @click.option("--num-prompts", type=int, default=100, help="Requests per run.")
-@click.option("--input-len", type=int, default=256, help="Prompt tokens (random, shared-prefix).")
+@click.option(
+    "--input-len",
+    type=int,
+    default=256,
+    help="Prompt tokens (random, shared-prefix); the passage's (input-grounded).",
+)
 @click.option(
     "--output-len",
     type=int,
     default=None,
-    help="Output tokens (max_tokens). Default: 128, or each ShareGPT answer's length.",
+    help="Output tokens (max_tokens). Default: 128, each ShareGPT answer's length, or the "
+    "input-grounded passage's.",
 )
 @click.option(
     "--range-ratio",

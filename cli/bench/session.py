@@ -27,12 +27,13 @@ from loomserve.cli.bench.datasets import (
     shared_prefix_dataset,
     sharegpt_dataset,
 )
+from loomserve.cli.bench.grounded import input_grounded_dataset
 from loomserve.cli.bench.metrics import BenchmarkMetrics, compute_metrics, pacing_stats
 from loomserve.cli.bench.probe import ServerTokenizer, first_model
 from loomserve.cli.bench.runner import LoadShape, RunResult, run_load, warm_up
 from loomserve.cli.bench.sweep import sweep_shapes
 
-DATASETS = ("random", "shared-prefix", "sharegpt")
+DATASETS = ("random", "shared-prefix", "sharegpt", "input-grounded")
 DEFAULT_OUTPUT_LEN = 128
 
 
@@ -107,6 +108,10 @@ def _dataset(config: BenchConfig, count: TokenCounter, seed: int) -> list[BenchR
             config.range_ratio,
             seed,
             count,
+        )
+    if config.dataset == "input-grounded":  # the answer repeats the prompt's passage
+        return input_grounded_dataset(
+            config.num_prompts, config.input_len, config.output_len, config.range_ratio, seed, count
         )
     if config.dataset == "shared-prefix":
         return shared_prefix_dataset(

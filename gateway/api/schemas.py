@@ -84,6 +84,11 @@ class GenerationFields(RequestModel):
     )
     grammar: str | None = Field(default=None, description="A GBNF grammar with a root rule.")
     ignore_eos: bool | None = False
+    speculative: bool | None = Field(
+        default=None,
+        description="false: the worker drafts no tokens for this request (n-gram "
+        "speculation; the output is the same). Default true.",
+    )
 
 
 class CompletionRequest(GenerationFields):

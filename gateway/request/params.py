@@ -155,6 +155,7 @@ def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) ->
             logit_bias=_logit_bias(request.logit_bias, vocab),
             grammar=request_grammar(request, vocab),
             ignore_eos=bool(request.ignore_eos),
+            speculative=_or(request.speculative, defaults.speculative),
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
         )

@@ -144,6 +144,7 @@ def test_a_chunk_without_logprobs_costs_two_bytes() -> None:
 
 def generate_body(prompt: object, logit_bias: object) -> bytes:
     params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None, None]
+    params.append(True)  # speculative
     return msgpack.packb(["r1", prompt, params, 0, ""])
 
 
