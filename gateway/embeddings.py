@@ -16,6 +16,7 @@ import numpy as np
 from loomserve.gateway import prompts
 from loomserve.gateway.errors import invalid_request
 from loomserve.gateway.pool import WorkerPool
+from loomserve.gateway.retries import Tries
 from loomserve.gateway.schemas import EmbeddingRequest
 from loomserve.gateway.tokenizer import Vocab
 from loomserve.protocol import Embed
@@ -55,7 +56,7 @@ async def create_embeddings(
 ) -> dict[str, Any]:
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)
-    reply = await client.embed(embed)
+    reply = await Tries(client).embed(embed)
     vectors = np.frombuffer(reply.vectors, dtype="<f4").reshape(len(embed.inputs), reply.size)
     data = []
     for index, vector in enumerate(vectors):

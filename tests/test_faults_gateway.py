@@ -1,0 +1,127 @@
+"""Faults at the gateway found by the second audit (issue 21): a worker lost before a
+request's first token, CURVE keys that do not match, a client that does not read its stream.
+
+Real worker and gateway processes on the tiny model (tests/procs.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import LONG_CTX
+from tests.procs import Proc, scrape_metrics, start_gateway, start_worker
+
+CTX = LONG_CTX
+# ignore_eos over most of a 16k context: about ten seconds on the tiny model.
+LONG = {"prompt": "once upon a time", "max_tokens": CTX - 16, "ignore_eos": True}
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until check() held; fails after timeout."""
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def sse_events(lines: Iterator[str]) -> list[str]:
+    """The data of every event left in a stream."""
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+
+
+def routed(gateway: Proc) -> dict[str, float]:
+    """Requests the gateway routed to each worker so far."""
+    samples = scrape_metrics(gateway.url + "/metrics")
+    return {
+        dict(labels)["worker"]: value
+        for (name, labels), value in samples.items()
+        if name == "loomserve:worker_requests_routed_total"
+    }
+
+
+def idle_slots(gateway: Proc) -> int | None:
+    return httpx.get(gateway.url + "/health", timeout=5).json().get("slots_idle")
+
+
+def rerouted(gateway: Proc, reason: str) -> float:
+    samples = scrape_metrics(gateway.url + "/metrics")
+    return samples.get(("loomserve:requests_rerouted_total", (("reason", reason),)), 0.0)
+
+
+# --- item 2: a worker lost before the first token ---------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_queued_on_a_killed_worker_is_served_by_the_other(
+    long_model_path: Path, stream: bool
+) -> None:
+    """Two workers of one slot each, both busy with a long stream; a third request waits in
+    one's queue. That worker is killed: the waiting request goes to the other worker and is
+    answered in full, as it would have been alone."""
+    short = {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0}
+    with ExitStack() as stack:
+        workers = [
+            stack.enter_context(start_worker(long_model_path, slots=1, ctx_size=CTX))
+            for _ in range(2)
+        ]
+        gateway = stack.enter_context(start_gateway(long_model_path, [w.endpoint for w in workers]))
+        url = gateway.url + "/v1/completions"
+        alone = httpx.post(url, json=short, timeout=30)
+        assert alone.status_code == 200, alone.text
+
+        # One long stream on each worker: each waits for the heartbeats to show the slots
+        # as they are (a stale one would make a busy worker look as free as an idle one).
+        longs: dict[str, tuple[httpx.Response, Iterator[str]]] = {}
+        for busy in range(2):
+            wait_until(lambda b=busy: idle_slots(gateway) == 2 - b, 10, "heartbeats")
+            before = routed(gateway)
+            response = stack.enter_context(
+                httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60)
+            )
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            (target,) = [w for w, n in routed(gateway).items() if n > before.get(w, 0)]
+            longs[target] = (response, lines)
+        assert len(longs) == 2, "the two long streams went to the same worker"
+        wait_until(lambda: idle_slots(gateway) == 0, 10, "both slots busy")
+        before = routed(gateway)
+
+        def queued() -> tuple[int, str]:
+            body = {**short, "stream": stream}
+            with httpx.stream("POST", url, json=body, timeout=60) as response:
+                response.read()
+                return response.status_code, response.text
+
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(queued)
+            wait_until(lambda: sum(routed(gateway).values()) > sum(before.values()), 10, "routed")
+            after = routed(gateway)
+            (target,) = [w for w in after if after[w] > before.get(w, 0)]
+            victim = next(w for w in workers if w.endpoint == target)
+            survivor = next(w for w in workers if w.endpoint != target)
+            victim.kill()
+            # The victim's own long stream ends with an error: it had output already.
+            events = sse_events(longs[victim.endpoint][1])
+            assert json.loads(events[-1])["error"]["code"] == "worker_unavailable"
+            # The survivor frees its slot once its long stream's client leaves.
+            longs[survivor.endpoint][0].close()
+            status, text = answer.result(timeout=60)
+        assert status == 200, text
+        if stream:
+            events = sse_events(iter(text.splitlines()))
+            assert events[-1] == "[DONE]"
+            got = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        else:
+            got = json.loads(text)["choices"][0]["text"]
+        assert got == alone.json()["choices"][0]["text"]
+        assert rerouted(gateway, "lost") == 1
+        assert "sent to another worker" in gateway.logs()
