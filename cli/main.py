@@ -545,7 +545,7 @@ def worker_health(
     curve_secret_key_file: Path | None,
 ) -> None:
     """Exit 0 when the worker answers a Ping and its model is loaded; for health checks."""
-    from loomserve.cli.health import probe_worker
+    from loomserve.cli.health import probe
 
     if (curve_server_key_file is None) != (curve_secret_key_file is None):
         raise click.UsageError("--curve-server-key-file and --curve-secret-key-file go together")
@@ -553,11 +553,13 @@ def worker_health(
     if curve_server_key_file is not None and curve_secret_key_file is not None:
         curve = (curve_server_key_file, curve_secret_key_file)
     try:
-        beat = probe_worker(worker_endpoint, timeout, curve)
+        found = probe(worker_endpoint, timeout, curve)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    beat = found.beat
     if beat is None:
-        raise click.ClickException(f"no answer from {worker_endpoint} within {timeout} s")
+        why = f": {found.handshake_failure}" if found.handshake_failure else ""
+        raise click.ClickException(f"no answer from {worker_endpoint} within {timeout} s{why}")
     if not beat.ready:
         raise click.ClickException(f"{worker_endpoint} answers but is not ready yet")
     click.echo(

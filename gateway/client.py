@@ -27,6 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.curve import set_curve_client
+from loomserve.gateway.handshake import HANDSHAKE_FAILED, handshake_failure
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.worker_errors import (
     WorkerClientError,
@@ -135,6 +136,7 @@ class WorkerClient:
         self._sent_since_heartbeat: list[str] = []  # request ids that report cannot count
         self.incompatible: str | None = None  # why we refuse to serve with this worker
         self._lost_because = f"not connected to the worker at {self.endpoint}"
+        self._handshake_failure: str | None = None  # the latest, until a handshake succeeds
         self._requests: dict[str, RequestHandle] = {}
         self._last_seen = -float("inf")
         self._last_ping = -float("inf")
@@ -159,7 +161,9 @@ class WorkerClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.IPV6, 1)  # a resolved worker address may be IPv6
         _set_curve(sock, self.config)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
+        )
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [
@@ -365,7 +369,12 @@ class WorkerClient:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     log.info("connected to worker", worker=self.endpoint)
+                    if self._handshake_failure is not None:
+                        self._handshake_failure = None
+                        self._lost_because = f"waiting for the worker at {self.endpoint}"
                     self._send(Hello(self.identity))
+                elif event["event"] & HANDSHAKE_FAILED:
+                    self._on_handshake_failed(event["event"], int(event["value"]))
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     # A dropped TCP connection usually means the worker process is gone.
                     # What it said last (its Finishes, an engine_dead) may still wait in the
@@ -375,6 +384,17 @@ class WorkerClient:
                     self._worker_lost("the connection to the worker closed")
         finally:
             monitor.close(linger=0)
+
+    def _on_handshake_failed(self, event: int, value: int) -> None:
+        """Say why the worker cannot be reached: in the 503s, and once in the log (the
+        socket tries again every second)."""
+        curve = self.config.curve_server_key_file is not None
+        why = handshake_failure(event, value, curve) or "the handshake failed"
+        if self.info is None:
+            self._lost_because = f"cannot connect to the worker at {self.endpoint}: {why}"
+        if why != self._handshake_failure:
+            self._handshake_failure = why
+            log.error("handshake with the worker failed", worker=self.endpoint, reason=why)
 
     # --- worker messages ----------------------------------------------------------
 

@@ -7,6 +7,8 @@ Real worker and gateway processes on the tiny model (tests/procs.py).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loomserve.cli.keygen import ensure_certificates
 from tests.conftest import LONG_CTX
-from tests.procs import Proc, scrape_metrics, start_gateway, start_worker
+from tests.procs import REPO_ROOT, Proc, scrape_metrics, start_gateway, start_worker
 
 CTX = LONG_CTX
 # ignore_eos over most of a 16k context: about ten seconds on the tiny model.
@@ -125,3 +128,127 @@ def test_a_request_queued_on_a_killed_worker_is_served_by_the_other(
         assert got == alone.json()["choices"][0]["text"]
         assert rerouted(gateway, "lost") == 1
         assert "sent to another worker" in gateway.logs()
+
+
+# --- item 5: CURVE handshakes that fail ----------------------------------------------------------
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    ensure_certificates(tmp_path / "keys", ["worker", "gateway", "stranger"])
+    return tmp_path / "keys"
+
+
+def unhealthy_because(gateway: Proc, timeout: float = 20.0) -> str:
+    """The message of the gateway's 503, once it says more than "not connected"."""
+    message = ""
+
+    def told() -> bool:
+        nonlocal message
+        answer = httpx.get(gateway.url + "/health", timeout=5)
+        assert answer.status_code == 503, answer.text
+        message = answer.json()["error"]["message"]
+        return "cannot connect" in message
+
+    wait_until(told, timeout, f"a reason from {gateway.name}: {message}")
+    return message
+
+
+def test_curve_handshake_failures_are_named_on_both_sides(
+    tiny_model_path: Path, keys: Path
+) -> None:
+    with ExitStack() as stack:
+        worker = stack.enter_context(
+            start_worker(
+                tiny_model_path,
+                wait=False,
+                curve_secret_key_file=keys / "worker.key_secret",
+                curve_allowed_keys=keys / "gateway.key",
+            )
+        )
+        wrong_keys = {
+            # A server key that is not the worker's: it cannot decrypt our HELLO.
+            "server key": (keys / "stranger.key", keys / "gateway.key_secret"),
+            # The worker's key, but our own is not in its allow-list.
+            "own key": (keys / "worker.key", keys / "stranger.key_secret"),
+            "no keys": (None, None),
+        }
+        gateways = {
+            name: stack.enter_context(
+                start_gateway(
+                    tiny_model_path,
+                    worker.endpoint,
+                    wait=False,
+                    curve_server_key_file=server,
+                    curve_secret_key_file=secret,
+                )
+            )
+            for name, (server, secret) in wrong_keys.items()
+        }
+        for gateway in gateways.values():
+            wait_until(gateway_listens(gateway), 60, "the gateway listening")
+        server_key = unhealthy_because(gateways["server key"])
+        assert "--curve-server-key-file is not that worker's public key" in server_key
+        own_key = unhealthy_because(gateways["own key"])
+        assert "not in the worker's --curve-allowed-keys" in own_key
+        assert "requires CURVE" in unhealthy_because(gateways["no keys"])
+        answer = httpx.post(gateways["server key"].url + "/v1/completions", json={"prompt": "hi"})
+        assert answer.status_code == 503 and answer.json()["error"]["message"] == server_key
+        for gateway in gateways.values():
+            assert "handshake with the worker failed" in gateway.logs()
+
+        logs = worker.logs()
+        assert "does not hold this worker's public key" in logs
+        # The plain gateway: libzmq tells whichever end sees the mismatch first.
+        assert "connected without CURVE" in logs or "a client without CURVE keys" in logs
+        assert "not in the allow-list" in logs  # the allow-list's own word on the stranger
+
+        # worker-health says the same, and exits 1.
+        probe = run_cli(
+            "worker-health",
+            "--worker",
+            worker.endpoint,
+            "--timeout",
+            "2",
+            "--curve-server-key-file",
+            str(keys / "stranger.key"),
+            "--curve-secret-key-file",
+            str(keys / "gateway.key_secret"),
+        )
+        assert probe.returncode == 1
+        assert "--curve-server-key-file is not that worker's public key" in probe.stderr
+
+        # With the right keys all is well: the checks above can tell.
+        good = stack.enter_context(
+            start_gateway(
+                tiny_model_path,
+                worker.endpoint,
+                curve_server_key_file=keys / "worker.key",
+                curve_secret_key_file=keys / "gateway.key_secret",
+            )
+        )
+        answer = httpx.post(good.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+        assert "handshake with the worker failed" not in good.logs()
+
+
+def gateway_listens(gateway: Proc) -> Callable[[], bool]:
+    def check() -> bool:
+        assert gateway.alive(), gateway.log_tail()
+        try:
+            httpx.get(gateway.url + "/live", timeout=2)
+        except httpx.HTTPError:
+            return False
+        return True
+
+    return check
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loomserve.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
