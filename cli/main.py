@@ -576,12 +576,20 @@ def worker_health(
     default=("worker", "gateway"),
     help="A certificate to make (repeatable): NAME.key and NAME.key_secret.",
 )
-def keygen(directory: Path, names: tuple[str, ...]) -> None:
+@click.option(
+    "--split",
+    is_flag=True,
+    default=False,
+    help="Each NAME's certificate in DIRECTORY/NAME/, with the other names' public keys: "
+    "mount one folder per service and none reads another's secret key.",
+)
+def keygen(directory: Path, names: tuple[str, ...], split: bool) -> None:
     """Make CURVE certificates for the worker and its gateways in DIRECTORY (default: keys);
     existing ones are kept."""
-    from loomserve.cli.keygen import ensure_certificates
+    from loomserve.cli.keygen import ensure_certificates, ensure_split_certificates
 
-    for secret, made in ensure_certificates(directory, list(names)):
+    made_now = ensure_split_certificates if split else ensure_certificates
+    for secret, made in made_now(directory, list(names)):
         click.echo(f"{'made' if made else 'kept'} {secret} and {secret.with_suffix('.key')}")
 
 
