@@ -267,6 +267,13 @@ def gateway_options(func):
             default=default_of(GatewayConfig, "request_timeout"),
             help="Longest a generation may run before it is cut off with a 504.",
         ),
+        click.option(
+            "--stream-buffer-tokens",
+            type=click.IntRange(min=1),
+            default=default_of(GatewayConfig, "stream_buffer_tokens"),
+            help="Tokens held for a client that does not read its stream; past them the "
+            "request is cancelled.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -352,6 +359,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         curve_secret_key_file=opts.get("curve_secret_key_file"),
         header_timeout=opts["header_timeout"],
         body_timeout=opts["body_timeout"],
+        stream_buffer_tokens=opts["stream_buffer_tokens"],
     )
 
 

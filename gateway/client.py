@@ -30,6 +30,7 @@ from loomserve.gateway.curve import set_curve_client
 from loomserve.gateway.handshake import HANDSHAKE_FAILED, handshake_failure
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.worker_errors import (
+    ReaderTooSlow,
     WorkerClientError,
     WorkerLost,
     WorkerRejected,
@@ -73,12 +74,14 @@ class RequestHandle:
     accepted: asyncio.Future[Accepted | Rejected | Embeddings]
     events: asyncio.Queue[RequestEvent | WorkerClientError] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+    buffered: int = 0  # tokens in `events` not read yet; bounded by stream_buffer_tokens
 
     async def next_event(self) -> RequestEvent:
         """The next TokenChunk or Finish; raises WorkerLost or WorkerTimeout."""
         event = await self._get()
         if isinstance(event, WorkerClientError):
             raise event
+        self._taken(event)
         return event
 
     async def next_events(self) -> list[RequestEvent]:
@@ -95,8 +98,13 @@ class RequestHandle:
             if isinstance(event, WorkerClientError):
                 self.events.put_nowait(event)  # nothing follows an error: order is kept
                 break
+            self._taken(event)
             events.append(event)
         return events
+
+    def _taken(self, event: RequestEvent) -> None:
+        if isinstance(event, TokenChunk):
+            self.buffered -= len(event.token_ids)
 
     async def _get(self) -> RequestEvent | WorkerClientError:
         loop = asyncio.get_running_loop()
@@ -423,10 +431,14 @@ class WorkerClient:
                 log.warning("unexpected message from the worker", type=type(message).__name__)
 
     def _on_outputs(self, outputs: Outputs) -> None:
+        limit = self.config.stream_buffer_tokens
         for chunk in outputs.tokens:
             handle = self._requests.get(chunk.request_id)
             if handle is not None:
                 handle.events.put_nowait(chunk)
+                handle.buffered += len(chunk.token_ids)
+                if handle.buffered > limit:
+                    self._reader_too_slow(handle, limit)
         for finish in outputs.finishes:
             handle = self._requests.pop(finish.request_id, None)
             if handle is not None:
@@ -478,6 +490,25 @@ class WorkerClient:
             self._worker_lost(f"its engine failed ({error.message}) and it is restarting")
 
     # --- failures ----------------------------------------------------------------
+
+    def _reader_too_slow(self, handle: RequestHandle, limit: int) -> None:
+        """Its client stopped reading (its connection is full, so the gateway stopped taking
+        tokens): cancel it in the worker rather than hold a slot and buffer its whole output.
+        The tokens already here are still handed out, then the error."""
+        log.warning(
+            "client reads too slowly; request cancelled",
+            request_id=handle.request_id,
+            buffered_tokens=handle.buffered,
+            worker=self.endpoint,
+        )
+        self.cancel(handle)
+        self.forget(handle)  # its Finish would come after the error: nothing more is read
+        handle.events.put_nowait(
+            ReaderTooSlow(
+                f"the client did not read its output: {handle.buffered} tokens waited in the "
+                f"gateway (more than --stream-buffer-tokens {limit}); the request was cancelled"
+            )
+        )
 
     def _worker_lost(self, reason: str, gateway_side: bool = False) -> None:
         """End every open request and say Hello until a worker answers.

@@ -7,6 +7,7 @@ Real worker and gateway processes on the tiny model (tests/procs.py).
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -252,3 +253,61 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         cwd=REPO_ROOT,
     )
+
+
+# --- item 6: a client that does not read its stream -------------------------------------------
+
+
+def test_a_client_that_does_not_read_loses_its_slot_not_the_gateways_memory(
+    long_model_path: Path,
+) -> None:
+    """The client sends a long streaming request and reads nothing: once its connection is
+    full, at most --stream-buffer-tokens wait in the gateway, then the request is cancelled
+    in the worker (long before it would end). A reader that keeps up gets every token."""
+    with ExitStack() as stack:
+        worker = stack.enter_context(start_worker(long_model_path, slots=1, ctx_size=CTX))
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, worker.endpoint, stream_buffer_tokens=1024)
+        )
+        host, port = gateway.url.removeprefix("http://").split(":")
+        # With 20 alternatives per token each event is over a kilobyte: the kernel's buffers
+        # (4 MiB on loopback) fill within a few thousand tokens, then the gateway's.
+        body = json.dumps({**LONG, "stream": True, "logprobs": 20}).encode()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        stack.callback(sock.close)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+        sock.connect((host, int(port)))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+        def finished() -> list[dict]:
+            lines = worker.logs().splitlines()
+            return [json.loads(line) for line in lines if "request finished" in line]
+
+        seconds = wait_until(lambda: len(finished()) == 1, 30, "the request to end")
+        (record,) = finished()
+        print(f"cancelled after {seconds:.2f}s and {record['completion_tokens']} tokens")
+        assert record["reason"] == "cancelled"
+        assert record["completion_tokens"] < LONG["max_tokens"] / 2, record
+        assert "client reads too slowly; request cancelled" in gateway.logs()
+        wait_until(lambda: idle_slots(gateway) == 1, 5, "the slot free")
+
+        # What the client reads at last: the tokens it was owed, then the error event.
+        sock.settimeout(10)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+            if b"reader_too_slow" in received or b"[DONE]" in received:
+                break
+        assert b"reader_too_slow" in received and b"[DONE]" not in received
+
+        # A reader that keeps up is never cut, however long its stream.
+        whole = {**LONG, "max_tokens": 3000, "stream": True}
+        whole["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", gateway.url + "/v1/completions", json=whole, timeout=60) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 3000
