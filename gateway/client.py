@@ -75,6 +75,9 @@ class RequestHandle:
     events: asyncio.Queue[RequestEvent | WorkerClientError] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     buffered: int = 0  # tokens in `events` not read yet; bounded by stream_buffer_tokens
+    # The reader waits for events now: what piles up meanwhile (a burst after this gateway
+    # stalled) waits for the event loop, not for a client that stopped reading.
+    reading: bool = False
 
     async def next_event(self) -> RequestEvent:
         """The next TokenChunk or Finish; raises WorkerLost or WorkerTimeout."""
@@ -110,6 +113,7 @@ class RequestHandle:
         loop = asyncio.get_running_loop()
         # loop.time() is time.monotonic() on every platform we run on; stay explicit.
         when = loop.time() + (self.deadline - time.monotonic())
+        self.reading = True
         try:
             async with asyncio.timeout_at(when):
                 return await self.events.get()
@@ -117,6 +121,8 @@ class RequestHandle:
             raise WorkerTimeout(
                 "the request took longer than the server's request timeout"
             ) from None
+        finally:
+            self.reading = False
 
 
 class WorkerClient:
@@ -437,7 +443,7 @@ class WorkerClient:
             if handle is not None:
                 handle.events.put_nowait(chunk)
                 handle.buffered += len(chunk.token_ids)
-                if handle.buffered > limit:
+                if handle.buffered > limit and not handle.reading:
                     self._reader_too_slow(handle, limit)
         for finish in outputs.finishes:
             handle = self._requests.pop(finish.request_id, None)
