@@ -78,7 +78,12 @@ def test_a_request_queued_on_a_killed_worker_is_served_by_the_other(
             stack.enter_context(start_worker(long_model_path, slots=1, ctx_size=CTX))
             for _ in range(2)
         ]
-        gateway = stack.enter_context(start_gateway(long_model_path, [w.endpoint for w in workers]))
+        # The long streams are left unread for seconds: room for all their tokens, or the
+        # gateway may cancel them as slow readers (see the slow reader's test below).
+        endpoints = [w.endpoint for w in workers]
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, endpoints, stream_buffer_tokens=CTX)
+        )
         url = gateway.url + "/v1/completions"
         alone = httpx.post(url, json=short, timeout=30)
         assert alone.status_code == 200, alone.text
