@@ -299,6 +299,13 @@ def gateway_options(func):
             default=default_of(GatewayConfig, "request_timeout"),
             help="Longest a generation may run before it is cut off with a 504.",
         ),
+        click.option(
+            "--stream-buffer-tokens",
+            type=click.IntRange(min=1),
+            default=default_of(GatewayConfig, "stream_buffer_tokens"),
+            help="Tokens held for a client that does not read its stream; past them the "
+            "request is cancelled.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -384,6 +391,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         curve_secret_key_file=opts.get("curve_secret_key_file"),
         header_timeout=opts["header_timeout"],
         body_timeout=opts["body_timeout"],
+        stream_buffer_tokens=opts["stream_buffer_tokens"],
     )
 
 
@@ -577,7 +585,7 @@ def worker_health(
     curve_secret_key_file: Path | None,
 ) -> None:
     """Exit 0 when the worker answers a Ping and its model is loaded; for health checks."""
-    from loomserve.cli.health import probe_worker
+    from loomserve.cli.health import probe
 
     if (curve_server_key_file is None) != (curve_secret_key_file is None):
         raise click.UsageError("--curve-server-key-file and --curve-secret-key-file go together")
@@ -585,11 +593,13 @@ def worker_health(
     if curve_server_key_file is not None and curve_secret_key_file is not None:
         curve = (curve_server_key_file, curve_secret_key_file)
     try:
-        beat = probe_worker(worker_endpoint, timeout, curve)
+        found = probe(worker_endpoint, timeout, curve)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    beat = found.beat
     if beat is None:
-        raise click.ClickException(f"no answer from {worker_endpoint} within {timeout} s")
+        why = f": {found.handshake_failure}" if found.handshake_failure else ""
+        raise click.ClickException(f"no answer from {worker_endpoint} within {timeout} s{why}")
     if not beat.ready:
         raise click.ClickException(f"{worker_endpoint} answers but is not ready yet")
     click.echo(
@@ -606,12 +616,20 @@ def worker_health(
     default=("worker", "gateway"),
     help="A certificate to make (repeatable): NAME.key and NAME.key_secret.",
 )
-def keygen(directory: Path, names: tuple[str, ...]) -> None:
+@click.option(
+    "--split",
+    is_flag=True,
+    default=False,
+    help="Each NAME's certificate in DIRECTORY/NAME/, with the other names' public keys: "
+    "mount one folder per service and none reads another's secret key.",
+)
+def keygen(directory: Path, names: tuple[str, ...], split: bool) -> None:
     """Make CURVE certificates for the worker and its gateways in DIRECTORY (default: keys);
     existing ones are kept."""
-    from loomserve.cli.keygen import ensure_certificates
+    from loomserve.cli.keygen import ensure_certificates, ensure_split_certificates
 
-    for secret, made in ensure_certificates(directory, list(names)):
+    made_now = ensure_split_certificates if split else ensure_certificates
+    for secret, made in made_now(directory, list(names)):
         click.echo(f"{'made' if made else 'kept'} {secret} and {secret.with_suffix('.key')}")
 
 

@@ -50,6 +50,9 @@ class GatewayConfig:
     curve_secret_key_file: Path | None = None
     header_timeout: float = 10.0  # a connection's request headers must arrive within this
     body_timeout: float = 60.0  # and its body within this after them, or 408
+    # Tokens of one sequence the gateway holds for a client that does not read them (its
+    # socket is full); past this the request is cancelled in the worker, freeing its slot.
+    stream_buffer_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if not self.worker_endpoints:
@@ -64,6 +67,8 @@ class GatewayConfig:
             raise ValueError("curve_server_key_file and curve_secret_key_file go together")
         if self.header_timeout <= 0 or self.body_timeout <= 0:
             raise ValueError("header_timeout and body_timeout must be positive")
+        if self.stream_buffer_tokens < 1:
+            raise ValueError("stream_buffer_tokens must be at least 1")
         if self.max_body_bytes < 1 or self.request_timeout <= 0 or self.shutdown_timeout < 0:
             raise ValueError("body size and timeouts must be positive")
 

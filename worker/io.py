@@ -52,6 +52,7 @@ from loomserve.protocol.messages import MAX_EMBED_INPUTS
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, make_curve_server
 from loomserve.worker.gateways import GatewayTable
+from loomserve.worker.handshake import HandshakeWatch
 from loomserve.worker.loop import Load, TickLoop
 
 log = structlog.get_logger(__name__)
@@ -115,6 +116,7 @@ class WorkerIO:
         self._router.setsockopt(zmq.RCVHWM, RECV_HWM)
         self._router.setsockopt(zmq.LINGER, 0)
         self._auth = make_curve_server(self._context, self._router, keys) if keys else None
+        self._handshakes = HandshakeWatch(self._router, curve=keys is not None)
         try:
             self._router.bind(config.bind)
         except zmq.ZMQError:
@@ -156,6 +158,7 @@ class WorkerIO:
         self._close_sockets(linger=CLOSE_LINGER_MS)
 
     def _close_sockets(self, linger: int) -> None:
+        self._handshakes.stop()
         self._router.close(linger=linger)
         if self._auth is not None:
             self._auth.stop()

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loomserve.gateway.workers.errors import (
+    ReaderTooSlow,
     WorkerBadOutput,
     WorkerClientError,
     WorkerFailed,
@@ -122,6 +123,8 @@ def worker_error(error: WorkerClientError) -> APIError:
             return server_error(f"the engine failed the request: {error.message}")
         case WorkerTimeout():
             return APIError(504, error.message, code="timeout")
+        case ReaderTooSlow():
+            return APIError(408, error.message, code="reader_too_slow")
         case WorkerBadOutput():
             return APIError(502, error.message, type="server_error", code="bad_worker_output")
         case _:

@@ -17,6 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field
 INT32_MAX = 2**31 - 1  # llama.cpp's integer settings; beyond it a value is a 400, never a 500
 
 
+def _range(low: float, high: float) -> dict[str, Any]:
+    """A number's bounds, for the schema only: params.py and the protocol check them, with
+    their own messages (the schema and the checks must agree: tests/test_faults_gateway.py)."""
+    return {"minimum": low, "maximum": high}
+
+
 class RequestModel(BaseModel):
     """A request body or part of one: strict JSON types, no coercion from strings."""
 
@@ -25,7 +31,10 @@ class RequestModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # OpenAI pads its chunks; ours need no padding
+    # OpenAI pads its chunks; ours need no padding, and asking for it is a 400.
+    include_obfuscation: bool | None = Field(
+        default=None, json_schema_extra={"enum": [False, None]}
+    )
 
 
 class JsonSchemaFormat(RequestModel):
@@ -47,9 +56,17 @@ class GenerationFields(RequestModel):
     """The sampling fields both endpoints share. None everywhere means "the default"."""
 
     model: str | None = Field(default=None, description="The served model; optional.")
-    temperature: float | None = Field(default=None, description="0 is greedy. Default 1.")
-    top_p: float | None = Field(default=None, description="Nucleus sampling. Default 1.")
-    n: int | None = Field(default=None, description="Only 1 is supported.")
+    temperature: float | None = Field(
+        default=None, description="0 is greedy. Default 1.", json_schema_extra=_range(0, 100)
+    )
+    top_p: float | None = Field(
+        default=None,
+        description="Nucleus sampling. Default 1.",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
+    )
+    n: int | None = Field(
+        default=None, description="Choices per prompt.", json_schema_extra={"minimum": 1}
+    )
     stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
     seed: int | None = None
     stream: bool | None = False
@@ -57,8 +74,8 @@ class GenerationFields(RequestModel):
     logit_bias: dict[str, float] | None = Field(
         default=None, description="Token id (as a string) to a bias in [-100, 100]."
     )
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, json_schema_extra=_range(-2, 2))
+    frequency_penalty: float | None = Field(default=None, json_schema_extra=_range(-2, 2))
     response_format: ResponseFormat | None = None
     user: str | None = Field(
         default=None, description="The end user; requests without an API key share by it."
@@ -72,13 +89,21 @@ class GenerationFields(RequestModel):
         default=None,
         description="Completions: alternatives per token (0-20). Chat: true for logprobs.",
     )
-    top_logprobs: int | None = Field(default=None, description="Chat: alternatives (0-20).")
+    top_logprobs: int | None = Field(
+        default=None, description="Chat: alternatives (0-20).", json_schema_extra=_range(0, 20)
+    )
     # llama.cpp's extras
     top_k: int | None = Field(
         default=None, ge=0, le=INT32_MAX, description="0 disables. Default 0."
     )
-    min_p: float | None = Field(default=None, description="Default 0.")
-    repeat_penalty: float | None = Field(default=None, description="Default 1 (off).")
+    min_p: float | None = Field(
+        default=None, description="Default 0.", json_schema_extra=_range(0, 1)
+    )
+    repeat_penalty: float | None = Field(
+        default=None,
+        description="Default 1 (off).",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": 10},
+    )
     repeat_last_n: int | None = Field(
         default=None, ge=-1, le=INT32_MAX, description="-1: the whole context. Default 64."
     )
@@ -104,10 +129,13 @@ class CompletionRequest(GenerationFields):
         le=INT32_MAX,
         description="Default 16, as OpenAI and vLLM (capped by the slot's context); "
         "more than the context leaves after the prompt is a 400.",
+        json_schema_extra={"minimum": 1},
     )
     echo: bool | None = Field(default=None, description="Prepend the prompt to the text.")
     best_of: int | None = Field(default=None, description="Only 1 is supported.")
-    suffix: str | None = Field(default=None, description="Not supported.")
+    suffix: str | None = Field(
+        default=None, description="Not supported.", json_schema_extra={"maxLength": 0}
+    )
 
 
 class TextPart(RequestModel):
@@ -164,12 +192,16 @@ class ChatCompletionRequest(GenerationFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(
-        default=None, le=INT32_MAX, description="Deprecated by OpenAI; see below."
+        default=None,
+        le=INT32_MAX,
+        description="Deprecated by OpenAI; see below.",
+        json_schema_extra={"minimum": 1},
     )
     max_completion_tokens: int | None = Field(
         default=None,
         le=INT32_MAX,
         description="Default: the rest of the slot's context, as vLLM; more is a 400.",
+        json_schema_extra={"minimum": 1},
     )
     tools: list[ToolDefinition] | None = Field(default=None, description="Functions to call.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -177,8 +209,10 @@ class ChatCompletionRequest(GenerationFields):
     )
     parallel_tool_calls: bool | None = Field(default=None, description="Default true.")
     # OpenAI's, declared to be refused with a 400 unless they ask for nothing (params.py).
-    audio: Any = None
-    modalities: list[str] | None = None
+    audio: Any = Field(default=None, json_schema_extra={"type": "null"})
+    modalities: list[str] | None = Field(
+        default=None, json_schema_extra={"items": {"enum": ["text"]}, "minItems": 1, "maxItems": 1}
+    )
     prediction: Any = None
     reasoning_effort: str | None = None
     verbosity: str | None = None

@@ -4,8 +4,9 @@ and a Done, and its metrics.
 The text itself is TextAssembly's job (assembly.py); this is the thin async loop around it
 that reads the worker's messages, cancels the sequence when a stop string matched or the
 client left, and records what the sequence cost. group.py runs the choices of a request.
-When its worker is lost before the first token, the sequence is sent once more, to another
-worker (the client has seen nothing of it yet).
+When its worker is lost before the sequence produced any output, whether the client waits for
+the first output (a stream's 200 goes out with it) or reads the events, the sequence is sent
+to another worker (the client has seen nothing of it yet): its Tries (retries.py) decide.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-import structlog
 
 from loomserve.gateway.generate.assembly import (
     Done,
@@ -30,9 +29,8 @@ from loomserve.gateway.text.tokenizer import Pieces
 from loomserve.gateway.workers.client import RequestHandle, WorkerClient
 from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
 from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.gateway.workers.retries import Tries
 from loomserve.protocol.messages import Finish, TokenChunk
-
-log = structlog.get_logger(__name__)
 
 # After a stop string matched, how long to wait for the worker's Finish (for its usage).
 FINISH_GRACE_SECONDS = 2.0
@@ -46,8 +44,7 @@ class Generation:
     index: int  # the choice this sequence is
     handle: RequestHandle
     client: WorkerClient  # the worker running it now
-    pool: WorkerPool
-    tried: set[str]  # the workers it was sent to
+    tries: Tries  # the workers it was sent to, and whether it may go to another
     assembly: TextAssembly
     metrics: GatewayMetrics | None
     finished: bool = False
@@ -55,6 +52,7 @@ class Generation:
     _first_token_at: float | None = field(default=None, init=False)
     _last_token_at: float = field(default=0.0, init=False)
     _pending: list[TokenChunk | Finish] = field(default_factory=list, init=False)
+    _received: bool = field(default=False, init=False)  # the worker sent it some output
 
     @classmethod
     async def start(
@@ -68,8 +66,8 @@ class Generation:
         """Submit choice `index`; raises the client's errors if no worker takes it."""
         deadline = request.arrived_at + pool.config.request_timeout
         generate = request.to_worker(index)
-        tried: set[str] = set()
-        client, handle = await pool.submit(generate, deadline, tried)
+        tries = Tries(pool)
+        client, handle = await tries.submit(generate, deadline)
         scored = generate.params.prompt_logprobs is not None
         assembly = TextAssembly(
             vocab,
@@ -78,7 +76,7 @@ class Generation:
             scored_prompt=generate.prompt_tokens if scored else None,
             score_only=request.score_only,
         )
-        return cls(request, index, handle, client, pool, tried, assembly, metrics)
+        return cls(request, index, handle, client, tries, assembly, metrics)
 
     async def first_output(self) -> bool:
         """Wait for the worker's first output (the prompt is then in its cache); True then.
@@ -87,7 +85,7 @@ class Generation:
         worker fails or drops (queued, then cancelled) gets its own HTTP status, not a 200.
         """
         if not self._pending:
-            self._pending = await self.handle.next_events()
+            self._pending = await self._next_batch()
         first = self._pending[0]
         failure = finish_failure(first) if isinstance(first, Finish) else None
         if failure is not None:  # it ended before any output: failed or dropped
@@ -101,11 +99,7 @@ class Generation:
         finish: Finish | None = None
         try:
             while finish is None and not assembly.stopped:
-                try:
-                    batch = self._pending or await self.handle.next_events()
-                except WorkerLost as lost:
-                    await self._resend(lost)
-                    continue
+                batch = self._pending or await self._next_batch()
                 self._pending = []
                 self._observe_tokens(batch)
                 delta = TextDelta("")
@@ -152,25 +146,22 @@ class Generation:
             self.client.cancel(self.handle)
             self.cut_short = True
 
-    async def _resend(self, lost: WorkerLost) -> None:
-        """The worker was lost: before the first token, send the sequence to another worker.
-
-        Raises `lost` when tokens were already handed out or no other worker takes it.
-        """
-        if self._first_token_at is not None or self.finished:
-            raise lost
-        try:
-            client, handle = await self.pool.submit(
-                self.request.to_worker(self.index), self.handle.deadline, self.tried
-            )
-        except WorkerClientError:
-            raise lost from None
-        log.info(
-            "worker lost before the first token; sequence sent to another worker",
-            request_id=self.request.id,
-            worker=client.endpoint,
-        )
-        self.client, self.handle = client, handle
+    async def _next_batch(self) -> list[TokenChunk | Finish]:
+        """The worker's next events. When the worker is lost before it sent any, the
+        sequence goes to another worker (while its Tries allow) and is read from there."""
+        while True:
+            try:
+                batch = await self.handle.next_events()
+            except WorkerLost as lost:
+                if self._received or self.finished:
+                    raise
+                generate = self.request.to_worker(self.index)
+                self.client, self.handle = await self.tries.resend(
+                    generate, self.handle.deadline, lost
+                )
+                continue
+            self._received = True
+            return batch
 
     async def _cancel_after_stop(self, finish: Finish | None) -> Finish | None:
         """A stop string matched: cancel in the worker, and wait briefly for its Finish."""

@@ -139,14 +139,18 @@ class GenerationGroup:
             self.dones[index] = event
 
     async def _merged(self) -> AsyncIterator[ChoiceEvent]:
-        queue: asyncio.Queue[ChoiceEvent | WorkerClientError] = asyncio.Queue()
+        # Bounded: a client that stops reading stops the pumps, so its tokens wait in each
+        # choice's own buffer, where the gateway's bound on them applies (client.py).
+        queue: asyncio.Queue[ChoiceEvent | WorkerClientError] = asyncio.Queue(
+            maxsize=len(self.generations)
+        )
 
         async def pump(generation: Generation) -> None:
             try:
                 async for event in generation.events():
-                    queue.put_nowait((generation.index, event))
+                    await queue.put((generation.index, event))
             except WorkerClientError as failure:
-                queue.put_nowait(failure)
+                await queue.put(failure)
 
         tasks = [asyncio.create_task(pump(g)) for g in self.generations]
         try:

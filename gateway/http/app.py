@@ -140,7 +140,10 @@ def create_app(
         # Several gateways may share one port: do not take connections (and answer them
         # 503) before a worker has answered, unless they are slow to come.
         if not await pool.wait_for_worker(config.worker_timeout):
-            log.warning("no answer from the worker yet; answering 503 until it comes")
+            log.warning(
+                "no answer from the worker yet; answering 503 until it comes",
+                reason=pool.unavailable_reason(),
+            )
         try:
             yield
         finally:

@@ -18,6 +18,7 @@ from loomserve.gateway.api.schemas import EmbeddingRequest
 from loomserve.gateway.request import prompts
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.gateway.workers.retries import Tries
 from loomserve.protocol import Embed
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
 
@@ -55,7 +56,7 @@ async def create_embeddings(
 ) -> dict[str, Any]:
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)
-    reply = await pool.embed(embed)
+    reply = await Tries(pool).embed(embed)
     vectors = np.frombuffer(reply.vectors, dtype="<f4").reshape(len(embed.inputs), reply.size)
     data = []
     for index, vector in enumerate(vectors):

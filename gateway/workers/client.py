@@ -29,12 +29,14 @@ from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.workers.curve import set_curve_client
 from loomserve.gateway.workers.errors import (
+    ReaderTooSlow,
     WorkerClientError,
     WorkerLost,
     WorkerRejected,
     WorkerTimeout,
     WorkerUnavailable,
 )
+from loomserve.gateway.workers.handshake import HANDSHAKE_FAILED, handshake_failure
 from loomserve.protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
 from loomserve.protocol.messages import (
     PROTOCOL_VERSION,
@@ -72,12 +74,17 @@ class RequestHandle:
     accepted: asyncio.Future[Accepted | Rejected | Embeddings]
     events: asyncio.Queue[RequestEvent | WorkerClientError] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+    buffered: int = 0  # tokens in `events` not read yet; bounded by stream_buffer_tokens
+    # The reader waits for events now: what piles up meanwhile (a burst after this gateway
+    # stalled) waits for the event loop, not for a client that stopped reading.
+    reading: bool = False
 
     async def next_event(self) -> RequestEvent:
         """The next TokenChunk or Finish; raises WorkerLost or WorkerTimeout."""
         event = await self._get()
         if isinstance(event, WorkerClientError):
             raise event
+        self._taken(event)
         return event
 
     async def next_events(self) -> list[RequestEvent]:
@@ -94,13 +101,19 @@ class RequestHandle:
             if isinstance(event, WorkerClientError):
                 self.events.put_nowait(event)  # nothing follows an error: order is kept
                 break
+            self._taken(event)
             events.append(event)
         return events
+
+    def _taken(self, event: RequestEvent) -> None:
+        if isinstance(event, TokenChunk):
+            self.buffered -= len(event.token_ids)
 
     async def _get(self) -> RequestEvent | WorkerClientError:
         loop = asyncio.get_running_loop()
         # loop.time() is time.monotonic() on every platform we run on; stay explicit.
         when = loop.time() + (self.deadline - time.monotonic())
+        self.reading = True
         try:
             async with asyncio.timeout_at(when):
                 return await self.events.get()
@@ -108,6 +121,8 @@ class RequestHandle:
             raise WorkerTimeout(
                 "the request took longer than the server's request timeout"
             ) from None
+        finally:
+            self.reading = False
 
 
 class WorkerClient:
@@ -135,6 +150,7 @@ class WorkerClient:
         self._sent_since_heartbeat: list[str] = []  # request ids that report cannot count
         self.incompatible: str | None = None  # why we refuse to serve with this worker
         self._lost_because = f"not connected to the worker at {self.endpoint}"
+        self._handshake_failure: str | None = None  # the latest, until a handshake succeeds
         self._requests: dict[str, RequestHandle] = {}
         self._last_seen = -float("inf")
         self._last_ping = -float("inf")
@@ -159,7 +175,9 @@ class WorkerClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.IPV6, 1)  # a resolved worker address may be IPv6
         _set_curve(sock, self.config)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
+        )
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [
@@ -365,7 +383,12 @@ class WorkerClient:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     log.info("connected to worker", worker=self.endpoint)
+                    if self._handshake_failure is not None:
+                        self._handshake_failure = None
+                        self._lost_because = f"waiting for the worker at {self.endpoint}"
                     self._send(Hello(self.identity))
+                elif event["event"] & HANDSHAKE_FAILED:
+                    self._on_handshake_failed(event["event"], int(event["value"]))
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     # A dropped TCP connection usually means the worker process is gone.
                     # What it said last (its Finishes, an engine_dead) may still wait in the
@@ -375,6 +398,17 @@ class WorkerClient:
                     self._worker_lost("the connection to the worker closed")
         finally:
             monitor.close(linger=0)
+
+    def _on_handshake_failed(self, event: int, value: int) -> None:
+        """Say why the worker cannot be reached: in the 503s, and once in the log (the
+        socket tries again every second)."""
+        curve = self.config.curve_server_key_file is not None
+        why = handshake_failure(event, value, curve) or "the handshake failed"
+        if self.info is None:
+            self._lost_because = f"cannot connect to the worker at {self.endpoint}: {why}"
+        if why != self._handshake_failure:
+            self._handshake_failure = why
+            log.error("handshake with the worker failed", worker=self.endpoint, reason=why)
 
     # --- worker messages ----------------------------------------------------------
 
@@ -403,10 +437,14 @@ class WorkerClient:
                 log.warning("unexpected message from the worker", type=type(message).__name__)
 
     def _on_outputs(self, outputs: Outputs) -> None:
+        limit = self.config.stream_buffer_tokens
         for chunk in outputs.tokens:
             handle = self._requests.get(chunk.request_id)
             if handle is not None:
                 handle.events.put_nowait(chunk)
+                handle.buffered += len(chunk.token_ids)
+                if handle.buffered > limit and not handle.reading:
+                    self._reader_too_slow(handle, limit)
         for finish in outputs.finishes:
             handle = self._requests.pop(finish.request_id, None)
             if handle is not None:
@@ -458,6 +496,25 @@ class WorkerClient:
             self._worker_lost(f"its engine failed ({error.message}) and it is restarting")
 
     # --- failures ----------------------------------------------------------------
+
+    def _reader_too_slow(self, handle: RequestHandle, limit: int) -> None:
+        """Its client stopped reading (its connection is full, so the gateway stopped taking
+        tokens): cancel it in the worker rather than hold a slot and buffer its whole output.
+        The tokens already here are still handed out, then the error."""
+        log.warning(
+            "client reads too slowly; request cancelled",
+            request_id=handle.request_id,
+            buffered_tokens=handle.buffered,
+            worker=self.endpoint,
+        )
+        self.cancel(handle)
+        self.forget(handle)  # its Finish would come after the error: nothing more is read
+        handle.events.put_nowait(
+            ReaderTooSlow(
+                f"the client did not read its output: {handle.buffered} tokens waited in the "
+                f"gateway (more than --stream-buffer-tokens {limit}); the request was cancelled"
+            )
+        )
 
     def _worker_lost(self, reason: str, gateway_side: bool = False) -> None:
         """End every open request and say Hello until a worker answers.

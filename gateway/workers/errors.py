@@ -52,3 +52,8 @@ class WorkerBadOutput(WorkerClientError):
 
 class WorkerTimeout(WorkerClientError):
     """The request's deadline passed while it waited for the worker's output."""
+
+
+class ReaderTooSlow(WorkerClientError):
+    """The client did not read its output: more than the gateway's bound of tokens waited for
+    it, so the request was cancelled in the worker (its slot freed for others)."""

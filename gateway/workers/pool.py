@@ -7,10 +7,9 @@ requests and is closed once its open requests end. A worker is in rotation while
 says it can serve (connected, heartbeating, ready, same vocabulary); the client takes care of
 saying Hello again, so a worker that comes back rejoins by itself.
 
-Each request goes where routing.py's policy says. A worker that cannot take it (unavailable,
-queue full, not ready, lost before it confirmed) costs one more try on another worker; a
-request goes to MAX_WORKERS_PER_REQUEST workers at most, counting the resend of a request
-whose worker was lost before its first token (generation.py does that).
+Each request goes where routing.py's policy says (`pick`); whether it goes on to another
+worker when that one fails it is decided by its Tries (retries.py), the one owner of a
+request's retries.
 
 To the HTTP app the pool looks like one worker: ready while any worker is, the ModelInfo of
 the ready ones, their load summed.
@@ -21,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import structlog
@@ -31,29 +30,17 @@ from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.endpoints import expand, needs_resolving
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.workers.client import (
-    RequestHandle,
     WorkerClient,
     gateway_identity,
     stop_tasks,
-)
-from loomserve.gateway.workers.errors import (
-    WorkerClientError,
-    WorkerLost,
-    WorkerRejected,
-    WorkerUnavailable,
 )
 from loomserve.gateway.workers.routing import (
     Choice,
     PrefixAffinity,
     WorkerLoad,
     choose_worker,
-    prefix_key,
 )
 from loomserve.protocol.messages import (
-    Embed,
-    Embeddings,
-    ErrorCode,
-    Generate,
     ModelInfo,
 )
 
@@ -61,9 +48,6 @@ log = structlog.get_logger(__name__)
 
 RESOLVE_SECONDS = 5.0  # how often host names are looked up again
 WATCH_SECONDS = 0.25  # how often rotation changes are logged and the metrics refreshed
-MAX_WORKERS_PER_REQUEST = 2  # the first worker, and one other when the first fails it
-# Refusals another worker may not share; the others (prompt too long...) any worker repeats.
-RETRYABLE_REJECTIONS = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NOT_READY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +92,7 @@ class WorkerPool:
         self._serial = 0
         self._context = zmq.asyncio.Context()  # one IO thread for all worker sockets
         self._tasks: list[asyncio.Task] = []
+        self._closing = False
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -130,6 +115,7 @@ class WorkerPool:
 
     async def close(self) -> None:
         """Stop the loops and close every worker connection (open requests end)."""
+        self._closing = True  # no request goes to a worker being closed
         await stop_tasks(self._tasks)
         self._tasks = []
         for member in self.members.values():
@@ -193,67 +179,24 @@ class WorkerPool:
 
     # --- requests ------------------------------------------------------------------
 
-    async def submit(
-        self, generate: Generate, deadline: float, tried: set[str]
-    ) -> tuple[WorkerClient, RequestHandle]:
-        """Send a Generate to the best worker not in `tried`, and a second one if it fails.
-
-        `tried` holds the workers this request went to; each attempt adds one. Raises the
-        last worker's error (or WorkerUnavailable) when no worker took the request.
-        """
-        key = prefix_key(generate.prompt_tokens)
-        error: WorkerClientError | None = None
-        while len(tried) < MAX_WORKERS_PER_REQUEST:
-            picked = self._pick(key, tried)
-            if picked is None:
-                break
-            member, choice = picked
-            if tried:
-                self._count_reroute(error)
-            tried.add(choice.endpoint)
-            try:
-                handle = await member.client.submit(generate, deadline)
-            except (WorkerUnavailable, WorkerLost) as exc:
-                error = exc
-                continue
-            except WorkerRejected as exc:
-                if exc.code not in RETRYABLE_REJECTIONS:
-                    raise
-                error = exc
-                continue
-            self._routed(choice, key, member.client)
-            return member.client, handle
-        if error is not None:
-            raise error
-        raise WorkerUnavailable(self.unavailable_reason() or "no other worker can take it")
-
-    async def embed(self, embed: Embed) -> Embeddings:
-        """Send an Embed to the worker with the most headroom, and to a second if it fails."""
-        tried: set[str] = set()
-        error: WorkerClientError | None = None
-        while len(tried) < MAX_WORKERS_PER_REQUEST:
-            picked = self._pick(None, tried)
-            if picked is None:
-                break
-            member, choice = picked
-            tried.add(choice.endpoint)
-            try:
-                return await member.client.embed(embed)
-            except (WorkerUnavailable, WorkerLost) as exc:
-                error = exc
-        if error is not None:
-            raise error
-        raise WorkerUnavailable(self.unavailable_reason() or "no worker can take it")
-
     def in_use(self, request_id: str) -> bool:
         """Whether a request with this id is open on any worker (ids are unique per gateway)."""
         return any(member.client.in_use(request_id) for member in self.members.values())
 
-    def _pick(self, key: int | None, tried: set[str]) -> tuple[Member, Choice] | None:
+    def pick(
+        self, key: int | None, exclude: Collection[str] = ()
+    ) -> tuple[WorkerClient, Choice] | None:
+        """The worker routing.py's policy gives a prompt with this affinity key, among those
+        in rotation and not in `exclude`; None when none is left (or the pool is closing).
+
+        Which workers a request may still go to is its Tries' business (retries.py).
+        """
+        if self._closing:
+            return None
         loads = []
         for endpoint, member in self.members.items():
             client = member.client
-            if endpoint in tried or member.retiring or client.info is None:
+            if endpoint in exclude or member.retiring or client.info is None:
                 continue
             if client.unavailable_reason() is not None:
                 continue
@@ -272,9 +215,10 @@ class WorkerPool:
             return None
         random.shuffle(loads)  # ties go to a random worker, not always the first listed
         choice = choose_worker(loads, self.affinity.owner(key))
-        return self.members[choice.endpoint], choice
+        return self.members[choice.endpoint].client, choice
 
-    def _routed(self, choice: Choice, key: int | None, client: WorkerClient) -> None:
+    def routed(self, choice: Choice, key: int | None, client: WorkerClient) -> None:
+        """A worker took a generation request: remember its prefix there, count it."""
         self.affinity.record(key, choice.endpoint)
         if self.metrics is not None:
             self.metrics.worker_requests_routed.labels(choice.endpoint).inc()
@@ -282,12 +226,10 @@ class WorkerPool:
             if choice.affinity:
                 self.metrics.worker_prefix_affinity_hits.labels(choice.endpoint).inc()
 
-    def _count_reroute(self, error: WorkerClientError | None) -> None:
-        if self.metrics is None:
-            return
-        # No error in this call: generation.py resends a request whose worker was lost.
-        reason = "lost" if error is None or isinstance(error, WorkerLost) else "refused"
-        self.metrics.requests_rerouted.labels(reason).inc()
+    def count_reroute(self, reason: str) -> None:
+        """A request goes to another worker: its first was `lost`, or `refused` it."""
+        if self.metrics is not None:
+            self.metrics.requests_rerouted.labels(reason).inc()
 
     # --- the set of workers ----------------------------------------------------------
 

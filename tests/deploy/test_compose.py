@@ -128,12 +128,39 @@ def test_the_workers_network_socket_speaks_curve() -> None:
     assert worker["depends_on"]["keys"]["condition"] == "service_completed_successfully"
     assert SERVICES["keys"]["command"][:2] == ["loomserve", "keygen"]
     assert worker_env["LOOMSERVE_CURVE_SECRET_KEY_FILE"].endswith("worker.key_secret")
-    assert worker_env["LOOMSERVE_CURVE_ALLOWED_KEYS"].endswith("gateway.key")
+    assert worker_env["LOOMSERVE_CURVE_ALLOWED_KEYS"] == "/keys"  # gateway.key, worker.key
     assert "LOOMSERVE_INSECURE_BIND" not in worker_env
     assert gateway_env["LOOMSERVE_CURVE_SERVER_KEY_FILE"].endswith("worker.key")
     assert gateway_env["LOOMSERVE_CURVE_SECRET_KEY_FILE"].endswith("gateway.key_secret")
     health = worker["healthcheck"]["test"]
     assert "--curve-server-key-file" in health and "--curve-secret-key-file" in health
+
+
+def test_gateways_cannot_read_the_workers_secret_key(tmp_path: Path) -> None:
+    """The keys service writes each side's keys into a volume of its own (keygen --split);
+    a gateway mounts only its side's, which holds the worker's public key and no more."""
+    keys = SERVICES["keys"]
+    assert keys["command"] == ["loomserve", "keygen", "/keys", "--split"]
+    mounted_at = {v.split(":")[1]: v.split(":")[0] for v in keys["volumes"]}
+    assert set(mounted_at) == {"/keys/worker", "/keys/gateway"}
+    main.main(["keygen", str(tmp_path), "--split"], standalone_mode=False)
+    holds = {
+        mounted_at[f"/keys/{side}"]: {p.name for p in (tmp_path / side).iterdir()}
+        for side in ("worker", "gateway")
+    }
+    assert holds == {
+        mounted_at["/keys/worker"]: {"worker.key_secret", "worker.key", "gateway.key"},
+        mounted_at["/keys/gateway"]: {"gateway.key_secret", "gateway.key", "worker.key"},
+    }
+    for name in ("worker", "gateway"):
+        volumes = {v.split(":")[0] for v in SERVICES[name]["volumes"]}
+        readable = set().union(*(holds[v] for v in volumes if v in holds))
+        secrets = {f for f in readable if f.endswith(".key_secret")}
+        assert secrets == {f"{name}.key_secret"}, f"{name} can read {secrets}"
+        environment = " ".join(str(v) for v in SERVICES[name]["environment"].values())
+        health = " ".join(SERVICES[name]["healthcheck"]["test"])
+        for path in re.findall(r"/keys/[\w.]+", environment + " " + health):
+            assert path.removeprefix("/keys/") in readable, f"{name} needs {path}"
 
 
 @pytest.mark.parametrize("name", sorted(LOOMSERVE))
@@ -146,7 +173,11 @@ def test_loomserve_services_use_real_commands_and_options(name: str) -> None:
         assert key in known, f"{name}: {key} is no option of `loomserve {command.name}`"
     # The values compose sets must parse, as the CLI will parse them; paths in volumes are
     # checked by the live run, where they exist.
-    fixed = {k: str(v) for k, v in environment.items() if v is not None and "/keys/" not in str(v)}
+    fixed = {
+        k: str(v)
+        for k, v in environment.items()
+        if v is not None and not str(v).startswith("/keys")
+    }
     parse(command.name, service["command"][2:], fixed)
     health = service.get("healthcheck", {}).get("test", [None, None])
     if health[1] == "loomserve":
@@ -292,14 +323,26 @@ class LocalCompose:
     def localize(self, text: str, container: Container) -> str:
         """Rewrite addresses and named-volume paths as seen from inside `container` to local
         ones: loopback ports, folders under workdir."""
-        for volume in SERVICES[container.service].get("volumes", []):
-            source, inside = volume.split(":")[:2]
-            if source in COMPOSE.get("volumes", {}) and (
-                text == inside or text.startswith(inside + "/")
-            ):
+        mounts = (v.split(":")[:2] for v in SERVICES[container.service].get("volumes", []))
+        named = [(src, inside) for src, inside in mounts if src in COMPOSE.get("volumes", {})]
+        for source, inside in named:
+            if text == inside or text.startswith(inside + "/"):
                 local = self.workdir / "volumes" / source
                 local.mkdir(parents=True, exist_ok=True)
                 return str(local) + text.removeprefix(inside)
+        below = [(source, inside) for source, inside in named if inside.startswith(text + "/")]
+        if below and text.startswith("/"):
+            # A folder that holds mounted volumes (keygen's /keys over /keys/worker...): the
+            # container's view of it, with each volume linked in where it is mounted.
+            view = self.workdir / "views" / container.service / text.lstrip("/")
+            for source, inside in below:
+                link = view / inside.removeprefix(text + "/")
+                link.parent.mkdir(parents=True, exist_ok=True)
+                volume = self.workdir / "volumes" / source
+                volume.mkdir(parents=True, exist_ok=True)
+                if not link.exists():
+                    link.symlink_to(volume, target_is_directory=True)
+            return str(view)
 
         def address(match: re.Match[str]) -> str:
             host, port = match.group(1), int(match.group(2))

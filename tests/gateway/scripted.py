@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
@@ -60,11 +60,25 @@ class Config:
 
 @dataclass(slots=True)
 class ScriptedClient:
-    """One worker connection: which requests it still runs, and which were cancelled."""
+    """One worker connection: takes every Generate and queues the script `answer` gives for
+    it on its handle; knows which requests it still runs, and which were cancelled."""
 
+    answer: Callable[[Generate], Script]
     endpoint: str = "inproc://scripted"
     running: set[str] = field(default_factory=set)
     cancelled: list[str] = field(default_factory=list)
+    submitted: list[Generate] = field(default_factory=list)
+
+    async def submit(self, generate: Generate, deadline: float) -> RequestHandle:
+        self.submitted.append(generate)
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+        handle = RequestHandle(generate.request_id, deadline, accepted)
+        script = self.answer(generate)
+        if not any(isinstance(m, Finish | WorkerClientError) for m in script):
+            self.running.add(generate.request_id)  # the worker still runs it
+        for message in script:
+            handle.events.put_nowait(message)
+        return handle
 
     def is_open(self, handle: RequestHandle) -> bool:
         return handle.request_id in self.running
@@ -76,28 +90,50 @@ class ScriptedClient:
         self.running.discard(handle.request_id)
 
 
+@dataclass(frozen=True, slots=True)
+class ScriptedChoice:
+    endpoint: str
+
+
 @dataclass(slots=True)
 class ScriptedPool:
-    """Takes every Generate, and queues the script `answer` gives for it on its handle."""
+    """`workers` scripted workers sharing one script; a request gets the first it has not
+    tried yet, as the pool's routing would give it another."""
 
     answer: Callable[[Generate], Script]
+    workers: int = 2
     config: Config = field(default_factory=Config)
-    client: ScriptedClient = field(default_factory=ScriptedClient)
+    clients: list[ScriptedClient] = field(init=False)
     submitted: list[Generate] = field(default_factory=list)
+    reroutes: list[str] = field(default_factory=list)
 
-    async def submit(
-        self, generate: Generate, deadline: float, tried: set[str]
-    ) -> tuple[ScriptedClient, RequestHandle]:
-        self.submitted.append(generate)
-        tried.add(self.client.endpoint)
-        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
-        handle = RequestHandle(generate.request_id, deadline, accepted)
-        script = self.answer(generate)
-        if not any(isinstance(m, Finish | WorkerClientError) for m in script):
-            self.client.running.add(generate.request_id)  # the worker still runs it
-        for message in script:
-            handle.events.put_nowait(message)
-        return self.client, handle
+    def __post_init__(self) -> None:
+        self.clients = [
+            ScriptedClient(self.answer, f"inproc://scripted-{index}", submitted=self.submitted)
+            for index in range(self.workers)
+        ]
+
+    @property
+    def client(self) -> ScriptedClient:
+        """The first worker: the one every request tries first."""
+        return self.clients[0]
+
+    def pick(
+        self, key: int | None, exclude: Collection[str]
+    ) -> tuple[ScriptedClient, ScriptedChoice] | None:
+        for client in self.clients:
+            if client.endpoint not in exclude:
+                return client, ScriptedChoice(client.endpoint)
+        return None
+
+    def routed(self, choice: ScriptedChoice, key: int | None, client: ScriptedClient) -> None:
+        pass  # nothing to learn about prefixes here
+
+    def count_reroute(self, reason: str) -> None:
+        self.reroutes.append(reason)
+
+    def unavailable_reason(self) -> str | None:
+        return None
 
 
 def request(

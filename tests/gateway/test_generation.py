@@ -79,6 +79,7 @@ def test_a_worker_lost_before_the_first_token_is_replaced_once() -> None:
     events = asyncio.run(run(pool))
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hello again"
     assert len(pool.submitted) == 2  # the same sequence, sent again
+    assert pool.reroutes == ["lost"]
 
 
 def test_a_worker_lost_after_tokens_were_handed_out_fails_the_choice() -> None:

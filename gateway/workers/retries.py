@@ -1,0 +1,115 @@
+"""Tries: the one owner of a request's retries at the workers.
+
+A sequence (one choice of a generation request) or an embeddings request goes to
+MAX_WORKERS_PER_REQUEST workers at most. It goes to another worker when the one picked
+could not take it (not connected or not ready, queue full, lost before it confirmed: it
+never ran there), or when its worker was lost before the sequence produced any output
+(the client has seen nothing of it, so sending it again cannot repeat a token). Any other
+outcome is final. The pool picks the worker (routing policy) and this object keeps the
+count: which workers the request went to, and whether it may go to one more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+
+import structlog
+
+from loomserve.gateway.workers.client import RequestHandle, WorkerClient
+from loomserve.gateway.workers.errors import (
+    WorkerClientError,
+    WorkerLost,
+    WorkerRejected,
+    WorkerUnavailable,
+)
+from loomserve.gateway.workers.routing import prefix_key
+from loomserve.protocol.messages import Embed, Embeddings, ErrorCode, Generate
+
+if TYPE_CHECKING:
+    from loomserve.gateway.workers.pool import WorkerPool
+
+log = structlog.get_logger(__name__)
+
+MAX_WORKERS_PER_REQUEST = 2  # the first worker, and one other when the first fails it
+# Refusals another worker may not share; the others (prompt too long...) any worker repeats.
+RETRYABLE_REJECTIONS = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NOT_READY})
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Tries:
+    """The workers one request went to, in order, and the sending that adds to them."""
+
+    pool: WorkerPool
+    limit: int = MAX_WORKERS_PER_REQUEST
+    workers: list[str] = field(default_factory=list)  # endpoints, in the order tried
+    # Why the latest worker did not serve it: decides the reroute metric's reason.
+    _last_failure: WorkerClientError | None = field(default=None, init=False)
+
+    async def submit(
+        self, generate: Generate, deadline: float
+    ) -> tuple[WorkerClient, RequestHandle]:
+        """Send a Generate to the best worker not tried yet, and on to another while the
+        budget lasts; raises the last worker's error (or WorkerUnavailable)."""
+        key = prefix_key(generate.prompt_tokens)
+        return await self._send(key, lambda client: client.submit(generate, deadline), True)
+
+    async def embed(self, embed: Embed) -> Embeddings:
+        """Send an Embed to the worker with the most headroom, and on to another the same way."""
+        _, reply = await self._send(None, lambda client: client.embed(embed), False)
+        return reply
+
+    async def resend(
+        self, generate: Generate, deadline: float, lost: WorkerLost
+    ) -> tuple[WorkerClient, RequestHandle]:
+        """The sequence's worker was lost before it produced any output: send it to another.
+
+        Raises `lost` itself when the budget is spent or no other worker takes it, so the
+        client hears why its request ended, not why the second worker refused.
+        """
+        self._last_failure = lost
+        try:
+            client, handle = await self.submit(generate, deadline)
+        except WorkerClientError:
+            raise lost from None
+        log.info(
+            "worker lost before the first token; sequence sent to another worker",
+            request_id=generate.request_id,
+            worker=client.endpoint,
+            tried=self.workers,
+        )
+        return client, handle
+
+    async def _send(
+        self, key: int | None, send: Callable[[WorkerClient], Awaitable[T]], generation: bool
+    ) -> tuple[WorkerClient, T]:
+        """Try workers in the pool's order until one serves; `generation`: count the tries in
+        the routing metrics and prefix affinity (embeddings leave both alone)."""
+        while len(self.workers) < self.limit:
+            picked = self.pool.pick(key, exclude=self.workers)
+            if picked is None:
+                break
+            client, choice = picked
+            if self.workers and generation:
+                lost = self._last_failure is None or isinstance(self._last_failure, WorkerLost)
+                self.pool.count_reroute("lost" if lost else "refused")
+            self.workers.append(choice.endpoint)
+            try:
+                result = await send(client)
+            except (WorkerUnavailable, WorkerLost) as exc:
+                self._last_failure = exc
+                continue
+            except WorkerRejected as exc:
+                if exc.code not in RETRYABLE_REJECTIONS:
+                    raise
+                self._last_failure = exc
+                continue
+            if generation:
+                self.pool.routed(choice, key, client)
+            return client, result
+        if self._last_failure is not None:
+            raise self._last_failure
+        raise WorkerUnavailable(self.pool.unavailable_reason() or "no worker can take it")
