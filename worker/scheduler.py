@@ -16,7 +16,8 @@ the running one goes back to the queue to resume later where it stopped.
 A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
 have their keys and values in the cache at positions 0..n_in_cache-1. A slot that finishes
 normally keeps that cache, so a later prompt with the same beginning skips those tokens
-(prefix reuse, like llama-server's cache_prompt).
+(prefix reuse, like llama-server's cache_prompt); prefix_cache.py decides where a request
+goes and whose cache it starts from.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import structlog
 
 from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenChunk
 from loomserve.worker.preemption import SwapSpace, choose_victim
+from loomserve.worker.prefix_cache import place
 from loomserve.worker.queueing import DEFAULT_TENANT, Policy, WaitingQueue
 from loomserve.worker.strategies import (
     BatchPlan,
@@ -192,21 +194,6 @@ class Release:
     drop_sequence: int | None  # the slot whose cells the engine drops; None when kept or unused
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 class Scheduler:
     """Slots plus a bounded FIFO of requests waiting for one, and each request's life in them."""
 
@@ -330,9 +317,14 @@ class Scheduler:
         # A cached prefix has no logits to score its tokens with: a request that scores
         # its prompt evaluates it all, in the least recently used slot.
         scores = request.params.prompt_logprobs is not None
-        slot, source, shared = self._placement([] if scores else tokens)
-        # At least the last token is evaluated again: its logits give the next token.
-        reused = min(shared, len(tokens) - 1)
+        placement = place(
+            self.slots,
+            [] if scores else tokens,
+            per_slot_streams=self.split_rules.per_slot_streams,
+            min_copy_tokens=self.min_copy_tokens,
+        )
+        slot, reused = self.slots[placement.target], placement.reused
+        source = None if placement.source is None else self.slots[placement.source]
         restore = request.saved_state
         if restore is not None:  # swapped out: its own saved cells, not a shared prefix
             reused, source = request.saved_tokens, None
@@ -409,68 +401,6 @@ class Scheduler:
             self.swap.give_back(request.saved_bytes)
             request.saved_state = None
             request.saved_bytes = 0
-
-    def _placement(self, prompt: list[int]) -> tuple[Slot, Slot | None, int]:
-        """The free slot for a prompt, the slot whose cache it copies (if not its own), and
-        how many leading prompt tokens that cache holds.
-
-        Prefer an idle slot that caches the longest prefix (no copy needed). When a busy
-        slot caches a prefix longer by min_copy_tokens or more, take the least recently used
-        idle slot and copy from it. With a KV stream per slot, the slot is chosen beside busy
-        ones instead (_placement_beside).
-        """
-        idle = [slot for slot in self.slots if slot.request is None]
-        if self.split_rules.per_slot_streams:
-            return self._placement_beside(idle, prompt)
-        lru = min(idle, key=lambda slot: slot.last_used_tick)
-        own, own_shared = lru, 0
-        donor, donor_shared = None, 0
-        for slot in self.slots:
-            if not slot.n_in_cache:
-                continue
-            shared = common_prefix(slot.tokens[: slot.n_in_cache], prompt)
-            if slot.request is None:
-                if (shared, -slot.last_used_tick) > (own_shared, -own.last_used_tick):
-                    own, own_shared = slot, shared
-            elif shared > donor_shared:
-                donor, donor_shared = slot, shared
-        if donor is not None and donor_shared - own_shared >= self.min_copy_tokens:
-            return lru, donor, donor_shared
-        return own, None, own_shared
-
-    def _placement_beside(
-        self, idle: list[Slot], prompt: list[int]
-    ) -> tuple[Slot, Slot | None, int]:
-        """Placement where each slot is a KV stream: busy slots with consecutive ids share a
-        forward pass (ubatches.py), so a request takes an idle slot with the most busy
-        neighbours (least recently used first among equals). Its prefix, if another slot
-        caches a longer one by min_copy_tokens, is copied from there, busy or idle: a stream
-        copy costs far less than a pass more on every tick of the request's life.
-        """
-        slots = self.slots
-
-        def busy(index: int) -> bool:
-            return 0 <= index < len(slots) and slots[index].request is not None
-
-        def neighbours(slot: Slot) -> int:
-            return busy(slot.index - 1) + busy(slot.index + 1)
-
-        best = max(neighbours(slot) for slot in idle)
-        candidates = [slot for slot in idle if neighbours(slot) == best]
-        candidate_ids = {slot.index for slot in candidates}
-        target, target_shared = min(candidates, key=lambda slot: slot.last_used_tick), 0
-        source, source_shared = None, 0
-        for slot in slots:
-            if not slot.n_in_cache:
-                continue
-            shared = common_prefix(slot.tokens[: slot.n_in_cache], prompt)
-            if slot.index in candidate_ids and shared > target_shared:
-                target, target_shared = slot, shared  # its own cache, no copy
-            elif shared > source_shared:
-                source, source_shared = slot, shared
-        if source is not None and source_shared - target_shared >= self.min_copy_tokens:
-            return target, source, source_shared
-        return target, None, target_shared
 
     # --- plan the batch -----------------------------------------------------------------
 
