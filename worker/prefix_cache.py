@@ -12,6 +12,11 @@ ids share a forward pass (ubatches.py), so a request takes an idle slot with the
 neighbours, and a longer prefix cached elsewhere is copied there: a stream copy costs far
 less than a pass more on every tick of the request's life.
 
+A prefix may also wait in host memory (ram_cache.py): a slot's cells are saved there when the
+slot is taken for another request. The longest prefix wins, wherever it is; one found in RAM
+only when it spares at least a block more than the slots can, as its restore copies the
+whole saved state back.
+
 How much of a shared prefix a request may reuse is one rule, usable_prefix().
 """
 
@@ -19,7 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from loomserve.worker.ram_cache import RamCache, RamEntry
 
 
 class CachedSlot(Protocol):
@@ -38,13 +46,20 @@ class CachedSlot(Protocol):
 class Placement:
     """Where a request goes: the slot it takes, and the leading tokens it need not evaluate.
 
-    With `source` None those tokens are the target's own cells; otherwise the engine copies
-    them from the source slot's.
+    With `source` and `ram` None those tokens are the target's own cells; otherwise the
+    engine copies them from the source slot's, or restores the RAM entry into the target and
+    keeps its first `reused` cells.
     """
 
     target: int  # the idle slot's index
     reused: int  # leading tokens of the request's sequence whose KV it reuses
     source: int | None = None  # a slot whose first `reused` cells are copied into target
+    ram: RamEntry | None = None  # a host-memory entry restored into target
+
+    @property
+    def own_cache(self) -> bool:
+        """Whether the target starts from its own cells (it keeps its first `reused`)."""
+        return self.source is None and self.ram is None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -76,33 +91,49 @@ def place(
     *,
     per_slot_streams: bool,
     min_copy_tokens: int,
+    ram: RamCache | None = None,
+    reserved: frozenset[int] = frozenset(),
 ) -> Placement:
-    """The idle slot for a sequence and the cache it starts from (at least one slot is idle).
+    """The idle slot for a sequence and the cache it starts from.
 
     The target is the candidate (candidate_slots) whose own cache holds the longest usable
     prefix, least recently used first among equals. When another slot holds one longer by
-    min_copy_tokens or more, the least recently used candidate takes the request and copies
-    that prefix instead, keeping the other candidates' caches.
+    min_copy_tokens or more, or the RAM cache one longer by a block or more, the least
+    recently used candidate takes the request and starts from that prefix instead, keeping
+    the other candidates' caches. `reserved` slots (this tick's copy sources) are no targets;
+    at least one other slot must be idle (can_place).
     """
-    candidates = candidate_slots(slots, per_slot_streams)
+    candidates = candidate_slots(slots, per_slot_streams, reserved)
     candidate_ids = {slot.index for slot in candidates}
     shared = _usable_by_slot(slots, tokens)
     target = max(candidates, key=lambda slot: (shared.get(slot.index, 0), -slot.last_used_tick))
-    target_shared = shared.get(target.index, 0)
+    best = Placement(target.index, shared.get(target.index, 0))
+    lru = min(candidates, key=lambda slot: slot.last_used_tick)
     source, source_shared = None, 0
     for index, n_shared in shared.items():
         if index not in candidate_ids and n_shared > source_shared:
             source, source_shared = index, n_shared
-    if source is not None and source_shared - target_shared >= min_copy_tokens:
-        lru = min(candidates, key=lambda slot: slot.last_used_tick)
-        return Placement(lru.index, source_shared, source)
-    return Placement(target.index, target_shared)
+    if source is not None and source_shared - best.reused >= min_copy_tokens:
+        best = Placement(lru.index, source_shared, source)
+    if ram is not None and ram.enabled and tokens:
+        entry, n_shared = ram.longest(tokens)
+        from_ram = usable_prefix(n_shared, len(tokens))
+        if entry is not None and from_ram - best.reused >= ram.block_tokens:
+            best = Placement(lru.index, from_ram, ram=entry)
+    return best
 
 
-def candidate_slots(slots: Sequence[CachedSlot], per_slot_streams: bool) -> list[CachedSlot]:
+def can_place(slots: Sequence[CachedSlot], reserved: frozenset[int] = frozenset()) -> bool:
+    """Whether some idle slot may take a request (reserved ones may not)."""
+    return any(not slot.busy and slot.index not in reserved for slot in slots)
+
+
+def candidate_slots(
+    slots: Sequence[CachedSlot], per_slot_streams: bool, reserved: frozenset[int] = frozenset()
+) -> list[CachedSlot]:
     """The idle slots a request may take: any, or with a KV stream per slot those with the
     most busy neighbours (they join their neighbours' forward pass)."""
-    idle = [slot for slot in slots if not slot.busy]
+    idle = [slot for slot in slots if not slot.busy and slot.index not in reserved]
     if not per_slot_streams:
         return idle
 

@@ -28,8 +28,9 @@ import structlog
 
 from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenChunk
 from loomserve.worker.preemption import SwapSpace, choose_victim
-from loomserve.worker.prefix_cache import place
+from loomserve.worker.prefix_cache import can_place, place
 from loomserve.worker.queueing import DEFAULT_TENANT, Policy, WaitingQueue
+from loomserve.worker.ram_cache import RamCache, RamEntry
 from loomserve.worker.strategies import (
     BatchPlan,
     BatchStrategy,
@@ -143,8 +144,11 @@ class Admission:
     `reused` cells and drops the rest. Otherwise the engine drops the slot's sequence and
     copies the first `reused` cells of the source slot's (a busy slot running the same prefix).
     A resumed request whose state was swapped out has it in `restore`: the engine drops the
-    slot's sequence and loads that state instead. `preempted` is the running request that
-    gave up this slot for it: the loop deals with that one first.
+    slot's sequence and loads that state instead. A prefix found in the RAM cache is in
+    `ram_entry`: the engine drops the slot's sequence, loads the entry's state and keeps its
+    first `reused` cells. `preempted` is the running request that gave up this slot for it:
+    the loop deals with that one first. `save_first` holds the slot's cached tokens when they
+    are worth keeping in the RAM cache: the loop saves the slot's cells before anything else.
     """
 
     slot: Slot
@@ -153,6 +157,8 @@ class Admission:
     source: Slot | None = None
     restore: object = None
     preempted: Preemption | None = None
+    ram_entry: RamEntry | None = None
+    save_first: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -208,6 +214,7 @@ class Scheduler:
         waiting: WaitingQueue | None = None,
         swap_bytes: int = 0,
         latency: LatencyTarget | None = None,
+        ram_cache_bytes: int = 0,
     ) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
         self.split_rules = split_rules or SplitRules()
@@ -218,6 +225,7 @@ class Scheduler:
         self.strategy: BatchStrategy = strategy or DecodeMaximal()
         self.waiting = waiting if waiting is not None else WaitingQueue()
         self.swap = SwapSpace(swap_bytes)
+        self.ram = RamCache(ram_cache_bytes)  # slots' caches kept after their slots were taken
         self.latency = latency  # the --itl-target-ms cap on prompt tokens per tick
         self.preemptions = 0
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
@@ -299,20 +307,24 @@ class Scheduler:
             if request is None:  # every waiting tenant is at its cap
                 break
             preempted = None
+            # A slot that an admission of this tick copies from keeps its cells until the
+            # copy is made (at the next decode): it is no victim and no target this tick.
+            sources = frozenset(a.source.index for a in admissions if a.source is not None)
             if not self.free_slots:
-                # A slot that an admission of this tick copies from keeps its cells until
-                # the copy is made (at the next decode): it is no victim this tick.
-                sources = {a.source.index for a in admissions if a.source is not None}
                 preempted = self._preempt_for(request, tick, sources)
                 if preempted is None:
                     break
+            elif not can_place(self.slots, sources):
+                break
             self.waiting.pop()
-            admission = self._place(request, tick, now)
+            admission = self._place(request, tick, now, sources)
             admission.preempted = preempted
             admissions.append(admission)
         return admissions
 
-    def _place(self, request: Request, tick: int, now: float) -> Admission:
+    def _place(
+        self, request: Request, tick: int, now: float, reserved: frozenset[int]
+    ) -> Admission:
         tokens = request.resume_tokens or request.prompt
         # A cached prefix has no logits to score its tokens with: a request that scores
         # its prompt evaluates it all, in the least recently used slot.
@@ -322,13 +334,18 @@ class Scheduler:
             [] if scores else tokens,
             per_slot_streams=self.split_rules.per_slot_streams,
             min_copy_tokens=self.min_copy_tokens,
+            ram=self.ram,
+            reserved=reserved,
         )
         slot, reused = self.slots[placement.target], placement.reused
         source = None if placement.source is None else self.slots[placement.source]
+        ram_entry = placement.ram
         restore = request.saved_state
         if restore is not None:  # swapped out: its own saved cells, not a shared prefix
-            reused, source = request.saved_tokens, None
+            reused, source, ram_entry = request.saved_tokens, None, None
             self._drop_saved_state(request)
+        kept = reused if source is None and ram_entry is None and restore is None else 0
+        save_first = self._worth_saving(slot, kept)
         slot.request = request
         slot.tokens = list(tokens)
         slot.n_in_cache = reused
@@ -342,7 +359,24 @@ class Scheduler:
             request.prefix_hit_tokens = reused
         self._slot_of[request.key] = slot
         self.waiting.started(request.tenant)
-        return Admission(slot, request, reused, source if reused else None, restore)
+        return Admission(
+            slot,
+            request,
+            reused,
+            source if reused else None,
+            restore,
+            ram_entry=ram_entry,
+            save_first=save_first,
+        )
+
+    def _worth_saving(self, slot: Slot, kept: int) -> list[int] | None:
+        """The slot's cached tokens, when taking it for a request that keeps only `kept` of
+        them loses a block or more that the RAM cache does not hold yet."""
+        ram = self.ram
+        if not ram.enabled or slot.n_in_cache - kept < ram.block_tokens:
+            return None
+        cached = slot.tokens[: slot.n_in_cache]
+        return cached if ram.worth_saving(cached) else None
 
     def prefix_lost(self, admission: Admission) -> None:
         """The engine could not keep (or restore) the admitted slot's cells: its whole
