@@ -36,6 +36,7 @@ from loomserve.gateway.routing import (
     PrefixAffinity,
     WorkerLoad,
     choose_worker,
+    preferred_worker,
     prefix_key,
 )
 from loomserve.gateway.worker_errors import (
@@ -52,6 +53,7 @@ from loomserve.protocol.messages import (
     Heartbeat,
     ModelInfo,
 )
+from loomserve.protocol.prefix_keys import prefix_keys
 
 log = structlog.get_logger(__name__)
 
@@ -192,9 +194,10 @@ class WorkerPool:
         last worker's error (or WorkerUnavailable) when no worker took the request.
         """
         key = prefix_key(generate.prompt_tokens)
+        keys = prefix_keys(generate.prompt_tokens)
         error: WorkerClientError | None = None
         while len(tried) < MAX_WORKERS_PER_REQUEST:
-            picked = self._pick(key, tried)
+            picked = self._pick(key, tried, keys)
             if picked is None:
                 break
             member, choice = picked
@@ -239,8 +242,11 @@ class WorkerPool:
         """Whether a request with this id is open on any worker (ids are unique per gateway)."""
         return any(member.client.in_use(request_id) for member in self.members.values())
 
-    def _pick(self, key: int | None, tried: set[str]) -> tuple[Member, Choice] | None:
+    def _pick(
+        self, key: int | None, tried: set[str], keys: list[int] | None = None
+    ) -> tuple[Member, Choice] | None:
         loads = []
+        advertised: dict[str, list[int]] = {}
         for endpoint, member in self.members.items():
             client = member.client
             if endpoint in tried or member.retiring or client.info is None:
@@ -258,10 +264,13 @@ class WorkerPool:
                     client.open_requests,
                 )
             )
+            if keys:
+                advertised[endpoint] = beat.prefixes
         if not loads:
             return None
         random.shuffle(loads)  # ties go to a random worker, not always the first listed
-        choice = choose_worker(loads, self.affinity.owner(key))
+        preferred = preferred_worker(self.affinity.owner(key), keys or [], advertised)
+        choice = choose_worker(loads, preferred)
         return self.members[choice.endpoint], choice
 
     def _routed(self, choice: Choice, key: int | None, client: WorkerClient) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
 
+from loomserve.gateway.routing import preferred_worker
 from loomserve.protocol import FinishReason, SamplingParams
-from loomserve.worker.prefix_cache import can_place, place, usable_prefix
+from loomserve.protocol.prefix_keys import prefix_keys
+from loomserve.worker.prefix_cache import advertised_keys, can_place, place, usable_prefix
 from loomserve.worker.ram_cache import RamCache
 from loomserve.worker.scheduler import Request, Scheduler
 
@@ -200,3 +205,52 @@ def test_a_slot_taken_for_another_prompt_has_its_cache_saved_first():
     assert third.ram_entry is not None and third.reused == 12
     assert third.save_first == seq(100, 12)
     assert third.request.prefix_hit_tokens == 12
+
+
+# --- routing: what heartbeats advertise -------------------------------------------------------
+
+
+def test_prefix_keys_cover_doubling_whole_blocks_and_are_stable():
+    tokens = seq(0, 300)
+    keys = prefix_keys(tokens)
+    assert len(keys) == 3  # 64, 128 and 256 tokens; 512 is more than it has
+    assert keys == prefix_keys([*tokens, 5, 6])  # only whole prefixes count
+    assert prefix_keys(seq(0, 63)) == []
+    assert prefix_keys([*seq(0, 128), 1]) == keys[:2]
+    assert prefix_keys([9, *seq(1, 299)])[0] != keys[0]
+    assert all(0 <= key < 2**63 for key in keys)  # an int64 on the wire
+    # The same in every process: a digest, not Python's per-process hash.
+    code = "from loomserve.protocol.prefix_keys import prefix_keys; print(prefix_keys(range(300)))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert other.stdout.strip() == str(keys)
+
+
+def test_a_worker_advertises_its_slots_then_its_ram_deepest_keys_first():
+    ram = RamCache(10_000, block_tokens=BLOCK)
+    old = ram.put(seq(1000, 128), "old", 10)
+    new = ram.put(seq(2000, 64), "new", 10)
+    slots = [cached(0, seq(0, 256), tick=1), cached(1, seq(500, 64), busy=True)]
+    keys = advertised_keys(slots, ram)
+    assert keys == [
+        *prefix_keys(seq(500, 64)),  # busy first
+        *reversed(prefix_keys(seq(0, 256))),
+        *new.keys,
+        *reversed(old.keys),
+    ]
+    assert advertised_keys(slots, ram, limit=3) == keys[:3]
+
+
+def test_routing_prefers_the_worker_advertising_the_deepest_key():
+    system = seq(0, 64)  # a system prompt every conversation shares: the first block
+    mine = [*system, *seq(100, 200)]
+    keys = prefix_keys(mine)
+    advertised = {
+        "a": prefix_keys([*system, *seq(900, 200)]),  # another conversation, same system
+        "b": prefix_keys(mine[:130]),  # this conversation's history
+    }
+    assert preferred_worker("a", keys, advertised) == "b"
+    # Only the first block is advertised anywhere: the gateway's own record is fresher.
+    assert preferred_worker("c", keys, {"a": advertised["a"]}) == "c"
+    assert preferred_worker(None, keys, {"a": advertised["a"]}) == "a"
+    assert preferred_worker(None, keys, {}) is None

@@ -14,6 +14,7 @@ import zmq
 
 from loomserve.protocol import Finish, Generate, Hello, ModelInfo, Outputs, SamplingParams
 from loomserve.protocol.codec import decode, encode
+from loomserve.protocol.prefix_keys import PREFIX_KEY_BLOCK
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.loop import TickLoop
@@ -162,6 +163,17 @@ def test_the_metrics_report_hits_tokens_and_bytes(engine, config):
     assert sample("loomserve:ram_cache_used_bytes") == ram.used > 0
     assert sample("loomserve:ram_cache_capacity_bytes") == 64 * 1024**2
     assert sample("loomserve:ram_cache_entries") == len(ram)
+
+
+def test_heartbeats_advertise_the_ram_cached_prompts(engine, config):
+    loop = new_loop(engine, config, heartbeat_interval=0.0)  # a fresh view every tick
+    converse(loop, 4, 2)
+    ram = loop.scheduler.ram
+    long_enough = [entry for entry in ram if len(entry.tokens) >= PREFIX_KEY_BLOCK]
+    assert len(long_enough) >= 2  # four conversations on two slots
+    advertised = set(loop.load.prefixes)
+    for entry in long_enough:
+        assert entry.keys and set(entry.keys) <= advertised
 
 
 # --- a worker process -----------------------------------------------------------------------

@@ -41,6 +41,7 @@ from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.preemption import GIB
+from loomserve.worker.prefix_cache import advertised_keys
 from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
 from loomserve.worker.ram_cache import MIB
 from loomserve.worker.sampling import InvalidSampling, sample_rows
@@ -77,6 +78,7 @@ class Load:
     free_slots: int
     running: int
     tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # (running, waiting)
+    prefixes: tuple[int, ...] = ()  # keys of the cached prompts, for routing (prefix_cache.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +183,8 @@ class TickLoop:
         self._faults = DecodeFaults.from_env()  # tests only: see faults.py
         self._outputs: dict[bytes, Outputs] = {}
         self._scoring: Step | None = None  # this tick's step when a run scores its prompt
+        self._prefixes: tuple[int, ...] = ()  # advertised in heartbeats; see Load.prefixes
+        self._prefixes_at = -float("inf")
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
@@ -577,12 +581,23 @@ class TickLoop:
             scheduler.free_slots,
             scheduler.running,
             scheduler.waiting.counts(),
+            self._advertised_prefixes(),
         )
         if self._outputs:
             for gateway, outputs in self._outputs.items():
                 self.sink.send(gateway, outputs)
             self._outputs = {}
             self.sink.flush()
+
+    def _advertised_prefixes(self) -> tuple[int, ...]:
+        """The cached prompts' keys, recomputed at most once per heartbeat interval: routing
+        needs no fresher view, and hashing every cached sequence each tick would cost."""
+        now = time.monotonic()
+        if now - self._prefixes_at >= self.config.heartbeat_interval:
+            self._prefixes_at = now
+            scheduler = self.scheduler
+            self._prefixes = tuple(advertised_keys(scheduler.slots, scheduler.ram))
+        return self._prefixes
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1

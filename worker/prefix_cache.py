@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from loomserve.protocol.prefix_keys import MAX_ADVERTISED_KEYS, prefix_keys
+
 if TYPE_CHECKING:
     from loomserve.worker.ram_cache import RamCache, RamEntry
 
@@ -145,6 +147,25 @@ def candidate_slots(
 
     best = max(neighbours(slot) for slot in idle)
     return [slot for slot in idle if neighbours(slot) == best]
+
+
+def advertised_keys(
+    slots: Sequence[CachedSlot], ram: RamCache | None, limit: int = MAX_ADVERTISED_KEYS
+) -> list[int]:
+    """The prefix keys a worker's heartbeats advertise (protocol/prefix_keys.py): those of
+    the slots' cached sequences, busy and most recently used first, then the RAM cache's,
+    most recent first; each sequence's deepest keys first, at most `limit` in all."""
+    ordered = sorted(slots, key=lambda slot: (not slot.busy, -slot.last_used_tick))
+    sequences = [prefix_keys(slot.tokens[: slot.n_in_cache]) for slot in ordered]
+    if ram is not None:
+        sequences += [entry.keys for entry in reversed(list(ram))]
+    keys: dict[int, None] = {}  # ordered, without repeats
+    for sequence_keys in sequences:
+        for key in reversed(sequence_keys):
+            keys.setdefault(key)
+            if len(keys) >= limit:
+                return list(keys)
+    return list(keys)
 
 
 def _usable_by_slot(slots: Sequence[CachedSlot], tokens: list[int]) -> dict[int, int]:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import count
 
+from loomserve.protocol.prefix_keys import prefix_keys
 from loomserve.worker.prefix_cache import common_prefix
 
 BLOCK_TOKENS = 32
@@ -35,6 +36,7 @@ class RamEntry:
     state: object  # the engine's saved bytes; opaque here
     n_bytes: int
     hashes: list[int] = field(default_factory=list)  # chained block hashes, for the index
+    keys: list[int] = field(default_factory=list)  # its prefix keys, for heartbeats
 
 
 @dataclass(slots=True)
@@ -120,7 +122,7 @@ class RamCache:
             _, oldest = next(iter(self._entries.items()))
             self.remove(oldest)
             self.stats.evictions += 1
-        entry = RamEntry(next(self._ids), list(tokens), state, n_bytes, hashes)
+        entry = RamEntry(next(self._ids), list(tokens), state, n_bytes, hashes, prefix_keys(tokens))
         self._entries[entry.id] = entry
         for h in hashes:
             self._index.setdefault(h, set()).add(entry.id)
