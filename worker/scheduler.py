@@ -389,7 +389,9 @@ class Scheduler:
 
     # --- preemption ---------------------------------------------------------------------
 
-    def _preempt_for(self, request: Request, tick: int, spared: set[int]) -> Preemption | None:
+    def _preempt_for(
+        self, request: Request, tick: int, spared: frozenset[int]
+    ) -> Preemption | None:
         """Free a slot for `request` by preempting a running request it outranks, if any."""
         if self.waiting.policy is not Policy.PRIORITY:
             return None
