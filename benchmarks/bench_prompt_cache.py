@@ -176,7 +176,13 @@ def main(**opts) -> None:
         1,
         approximate_token_counts,
     )
-    plain = random_dataset(opts["plain_prompts"], 256, 64, 0.0, 2, approximate_token_counts)
+    # Other prompts at each concurrency: a repeat would be a cache hit, not the plain load.
+    plain = {
+        concurrency: random_dataset(
+            opts["plain_prompts"], 256, 64, 0.0, seed, approximate_token_counts
+        )
+        for seed, concurrency in enumerate((4, 16), start=2)
+    }
     multi: dict[str, list[dict]] = {s.name: [] for s in servers}
     flat: dict[tuple[str, int], list[dict]] = {}
     for round_index in range(opts["rounds"]):
@@ -193,7 +199,8 @@ def main(**opts) -> None:
                 print(f"round {round_index + 1} {server.name}: {json.dumps(figures)}", flush=True)
                 if opts["plain"] and server.name.startswith("loomserve"):
                     for concurrency in (4, 16):
-                        result = asyncio.run(run(url, plain, concurrency, "completions"))
+                        requests = plain[concurrency]
+                        result = asyncio.run(run(url, requests, concurrency, "completions"))
                         figures = plain_figures(result.records, result.duration_s)
                         flat.setdefault((server.name, concurrency), []).append(figures)
                         print(f"  plain c={concurrency}: {json.dumps(figures)}", flush=True)
