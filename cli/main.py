@@ -124,6 +124,14 @@ def worker_options(func):
             help="GiB of host memory for preempted requests' KV state; beyond it they recompute.",
         ),
         click.option(
+            "--cache-ram",
+            type=click.IntRange(min=0),
+            default=default_of(WorkerConfig, "cache_ram"),
+            help="MiB of host memory for prompt caches: a slot's KV state is saved there when "
+            "the slot is taken for another request, and restored for a prompt that starts "
+            "with it (apart from --swap-space); 0: off.",
+        ),
+        click.option(
             "--tenant-weight",
             multiple=True,
             default=default_of(WorkerConfig, "tenant_weight"),

@@ -16,7 +16,7 @@ from enum import StrEnum
 DEFAULT_TENANT = "default"
 
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
-# and tenant; 7: SamplingParams.speculative
+# and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes
 PROTOCOL_VERSION = 7
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
@@ -271,6 +271,9 @@ class Heartbeat:
     queue_depth: int
     free_slots: int
     running: int
+    # prefix_keys.prefix_keys of the sequences the worker caches, in slots or in RAM, most
+    # recently used first, at most MAX_ADVERTISED_KEYS.
+    prefixes: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -50,6 +50,9 @@ class WorkerConfig:
     itl_target_ms: float | None = None
     scheduling_policy: str = "fcfs"  # or "priority": lower Generate.priority first, preempting
     swap_space: float = 4.0  # GiB of host memory for preempted requests' KV; beyond, recompute
+    # MiB of host memory for slots' KV kept after their slots were taken (worker/ram_cache.py),
+    # a budget apart from swap_space; 0: off.
+    cache_ram: int = 8192
     tenant_weight: tuple[str, ...] = ()  # "NAME=W": a tenant's share of slots (default 1)
     max_slots_per_tenant: int = 0  # most running requests of one tenant; 0: no cap
     metrics_port: int | None = None  # Prometheus endpoint; None: off
@@ -128,8 +131,8 @@ class WorkerConfig:
             raise ValueError("itl_target_ms must be positive")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
-        if self.swap_space < 0 or self.max_slots_per_tenant < 0:
-            raise ValueError("swap_space and max_slots_per_tenant must not be negative")
+        if self.swap_space < 0 or self.max_slots_per_tenant < 0 or self.cache_ram < 0:
+            raise ValueError("swap_space, cache_ram and max_slots_per_tenant must not be negative")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

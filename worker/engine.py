@@ -287,20 +287,31 @@ class Engine:
         """Bytes that save_sequence would take for this sequence."""
         return llama.llama_state_seq_get_size(self.ctx, seq)
 
-    def save_sequence(self, seq: int) -> bytes | None:
+    def save_sequence(self, seq: int) -> bytearray | None:
         """A copy of one sequence's cells in host memory (llama_state_seq_get_data); None when
         the sequence holds none or llama.cpp cannot save it."""
         size = self.state_size(seq)
         if size <= 0:
             return None
-        buffer = (ctypes.c_uint8 * size)()
+        # llama.cpp writes straight into the bytes we keep: no second copy, and no slicing
+        # of a ctypes array (which builds a Python int per byte).
+        state = bytearray(size)
+        buffer = (ctypes.c_uint8 * size).from_buffer(state)
         written = llama.llama_state_seq_get_data(self.ctx, buffer, size, seq)
-        return bytes(buffer[:written]) if written else None
+        del buffer  # the bytearray cannot shrink while a ctypes view of it lives
+        if not written:
+            return None
+        del state[written:]
+        return state
 
-    def restore_sequence(self, seq: int, state: bytes) -> bool:
+    def restore_sequence(self, seq: int, state: bytes | bytearray) -> bool:
         """Load a saved sequence into `seq`, which must hold no cells; False when it failed."""
-        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        return llama.llama_state_seq_set_data(self.ctx, buffer, len(state), seq) == len(state)
+        size = len(state)
+        if isinstance(state, bytearray):  # read in place, not copied
+            buffer = (ctypes.c_uint8 * size).from_buffer(state)
+        else:
+            buffer = (ctypes.c_uint8 * size).from_buffer_copy(state)
+        return llama.llama_state_seq_set_data(self.ctx, buffer, size, seq) == size
 
     def seq_pos_max(self, seq: int) -> int:
         """The highest position the sequence holds in the cache; -1 when it holds none."""

@@ -400,6 +400,7 @@ class WorkerIO:
             queue_depth=load.queue_depth,
             free_slots=load.free_slots,
             running=load.running,
+            prefixes=list(load.prefixes),
         )
 
     def _lose(self, gateway: bytes, why: str) -> None:

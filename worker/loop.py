@@ -42,9 +42,12 @@ from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.preemption import GIB
+from loomserve.worker.prefix_cache import advertised_keys
 from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
+from loomserve.worker.ram_cache import MIB
 from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import (
+    Admission,
     Preemption,
     Release,
     Request,
@@ -77,6 +80,7 @@ class Load:
     free_slots: int
     running: int
     tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # (running, waiting)
+    prefixes: tuple[int, ...] = ()  # keys of the cached prompts, for routing (prefix_cache.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +175,7 @@ class TickLoop:
             ),
             swap_bytes=int(config.swap_space * GIB),
             latency=self._latency_target(config),
+            ram_cache_bytes=config.cache_ram * MIB,
         )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
@@ -189,6 +194,8 @@ class TickLoop:
         self.speculator = self._speculator(config, engine)
         self._verified: dict[int, Run] = {}  # this tick's decode runs with extra tokens
         self._spec_counts = _SpecCounts()
+        self._prefixes: tuple[int, ...] = ()  # advertised in heartbeats; see Load.prefixes
+        self._prefixes_at = -float("inf")
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     @staticmethod
@@ -420,15 +427,20 @@ class TickLoop:
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
+            swapped = False
             if admission.preempted is not None:
-                self._swap_out(admission.preempted)
+                swapped = self._swap_out(admission.preempted)
             slot, reused = admission.slot.index, admission.reused
+            if admission.save_first is not None and not swapped:
+                self._save_to_ram(slot, admission.save_first)
             if admission.restore is not None:
                 self.engine.drop_sequence(slot)
                 if not self.engine.restore_sequence(slot, admission.restore):
                     log.warning("could not restore a swapped-out request; recomputing it")
                     self.engine.drop_sequence(slot)
                     self.scheduler.prefix_lost(admission)
+            elif admission.ram_entry is not None:
+                self._restore_from_ram(admission)
             elif admission.source is not None:
                 self.engine.drop_sequence(slot)
                 self.engine.copy_prefix(admission.source.index, slot, reused)
@@ -437,15 +449,41 @@ class TickLoop:
                 self.engine.drop_sequence(slot)
                 self.scheduler.prefix_lost(admission)
 
-    def _swap_out(self, preemption: Preemption) -> None:
+    def _swap_out(self, preemption: Preemption) -> bool:
         """Save a preempted request's cells to host memory if the swap space holds them; else
-        it recomputes them when it resumes (the slot keeps them meanwhile, as a prefix)."""
+        it recomputes them when it resumes (the slot keeps them meanwhile, as a prefix, and
+        the RAM cache may take them). True when they were saved."""
         seq = preemption.slot.index
         if not preemption.n_cached or not self.scheduler.swap.fits(self.engine.state_size(seq)):
-            return
+            return False
         state = self.engine.save_sequence(seq)
+        if state is None:
+            return False
+        self.scheduler.swap_out(preemption, state, len(state))
+        return True
+
+    def _save_to_ram(self, seq: int, tokens: list[int]) -> None:
+        """Keep a slot's cells in the RAM cache before the slot is used for another request."""
+        ram, engine = self.scheduler.ram, self.engine
+        # The cells must be exactly these tokens: a slot that holds more or fewer is not saved.
+        if engine.seq_pos_max(seq) != len(tokens) - 1 or not ram.fits(engine.state_size(seq)):
+            return
+        state = engine.save_sequence(seq)
         if state is not None:
-            self.scheduler.swap_out(preemption, state, len(state))
+            ram.put(tokens, state, len(state))
+
+    def _restore_from_ram(self, admission: Admission) -> None:
+        """Load a RAM-cached sequence into the admitted slot and keep its shared prefix."""
+        slot, reused, entry = admission.slot.index, admission.reused, admission.ram_entry
+        self.engine.drop_sequence(slot)
+        if self.engine.restore_sequence(slot, entry.state) and self.engine.keep_prefix(
+            slot, reused
+        ):
+            self.scheduler.ram.restored(entry, reused)
+            return
+        log.warning("could not restore a RAM-cached prompt; evaluating it")
+        self.engine.drop_sequence(slot)
+        self.scheduler.prefix_lost(admission)
 
     # --- 3: the batch ----------------------------------------------------------------
 
@@ -696,12 +734,23 @@ class TickLoop:
             scheduler.free_slots,
             scheduler.running,
             scheduler.waiting.counts(),
+            self._advertised_prefixes(),
         )
         if self._outputs:
             for gateway, outputs in self._outputs.items():
                 self.sink.send(gateway, outputs)
             self._outputs = {}
             self.sink.flush()
+
+    def _advertised_prefixes(self) -> tuple[int, ...]:
+        """The cached prompts' keys, recomputed at most once per heartbeat interval: routing
+        needs no fresher view, and hashing every cached sequence each tick would cost."""
+        now = time.monotonic()
+        if now - self._prefixes_at >= self.config.heartbeat_interval:
+            self._prefixes_at = now
+            scheduler = self.scheduler
+            self._prefixes = tuple(advertised_keys(scheduler.slots, scheduler.ram))
+        return self._prefixes
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1

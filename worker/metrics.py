@@ -63,7 +63,8 @@ class WorkerMetrics:
             "prefix_cache_queries", "Prompt tokens of finished requests, cached or not."
         )
         self.prefix_hits = counter(
-            "prefix_cache_hits", "Prompt tokens reused from a slot's cache instead of evaluated."
+            "prefix_cache_hits",
+            "Prompt tokens reused from a slot's cache or the RAM cache instead of evaluated.",
         )
         self.batch_tokens = counter(
             "batch_tokens",
@@ -158,6 +159,7 @@ class WorkerMetrics:
         self.kv_cells_used.set_function(cells_used)
         self.kv_usage.set_function(lambda: cells_used() / cells_total)
         self.registry.register(_SchedulingCollector(loop, self._tenant_labels))
+        self.registry.register(_RamCacheCollector(loop))
         if io_counters is not None:
             self.registry.register(_IOCollector(io_counters))
 
@@ -298,6 +300,41 @@ class _SchedulingCollector:
             waiting.add_metric([label], n_waiting)
         yield running
         yield waiting
+
+
+class _RamCacheCollector:
+    """The RAM prompt cache's counters and size (worker/ram_cache.py), read at scrape time."""
+
+    def __init__(self, loop: TickLoop) -> None:
+        self.loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        ram = self.loop.scheduler.ram
+        stats = ram.stats
+        for name, doc, value in (
+            ("hits", "Admissions whose prompt prefix was restored from the RAM cache.", stats.hits),
+            (
+                "restored_tokens",
+                "Prompt tokens restored from the RAM cache instead of evaluated.",
+                stats.restored_tokens,
+            ),
+            ("saves", "Slots' KV states saved to the RAM cache.", stats.saves),
+            ("evictions", "RAM cache entries evicted to make room.", stats.evictions),
+        ):
+            counter = CounterMetricFamily(f"loomserve:ram_cache_{name}", doc)
+            counter.add_metric([], value)
+            yield counter
+        yield GaugeMetricFamily(
+            "loomserve:ram_cache_used_bytes", "Host memory held by the RAM cache.", value=ram.used
+        )
+        yield GaugeMetricFamily(
+            "loomserve:ram_cache_capacity_bytes",
+            "The RAM cache's budget (--cache-ram).",
+            value=ram.capacity,
+        )
+        yield GaugeMetricFamily(
+            "loomserve:ram_cache_entries", "Sequences held in the RAM cache.", value=len(ram)
+        )
 
 
 class _IOCollector:

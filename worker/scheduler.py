@@ -16,7 +16,8 @@ the running one goes back to the queue to resume later where it stopped.
 A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
 have their keys and values in the cache at positions 0..n_in_cache-1. A slot that finishes
 normally keeps that cache, so a later prompt with the same beginning skips those tokens
-(prefix reuse, like llama-server's cache_prompt).
+(prefix reuse, like llama-server's cache_prompt); prefix_cache.py decides where a request
+goes and whose cache it starts from.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import structlog
 
 from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenChunk
 from loomserve.worker.preemption import SwapSpace, choose_victim
+from loomserve.worker.prefix_cache import can_place, place
 from loomserve.worker.queueing import DEFAULT_TENANT, Policy, WaitingQueue
+from loomserve.worker.ram_cache import RamCache, RamEntry
 from loomserve.worker.strategies import (
     BatchPlan,
     BatchStrategy,
@@ -141,8 +144,11 @@ class Admission:
     `reused` cells and drops the rest. Otherwise the engine drops the slot's sequence and
     copies the first `reused` cells of the source slot's (a busy slot running the same prefix).
     A resumed request whose state was swapped out has it in `restore`: the engine drops the
-    slot's sequence and loads that state instead. `preempted` is the running request that
-    gave up this slot for it: the loop deals with that one first.
+    slot's sequence and loads that state instead. A prefix found in the RAM cache is in
+    `ram_entry`: the engine drops the slot's sequence, loads the entry's state and keeps its
+    first `reused` cells. `preempted` is the running request that gave up this slot for it:
+    the loop deals with that one first. `save_first` holds the slot's cached tokens when they
+    are worth keeping in the RAM cache: the loop saves the slot's cells before anything else.
     """
 
     slot: Slot
@@ -151,6 +157,8 @@ class Admission:
     source: Slot | None = None
     restore: object = None
     preempted: Preemption | None = None
+    ram_entry: RamEntry | None = None
+    save_first: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -198,21 +206,6 @@ class Release:
     drop_sequence: int | None  # the slot whose cells the engine drops; None when kept or unused
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 class Scheduler:
     """Slots plus a bounded queue of requests waiting for one, and each request's life in them.
 
@@ -230,6 +223,7 @@ class Scheduler:
         waiting: WaitingQueue | None = None,
         swap_bytes: int = 0,
         latency: LatencyTarget | None = None,
+        ram_cache_bytes: int = 0,
     ) -> None:
         self.slots = [Slot(index) for index in range(n_slots)]
         self.split_rules = split_rules or SplitRules()
@@ -240,6 +234,7 @@ class Scheduler:
         self.strategy: BatchStrategy = strategy or DecodeMaximal()
         self.waiting = waiting if waiting is not None else WaitingQueue()
         self.swap = SwapSpace(swap_bytes)
+        self.ram = RamCache(ram_cache_bytes)  # slots' caches kept after their slots were taken
         self.latency = latency  # the --itl-target-ms cap on prompt tokens per tick
         self.preemptions = 0
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
@@ -322,31 +317,45 @@ class Scheduler:
             if request is None:  # every waiting tenant is at its cap
                 break
             preempted = None
+            # A slot that an admission of this tick copies from keeps its cells until the
+            # copy is made (at the next decode): it is no victim and no target this tick.
+            sources = frozenset(a.source.index for a in admissions if a.source is not None)
             if not self.free_slots:
-                # A slot that an admission of this tick copies from keeps its cells until
-                # the copy is made (at the next decode): it is no victim this tick.
-                sources = {a.source.index for a in admissions if a.source is not None}
                 preempted = self._preempt_for(request, tick, sources)
                 if preempted is None:
                     break
+            elif not can_place(self.slots, sources):
+                break
             self.waiting.pop()
-            admission = self._place(request, tick, now)
+            admission = self._place(request, tick, now, sources)
             admission.preempted = preempted
             admissions.append(admission)
         return admissions
 
-    def _place(self, request: Request, tick: int, now: float) -> Admission:
+    def _place(
+        self, request: Request, tick: int, now: float, reserved: frozenset[int]
+    ) -> Admission:
         tokens = request.resume_tokens or request.prompt
         # A cached prefix has no logits to score its tokens with: a request that scores
         # its prompt evaluates it all, in the least recently used slot.
         scores = request.params.prompt_logprobs is not None
-        slot, source, shared = self._placement([] if scores else tokens)
-        # At least the last token is evaluated again: its logits give the next token.
-        reused = min(shared, len(tokens) - 1)
+        placement = place(
+            self.slots,
+            [] if scores else tokens,
+            per_slot_streams=self.split_rules.per_slot_streams,
+            min_copy_tokens=self.min_copy_tokens,
+            ram=self.ram,
+            reserved=reserved,
+        )
+        slot, reused = self.slots[placement.target], placement.reused
+        source = None if placement.source is None else self.slots[placement.source]
+        ram_entry = placement.ram
         restore = request.saved_state
         if restore is not None:  # swapped out: its own saved cells, not a shared prefix
-            reused, source = request.saved_tokens, None
+            reused, source, ram_entry = request.saved_tokens, None, None
             self._drop_saved_state(request)
+        kept = reused if source is None and ram_entry is None and restore is None else 0
+        save_first = self._worth_saving(slot, kept)
         slot.request = request
         slot.tokens = list(tokens)
         slot.n_in_cache = reused
@@ -360,7 +369,24 @@ class Scheduler:
             request.cached_tokens = reused
         self._slot_of[request.key] = slot
         self.waiting.started(request.tenant)
-        return Admission(slot, request, reused, source if reused else None, restore)
+        return Admission(
+            slot,
+            request,
+            reused,
+            source if reused else None,
+            restore,
+            ram_entry=ram_entry,
+            save_first=save_first,
+        )
+
+    def _worth_saving(self, slot: Slot, kept: int) -> list[int] | None:
+        """The slot's cached tokens, when taking it for a request that keeps only `kept` of
+        them loses a block or more that the RAM cache does not hold yet."""
+        ram = self.ram
+        if not ram.enabled or slot.n_in_cache - kept < ram.block_tokens:
+            return None
+        cached = slot.tokens[: slot.n_in_cache]
+        return cached if ram.worth_saving(cached) else None
 
     def prefix_lost(self, admission: Admission) -> None:
         """The engine could not keep (or restore) the admitted slot's cells: its whole
@@ -373,7 +399,9 @@ class Scheduler:
 
     # --- preemption ---------------------------------------------------------------------
 
-    def _preempt_for(self, request: Request, tick: int, spared: set[int]) -> Preemption | None:
+    def _preempt_for(
+        self, request: Request, tick: int, spared: frozenset[int]
+    ) -> Preemption | None:
         """Free a slot for `request` by preempting a running request it outranks, if any."""
         if self.waiting.policy is not Policy.PRIORITY:
             return None
@@ -419,68 +447,6 @@ class Scheduler:
             self.swap.give_back(request.saved_bytes)
             request.saved_state = None
             request.saved_bytes = 0
-
-    def _placement(self, prompt: list[int]) -> tuple[Slot, Slot | None, int]:
-        """The free slot for a prompt, the slot whose cache it copies (if not its own), and
-        how many leading prompt tokens that cache holds.
-
-        Prefer an idle slot that caches the longest prefix (no copy needed). When a busy
-        slot caches a prefix longer by min_copy_tokens or more, take the least recently used
-        idle slot and copy from it. With a KV stream per slot, the slot is chosen beside busy
-        ones instead (_placement_beside).
-        """
-        idle = [slot for slot in self.slots if slot.request is None]
-        if self.split_rules.per_slot_streams:
-            return self._placement_beside(idle, prompt)
-        lru = min(idle, key=lambda slot: slot.last_used_tick)
-        own, own_shared = lru, 0
-        donor, donor_shared = None, 0
-        for slot in self.slots:
-            if not slot.n_in_cache:
-                continue
-            shared = common_prefix(slot.tokens[: slot.n_in_cache], prompt)
-            if slot.request is None:
-                if (shared, -slot.last_used_tick) > (own_shared, -own.last_used_tick):
-                    own, own_shared = slot, shared
-            elif shared > donor_shared:
-                donor, donor_shared = slot, shared
-        if donor is not None and donor_shared - own_shared >= self.min_copy_tokens:
-            return lru, donor, donor_shared
-        return own, None, own_shared
-
-    def _placement_beside(
-        self, idle: list[Slot], prompt: list[int]
-    ) -> tuple[Slot, Slot | None, int]:
-        """Placement where each slot is a KV stream: busy slots with consecutive ids share a
-        forward pass (ubatches.py), so a request takes an idle slot with the most busy
-        neighbours (least recently used first among equals). Its prefix, if another slot
-        caches a longer one by min_copy_tokens, is copied from there, busy or idle: a stream
-        copy costs far less than a pass more on every tick of the request's life.
-        """
-        slots = self.slots
-
-        def busy(index: int) -> bool:
-            return 0 <= index < len(slots) and slots[index].request is not None
-
-        def neighbours(slot: Slot) -> int:
-            return busy(slot.index - 1) + busy(slot.index + 1)
-
-        best = max(neighbours(slot) for slot in idle)
-        candidates = [slot for slot in idle if neighbours(slot) == best]
-        candidate_ids = {slot.index for slot in candidates}
-        target, target_shared = min(candidates, key=lambda slot: slot.last_used_tick), 0
-        source, source_shared = None, 0
-        for slot in slots:
-            if not slot.n_in_cache:
-                continue
-            shared = common_prefix(slot.tokens[: slot.n_in_cache], prompt)
-            if slot.index in candidate_ids and shared > target_shared:
-                target, target_shared = slot, shared  # its own cache, no copy
-            elif shared > source_shared:
-                source, source_shared = slot, shared
-        if source is not None and source_shared - target_shared >= self.min_copy_tokens:
-            return target, source, source_shared
-        return target, None, target_shared
 
     # --- plan the batch -----------------------------------------------------------------
 

@@ -55,13 +55,15 @@ def build_payload(
         "stream_options": {"include_usage": True},
     }
     if endpoint == "chat":
-        messages = [{"role": "user", "content": request.prompt}]
+        messages = [{"role": role, "content": text} for role, text in request.history]
+        messages.append({"role": "user", "content": request.prompt})
         if request.system_prompt:
             messages.insert(0, {"role": "system", "content": request.system_prompt})
         payload["messages"] = messages
     else:
-        prefix = f"{request.system_prompt}\n\n" if request.system_prompt else ""
-        payload["prompt"] = prefix + request.prompt
+        parts = [request.system_prompt] if request.system_prompt else []
+        parts += [text for _, text in request.history]
+        payload["prompt"] = "\n\n".join([*parts, request.prompt])
     if ignore_eos:
         payload["ignore_eos"] = True
     if request.priority is not None:

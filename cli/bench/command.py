@@ -74,6 +74,13 @@ def _warn(message: str) -> None:
 @click.option("--prefix-len", type=int, default=512, help="shared-prefix: system prompt tokens.")
 @click.option("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts.")
 @click.option(
+    "--turns",
+    type=int,
+    default=4,
+    help="multi-turn: turns per conversation; --num-prompts conversations, each with a "
+    "--prefix-len system prompt and --input-len user messages, sending its whole history.",
+)
+@click.option(
     "--request-rate",
     type=float,
     default=math.inf,
@@ -197,6 +204,7 @@ def build_config(opts: dict) -> BenchConfig:
         range_ratio=opts["range_ratio"],
         prefix_len=opts["prefix_len"],
         num_groups=opts["num_groups"],
+        turns=opts["turns"],
         shape=LoadShape(
             request_rate=opts["request_rate"],
             burstiness=opts["burstiness"],

@@ -53,6 +53,11 @@ class BenchRequest:
     label: str | None = None  # its request class (--class), for the per-class report
     priority: int | None = None  # the body's `priority`, when its class sets one
     user: str | None = None  # the body's `user`, when its class sets one
+    # Multi-turn: the (role, content) messages sent before this prompt, the index of the
+    # request it must wait for (its conversation's previous turn), and its turn (0 first).
+    history: tuple[tuple[str, str], ...] = ()
+    follows: int | None = None
+    turn: int = 0
 
 
 def sample_lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:
@@ -153,6 +158,60 @@ def shared_prefix_dataset(
         for i, ((text, tokens), out) in enumerate(zip(questions, outputs, strict=True))
     ]
     rng.shuffle(requests)
+    return requests
+
+
+def multi_turn_dataset(
+    num_conversations: int,
+    num_turns: int,
+    system_len: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    count: TokenCounter,
+) -> list[BenchRequest]:
+    """Chat conversations: each turn sends the whole history plus a new user message.
+
+    Each conversation has its own system prompt of system_len tokens (none for 0) and
+    num_turns user messages of about input_len tokens. The history holds earlier user
+    messages and, as the assistant's answers, texts of output_len tokens written here: a
+    benchmark cannot wait for the server's own words without timing itself, and any text
+    of that length costs a server the same. Requests come turn by turn, and each waits for
+    its conversation's previous turn (BenchRequest.follows): the load a chat client makes.
+    """
+    if num_conversations < 1 or num_turns < 1:
+        raise ValueError("need at least one conversation of at least one turn")
+    rng = random.Random(seed)
+    systems = (
+        [text for text, _ in word_prompts(rng, [system_len] * num_conversations, count)]
+        if system_len > 0
+        else [None] * num_conversations
+    )
+    system_tokens = count([s for s in systems if s]) if system_len > 0 else []
+    n = num_conversations * num_turns
+    users = word_prompts(rng, sample_lengths(rng, n, input_len, range_ratio), count)
+    answers = word_prompts(rng, sample_lengths(rng, n, output_len, range_ratio), count)
+    requests: list[BenchRequest] = []
+    history: list[list[tuple[str, str]]] = [[] for _ in range(num_conversations)]
+    sizes = [system_tokens[c] if system_tokens else 0 for c in range(num_conversations)]
+    for turn in range(num_turns):
+        for c in range(num_conversations):
+            i = turn * num_conversations + c
+            (user, user_tokens), (answer, answer_tokens) = users[i], answers[i]
+            requests.append(
+                BenchRequest(
+                    prompt=user,
+                    prompt_len=sizes[c] + user_tokens,
+                    output_len=answer_tokens,
+                    system_prompt=systems[c],
+                    history=tuple(history[c]),
+                    follows=i - num_conversations if turn else None,
+                    turn=turn,
+                )
+            )
+            history[c] += [("user", user), ("assistant", answer)]
+            sizes[c] += user_tokens + answer_tokens
     return requests
 
 

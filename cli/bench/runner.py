@@ -125,6 +125,8 @@ async def run_load(
         total=len(requests), desc=label, unit="req", disable=None if progress else True, leave=False
     )
     in_flight = [0]
+    # A later turn of a conversation waits for the one before it (multi-turn datasets).
+    done = [asyncio.Event() for _ in requests]
     loop = asyncio.get_running_loop()
     cpu_before = time.process_time()
     start = time.perf_counter()
@@ -132,6 +134,20 @@ async def run_load(
     loop_deadline = loop.time() + duration_s
 
     async def one(request: BenchRequest, record: RequestRecord) -> None:
+        try:
+            await _send(request, record)
+        finally:
+            done[record.index].set()
+
+    async def _send(request: BenchRequest, record: RequestRecord) -> None:
+        if request.follows is not None:
+            try:
+                async with asyncio.timeout_at(loop_deadline):
+                    await done[request.follows].wait()
+            except TimeoutError:
+                record.error_kind = NOT_SENT
+                record.error = "the benchmark's duration ran out before its previous turn ended"
+                return
         if limit is not None:
             try:
                 async with asyncio.timeout_at(loop_deadline):

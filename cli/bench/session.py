@@ -23,6 +23,7 @@ from loomserve.cli.bench.datasets import (
     BenchRequest,
     TokenCounter,
     approximate_token_counts,
+    multi_turn_dataset,
     random_dataset,
     shared_prefix_dataset,
     sharegpt_dataset,
@@ -33,7 +34,7 @@ from loomserve.cli.bench.probe import ServerTokenizer, first_model
 from loomserve.cli.bench.runner import LoadShape, RunResult, run_load, warm_up
 from loomserve.cli.bench.sweep import sweep_shapes
 
-DATASETS = ("random", "shared-prefix", "sharegpt", "input-grounded")
+DATASETS = ("random", "shared-prefix", "sharegpt", "input-grounded", "multi-turn")
 DEFAULT_OUTPUT_LEN = 128
 
 
@@ -53,6 +54,7 @@ class BenchConfig:
     range_ratio: float = 0.0
     prefix_len: int = 512  # shared-prefix: tokens of each group's system prompt
     num_groups: int = 4  # shared-prefix: how many distinct system prompts
+    turns: int = 4  # multi-turn: turns per conversation (num_prompts conversations)
     shape: LoadShape = field(default_factory=LoadShape)
     sweep: tuple[str, tuple[float, ...]] | None = None  # (parameter, values)
     num_warmups: int = 1
@@ -76,8 +78,8 @@ class BenchConfig:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
         if self.dataset == "sharegpt" and self.dataset_path is None:
             raise ValueError("the sharegpt dataset needs --dataset-path")
-        if self.num_prompts < 1:
-            raise ValueError("--num-prompts must be at least 1")
+        if self.num_prompts < 1 or self.turns < 1:
+            raise ValueError("--num-prompts and --turns must be at least 1")
         if self.input_len < 1 or (self.output_len is not None and self.output_len < 1):
             raise ValueError("--input-len and --output-len must be at least 1")
         if self.shape.max_concurrency is not None and self.shape.max_concurrency < 1:
@@ -117,6 +119,17 @@ def _dataset(config: BenchConfig, count: TokenCounter, seed: int) -> list[BenchR
         return shared_prefix_dataset(
             config.num_prompts,
             config.num_groups,
+            config.prefix_len,
+            config.input_len,
+            output_len,
+            config.range_ratio,
+            seed,
+            count,
+        )
+    if config.dataset == "multi-turn":
+        return multi_turn_dataset(
+            config.num_prompts,
+            config.turns,
             config.prefix_len,
             config.input_len,
             output_len,

@@ -39,6 +39,7 @@ from loomserve.gateway.workers.routing import (
     PrefixAffinity,
     WorkerLoad,
     choose_worker,
+    preferred_worker,
 )
 from loomserve.protocol.messages import (
     ModelInfo,
@@ -184,7 +185,7 @@ class WorkerPool:
         return any(member.client.in_use(request_id) for member in self.members.values())
 
     def pick(
-        self, key: int | None, exclude: Collection[str] = ()
+        self, key: int | None, exclude: Collection[str] = (), keys: list[int] | None = None
     ) -> tuple[WorkerClient, Choice] | None:
         """The worker routing.py's policy gives a prompt with this affinity key, among those
         in rotation and not in `exclude`; None when none is left (or the pool is closing).
@@ -194,6 +195,7 @@ class WorkerPool:
         if self._closing:
             return None
         loads = []
+        advertised: dict[str, list[int]] = {}
         for endpoint, member in self.members.items():
             client = member.client
             if endpoint in exclude or member.retiring or client.info is None:
@@ -211,10 +213,13 @@ class WorkerPool:
                     client.open_requests,
                 )
             )
+            if keys and client.heartbeat is not None:
+                advertised[endpoint] = list(client.heartbeat.prefixes)
         if not loads:
             return None
         random.shuffle(loads)  # ties go to a random worker, not always the first listed
-        choice = choose_worker(loads, self.affinity.owner(key))
+        preferred = preferred_worker(self.affinity.owner(key), keys or [], advertised)
+        choice = choose_worker(loads, preferred)
         return self.members[choice.endpoint].client, choice
 
     def routed(self, choice: Choice, key: int | None, client: WorkerClient) -> None:

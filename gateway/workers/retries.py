@@ -26,6 +26,7 @@ from loomserve.gateway.workers.errors import (
 )
 from loomserve.gateway.workers.routing import prefix_key
 from loomserve.protocol.messages import Embed, Embeddings, ErrorCode, Generate
+from loomserve.protocol.prefix_keys import prefix_keys
 
 if TYPE_CHECKING:
     from loomserve.gateway.workers.pool import WorkerPool
@@ -55,7 +56,9 @@ class Tries:
         """Send a Generate to the best worker not tried yet, and on to another while the
         budget lasts; raises the last worker's error (or WorkerUnavailable)."""
         key = prefix_key(generate.prompt_tokens)
-        return await self._send(key, lambda client: client.submit(generate, deadline), True)
+        keys = prefix_keys(generate.prompt_tokens)
+        send = lambda client: client.submit(generate, deadline)  # noqa: E731
+        return await self._send(key, send, True, keys)
 
     async def embed(self, embed: Embed) -> Embeddings:
         """Send an Embed to the worker with the most headroom, and on to another the same way."""
@@ -84,12 +87,16 @@ class Tries:
         return client, handle
 
     async def _send(
-        self, key: int | None, send: Callable[[WorkerClient], Awaitable[T]], generation: bool
+        self,
+        key: int | None,
+        send: Callable[[WorkerClient], Awaitable[T]],
+        generation: bool,
+        keys: list[int] | None = None,
     ) -> tuple[WorkerClient, T]:
         """Try workers in the pool's order until one serves; `generation`: count the tries in
         the routing metrics and prefix affinity (embeddings leave both alone)."""
         while len(self.workers) < self.limit:
-            picked = self.pool.pick(key, exclude=self.workers)
+            picked = self.pool.pick(key, exclude=self.workers, keys=keys)
             if picked is None:
                 break
             client, choice = picked

@@ -18,12 +18,18 @@ worker is preferred while it is "not much busier" than the best: its headroom is
 AFFINITY_SLACK below the best one's, and it has room to start the request now whenever some
 other worker does (a request never waits in a queue to save a prefill that a free slot
 elsewhere could do at once).
+
+Workers also advertise what they cache, slots and RAM cache alike, as prefix keys in their
+heartbeats (protocol/prefix_keys.py): keys of 1, 2, 4, ... blocks of a sequence. The worker
+that advertises the deepest key of a prompt is preferred when that key is deeper than
+this gateway's own (whose record is fresher but knows only the first block, which every
+conversation with the same system prompt shares); otherwise the gateway's own record first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 PREFIX_BLOCK_TOKENS = 64  # prompt tokens hashed into the affinity key
@@ -82,6 +88,26 @@ def choose_worker(
             if close_enough and can_start:
                 return Choice(load.endpoint, affinity=True)
     return Choice(best.endpoint, affinity=False)
+
+
+def preferred_worker(
+    own: str | None, keys: Sequence[int], advertised: Mapping[str, Sequence[int]]
+) -> str | None:
+    """The worker a prompt prefers: the one advertising its deepest prefix key when that is
+    deeper than the first block, else `own` (this gateway's record), else any advertiser.
+
+    keys: the prompt's prefix_keys, shallowest first; advertised: each live worker's keys.
+    """
+    first_block_owner = None
+    for depth in range(len(keys) - 1, -1, -1):
+        key = keys[depth]
+        for endpoint, prefixes in advertised.items():
+            if key in prefixes:
+                if depth > 0:
+                    return endpoint
+                first_block_owner = endpoint
+                break
+    return own or first_block_owner
 
 
 class PrefixAffinity:

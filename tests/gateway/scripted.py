@@ -119,7 +119,7 @@ class ScriptedPool:
         return self.clients[0]
 
     def pick(
-        self, key: int | None, exclude: Collection[str]
+        self, key: int | None, exclude: Collection[str], keys: list[int] | None = None
     ) -> tuple[ScriptedClient, ScriptedChoice] | None:
         for client in self.clients:
             if client.endpoint not in exclude:

@@ -46,7 +46,9 @@ class StandInPool:
     reroutes: list[str] = field(default_factory=list)
     routed_to: list[str] = field(default_factory=list)
 
-    def pick(self, key: int | None, exclude: list[str]) -> tuple[StandInClient, Choice] | None:
+    def pick(
+        self, key: int | None, exclude: list[str], keys: list[int] | None = None
+    ) -> tuple[StandInClient, Choice] | None:
         for client in self.clients:
             if client.endpoint not in exclude:
                 return client, Choice(client.endpoint, affinity=False)

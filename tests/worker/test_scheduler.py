@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from loomserve.protocol import FinishReason, SamplingParams, TokenChunk
-from loomserve.worker.scheduler import Request, Scheduler, Slot, common_prefix
+from loomserve.worker.prefix_cache import common_prefix
+from loomserve.worker.scheduler import Request, Scheduler, Slot
 from loomserve.worker.strategies import BatchPlan, SlotPhase
 
 GW = b"gateway-1"
