@@ -51,8 +51,9 @@ class WorkerConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower Generate.priority first, preempting
     swap_space: float = 4.0  # GiB of host memory for preempted requests' KV; beyond, recompute
     # MiB of host memory for slots' KV kept after their slots were taken (worker/ram_cache.py),
-    # a budget apart from swap_space; 0: off.
-    cache_ram: int = 8192
+    # a budget apart from swap_space; 0: off. Off by default: saving every vacated slot cost
+    # 7-9 % of the plain load's throughput (docs/prompt-cache.md); multi-turn chats want it.
+    cache_ram: int = 0
     tenant_weight: tuple[str, ...] = ()  # "NAME=W": a tenant's share of slots (default 1)
     max_slots_per_tenant: int = 0  # most running requests of one tenant; 0: no cap
     metrics_port: int | None = None  # Prometheus endpoint; None: off
