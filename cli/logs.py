@@ -28,9 +28,19 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         cache_logger_on_first_use=True,
     )
+    # JSON lines carry an exception as a structured traceback (frames, locals left out): the
+    # console renderer prints exc_info itself, but JSONRenderer would drop it.
+    exceptions = [structlog.processors.dict_tracebacks] if json else []
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
-        structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processor=renderer)
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                *exceptions,
+                renderer,
+            ],
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
