@@ -162,10 +162,12 @@ def test_the_queue_bound_takes_a_group_whole(gateway: Proc, worker_metrics_url: 
     """More choices than slots and queue hold: 503, and none of them is left running."""
     wait_all_slots_free(gateway)
     # The copies follow the first choice: even with its slot free again, one too many.
+    # Nearly the whole context each, so no choice ends while a busy gateway still sends the
+    # others (with 200 tokens, one CI run saw all 8 served one after another).
     too_many = SLOTS + MAX_QUEUE + 2
     response = httpx.post(
         gateway.url + "/v1/completions",
-        json={"prompt": "hello", "n": too_many, "max_tokens": 200, "ignore_eos": True},
+        json={"prompt": "hello", "n": too_many, "max_tokens": 500, "ignore_eos": True},
         timeout=30,
     )
     assert response.status_code == 503, response.text
