@@ -81,7 +81,11 @@ class TickCostModel:
         gain = [value / denominator for value in px]
         error = seconds - sum(self.theta[i] * x[i] for i in range(3))
         self.theta = [self.theta[i] + gain[i] * error for i in range(3)]
-        self.p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
+        new = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
+        # P must stay symmetric: roundoff leaves it slightly not, and dividing by lam grows that
+        # part 2% a tick, so within some 2,000 ticks P was no longer positive definite, the fit
+        # went wild and the denominator reached zero (a failed tick). Averaging kills it.
+        self.p = [[(new[i][j] + new[j][i]) / 2 for j in range(3)] for i in range(3)]
         self.observations += 1
         if prefill_tokens:
             self.prefill_observations += 1
