@@ -4,13 +4,25 @@ Fields OpenAI does not define are ignored, as vLLM and llama-server do; every fi
 defines is declared, so that one we cannot honour gets a 400 naming it (params.py).
 Request fields take their JSON types strictly: "10" is not a number, nor "yes" a boolean
 (an integer is a number, though), and integers bound for the worker stay in llama.cpp's range.
+An integral float (`2.0`) is an integer, as JSON Schema, pydantic's lax mode and vLLM have it;
+`2.5` is not (JsonInt; token-id lists: _integral_ids).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+
+from loomserve.protocol.limits import MAX_LOGIT_BIAS
 
 # --- requests ------------------------------------------------------------------
 
@@ -21,6 +33,69 @@ def _range(low: float, high: float) -> dict[str, Any]:
     """A number's bounds, for the schema only: params.py and the protocol check them, with
     their own messages (the schema and the checks must agree: tests/test_faults_gateway.py)."""
     return {"minimum": low, "maximum": high}
+
+
+def _integral(value: Any) -> Any:
+    """An integral float as the integer it is; anything else is left to the strict check."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def _integral_ids(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Token ids checked as strict integers first, one fast pass over a million of them; only
+    when that fails are integral floats among them taken as integers, and checked again."""
+    try:
+        return handler(value)
+    except ValidationError:
+        fixed = _without_integral_floats(value)
+        if fixed is None:
+            raise
+        return handler(fixed)
+
+
+def _without_integral_floats(value: Any) -> list | None:
+    """A list of ids or of lists of ids with its integral floats as ints; None when it has
+    none (then there is nothing to check again)."""
+    if not isinstance(value, list):
+        return None
+    changed = False
+
+    def fix(items: list) -> list:
+        nonlocal changed
+        out = list(items)
+        for i, item in enumerate(out):
+            if type(item) is float and item.is_integer():
+                out[i], changed = int(item), True
+        return out
+
+    fixed = [fix(item) if isinstance(item, list) else item for item in fix(value)]
+    return fixed if changed else None
+
+
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+"""An integer field: `2.0` is taken as 2, `2.5` and `"2"` are refused."""
+
+# A list stops at its first bad item: a million bad ids made an error each for two members of
+# a union of lists, and FastAPI turns each error into a dict (21 s of the event loop).
+_FAIL_FAST = Field(fail_fast=True)
+TokenIds = Annotated[list[int], _FAIL_FAST]
+
+
+def _token_ids_schema(schema: dict[str, Any]) -> None:
+    """The schema of prompts: no list may be empty, token ids start at 0 (the vocabulary's
+    size, which bounds them above, is the model's: a 400 the schema cannot state)."""
+    for variant in schema.get("anyOf", [schema]):
+        while variant.get("type") == "array":
+            variant["minItems"] = 1
+            variant = variant["items"]
+            if variant.get("type") == "integer":
+                variant["minimum"] = 0
+
+
+def _only_null(schema: dict[str, Any]) -> None:
+    schema.pop("anyOf", None)
+    schema["type"] = "null"
 
 
 class RequestModel(BaseModel):
@@ -47,6 +122,24 @@ class JsonSchemaFormat(RequestModel):
 class ResponseFormat(RequestModel):
     """text, json_object, or json_schema; llama-server also takes json_object with a schema."""
 
+    # json_schema needs its schema (text/grammar.py): the served schema says so too.
+    model_config = ConfigDict(
+        strict=True,
+        json_schema_extra={
+            "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+            "then": {
+                "required": ["json_schema"],
+                "properties": {
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {"schema": {"type": "object"}},
+                    }
+                },
+            },
+        },
+    )
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -64,15 +157,21 @@ class GenerationFields(RequestModel):
         description="Nucleus sampling. Default 1.",
         json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
     )
-    n: int | None = Field(
+    n: JsonInt | None = Field(
         default=None, description="Choices per prompt.", json_schema_extra={"minimum": 1}
     )
     stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
-    seed: int | None = None
+    seed: JsonInt | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(
-        default=None, description="Token id (as a string) to a bias in [-100, 100]."
+        default=None,
+        description="Token id (as a string) to a bias in [-100, 100].",
+        json_schema_extra={
+            "maxProperties": MAX_LOGIT_BIAS,
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
     )
     presence_penalty: float | None = Field(default=None, json_schema_extra=_range(-2, 2))
     frequency_penalty: float | None = Field(default=None, json_schema_extra=_range(-2, 2))
@@ -80,20 +179,20 @@ class GenerationFields(RequestModel):
     user: str | None = Field(
         default=None, description="The end user; requests without an API key share by it."
     )
-    priority: int | None = Field(
+    priority: JsonInt | None = Field(
         default=None,
         description="Lower is served first under --scheduling-policy priority (as vLLM). "
         "Default 0.",
     )
-    logprobs: bool | int | None = Field(
+    logprobs: bool | JsonInt | None = Field(
         default=None,
         description="Completions: alternatives per token (0-20). Chat: true for logprobs.",
     )
-    top_logprobs: int | None = Field(
+    top_logprobs: JsonInt | None = Field(
         default=None, description="Chat: alternatives (0-20).", json_schema_extra=_range(0, 20)
     )
     # llama.cpp's extras
-    top_k: int | None = Field(
+    top_k: JsonInt | None = Field(
         default=None, ge=0, le=INT32_MAX, description="0 disables. Default 0."
     )
     min_p: float | None = Field(
@@ -104,7 +203,7 @@ class GenerationFields(RequestModel):
         description="Default 1 (off).",
         json_schema_extra={"exclusiveMinimum": 0, "maximum": 10},
     )
-    repeat_last_n: int | None = Field(
+    repeat_last_n: JsonInt | None = Field(
         default=None, ge=-1, le=INT32_MAX, description="-1: the whole context. Default 64."
     )
     grammar: str | None = Field(default=None, description="A GBNF grammar with a root rule.")
@@ -121,10 +220,15 @@ class CompletionRequest(GenerationFields):
 
     # Left to right, token ids early: pydantic's "smart" union tried every member on a
     # million ids and took seconds of the event loop.
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="A string, a list of one string, or token ids.", union_mode="left_to_right"
+    prompt: Annotated[
+        str | TokenIds | Annotated[list[str], _FAIL_FAST] | Annotated[list[TokenIds], _FAIL_FAST],
+        WrapValidator(_integral_ids),
+    ] = Field(
+        description="A string, a list of one string, or token ids.",
+        union_mode="left_to_right",
+        json_schema_extra=_token_ids_schema,
     )
-    max_tokens: int | None = Field(
+    max_tokens: JsonInt | None = Field(
         default=None,
         le=INT32_MAX,
         description="Default 16, as OpenAI and vLLM (capped by the slot's context); "
@@ -132,7 +236,10 @@ class CompletionRequest(GenerationFields):
         json_schema_extra={"minimum": 1},
     )
     echo: bool | None = Field(default=None, description="Prepend the prompt to the text.")
-    best_of: int | None = Field(default=None, description="Only 1 is supported.")
+    best_of: JsonInt | None = Field(default=None, description="Only 1 is supported.")
+    top_logprobs: JsonInt | None = Field(
+        default=None, description="Chat's; completions take logprobs.", json_schema_extra=_only_null
+    )
     suffix: str | None = Field(
         default=None, description="Not supported.", json_schema_extra={"maxLength": 0}
     )
@@ -191,13 +298,13 @@ class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(
+    max_tokens: JsonInt | None = Field(
         default=None,
         le=INT32_MAX,
         description="Deprecated by OpenAI; see below.",
         json_schema_extra={"minimum": 1},
     )
-    max_completion_tokens: int | None = Field(
+    max_completion_tokens: JsonInt | None = Field(
         default=None,
         le=INT32_MAX,
         description="Default: the rest of the slot's context, as vLLM; more is a 400.",
@@ -240,7 +347,7 @@ class TokenizeRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     """llama-server's /detokenize."""
 
-    tokens: list[int]
+    tokens: Annotated[TokenIds, WrapValidator(_integral_ids)]
 
 
 # --- responses -----------------------------------------------------------------
@@ -374,9 +481,9 @@ class ErrorResponse(BaseModel):
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings."""
 
-    input: str | list[str] | list[int] | list[list[int]] = Field(
-        description="A text, texts, token ids, or lists of token ids."
-    )
+    input: (
+        str | Annotated[list[str], _FAIL_FAST] | TokenIds | Annotated[list[TokenIds], _FAIL_FAST]
+    ) = Field(description="A text, texts, token ids, or lists of token ids.")
     model: str | None = None
     encoding_format: Literal["float", "base64"] = Field(
         default="float", description="base64: little-endian float32, as OpenAI sends them."

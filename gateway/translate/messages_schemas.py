@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from loomserve.gateway.api.schemas import INT32_MAX, RequestModel
+from loomserve.gateway.api.schemas import INT32_MAX, JsonInt, RequestModel
 
 
 class AnthropicMessage(RequestModel):
@@ -52,11 +52,11 @@ class CountTokensRequest(RequestModel):
 class MessagesRequest(CountTokensRequest):
     """POST /v1/messages."""
 
-    max_tokens: int = Field(ge=1, le=INT32_MAX, description="Required, as Anthropic has it.")
+    max_tokens: JsonInt = Field(ge=1, le=INT32_MAX, description="Required, as Anthropic has it.")
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    top_k: JsonInt | None = Field(default=None, ge=0, le=INT32_MAX)
     stream: bool | None = False
     metadata: dict[str, Any] | None = Field(
         default=None, description="`user_id` shares the server as OpenAI's `user` does."

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from loomserve.gateway.api.schemas import INT32_MAX, RequestModel
+from loomserve.gateway.api.schemas import INT32_MAX, JsonInt, RequestModel
 
 
 class ResponsesFunctionTool(RequestModel):
@@ -69,7 +69,7 @@ class ResponsesInputTokensRequest(RequestModel):
 class ResponsesRequest(ResponsesInputTokensRequest):
     """POST /v1/responses."""
 
-    max_output_tokens: int | None = Field(
+    max_output_tokens: JsonInt | None = Field(
         default=None, ge=1, le=INT32_MAX, description="Default: the rest of the context."
     )
     temperature: float | None = None
@@ -85,6 +85,6 @@ class ResponsesRequest(ResponsesInputTokensRequest):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
-    top_logprobs: int | None = None
-    max_tool_calls: int | None = None
+    top_logprobs: JsonInt | None = None
+    max_tool_calls: JsonInt | None = None
     stream_options: dict[str, Any] | None = None

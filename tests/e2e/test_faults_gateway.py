@@ -339,6 +339,43 @@ REFUSED = [
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
     ),
+    # What the model does not decide (faults-audit-2.md, "Schema-valid requests that got 400").
+    ("/v1/completions", {"prompt": "hi", "top_logprobs": 2}),  # chat's; completions: logprobs
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": [[1], []]}),
+    ("/v1/completions", {"prompt": [-1]}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema"}}),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    ),
+    ("/v1/completions", {"prompt": "hi", "n": 1.5}),  # not an integer, for JSON Schema either
+]
+# Integral floats are integers for JSON Schema, and for the gateway now too.
+ACCEPTED = [
+    ("/v1/completions", {"prompt": [1.0, 2], "max_tokens": 2.0, "n": 2.0, "seed": 3.0}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": 2.0, "top_k": 8381.0}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logit_bias": {"5": 1.5}}),
+    (
+        "/v1/completions",
+        {
+            "prompt": "hi",
+            "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {}}},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 1.0,
+            "logprobs": True,
+            "top_logprobs": 2.0,
+        },
+    ),
 ]
 
 
@@ -358,6 +395,10 @@ def test_the_schema_refuses_what_the_gateway_refuses(tiny_model_path: Path) -> N
             answer = httpx.post(gateway.url + path, json=body, timeout=30)
             assert answer.status_code == 400, (path, body, answer.text)
             assert not validator(path).is_valid(body), (path, body, "the schema allows it")
+        for path, body in ACCEPTED:
+            assert validator(path).is_valid(body), (path, body)
+            answer = httpx.post(gateway.url + path, json=body, timeout=30)
+            assert answer.status_code == 200, (path, body, answer.text)
         # The checks can tell: the same bodies made valid pass both.
         fine = {"prompt": "hi", "max_tokens": 2, "n": 1, "temperature": 0.5, "top_p": 1}
         assert validator("/v1/completions").is_valid(fine)
