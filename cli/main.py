@@ -129,7 +129,8 @@ def worker_options(func):
             default=default_of(WorkerConfig, "cache_ram"),
             help="MiB of host memory for prompt caches: a slot's KV state is saved there when "
             "the slot is taken for another request, and restored for a prompt that starts "
-            "with it (apart from --swap-space); 0: off.",
+            "with it (apart from --swap-space); 0: off. Default: 8192 (as llama-server), at "
+            "most a quarter of the memory the worker may use (its cgroup limit or the RAM).",
         ),
         click.option(
             "--tenant-weight",

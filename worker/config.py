@@ -7,6 +7,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from loomserve.worker.host_memory import memory_limit_bytes
+from loomserve.worker.ram_cache import MIB
+
+# llama-server's default --cache-ram; the worker takes less on a smaller machine or container.
+DEFAULT_CACHE_RAM_MIB = 8192
+
 KV_CACHE_TYPES = ("f16", "q8_0")
 # "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
 FLASH_ATTN_MODES = ("auto", "on", "off")
@@ -51,9 +57,9 @@ class WorkerConfig:
     scheduling_policy: str = "fcfs"  # or "priority": lower Generate.priority first, preempting
     swap_space: float = 4.0  # GiB of host memory for preempted requests' KV; beyond, recompute
     # MiB of host memory for slots' KV kept after their slots were taken (worker/ram_cache.py),
-    # a budget apart from swap_space; 0: off. Off by default: saving every vacated slot cost
-    # 7-9 % of the plain load's throughput (docs/prompt-cache.md); multi-turn chats want it.
-    cache_ram: int = 0
+    # a budget apart from swap_space; 0: off. None: llama-server's 8192, but at most a quarter
+    # of the memory the worker may use (ram_cache_bytes), so a default worker fits its box.
+    cache_ram: int | None = None
     tenant_weight: tuple[str, ...] = ()  # "NAME=W": a tenant's share of slots (default 1)
     max_slots_per_tenant: int = 0  # most running requests of one tenant; 0: no cap
     metrics_port: int | None = None  # Prometheus endpoint; None: off
@@ -132,13 +138,20 @@ class WorkerConfig:
             raise ValueError("itl_target_ms must be positive")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
-        if self.swap_space < 0 or self.max_slots_per_tenant < 0 or self.cache_ram < 0:
+        if self.swap_space < 0 or self.max_slots_per_tenant < 0 or (self.cache_ram or 0) < 0:
             raise ValueError("swap_space, cache_ram and max_slots_per_tenant must not be negative")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be at least 1 and at most prompt_lookup_max")
         self.tenant_weights  # noqa: B018 -- parses them, raising ValueError on a bad one
+
+    @property
+    def ram_cache_bytes(self) -> int:
+        """The RAM prompt cache's budget in bytes: --cache-ram, or its default."""
+        if self.cache_ram is not None:
+            return self.cache_ram * MIB
+        return min(DEFAULT_CACHE_RAM_MIB * MIB, memory_limit_bytes() // 4)
 
     @property
     def tenant_weights(self) -> dict[str, float]:

@@ -44,7 +44,6 @@ from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.preemption import GIB
 from loomserve.worker.prefix_cache import advertised_keys
 from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
-from loomserve.worker.ram_cache import MIB
 from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import (
     Admission,
@@ -175,7 +174,7 @@ class TickLoop:
             ),
             swap_bytes=int(config.swap_space * GIB),
             latency=self._latency_target(config),
-            ram_cache_bytes=config.cache_ram * MIB,
+            ram_cache_bytes=config.ram_cache_bytes,
         )
         self.inbox: queue.Queue = queue.Queue()
         self.tick_count = 0
