@@ -21,9 +21,10 @@ otherwise (tokens only there to keep one pass; their cells are dropped, nothing 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from loomserve.worker.least_squares import RecursiveLeastSquares
 
 # Acceptance of a fresh slot: optimistic, so that a new request gets to show what it does.
 PRIOR_ACCEPTED = 4.0
@@ -164,35 +165,29 @@ class DraftCost:
     the next ones: another kernel path)."""
 
     def __init__(self, per_token_prior: float = 0.0) -> None:
-        self.theta = [0.0, per_token_prior]
-        self.p = [[1e2, 0.0], [0.0, 1e2]]
-        self.observations = 0
+        self.fit = RecursiveLeastSquares(
+            2, DRAFT_COST_FORGETTING, prior=(0.0, per_token_prior), initial_covariance=1e2
+        )
+
+    @property
+    def observations(self) -> int:
+        return self.fit.observations
+
+    @property
+    def per_token(self) -> float:
+        return max(0.0, self.fit.theta[1])
 
     def predict(self, extra_tokens: int) -> float:
         if not extra_tokens:
             return 0.0
-        fixed, per_token = self.theta
+        fixed, per_token = self.fit.theta
         return max(0.0, fixed) + max(0.0, per_token) * extra_tokens
 
     def observe(self, extra_tokens: int, surcharge: float) -> None:
         """One drafting tick: its extra tokens and the seconds it took beyond the prediction
         for the same tick without them."""
-        if not extra_tokens or not math.isfinite(surcharge):
-            return
-        x = (1.0, float(extra_tokens))
-        p = self.p
-        px = [p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1]]
-        lam = DRAFT_COST_FORGETTING
-        denominator = lam + x[0] * px[0] + x[1] * px[1]
-        gain = [value / denominator for value in px]
-        error = surcharge - (self.theta[0] + self.theta[1] * x[1])
-        self.theta = [self.theta[i] + gain[i] * error for i in range(2)]
-        self.p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(2)] for i in range(2)]
-        # Keep the covariance bounded while the same draft length repeats.
-        trace = self.p[0][0] + self.p[1][1]
-        if trace > 1e4:
-            self.p = [[value * 1e4 / trace for value in row] for row in self.p]
-        self.observations += 1
+        if extra_tokens:
+            self.fit.observe((1.0, float(extra_tokens)), surcharge)
 
 
 @dataclass(slots=True)
@@ -244,7 +239,7 @@ class Speculator:
             return 0
         self._passed_over = 0
         # Measure again: as if the surcharge were only its per-token part.
-        per_token = max(0.0, self.cost.theta[1])
+        per_token = self.cost.per_token
 
         def optimistic(extra: int) -> float:
             return tick_seconds(0) + per_token * extra

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from loomserve.worker.least_squares import RecursiveLeastSquares
+
 FORGETTING = 0.98  # each tick weighs 2% less per newer tick: ~50 ticks of memory
 MAX_COVARIANCE_TRACE = 1e4  # no forgetting beyond this: unexcited directions must not blow up
 # Prompts still progress when the decode tokens alone miss the target: a tick may always
@@ -38,11 +40,17 @@ class TickCostModel:
     """Online least squares of a tick's seconds on its decode and prefill token counts."""
 
     def __init__(self, forgetting: float = FORGETTING) -> None:
-        self.forgetting = forgetting
-        self.theta = [0.0, 0.0, 0.0]  # base, per decode token, per prefill token
-        self.p = [[1e3 if i == j else 0.0 for j in range(3)] for i in range(3)]
-        self.observations = 0
+        # theta: base, per decode token, per prefill token
+        self.fit = RecursiveLeastSquares(3, forgetting, max_covariance_trace=MAX_COVARIANCE_TRACE)
         self.prefill_observations = 0
+
+    @property
+    def observations(self) -> int:
+        return self.fit.observations
+
+    @property
+    def p(self) -> list[list[float]]:
+        return self.fit.p
 
     @property
     def ready(self) -> bool:
@@ -51,7 +59,7 @@ class TickCostModel:
 
     def coefficients(self) -> TickCost:
         """The fitted costs, none negative (noise can push a small one below zero)."""
-        base, decode, prefill = (max(0.0, value) for value in self.theta)
+        base, decode, prefill = (max(0.0, value) for value in self.fit.theta)
         return TickCost(base, decode, prefill)
 
     def predict(self, decode_tokens: int, prefill_tokens: int) -> float:
@@ -66,27 +74,12 @@ class TickCostModel:
         """One tick that ran a forward pass: its token counts and how long it took."""
         if not math.isfinite(seconds) or seconds < 0:
             return
-        x = (1.0, float(decode_tokens), float(prefill_tokens))
         if self.ready:
             # A machine busy with something else makes a rare tick far slower than its
             # batch explains; counting it whole would throw the costs off for many ticks.
-            seconds = min(seconds, OUTLIER_FACTOR * max(self.predict(*x[1:]), 1e-4))
-        p = self.p
-        px = [sum(p[i][j] * x[j] for j in range(3)) for i in range(3)]
-        lam = self.forgetting
-        trace = p[0][0] + p[1][1] + p[2][2]
-        if trace > MAX_COVARIANCE_TRACE:
-            lam = 1.0
-        denominator = lam + sum(x[i] * px[i] for i in range(3))
-        gain = [value / denominator for value in px]
-        error = seconds - sum(self.theta[i] * x[i] for i in range(3))
-        self.theta = [self.theta[i] + gain[i] * error for i in range(3)]
-        new = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(3)] for i in range(3)]
-        # P must stay symmetric: roundoff leaves it slightly not, and dividing by lam grows that
-        # part 2% a tick, so within some 2,000 ticks P was no longer positive definite, the fit
-        # went wild and the denominator reached zero (a failed tick). Averaging kills it.
-        self.p = [[(new[i][j] + new[j][i]) / 2 for j in range(3)] for i in range(3)]
-        self.observations += 1
+            predicted = self.predict(decode_tokens, prefill_tokens)
+            seconds = min(seconds, OUTLIER_FACTOR * max(predicted, 1e-4))
+        self.fit.observe((1.0, float(decode_tokens), float(prefill_tokens)), seconds)
         if prefill_tokens:
             self.prefill_observations += 1
 
