@@ -46,14 +46,14 @@ from loomserve.worker.prefix_cache import advertised_keys
 from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
 from loomserve.worker.ram_cache import MIB
 from loomserve.worker.sampling import InvalidSampling, sample_rows
-from loomserve.worker.scheduler import (
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import (
     Admission,
     Preemption,
     Release,
     Request,
     RequestKey,
     Run,
-    Scheduler,
     Slot,
     Step,
 )

@@ -12,7 +12,8 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.preemption import choose_victim
 from loomserve.worker.queueing import WaitingQueue
-from loomserve.worker.scheduler import Request, Scheduler, Slot
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request, Slot
 from loomserve.worker.strategies import SlotPhase
 from tests.worker.test_engine import GW, drain, new_loop
 

@@ -12,7 +12,8 @@ import pytest
 from loomserve.protocol import FinishReason, Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.loop import TickLoop, TickRecord
-from loomserve.worker.scheduler import Request, Scheduler, Slot
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request, Slot
 from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
 from tests.forward_passes import PassCounter
 
