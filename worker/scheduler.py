@@ -30,6 +30,7 @@ from loomserve.worker.preemption import SwapSpace, choose_victim
 from loomserve.worker.prefix_cache import can_place, place
 from loomserve.worker.queueing import Policy, WaitingQueue
 from loomserve.worker.ram_cache import RamCache
+from loomserve.worker.shaping import add_drafts, shape, ubatches_with_filler
 from loomserve.worker.slots import (
     KEEPS_CACHE,
     Admission,
@@ -52,7 +53,7 @@ from loomserve.worker.strategies import (
     limit_prefill,
 )
 from loomserve.worker.tick_cost import LatencyTarget
-from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
+from loomserve.worker.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
 
@@ -320,66 +321,21 @@ class Scheduler:
             # request scores its prompt.
             score = slot.request.params.prompt_logprobs is not None
             runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt, score))
-        return self._shape(Step(plan, runs), budget)
-
-    def _shape(self, step: Step, budget: int) -> Step:
-        """Order and pad the runs so that llama.cpp makes as few passes as it can (ubatches.py).
-
-        Slot order costs nothing where the cache is one stream, and there it stays one pass.
-        """
-        rules = self.split_rules
-        step.runs.sort(key=lambda run: run.slot.index)
-        if rules.per_slot_streams and rules.padding:
-            room = budget - step.plan.n_tokens
-            in_batch = [run.slot.index for run in step.runs]
-            pads = gaps_to_bridge(in_batch, self._paddable, room) if room else []
-            if pads:
-                slots = self.slots
-                for index in pads:
-                    slot = slots[index]
-                    # Any token will do; the slot's next position keeps its cells in order.
-                    step.runs.append(Run(slot, [0], slot.n_in_cache, False, pad=True))
-                step.runs.sort(key=lambda run: run.slot.index)
-                step.n_pad = len(pads)
-        lengths = [(run.slot.index, len(run.tokens)) for run in step.runs]
-        step.ubatches = count_ubatches(lengths, budget, rules.per_slot_streams)
-        return step
+        return shape(Step(plan, runs), budget, self.split_rules, self.slots)
 
     def ubatches_with_filler(self, step: Step, length: int) -> int:
         """The passes the step would take with `length` more tokens on every decode and
-        padding run (speculation's common length, where each slot has its own KV stream)."""
-        lengths = []
-        for run in step.runs:
-            grows = run.pad or (run.sample and run.slot.phase is SlotPhase.GENERATING)
-            lengths.append((run.slot.index, len(run.tokens) + (length if grows else 0)))
-        return count_ubatches(lengths, self._budget, self.split_rules.per_slot_streams)
+        padding run (shaping.py)."""
+        return ubatches_with_filler(step, length, self._budget, self.split_rules)
 
     def add_drafts(self, step: Step, drafts: dict[int, list[int]], length: int) -> None:
-        """Put the drafted tokens after each generating slot's last token; with a KV stream
-        per slot, also fill every decode and padding run up to `length` extra tokens."""
-        uniform = self.split_rules.per_slot_streams
-        for run in step.runs:
-            decoding = run.sample and run.slot.phase is SlotPhase.GENERATING
-            if not (decoding or (run.pad and uniform)):
-                continue
-            draft = drafts.get(run.slot.index, []) if decoding else []
-            filler = length - len(draft) if uniform else 0
-            # Filler repeats the run's first token: any token will do, nothing reads it.
-            run.tokens = run.tokens + draft + run.tokens[:1] * filler
-            run.draft, run.filler = len(draft), filler
-            step.n_extra += len(draft) + filler
-        lengths = [(run.slot.index, len(run.tokens)) for run in step.runs]
-        step.ubatches = count_ubatches(lengths, self._budget, self.split_rules.per_slot_streams)
+        """Put the drafted tokens after each generating slot's last token (shaping.py)."""
+        add_drafts(step, drafts, length, self._budget, self.split_rules)
 
     def accept_drafts(self, slot: Slot, accepted: int) -> None:
         """`accepted` drafted tokens of the slot's last run are now its sequence's: their
         cells hold. The loop drops the rest of the run's cells."""
         slot.n_in_cache += accepted
-
-    def _paddable(self, index: int) -> bool:
-        slot = self.slots[index]
-        # A busy slot's next cell is written by its own next token anyway.
-        return slot.busy or not slot.n_in_cache or self.split_rules.pad_cached_slots
 
     def _plan(self, views: list[SlotView], budget: int, chunk_size: int) -> BatchPlan:
         depth = self.queue_depth
