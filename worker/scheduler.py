@@ -50,7 +50,6 @@ from loomserve.worker.strategies import (
     SlotPhase,
     SlotView,
     check_plan,
-    limit_prefill,
 )
 from loomserve.worker.tick_cost import LatencyTarget
 from loomserve.worker.ubatches import SplitRules
@@ -343,7 +342,7 @@ class Scheduler:
             plan = self.strategy.plan(views, budget, chunk_size, depth)
             check_plan(plan, views, budget)
             if self.latency is not None:
-                plan = self._within_target(plan, views, budget)
+                plan = self.latency.limit(plan, views, budget)
         except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
             self._strategy_failures += 1
             if self._strategy_failures % 1000 == 1:  # the first, then every 1000th
@@ -355,15 +354,6 @@ class Scheduler:
                 )
             plan = self._fallback.plan(views, budget, chunk_size, depth)
         return plan
-
-    def _within_target(self, plan: BatchPlan, views: list[SlotView], budget: int) -> BatchPlan:
-        """While a stream generates, hold the tick's prompt tokens to what the target allows;
-        with nothing generating, prompts get the whole budget."""
-        generating = sum(view.phase is SlotPhase.GENERATING for view in views)
-        if not generating or not plan.prefill:
-            return plan
-        cap = self.latency.prefill_cap(generating)
-        return plan if cap is None else limit_prefill(plan, views, cap, budget)
 
     # --- after the forward pass ---------------------------------------------------------
 
