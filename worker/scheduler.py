@@ -26,7 +26,7 @@ from __future__ import annotations
 import structlog
 
 from loomserve.protocol import Finish, FinishReason, TokenChunk
-from loomserve.worker.preemption import SwapSpace, choose_victim
+from loomserve.worker.preemption import SwapSpace, victim_slot
 from loomserve.worker.prefix_cache import can_place, place
 from loomserve.worker.queueing import Policy, WaitingQueue
 from loomserve.worker.ram_cache import RamCache
@@ -256,19 +256,10 @@ class Scheduler:
         """Free a slot for `request` by preempting a running request it outranks, if any."""
         if self.waiting.policy is not Policy.PRIORITY:
             return None
-        # A request that scores its prompt is not preempted: its prompt's logprobs come
-        # from its one prefill, which a resumption would repeat.
-        running = [
-            slot.request
-            for slot in self._slot_of.values()
-            if not slot.finish_reason
-            and slot.index not in spared
-            and slot.request.params.prompt_logprobs is None
-        ]
-        victim = choose_victim(running, request)
-        if victim is None:
+        slot = victim_slot(self._slot_of.values(), request, spared)
+        if slot is None:
             return None
-        slot = self._slot_of[victim.key]
+        victim = slot.request
         preemption = Preemption(slot, victim, slot.n_in_cache)
         victim.resume_tokens = list(slot.tokens)
         victim.preemptions += 1
