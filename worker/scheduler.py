@@ -14,18 +14,16 @@ priority order, tenants' weighted round-robin and caps) and, under the priority 
 preemption (preemption.py): a waiting request that outranks a running one takes its slot, and
 the running one goes back to the queue to resume later where it stopped.
 
-A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
-have their keys and values in the cache at positions 0..n_in_cache-1. A slot that finishes
-normally keeps that cache, so a later prompt with the same beginning skips those tokens
-(prefix reuse, like llama-server's cache_prompt); prefix_cache.py decides where a request
-goes and whose cache it starts from.
+A slot that finishes normally keeps its cache (slots.py), so a later prompt with the same
+beginning skips those tokens (prefix reuse, like llama-server's cache_prompt); prefix_cache.py
+decides where a request goes and whose cache it starts from.
 """
 
 from __future__ import annotations
 
 import structlog
 
-from loomserve.protocol import Finish, FinishReason, TokenChunk
+from loomserve.protocol import FinishReason, TokenChunk
 from loomserve.worker.preemption import SwapSpace, victim_slot
 from loomserve.worker.prefix_cache import can_place, place
 from loomserve.worker.queueing import Policy, WaitingQueue
@@ -398,7 +396,7 @@ class Scheduler:
         end drops its cells (Release.drop_sequence).
         """
         releases = [
-            Release(request, self._finish(request, FinishReason.CANCELLED, message, now), None)
+            Release(request, request.finished(FinishReason.CANCELLED, message, now), None)
             for request, message in self._cancelled_waiting
         ]
         self._cancelled_waiting.clear()
@@ -407,7 +405,7 @@ class Scheduler:
             if request is None or reason is None:
                 continue
             keep = reason in KEEPS_CACHE
-            finish = self._finish(request, reason, slot.finish_message, now)
+            finish = request.finished(reason, slot.finish_message, now)
             self._vacate(slot, tick, keep)
             del self.live[request.key]
             releases.append(Release(request, finish, None if keep else slot.index))
@@ -426,16 +424,3 @@ class Scheduler:
         else:
             slot.tokens = []
             slot.n_in_cache = 0
-
-    @staticmethod
-    def _finish(request: Request, reason: FinishReason, message: str, now: float) -> Finish:
-        started = request.admitted_at or now
-        return Finish(
-            request_id=request.request_id,
-            reason=reason.value,
-            prompt_tokens=len(request.prompt),
-            completion_tokens=request.completion_tokens,
-            cached_tokens=request.cached_tokens,
-            queue_seconds=started - request.arrived_at,
-            message=message,
-        )

@@ -53,6 +53,19 @@ class Request:
     def gateway(self) -> bytes:
         return self.key[0]
 
+    def finished(self, reason: FinishReason, message: str, now: float) -> Finish:
+        """The Finish that ends it, for its gateway."""
+        started = self.admitted_at or now
+        return Finish(
+            request_id=self.request_id,
+            reason=reason.value,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            queue_seconds=started - self.arrived_at,
+            message=message,
+        )
+
 
 @dataclass(slots=True)
 class Slot:
