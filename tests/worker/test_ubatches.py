@@ -11,7 +11,8 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.loop import TickLoop, TickRecord
+from loomserve.worker.loop import TickLoop
+from loomserve.worker.records import TickRecord
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.slots import Request, Slot
 from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
