@@ -39,6 +39,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
+from loomserve.worker.kv_moves import KvMoves
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.preemption import GIB
 from loomserve.worker.prefix_cache import advertised_keys
@@ -48,8 +49,6 @@ from loomserve.worker.records import FinishRecord, TickRecord, finish_record, lo
 from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.slots import (
-    Admission,
-    Preemption,
     Release,
     Request,
     RequestKey,
@@ -158,6 +157,7 @@ class TickLoop:
         self._outputs: dict[bytes, Outputs] = {}
         self._scoring: Step | None = None  # this tick's step when a run scores its prompt
         self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
+        self.kv_moves = KvMoves(engine, self.scheduler)
         self.speculator = self._speculator(config, engine)
         self._verified: dict[int, Run] = {}  # this tick's decode runs with extra tokens
         self._spec_counts = _SpecCounts()
@@ -386,63 +386,7 @@ class TickLoop:
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
-            swapped = False
-            if admission.preempted is not None:
-                swapped = self._swap_out(admission.preempted)
-            slot, reused = admission.slot.index, admission.reused
-            if admission.save_first is not None and not swapped:
-                self._save_to_ram(slot, admission.save_first)
-            if admission.restore is not None:
-                self.engine.drop_sequence(slot)
-                if not self.engine.restore_sequence(slot, admission.restore):
-                    log.warning("could not restore a swapped-out request; recomputing it")
-                    self.engine.drop_sequence(slot)
-                    self.scheduler.prefix_lost(admission)
-            elif admission.ram_entry is not None:
-                self._restore_from_ram(admission)
-            elif admission.source is not None:
-                self.engine.drop_sequence(slot)
-                self.engine.copy_prefix(admission.source.index, slot, reused)
-            elif not self.engine.keep_prefix(slot, reused):
-                # This cache cannot keep a part of a sequence: evaluate the whole prompt.
-                self.engine.drop_sequence(slot)
-                self.scheduler.prefix_lost(admission)
-
-    def _swap_out(self, preemption: Preemption) -> bool:
-        """Save a preempted request's cells to host memory if the swap space holds them; else
-        it recomputes them when it resumes (the slot keeps them meanwhile, as a prefix, and
-        the RAM cache may take them). True when they were saved."""
-        seq = preemption.slot.index
-        if not preemption.n_cached or not self.scheduler.swap.fits(self.engine.state_size(seq)):
-            return False
-        state = self.engine.save_sequence(seq)
-        if state is None:
-            return False
-        self.scheduler.swap_out(preemption, state, len(state))
-        return True
-
-    def _save_to_ram(self, seq: int, tokens: list[int]) -> None:
-        """Keep a slot's cells in the RAM cache before the slot is used for another request."""
-        ram, engine = self.scheduler.ram, self.engine
-        # The cells must be exactly these tokens: a slot that holds more or fewer is not saved.
-        if engine.seq_pos_max(seq) != len(tokens) - 1 or not ram.fits(engine.state_size(seq)):
-            return
-        state = engine.save_sequence(seq)
-        if state is not None:
-            ram.put(tokens, state, len(state))
-
-    def _restore_from_ram(self, admission: Admission) -> None:
-        """Load a RAM-cached sequence into the admitted slot and keep its shared prefix."""
-        slot, reused, entry = admission.slot.index, admission.reused, admission.ram_entry
-        self.engine.drop_sequence(slot)
-        if self.engine.restore_sequence(slot, entry.state) and self.engine.keep_prefix(
-            slot, reused
-        ):
-            self.scheduler.ram.restored(entry, reused)
-            return
-        log.warning("could not restore a RAM-cached prompt; evaluating it")
-        self.engine.drop_sequence(slot)
-        self.scheduler.prefix_lost(admission)
+            self.kv_moves.place(admission)
 
     # --- 3: the batch ----------------------------------------------------------------
 
