@@ -17,7 +17,6 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import structlog
@@ -28,8 +27,6 @@ from loomserve.protocol import (
     ErrorCode,
     FinishReason,
     Generate,
-    Message,
-    Outputs,
     PromptLogprobs,
     Rejected,
     TokenChunk,
@@ -41,6 +38,7 @@ from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
 from loomserve.worker.kv_moves import KvMoves
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
+from loomserve.worker.outputs import PendingOutputs, Sink
 from loomserve.worker.preemption import GIB
 from loomserve.worker.prefix_cache import advertised_keys
 from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
@@ -61,14 +59,6 @@ from loomserve.worker.strategies import SlotPhase, load_strategy
 from loomserve.worker.tick_cost import WARM_UP_TICKS, LatencyTarget, TickCostModel
 
 log = structlog.get_logger(__name__)
-
-
-class Sink(Protocol):
-    """Where the loop's messages go: the IO thread, or a list in a test."""
-
-    def send(self, gateway: bytes, message: Message) -> None: ...
-
-    def flush(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +144,7 @@ class TickLoop:
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
         self.dead: str | None = None  # why the engine was given up on, once it was
         self._faults = DecodeFaults.from_env()  # tests only: see faults.py
-        self._outputs: dict[bytes, Outputs] = {}
+        self.outputs = PendingOutputs()  # this tick's, sent at its end
         self._scoring: Step | None = None  # this tick's step when a run scores its prompt
         self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
         self.kv_moves = KvMoves(engine, self.scheduler)
@@ -375,7 +365,7 @@ class TickLoop:
             if release.drop_sequence is not None:
                 self.engine.drop_sequence(release.drop_sequence)
             release.request.sampler.close()
-            self._outputs_for(release.request.gateway).finishes.append(release.finish)
+            self.outputs.to(release.request.gateway).finishes.append(release.finish)
             self._finished(release, now)
 
     def _finished(self, release: Release, now: float) -> None:
@@ -465,7 +455,7 @@ class TickLoop:
             chunk = record_token(slot, token, is_eog(token), now)
             if chunk is not None:
                 chunk.logprobs = logprobs
-                self._outputs_for(request.gateway).tokens.append(chunk)
+                self.outputs.to(request.gateway).tokens.append(chunk)
         return len(sampled)
 
     def _sample_verified(self, sampled: list[tuple[Slot, int]]) -> int:
@@ -499,7 +489,7 @@ class TickLoop:
         sampler = request.sampler
         greedy = rows.argmax(axis=1).tolist() if sampler.plain_greedy else None
         asked = request.params.logprobs is not None
-        outputs = self._outputs_for(request.gateway)
+        outputs = self.outputs.to(request.gateway)
         n_recorded = matched = 0
         for position in range(len(rows)):
             logits = rows[position]
@@ -619,15 +609,9 @@ class TickLoop:
             rows[:n_scored], prompt[first : first + n_scored], request.params.prompt_logprobs
         )
         chunk = TokenChunk(request.request_id, [], prompt_logprobs=PromptLogprobs(first, entries))
-        self._outputs_for(request.gateway).tokens.append(chunk)
+        self.outputs.to(request.gateway).tokens.append(chunk)
 
     # --- 6: emit -----------------------------------------------------------------------
-
-    def _outputs_for(self, gateway: bytes) -> Outputs:
-        outputs = self._outputs.get(gateway)
-        if outputs is None:
-            outputs = self._outputs[gateway] = Outputs(tokens=[], finishes=[])
-        return outputs
 
     def _send_outputs(self) -> None:
         # The load first: a heartbeat that follows these Outputs must not predate them.
@@ -639,11 +623,7 @@ class TickLoop:
             scheduler.waiting.counts(),
             self._advertised_prefixes(),
         )
-        if self._outputs:
-            for gateway, outputs in self._outputs.items():
-                self.sink.send(gateway, outputs)
-            self._outputs = {}
-            self.sink.flush()
+        self.outputs.send(self.sink)
 
     def _advertised_prefixes(self) -> tuple[int, ...]:
         """The cached prompts' keys, recomputed at most once per heartbeat interval: routing
