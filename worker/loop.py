@@ -27,17 +27,13 @@ from loomserve.protocol import (
     ErrorCode,
     FinishReason,
     Generate,
-    PromptLogprobs,
     Rejected,
-    TokenChunk,
-    TokenLogprobs,
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
 from loomserve.worker.kv_moves import KvMoves
-from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.outputs import PendingOutputs, Sink
 from loomserve.worker.preemption import GIB
 from loomserve.worker.prefix_cache import advertised_keys
@@ -46,6 +42,7 @@ from loomserve.worker.ram_cache import MIB
 from loomserve.worker.records import FinishRecord, TickRecord, finish_record, log_finish, log_tick
 from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.scoring import score_prompts, slot_logprobs
 from loomserve.worker.slots import (
     Release,
     Request,
@@ -429,13 +426,16 @@ class TickLoop:
 
     def _sample(self, sampled: list[tuple[Slot, int]]) -> int:
         """Sample each slot's new token and hand it to the scheduler; return how many."""
-        scored = self._score_prompts(self._scoring) if self._scoring is not None else None
+        scored = None
+        if self._scoring is not None:
+            scored = score_prompts(self._scoring, self.engine.output_logits, self.outputs)
         if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
             return 0
         if self._verified:
             return self._sample_verified(sampled)
         now = time.monotonic()
         is_eog, record_token = self.engine.is_eog, self.scheduler.record_token
+        context = self.engine.slot_context
         # Logits were asked for exactly where a token is sampled, so output row i belongs to
         # sampled[i]: one view of them all instead of one per slot. Unless a prompt was
         # scored: then its rows are picked out.
@@ -451,7 +451,7 @@ class TickLoop:
             if sampler.grammar_complete:  # the token ends it: before max_tokens can
                 slot.finish(FinishReason.STOP)
             asked = request.params.logprobs is not None
-            logprobs = self._logprobs(slot, logits[row], token) if asked else None
+            logprobs = slot_logprobs(slot, logits[row], token, context) if asked else None
             chunk = record_token(slot, token, is_eog(token), now)
             if chunk is not None:
                 chunk.logprobs = logprobs
@@ -488,7 +488,7 @@ class TickLoop:
         request = slot.request
         sampler = request.sampler
         greedy = rows.argmax(axis=1).tolist() if sampler.plain_greedy else None
-        asked = request.params.logprobs is not None
+        asked, context = request.params.logprobs is not None, self.engine.slot_context
         outputs = self.outputs.to(request.gateway)
         n_recorded = matched = 0
         for position in range(len(rows)):
@@ -496,7 +496,7 @@ class TickLoop:
             token = (
                 greedy[position] if greedy is not None else sampler.sample(index + position, logits)
             )
-            logprobs = self._logprobs(slot, logits, token) if asked else None
+            logprobs = slot_logprobs(slot, logits, token, context) if asked else None
             chunk = self.scheduler.record_token(slot, token, self.engine.is_eog(token), now)
             n_recorded += 1
             if chunk is not None:
@@ -571,45 +571,6 @@ class TickLoop:
         if length:
             drafts = {p.slot: p.tokens[:length] for p in proposals if p.tokens}
             self.scheduler.add_drafts(step, drafts, length)
-
-    def _logprobs(self, slot: Slot, logits: np.ndarray, token: int) -> list[TokenLogprobs]:
-        """The new token's logprobs, before the scheduler records it (its penalty history is
-        what the slot generated so far)."""
-        generated = slot.tokens[len(slot.request.prompt) :]  # resumed ones too
-        params, context = slot.request.params, self.engine.slot_context
-        return [token_logprobs(logits, token, params, generated, context)]
-
-    def _score_prompts(self, step: Step) -> np.ndarray:
-        """Send the prompt logprobs of the step's scoring runs; return the logits rows of the
-        sampled slots (in batch order, as _sample reads them)."""
-        n_outputs = sum(len(run.tokens) if run.score else run.sample for run in step.runs)
-        logits = self.engine.output_logits(n_outputs)
-        rows, sampled_rows = 0, []
-        for run in step.runs:
-            if run.score:
-                self._send_prompt_logprobs(run, logits[rows : rows + len(run.tokens)])
-                rows += len(run.tokens)
-                if run.sample:
-                    sampled_rows.append(rows - 1)
-            elif run.sample:
-                sampled_rows.append(rows)
-                rows += 1
-        return logits[sampled_rows]
-
-    def _send_prompt_logprobs(self, run: Run, rows: np.ndarray) -> None:
-        """Row i scores prompt token run.start + i + 1; the prompt's last row scores nothing
-        (its logits sample the first generated token)."""
-        request = run.slot.request
-        prompt = request.prompt
-        n_scored = min(len(run.tokens), len(prompt) - 1 - run.start)
-        if n_scored <= 0:
-            return
-        first = run.start + 1
-        entries = prompt_logprobs(
-            rows[:n_scored], prompt[first : first + n_scored], request.params.prompt_logprobs
-        )
-        chunk = TokenChunk(request.request_id, [], prompt_logprobs=PromptLogprobs(first, entries))
-        self.outputs.to(request.gateway).tokens.append(chunk)
 
     # --- 6: emit -----------------------------------------------------------------------
 
