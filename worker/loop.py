@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import structlog
 
 from loomserve.protocol import (
@@ -30,6 +29,7 @@ from loomserve.protocol import (
     Rejected,
 )
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.drafting import Drafting, make_speculator
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
@@ -51,9 +51,8 @@ from loomserve.worker.slots import (
     Slot,
     Step,
 )
-from loomserve.worker.speculation import Proposal, SpecSettings, Speculator
-from loomserve.worker.strategies import SlotPhase, load_strategy
-from loomserve.worker.tick_cost import WARM_UP_TICKS, LatencyTarget, TickCostModel
+from loomserve.worker.strategies import load_strategy
+from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
 
 log = structlog.get_logger(__name__)
 
@@ -145,22 +144,15 @@ class TickLoop:
         self._scoring: Step | None = None  # this tick's step when a run scores its prompt
         self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
         self.kv_moves = KvMoves(engine, self.scheduler)
-        self.speculator = self._speculator(config, engine)
+        self.speculator = make_speculator(config, engine.split_rules)
+        # Drafts ride in the tick's pass and are verified as it samples (drafting.py).
+        self.drafting = Drafting(
+            engine, self.scheduler, self.speculator, self.tick_cost, config, self.outputs
+        )
         self._verified: dict[int, Run] = {}  # this tick's decode runs with extra tokens
-        self._spec_counts = _SpecCounts()
         self._prefixes: tuple[int, ...] = ()  # advertised in heartbeats; see Load.prefixes
         self._prefixes_at = -float("inf")
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
-
-    @staticmethod
-    def _speculator(config: WorkerConfig, engine: Engine) -> Speculator | None:
-        # Rejected drafts must be cut from a sequence again: no recurrent state.
-        if not config.spec_ngram or not engine.split_rules.padding:
-            return None
-        settings = SpecSettings(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
-        return Speculator(settings, config.slots)
 
     def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
         if config.itl_target_ms is None:
@@ -243,7 +235,7 @@ class TickLoop:
             self._send_outputs()
             return
         # 3b. Generating slots may draft tokens that ride in the same pass (speculation.py).
-        self._speculate(step)
+        self.drafting.speculate(step)
         sampled = self._build_batch(step)
         # 4. One forward pass; the scheduler advances each slot's cache.
         # 5. Each slot samples at its own batch index; the scheduler records the token.
@@ -432,7 +424,7 @@ class TickLoop:
         if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
             return 0
         if self._verified:
-            return self._sample_verified(sampled)
+            return self.drafting.sample_verified(sampled, self._verified)
         now = time.monotonic()
         is_eog, record_token = self.engine.is_eog, self.scheduler.record_token
         context = self.engine.slot_context
@@ -457,120 +449,6 @@ class TickLoop:
                 chunk.logprobs = logprobs
                 self.outputs.to(request.gateway).tokens.append(chunk)
         return len(sampled)
-
-    def _sample_verified(self, sampled: list[tuple[Slot, int]]) -> int:
-        """Sampling in a tick with drafts: a slot with drafts samples at its token and at
-        each draft in turn, keeping drafts while they equal what it samples; then the cells
-        of the tokens it did not keep are dropped. Return the tokens produced."""
-        verified = self._verified
-        n_rows = sum(
-            1 + verified[slot.index].draft if slot.index in verified else 1 for slot, _ in sampled
-        )
-        logits = self.engine.output_logits(n_rows)
-        now, row, produced = time.monotonic(), 0, 0
-        for slot, index in sampled:
-            run = verified.get(slot.index)
-            n_draft = run.draft if run is not None else 0
-            block = logits[row : row + 1 + n_draft]
-            row += 1 + n_draft
-            drafts = run.tokens[1 : 1 + n_draft] if run is not None else []
-            produced += self._verify(slot, index, block, drafts, now)
-        for run in verified.values():
-            # The slot's sequence is its cached tokens; the rest of the run's cells go.
-            self.engine.keep_prefix(run.slot.index, run.slot.n_in_cache)
-        return produced
-
-    def _verify(
-        self, slot: Slot, index: int, rows: np.ndarray, drafts: list[int], now: float
-    ) -> int:
-        """Sample row by row (the row for the token at `index`, then one per draft) while
-        each sampled token equals the next draft; record the tokens; return how many."""
-        request = slot.request
-        sampler = request.sampler
-        greedy = rows.argmax(axis=1).tolist() if sampler.plain_greedy else None
-        asked, context = request.params.logprobs is not None, self.engine.slot_context
-        outputs = self.outputs.to(request.gateway)
-        n_recorded = matched = 0
-        for position in range(len(rows)):
-            logits = rows[position]
-            token = (
-                greedy[position] if greedy is not None else sampler.sample(index + position, logits)
-            )
-            logprobs = slot_logprobs(slot, logits, token, context) if asked else None
-            chunk = self.scheduler.record_token(slot, token, self.engine.is_eog(token), now)
-            n_recorded += 1
-            if chunk is not None:
-                chunk.logprobs = logprobs
-                outputs.tokens.append(chunk)
-            agrees = position < len(drafts) and token == drafts[position]
-            matched += agrees
-            if not agrees or slot.finish_reason is not None:
-                break
-        # Every recorded token but the last was a draft whose cell now holds.
-        self.scheduler.accept_drafts(slot, n_recorded - 1)
-        if drafts and self.speculator is not None:
-            self.speculator.verified(slot.index, request, len(drafts), matched)
-            self._spec_counts.add(len(drafts), matched)
-        return n_recorded
-
-    # --- 3b: speculation ------------------------------------------------------------------
-
-    def _speculate(self, step: Step) -> None:
-        """Give generating slots drafts where the tick-cost model says they pay (speculation.py)."""
-        spec = self.speculator
-        # The cost model must have seen some ticks (not necessarily prompt chunks: the
-        # prediction needed is for this tick's make-up, mostly decode tokens).
-        if spec is None or not step.plan.decode or self.tick_cost.observations < WARM_UP_TICKS:
-            return
-        if any(run.score for run in step.runs):  # prompt scoring reads its rows its own way
-            return
-        context = self.engine.slot_context
-        uniform = self.scheduler.split_rules.per_slot_streams
-        proposals, growing, max_length = [], 0, spec.settings.max_tokens
-        for run in step.runs:
-            slot = run.slot
-            if run.pad:
-                growing += 1
-                max_length = min(max_length, context - run.start - 1)
-                continue
-            if not (run.sample and slot.phase is SlotPhase.GENERATING):
-                continue
-            growing += 1
-            max_length = min(max_length, context - run.start - 1)
-            request = slot.request
-            params = request.params
-            if not params.speculative or params.grammar:
-                proposals.append(Proposal(slot.index, [], 0.0))
-                continue
-            proposal = spec.propose(slot.index, request, slot.tokens)
-            # Drafts past max_tokens could never be kept (the token after them is sampled).
-            left = min(params.max_tokens - request.completion_tokens, context - len(slot.tokens))
-            if len(proposal.tokens) > left - 1:
-                proposal = Proposal(slot.index, proposal.tokens[: max(0, left - 1)], proposal.rate)
-            proposals.append(proposal)
-        if max_length <= 0:
-            return
-        proposals = [
-            Proposal(p.slot, p.tokens[:max_length], p.rate) if len(p.tokens) > max_length else p
-            for p in proposals
-        ]
-        plan = step.plan
-        predicted = self.tick_cost.predict(len(plan.decode), plan.n_tokens - len(plan.decode))
-
-        def tick_seconds(extra: int) -> float:
-            return predicted + spec.cost.predict(extra)
-
-        def keeps_passes(length: int) -> bool:
-            return self.scheduler.ubatches_with_filler(step, length) <= step.ubatches
-
-        room = self.config.batch_tokens - step.n_tokens
-        width = growing if uniform else 0
-        length = spec.choose(
-            proposals, room, tick_seconds, width, keeps_passes if uniform else lambda n: True
-        )
-        if length:
-            drafts = {p.slot: p.tokens[:length] for p in proposals if p.tokens}
-            self.scheduler.add_drafts(step, drafts, length)
 
     # --- 6: emit -----------------------------------------------------------------------
 
@@ -607,7 +485,7 @@ class TickLoop:
             self.speculator.cost.observe(step.n_extra, surcharge)
         else:
             self.tick_cost.observe(decode_tokens, prefill_tokens, seconds)
-        counts, self._spec_counts = self._spec_counts, _SpecCounts()
+        counts = self.drafting.take_counts()
         if not (self.config.log_ticks or self._on_tick):
             return
         record = TickRecord(
@@ -631,22 +509,3 @@ class TickLoop:
             log_tick(record, step.n_tokens)
         if self._on_tick:
             self._on_tick(record)
-
-
-@dataclass(slots=True)
-class _SpecCounts:
-    """One tick's drafted and accepted tokens, for its TickRecord."""
-
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_position: list[int] = field(default_factory=list)
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.drafts += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        if accepted > len(self.per_position):
-            self.per_position.extend([0] * (accepted - len(self.per_position)))
-        for position in range(accepted):
-            self.per_position[position] += 1
