@@ -49,11 +49,12 @@ from loomserve.protocol import (
 )
 from loomserve.protocol.codec import TooLong, request_id_of
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
+from loomserve.worker.channels import Load
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, make_curve_server
 from loomserve.worker.gateways import GatewayTable
 from loomserve.worker.handshake import HandshakeWatch
-from loomserve.worker.loop import Load, TickLoop
+from loomserve.worker.loop import TickLoop
 
 log = structlog.get_logger(__name__)
 
@@ -303,16 +304,10 @@ class WorkerIO:
             self._refuse_gateway(gateway)
             return
         self._admit(gateway, now)
-        if isinstance(message, Generate):
+        if isinstance(message, (Generate, Embed)):  # the loop tells which work it is
             refusal = gateways.open(gateway, message.request_id)
             if refusal is None:
                 self.loop.submit(gateway, message)
-            else:
-                self._reject(gateway, message.request_id, *refusal)
-        elif isinstance(message, Embed):
-            refusal = gateways.open(gateway, message.request_id)
-            if refusal is None:
-                self.loop.embed(gateway, message)
             else:
                 self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):

@@ -13,10 +13,8 @@ change of a request's state; the loop hands the engine what those decisions need
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import structlog
 
@@ -27,6 +25,16 @@ from loomserve.protocol import (
     FinishReason,
     Generate,
     Rejected,
+)
+from loomserve.worker.channels import (
+    STOP,
+    Cancel,
+    GatewayGone,
+    Inbox,
+    Load,
+    LoadBoard,
+    Submit,
+    Work,
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.drafting import Drafting, make_speculator
@@ -57,47 +65,6 @@ from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
 log = structlog.get_logger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Load:
-    """The loop's load after its latest tick; the IO thread reads it for heartbeats."""
-
-    queue_depth: int
-    free_slots: int
-    running: int
-    tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # (running, waiting)
-    prefixes: tuple[int, ...] = ()  # keys of the cached prompts, for routing (prefix_cache.py)
-
-
-# --- inbox items -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Submit:
-    gateway: bytes
-    generate: Generate
-
-
-@dataclass(frozen=True, slots=True)
-class _Embed:
-    gateway: bytes
-    embed: Embed
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    gateway: bytes
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class _GatewayGone:
-    gateway: bytes
-    why: str
-
-
-_STOP = object()
-
-
 class TickLoop:
     """The continuous-batching loop over one engine."""
 
@@ -110,6 +77,8 @@ class TickLoop:
         on_finish: Callable[[FinishRecord], None] | None = None,
         on_reject: Callable[[str], None] | None = None,
         embedder: Embedder | None = None,
+        inbox: Inbox | None = None,
+        loads: LoadBoard | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -129,9 +98,9 @@ class TickLoop:
             latency=self._latency_target(config),
             ram_cache_bytes=config.cache_ram * MIB,
         )
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox = inbox if inbox is not None else Inbox()  # IO (or a test) writes it
         self.tick_count = 0
-        self.load = Load(queue_depth=0, free_slots=config.slots, running=0)
+        self.loads = loads if loads is not None else LoadBoard(config.slots)  # IO reads it
         self._on_tick = on_tick
         self._on_finish = on_finish
         self._on_reject = on_reject
@@ -159,24 +128,27 @@ class TickLoop:
             return None
         return LatencyTarget(config.itl_target_ms / 1000, self.tick_cost)
 
-    # --- any thread ------------------------------------------------------------------
+    # --- any thread: the inbox's, for the server and tests --------------------------
 
-    def submit(self, gateway: bytes, generate: Generate) -> None:
-        self.inbox.put(_Submit(gateway, generate))
-
-    def embed(self, gateway: bytes, embed: Embed) -> None:
-        self.inbox.put(_Embed(gateway, embed))
+    def submit(self, gateway: bytes, message: Work) -> None:
+        """A Generate for the tick or an Embed for the embedder."""
+        self.inbox.submit(gateway, message)
 
     def cancel(self, gateway: bytes, request_id: str) -> None:
-        self.inbox.put(_Cancel(gateway, request_id))
+        self.inbox.cancel(gateway, request_id)
 
     def gateway_gone(self, gateway: bytes, why: str) -> None:
         """The gateway vanished: cancel its queued and running requests, saying why."""
-        self.inbox.put(_GatewayGone(gateway, why))
+        self.inbox.gateway_gone(gateway, why)
 
     def stop(self) -> None:
         """Drain: refuse new requests, give the others config.shutdown_timeout, then return."""
-        self.inbox.put(_STOP)
+        self.inbox.stop()
+
+    @property
+    def load(self) -> Load:
+        """The load after the latest tick (heartbeats and metrics read it)."""
+        return self.loads.latest
 
     # --- the loop thread -------------------------------------------------------------
 
@@ -248,32 +220,29 @@ class TickLoop:
     # --- 1: input ----------------------------------------------------------------------
 
     def _take_input(self, block: bool) -> None:
-        try:
-            item = self.inbox.get(block=block)
-        except queue.Empty:
+        item = self.inbox.get(block=block)
+        if item is None:
             return
-        while True:
-            if item is _STOP:
+        while item is not None:
+            if item is STOP:
                 if self._stop_by is None:
                     self._stop_by = time.monotonic() + self.config.shutdown_timeout
-            elif isinstance(item, _Submit):
-                self._accept(item.gateway, item.generate)
-            elif isinstance(item, _Embed):
-                self._accept_embed(item.gateway, item.embed)
-            elif isinstance(item, _Cancel):
+            elif isinstance(item, Submit):
+                if isinstance(item.message, Embed):  # the embedder's work, not the tick's
+                    self._accept_embed(item.gateway, item.message)
+                else:
+                    self._accept(item.gateway, item.message)
+            elif isinstance(item, Cancel):
                 # Unknown ids are ignored: the request may have just finished.
                 self.scheduler.cancel((item.gateway, item.request_id))
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway, item.request_id)
-            elif isinstance(item, _GatewayGone):
+            elif isinstance(item, GatewayGone):
                 for key in self.scheduler.keys_of(item.gateway):
                     self.scheduler.cancel(key, item.why)
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+            item = self.inbox.get(block=False)
         # Accepted and Rejected go out now, not after this tick's forward pass.
         self.sink.flush()
 
@@ -455,7 +424,7 @@ class TickLoop:
     def _send_outputs(self) -> None:
         # The load first: a heartbeat that follows these Outputs must not predate them.
         scheduler = self.scheduler
-        self.load = Load(
+        self.loads.latest = Load(
             scheduler.queue_depth,
             scheduler.free_slots,
             scheduler.running,
