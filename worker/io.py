@@ -1,9 +1,10 @@
 """The worker's ZeroMQ side: one IO thread owns the ROUTER socket that gateways connect to.
 
-Like vLLM's engine core, the tick loop never waits on the network. Inbound frames are
-decoded here and handed to the loop through its queue; what the loop says is appended to
-an outbox and a wake-up byte goes over an inproc PAIR, after which this thread encodes and
-sends (while the loop is inside llama_decode, which releases the GIL). Sends never block:
+Like vLLM's engine core, the tick loop never waits on the network, and neither side holds the
+other: they share channels made first (channels.py). Inbound frames are decoded here and put
+on the loop's Inbox; what the loop says is appended to the Outbox below and a wake-up byte goes
+over an inproc PAIR, after which this thread encodes and sends (while the loop is inside
+llama_decode, which releases the GIL); heartbeats read the loop's LoadBoard. Sends never block:
 a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN) loses that
 message, counted. This thread also answers Hello and Ping and heartbeats every gateway, so
 liveness never waits for a tick either.
@@ -49,12 +50,11 @@ from loomserve.protocol import (
 )
 from loomserve.protocol.codec import TooLong, request_id_of
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
-from loomserve.worker.channels import Load
+from loomserve.worker.channels import Inbox, LoadBoard
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, make_curve_server
 from loomserve.worker.gateways import GatewayTable
 from loomserve.worker.handshake import HandshakeWatch
-from loomserve.worker.loop import TickLoop
 
 log = structlog.get_logger(__name__)
 
@@ -88,19 +88,51 @@ class IOCounters:
     gateways_refused: int = 0  # messages from new gateways beyond MAX_GATEWAYS; answered, dropped
 
 
+class Outbox:
+    """The Sink the loop sends through: messages wait here for the IO thread, which one byte
+    over an inproc PAIR wakes. send and flush are the loop thread's; broadcast any thread's."""
+
+    def __init__(self, context: zmq.Context, wake_address: str) -> None:
+        self.messages: deque[tuple[bytes, Message]] = deque()
+        self._wake = context.socket(zmq.PAIR)
+        self._wake.setsockopt(zmq.SNDHWM, 1)
+        self._wake.setsockopt(zmq.LINGER, 0)
+        self._wake.connect(wake_address)
+
+    def send(self, gateway: bytes, message: Message) -> None:
+        self.messages.append((gateway, message))
+
+    def broadcast(self, message: Message) -> None:
+        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
+        self.messages.append((BROADCAST, message))
+        self.flush()
+
+    def flush(self) -> None:
+        """Wake the IO thread to send the outbox; one byte, never blocking."""
+        # On EAGAIN a wake-up is already pending; it will find these messages too.
+        with contextlib.suppress(zmq.Again):
+            self._wake.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._wake.close(linger=0)
+
+
 class WorkerIO:
-    """The ROUTER socket, its thread, and the Sink the loop sends through."""
+    """The ROUTER socket, its thread, and the Outbox the loop sends through."""
 
     def __init__(
         self,
         config: WorkerConfig,
         model_info: ModelInfo,
+        inbox: Inbox,
+        loads: LoadBoard,
         on_gateways: Callable[[int], None] | None = None,
         keys: ServerKeys | None = None,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
-        self.loop: TickLoop | None = None
+        self.inbox = inbox  # where inbound work goes, for the loop
+        self.loads = loads  # what the loop last published, for heartbeats
         self.model_info = model_info
         self.counters = IOCounters()
         self.ready = True
@@ -126,11 +158,7 @@ class WorkerIO:
         wake_address = f"inproc://loomserve-wake-{id(self)}"
         self._wake_in = self._context.socket(zmq.PAIR)
         self._wake_in.bind(wake_address)
-        self._wake_out = self._context.socket(zmq.PAIR)  # used by the loop thread only
-        self._wake_out.setsockopt(zmq.SNDHWM, 1)
-        self._wake_out.setsockopt(zmq.LINGER, 0)
-        self._wake_out.connect(wake_address)
-        self._outbox: deque[tuple[bytes, Message]] = deque()
+        self.outbox = Outbox(self._context, wake_address)  # the loop's Sink
         self._gateways = GatewayTable(
             MAX_GATEWAYS, max_open=config.slots + config.max_queue, lost_remembered=LOST_REMEMBERED
         )
@@ -142,18 +170,17 @@ class WorkerIO:
         """The address actually bound (a tcp://...:0 bind gets its port here)."""
         return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def start(self, loop: TickLoop) -> None:
-        """Serve: hand inbound work to this tick loop, whose sink this object is."""
-        self.loop = loop
+    def start(self) -> None:
+        """Serve: receive into the inbox, send what the outbox holds."""
         self._thread.start()
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets."""
         self._closing = True
-        self.flush()
+        self.outbox.flush()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._wake_out.close(linger=0)
+        self.outbox.close()
         self._wake_in.close(linger=0)
         # The last Finish messages get a moment to leave; a dead gateway cannot hold us.
         self._close_sockets(linger=CLOSE_LINGER_MS)
@@ -164,22 +191,6 @@ class WorkerIO:
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
-
-    # --- Sink: called by the loop thread ---------------------------------------------
-
-    def send(self, gateway: bytes, message: Message) -> None:
-        self._outbox.append((gateway, message))
-
-    def broadcast(self, message: Message) -> None:
-        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
-        self._outbox.append((BROADCAST, message))
-        self.flush()
-
-    def flush(self) -> None:
-        """Wake the IO thread to send the outbox; one byte, never blocking."""
-        # On EAGAIN a wake-up is already pending; it will find these messages too.
-        with contextlib.suppress(zmq.Again):
-            self._wake_out.send(b"", zmq.NOBLOCK)
 
     # --- the IO thread -----------------------------------------------------------
 
@@ -307,12 +318,12 @@ class WorkerIO:
         if isinstance(message, (Generate, Embed)):  # the loop tells which work it is
             refusal = gateways.open(gateway, message.request_id)
             if refusal is None:
-                self.loop.submit(gateway, message)
+                self.inbox.submit(gateway, message)
             else:
                 self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):
             if gateways.cancel(gateway, message.request_id):
-                self.loop.cancel(gateway, message.request_id)
+                self.inbox.cancel(gateway, message.request_id)
         elif isinstance(message, Ping):
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
         else:
@@ -343,7 +354,7 @@ class WorkerIO:
         )
 
     def _send_outbox(self) -> None:
-        outbox, gateways = self._outbox, self._gateways
+        outbox, gateways = self.outbox.messages, self._gateways
         while outbox:
             gateway, message = outbox.popleft()
             if gateway == BROADCAST:
@@ -387,7 +398,7 @@ class WorkerIO:
             self._send_now(gateway, beat)
 
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
-        load: Load = self.loop.load
+        load = self.loads.latest
         return Heartbeat(
             sent_at=time.time(),
             ping_sent_at=ping_sent_at,
@@ -403,7 +414,7 @@ class WorkerIO:
             return
         self.counters.gateways_lost += 1
         log.warning("gateway lost; cancelling its requests", gateway=_name(gateway), why=why)
-        self.loop.gateway_gone(
+        self.inbox.gateway_gone(
             gateway, f"the worker cancelled this request: its gateway was lost ({why})"
         )
         if self._on_gateways:
