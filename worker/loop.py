@@ -2,13 +2,16 @@
 
 ADR 006 and 008 are summarised in docs/life-of-a-request.md.
 
-A TickLoop owns the engine and the scheduler, and runs on one thread. Other
-threads hand it work through submit(), cancel(), gateway_gone() and stop(), which only put
-items on a queue.Queue; it blocks on that queue whenever it has nothing to do. Everything it
-says goes to a Sink: Accepted and Rejected at once, and per tick one Outputs per gateway with
-that gateway's new tokens and finishes. No socket here (io.py owns those), so the loop runs
-and is tested in-process. It keeps no slot state: the scheduler decides and records every
-change of a request's state; the loop hands the engine what those decisions need.
+A TickLoop owns the engine and the scheduler, and runs on one thread. Other threads hand it
+work through its Inbox (channels.py: a Generate or an Embed, cancellations, a lost gateway,
+stop), which only puts items on a queue; it blocks on that queue whenever it has nothing to
+do. Everything it says goes to a Sink (outputs.py): Accepted and Rejected at once, and per
+tick one Outputs per gateway with that gateway's new tokens and finishes; after each tick it
+publishes its Load on the LoadBoard. No socket here (io.py owns those), so the loop runs and
+is tested in-process. It keeps no slot state: the scheduler decides and records every change
+of a request's state; the loop hands the engine what those decisions need, with helpers for
+the parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells
+moved for admissions), drafting.py (speculation), scoring.py (logprobs), records.py.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ from loomserve.worker.drafting import Drafting, make_speculator
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
+from loomserve.worker.intake import NO_EMBEDDINGS, new_request, refusal
 from loomserve.worker.kv_moves import KvMoves
 from loomserve.worker.outputs import PendingOutputs, Sink
 from loomserve.worker.preemption import GIB
 from loomserve.worker.prefix_cache import advertised_keys
-from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
+from loomserve.worker.queueing import WaitingQueue
 from loomserve.worker.ram_cache import MIB
 from loomserve.worker.records import FinishRecord, TickRecord, finish_record, log_finish, log_tick
 from loomserve.worker.sampling import InvalidSampling, sample_rows
@@ -53,8 +57,6 @@ from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.scoring import score_prompts, slot_logprobs
 from loomserve.worker.slots import (
     Release,
-    Request,
-    RequestKey,
     Run,
     Slot,
     Step,
@@ -248,7 +250,11 @@ class TickLoop:
 
     def _accept(self, gateway: bytes, generate: Generate) -> None:
         key = (gateway, generate.request_id)
-        error = self._refusal(key, generate)
+        engine = self.engine
+        stopping = self._stop_by is not None
+        error = refusal(
+            key, generate, self.scheduler, engine.n_vocab, engine.slot_context, stopping
+        )
         sampler = None
         if error is None:
             try:
@@ -262,45 +268,13 @@ class TickLoop:
             if self._on_reject:
                 self._on_reject(code.value)
             return
-        request = Request(
-            key=key,
-            prompt=generate.prompt_tokens,
-            params=generate.params,
-            arrived_at=time.monotonic(),
-            sampler=sampler,
-            priority=generate.priority,
-            tenant=generate.tenant or DEFAULT_TENANT,
-        )
+        request = new_request(key, generate, sampler)
         ahead = self.scheduler.enqueue(request)
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
 
-    def _refusal(self, key: RequestKey, generate: Generate) -> tuple[ErrorCode, str] | None:
-        """Why this request cannot be taken, cheapest checks first; None when it can."""
-        if self._stop_by is not None:
-            return ErrorCode.NOT_READY, "the worker is shutting down"
-        if key in self.scheduler.live:
-            return ErrorCode.DUPLICATE_REQUEST, f"request {key[1]!r} is already running"
-        n_vocab = self.engine.n_vocab
-        if max(generate.prompt_tokens) >= n_vocab:
-            return ErrorCode.INVALID_REQUEST, f"prompt token ids must be below {n_vocab}"
-        n_prompt, limit = len(generate.prompt_tokens), self.engine.slot_context
-        if n_prompt >= limit:
-            return (
-                ErrorCode.PROMPT_TOO_LONG,
-                f"the prompt has {n_prompt} tokens; a slot holds {limit} tokens "
-                f"including at least one generated token",
-            )
-        if not self.scheduler.can_enqueue():
-            return ErrorCode.QUEUE_FULL, f"all slots are busy and {self.config.max_queue} wait"
-        return None
-
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
         if self.embedder is None:
-            message = (
-                "this server computes no embeddings: the model has no pooling head; "
-                "start the worker with --embeddings for mean-pooled ones"
-            )
-            rejected = Rejected(embed.request_id, ErrorCode.INVALID_REQUEST.value, message)
+            rejected = Rejected(embed.request_id, ErrorCode.INVALID_REQUEST.value, NO_EMBEDDINGS)
         else:
             rejected = self.embedder.offer(gateway, embed)
         if rejected is not None:
