@@ -8,9 +8,12 @@ the IO thread's poll. Neither side holds the other. Plain Python.
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass, field
 
 from loomserve.protocol import Embed, Generate
+from loomserve.worker.prefix_cache import advertised_keys
+from loomserve.worker.scheduler import Scheduler
 
 Work = Generate | Embed  # a request for the loop: the tick generates, the embedder embeds
 
@@ -86,3 +89,24 @@ class LoadBoard:
 
     def __init__(self, slots: int) -> None:
         self.latest = Load(queue_depth=0, free_slots=slots, running=0)
+        self._prefixes: tuple[int, ...] = ()  # advertised in heartbeats; see Load.prefixes
+        self._prefixes_at = -float("inf")
+
+    def publish(self, scheduler: Scheduler, prefixes_every: float) -> None:
+        """The scheduler's load now (the loop thread's call, after each tick)."""
+        self.latest = Load(
+            scheduler.queue_depth,
+            scheduler.free_slots,
+            scheduler.running,
+            scheduler.waiting.counts(),
+            self._advertised_prefixes(scheduler, prefixes_every),
+        )
+
+    def _advertised_prefixes(self, scheduler: Scheduler, every: float) -> tuple[int, ...]:
+        """The cached prompts' keys, recomputed at most once per heartbeat interval: routing
+        needs no fresher view, and hashing every cached sequence each tick would cost."""
+        now = time.monotonic()
+        if now - self._prefixes_at >= every:
+            self._prefixes_at = now
+            self._prefixes = tuple(advertised_keys(scheduler.slots, scheduler.ram))
+        return self._prefixes

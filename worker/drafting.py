@@ -8,13 +8,13 @@ drafts; the scheduler shapes the drafts into the batch (shaping.py) and accepts 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.outputs import PendingOutputs
+from loomserve.worker.records import SpecCounts
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.scoring import slot_logprobs
 from loomserve.worker.slots import Run, Slot, Step
@@ -169,22 +169,3 @@ class Drafting:
             self.speculator.verified(slot.index, request, len(drafts), matched)
             self.counts.add(len(drafts), matched)
         return n_recorded
-
-
-@dataclass(slots=True)
-class SpecCounts:
-    """One tick's drafted and accepted tokens, for its TickRecord."""
-
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_position: list[int] = field(default_factory=list)
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.drafts += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        if accepted > len(self.per_position):
-            self.per_position.extend([0] * (accepted - len(self.per_position)))
-        for position in range(accepted):
-            self.per_position[position] += 1

@@ -48,10 +48,16 @@ from loomserve.worker.intake import NO_EMBEDDINGS, new_request, refusal
 from loomserve.worker.kv_moves import KvMoves
 from loomserve.worker.outputs import PendingOutputs, Sink
 from loomserve.worker.preemption import GIB
-from loomserve.worker.prefix_cache import advertised_keys
 from loomserve.worker.queueing import WaitingQueue
 from loomserve.worker.ram_cache import MIB
-from loomserve.worker.records import FinishRecord, TickRecord, finish_record, log_finish, log_tick
+from loomserve.worker.records import (
+    FinishRecord,
+    TickRecord,
+    finish_record,
+    log_finish,
+    log_tick,
+    tick_record,
+)
 from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.scoring import score_prompts, slot_logprobs
@@ -121,8 +127,6 @@ class TickLoop:
             engine, self.scheduler, self.speculator, self.tick_cost, config, self.outputs
         )
         self._verified: dict[int, Run] = {}  # this tick's decode runs with extra tokens
-        self._prefixes: tuple[int, ...] = ()  # advertised in heartbeats; see Load.prefixes
-        self._prefixes_at = -float("inf")
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
@@ -397,25 +401,8 @@ class TickLoop:
 
     def _send_outputs(self) -> None:
         # The load first: a heartbeat that follows these Outputs must not predate them.
-        scheduler = self.scheduler
-        self.loads.latest = Load(
-            scheduler.queue_depth,
-            scheduler.free_slots,
-            scheduler.running,
-            scheduler.waiting.counts(),
-            self._advertised_prefixes(),
-        )
+        self.loads.publish(self.scheduler, self.config.heartbeat_interval)
         self.outputs.send(self.sink)
-
-    def _advertised_prefixes(self) -> tuple[int, ...]:
-        """The cached prompts' keys, recomputed at most once per heartbeat interval: routing
-        needs no fresher view, and hashing every cached sequence each tick would cost."""
-        now = time.monotonic()
-        if now - self._prefixes_at >= self.config.heartbeat_interval:
-            self._prefixes_at = now
-            scheduler = self.scheduler
-            self._prefixes = tuple(advertised_keys(scheduler.slots, scheduler.ram))
-        return self._prefixes
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1
@@ -431,23 +418,8 @@ class TickLoop:
         counts = self.drafting.take_counts()
         if not (self.config.log_ticks or self._on_tick):
             return
-        record = TickRecord(
-            tick=self.tick_count,
-            decode_tokens=len(plan.decode),
-            prefill_tokens=plan.n_tokens - len(plan.decode),
-            pad_tokens=step.n_pad,
-            ubatches=step.ubatches,
-            sampled_tokens=n_sampled,
-            budget=self.config.batch_tokens,
-            slots_active=self.scheduler.running,
-            queue_depth=self.scheduler.queue_depth,
-            seconds=seconds,
-            drafts=counts.drafts,
-            draft_tokens=counts.drafted,
-            accepted_tokens=counts.accepted,
-            accepted_per_position=tuple(counts.per_position),
-            filler_tokens=step.n_extra - counts.drafted,
-        )
+        scheduler, budget = self.scheduler, self.config.batch_tokens
+        record = tick_record(self.tick_count, step, n_sampled, budget, scheduler, seconds, counts)
         if self.config.log_ticks:
             log_tick(record, step.n_tokens)
         if self._on_tick:

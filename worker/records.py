@@ -4,13 +4,14 @@ and the `tick` and `request finished` log lines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
 from loomserve.protocol import Finish
 from loomserve.worker.queueing import DEFAULT_TENANT
-from loomserve.worker.slots import Release
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Release, Step
 
 log = structlog.get_logger("loomserve.worker.loop")  # the logger these lines always had
 
@@ -46,6 +47,54 @@ class FinishRecord:
     priority: int = 0
     tenant: str = DEFAULT_TENANT
     preemptions: int = 0  # times it gave its slot to a request of better priority
+
+
+@dataclass(slots=True)
+class SpecCounts:
+    """One tick's drafted and accepted tokens, for its TickRecord."""
+
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if accepted > len(self.per_position):
+            self.per_position.extend([0] * (accepted - len(self.per_position)))
+        for position in range(accepted):
+            self.per_position[position] += 1
+
+
+def tick_record(
+    tick: int,
+    step: Step,
+    n_sampled: int,
+    budget: int,
+    scheduler: Scheduler,
+    seconds: float,
+    counts: SpecCounts,
+) -> TickRecord:
+    plan = step.plan
+    return TickRecord(
+        tick=tick,
+        decode_tokens=len(plan.decode),
+        prefill_tokens=plan.n_tokens - len(plan.decode),
+        pad_tokens=step.n_pad,
+        ubatches=step.ubatches,
+        sampled_tokens=n_sampled,
+        budget=budget,
+        slots_active=scheduler.running,
+        queue_depth=scheduler.queue_depth,
+        seconds=seconds,
+        drafts=counts.drafts,
+        draft_tokens=counts.drafted,
+        accepted_tokens=counts.accepted,
+        accepted_per_position=tuple(counts.per_position),
+        filler_tokens=step.n_extra - counts.drafted,
+    )
 
 
 def finish_record(release: Release, now: float) -> FinishRecord:
