@@ -37,7 +37,6 @@ from loomserve.worker.channels import (
     Load,
     LoadBoard,
     Submit,
-    Work,
 )
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.drafting import Drafting, make_speculator
@@ -113,7 +112,7 @@ class TickLoop:
         self._on_finish = on_finish
         self._on_reject = on_reject
         self.embedder = embedder  # None: this worker computes no embeddings
-        self._stop_by: float | None = None  # set by stop(): when the last requests are cut
+        self._stop_by: float | None = None  # set by STOP (Inbox.stop): when the last are cut
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
         self.dead: str | None = None  # why the engine was given up on, once it was
         self._faults = DecodeFaults.from_env()  # tests only: see faults.py
@@ -134,23 +133,6 @@ class TickLoop:
             return None
         return LatencyTarget(config.itl_target_ms / 1000, self.tick_cost)
 
-    # --- any thread: the inbox's, for the server and tests --------------------------
-
-    def submit(self, gateway: bytes, message: Work) -> None:
-        """A Generate for the tick or an Embed for the embedder."""
-        self.inbox.submit(gateway, message)
-
-    def cancel(self, gateway: bytes, request_id: str) -> None:
-        self.inbox.cancel(gateway, request_id)
-
-    def gateway_gone(self, gateway: bytes, why: str) -> None:
-        """The gateway vanished: cancel its queued and running requests, saying why."""
-        self.inbox.gateway_gone(gateway, why)
-
-    def stop(self) -> None:
-        """Drain: refuse new requests, give the others config.shutdown_timeout, then return."""
-        self.inbox.stop()
-
     @property
     def load(self) -> Load:
         """The load after the latest tick (heartbeats and metrics read it)."""
@@ -159,7 +141,7 @@ class TickLoop:
     # --- the loop thread -------------------------------------------------------------
 
     def run(self) -> None:
-        """Tick until stop() has drained the requests, or until the engine is dead.
+        """Tick until a STOP (Inbox.stop) has drained the requests, or until the engine is dead.
 
         A failing tick fails the requests it ran and the loop serves on; max_failed_ticks
         failures in a row mean the engine itself is broken: `dead` says why and run returns,
@@ -185,7 +167,7 @@ class TickLoop:
         self._send_outputs()
 
     def _drained(self) -> bool:
-        """After stop(): whether every request has finished, or the time for them is up."""
+        """After a STOP: whether every request has finished, or the time for them is up."""
         if self._stop_by is None:
             return False
         embedding = self.embedder is not None and self.embedder.pending

@@ -130,7 +130,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             timeout_s=config.shutdown_timeout,
         )
         io.ready = False
-        loop.stop()
+        inbox.stop()
 
     def on_stuck(why: str) -> None:
         # From the watchdog's thread: the main thread is stuck in the tick and cannot help.

@@ -191,12 +191,12 @@ def run(engine, config, requests: list[Generate], urgent_after: int | None) -> d
     """Run the requests; with urgent_after, two urgent ones arrive after that many ticks."""
     loop, collector = new_loop(engine, config)
     for generate_ in requests:
-        loop.submit(GW, generate_)
+        loop.inbox.submit(GW, generate_)
     if urgent_after is not None:
         for _ in range(urgent_after):
             loop.tick(block=False)
-        loop.submit(GW, urgent(0))
-        loop.submit(GW, urgent(1))
+        loop.inbox.submit(GW, urgent(0))
+        loop.inbox.submit(GW, urgent(1))
     drain(loop)
     finishes = collector.finishes()
     assert all(f.reason == "length" for f in finishes.values())

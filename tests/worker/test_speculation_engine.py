@@ -100,7 +100,7 @@ def repetitive_requests(n: int, n_vocab: int, seed: int, **params) -> list[Gener
 
 def alone(engine: Engine, config: WorkerConfig, request: Generate, spec: bool) -> Run:
     run = Run(engine, config, spec, force=True)
-    run.loop.submit(GW, request)
+    run.loop.inbox.submit(GW, request)
     drain(run.loop)
     return run
 
@@ -231,7 +231,7 @@ def test_the_adaptive_choice_drafts_on_a_repetitive_load_and_keeps_outputs(engin
     adaptive = Run(engine, config, spec=True, force=False)
     for run in (plain, adaptive):
         for request in requests:
-            run.loop.submit(GW, request)
+            run.loop.inbox.submit(GW, request)
         drain(run.loop)
     assert adaptive.collector.tokens() == plain.collector.tokens()
     assert adaptive.drafted > 0
