@@ -29,6 +29,7 @@ from loomserve.protocol import (
     Generate,
     Rejected,
 )
+from loomserve.worker.batching import Filled, fill_batch
 from loomserve.worker.channels import (
     STOP,
     Cancel,
@@ -62,8 +63,6 @@ from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.scoring import score_prompts, slot_logprobs
 from loomserve.worker.slots import (
     Release,
-    Run,
-    Slot,
     Step,
 )
 from loomserve.worker.strategies import load_strategy
@@ -117,7 +116,6 @@ class TickLoop:
         self.dead: str | None = None  # why the engine was given up on, once it was
         self._faults = DecodeFaults.from_env()  # tests only: see faults.py
         self.outputs = PendingOutputs()  # this tick's, sent at its end
-        self._scoring: Step | None = None  # this tick's step when a run scores its prompt
         self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
         self.kv_moves = KvMoves(engine, self.scheduler)
         self.speculator = make_speculator(config, engine.split_rules)
@@ -125,7 +123,6 @@ class TickLoop:
         self.drafting = Drafting(
             engine, self.scheduler, self.speculator, self.tick_cost, config, self.outputs
         )
-        self._verified: dict[int, Run] = {}  # this tick's decode runs with extra tokens
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
@@ -196,10 +193,10 @@ class TickLoop:
             return
         # 3b. Generating slots may draft tokens that ride in the same pass (speculation.py).
         self.drafting.speculate(step)
-        sampled = self._build_batch(step)
+        filled = fill_batch(self.engine.batch, step)
         # 4. One forward pass; the scheduler advances each slot's cache.
         # 5. Each slot samples at its own batch index; the scheduler records the token.
-        n_sampled = self._sample(sampled) if self._forward(step) else 0
+        n_sampled = self._sample(filled) if self._forward(step) else 0
         # 6. Requests that just ended free their slots; each gateway gets one Outputs.
         self._release_finished()
         self._send_outputs()
@@ -296,34 +293,6 @@ class TickLoop:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
             self.kv_moves.place(admission)
 
-    # --- 3: the batch ----------------------------------------------------------------
-
-    def _build_batch(self, step: Step) -> list[tuple[Slot, int]]:
-        """Fill the engine's batch from the runs, in their order; return the slots to sample
-        and their batch indices, in batch order (the order of the output logits' rows)."""
-        batch = self.engine.batch
-        batch.clear()
-        sampled = []
-        self._scoring = None
-        self._verified = {}
-        for run in step.runs:
-            seq = run.slot.index
-            if run.filler and run.pad:  # padding grown to the tick's draft length
-                last = batch.add_run(run.tokens, run.start, seq, False)
-            elif run.draft or run.filler:  # its token, its drafts (logits on each), filler
-                last = batch.add_verified_run(run.tokens, run.start, seq, 1 + run.draft)
-                self._verified[seq] = run
-            elif run.score:  # a prompt being scored: logits on every token (_score_prompts)
-                last = batch.add_run(run.tokens, run.start, seq, True, logits_on_all=True)
-                self._scoring = step
-            elif len(run.tokens) == 1:  # a decode token: the cheaper single add
-                last = batch.add(run.tokens[0], run.start, seq, run.sample)
-            else:
-                last = batch.add_run(run.tokens, run.start, seq, run.sample)
-            if run.sample:
-                sampled.append((run.slot, last))
-        return sampled
-
     # --- 4: forward --------------------------------------------------------------------
 
     def _forward(self, step: Step) -> bool:
@@ -345,15 +314,15 @@ class TickLoop:
 
     # --- 5: sample ----------------------------------------------------------------------
 
-    def _sample(self, sampled: list[tuple[Slot, int]]) -> int:
+    def _sample(self, filled: Filled) -> int:
         """Sample each slot's new token and hand it to the scheduler; return how many."""
-        scored = None
-        if self._scoring is not None:
-            scored = score_prompts(self._scoring, self.engine.output_logits, self.outputs)
+        scored, sampled = None, filled.sampled
+        if filled.scoring is not None:
+            scored = score_prompts(filled.scoring, self.engine.output_logits, self.outputs)
         if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
             return 0
-        if self._verified:
-            return self.drafting.sample_verified(sampled, self._verified)
+        if filled.verified:
+            return self.drafting.sample_verified(sampled, filled.verified)
         now = time.monotonic()
         is_eog, record_token = self.engine.is_eog, self.scheduler.record_token
         context = self.engine.slot_context
