@@ -11,7 +11,8 @@ publishes its Load on the LoadBoard. No socket here (io.py owns those), so the l
 is tested in-process. It keeps no slot state: the scheduler decides and records every change
 of a request's state; the loop hands the engine what those decisions need, with helpers for
 the parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells
-moved for admissions), drafting.py (speculation), scoring.py (logprobs), records.py.
+moved for admissions), drafting.py (speculation), batching.py (the engine's batch),
+scoring.py (logprobs), records.py (tick and finish records and their log lines).
 """
 
 from __future__ import annotations
@@ -61,10 +62,7 @@ from loomserve.worker.records import (
 from loomserve.worker.sampling import InvalidSampling, sample_rows
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.scoring import score_prompts, slot_logprobs
-from loomserve.worker.slots import (
-    Release,
-    Step,
-)
+from loomserve.worker.slots import Release, Step
 from loomserve.worker.strategies import load_strategy
 from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
 
@@ -191,7 +189,7 @@ class TickLoop:
         if not step.n_tokens:  # nothing to run: only finishes to send, if anything
             self._send_outputs()
             return
-        # 3b. Generating slots may draft tokens that ride in the same pass (speculation.py).
+        # 3b. Generating slots may draft tokens that ride in the same pass (drafting.py).
         self.drafting.speculate(step)
         filled = fill_batch(self.engine.batch, step)
         # 4. One forward pass; the scheduler advances each slot's cache.
