@@ -44,10 +44,10 @@ from loomserve.worker.slots import (
 from loomserve.worker.strategies import (
     BatchPlan,
     BatchStrategy,
+    CheckedPlans,
     DecodeMaximal,
     SlotPhase,
     SlotView,
-    check_plan,
 )
 from loomserve.worker.tick_cost import LatencyTarget
 from loomserve.worker.ubatches import SplitRules
@@ -90,8 +90,7 @@ class Scheduler:
         self._slot_of: dict[RequestKey, Slot] = {}
         # Left the queue, with why the worker cancelled them; released next.
         self._cancelled_waiting: list[tuple[Request, str]] = []
-        self._fallback = DecodeMaximal()
-        self._strategy_failures = 0
+        self._plans = CheckedPlans()  # the strategy's plans, checked, with a fallback
         self._budget = 0  # the latest schedule()'s token budget
 
     # --- counts -----------------------------------------------------------------------
@@ -296,7 +295,8 @@ class Scheduler:
         views = self.views()
         if not views:
             return Step(BatchPlan())
-        plan = self._plan(views, budget, chunk_size)
+        limit = self.latency.limit if self.latency is not None else None
+        plan = self._plans.plan(self.strategy, views, budget, chunk_size, self.queue_depth, limit)
         slots = self.slots
         runs = []
         for index in plan.decode:
@@ -324,25 +324,6 @@ class Scheduler:
         """`accepted` drafted tokens of the slot's last run are now its sequence's: their
         cells hold. The loop drops the rest of the run's cells."""
         slot.n_in_cache += accepted
-
-    def _plan(self, views: list[SlotView], budget: int, chunk_size: int) -> BatchPlan:
-        depth = self.queue_depth
-        try:
-            plan = self.strategy.plan(views, budget, chunk_size, depth)
-            check_plan(plan, views, budget)
-            if self.latency is not None:
-                plan = self.latency.limit(plan, views, budget)
-        except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
-            self._strategy_failures += 1
-            if self._strategy_failures % 1000 == 1:  # the first, then every 1000th
-                log.error(
-                    "strategy failed; decode-maximal plans this tick",
-                    strategy=getattr(self.strategy, "name", type(self.strategy).__qualname__),
-                    error=str(exc),
-                    failures=self._strategy_failures,
-                )
-            plan = self._fallback.plan(views, budget, chunk_size, depth)
-        return plan
 
     # --- after the forward pass ---------------------------------------------------------
 
