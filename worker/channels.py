@@ -1,7 +1,7 @@
 """What the IO thread and the tick loop share, created before either (as vLLM v1's EngineCore
 shares queues with its input and output threads): the inbox the loop reads and IO writes, and
 the load the loop publishes after each tick and IO reads for heartbeats. The third channel,
-the outbox the loop writes and IO drains, is a Sink (outputs.py): io.py's Outbox, which wakes
+the outbox the loop writes and IO drains, is a Sink (outputs.py): outbox.py's Outbox, which wakes
 the IO thread's poll. Neither side holds the other. Plain Python.
 """
 

@@ -2,12 +2,12 @@
 
 Like vLLM's engine core, the tick loop never waits on the network, and neither side holds the
 other: they share channels made first (channels.py). Inbound frames are decoded here and put
-on the loop's Inbox; what the loop says is appended to the Outbox below and a wake-up byte goes
-over an inproc PAIR, after which this thread encodes and sends (while the loop is inside
-llama_decode, which releases the GIL); heartbeats read the loop's LoadBoard. Sends never block:
-a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN) loses that
-message, counted. This thread also answers Hello and Ping and heartbeats every gateway, so
-liveness never waits for a tick either.
+on the loop's Inbox; what the loop says is appended to the Outbox (outbox.py) and a wake-up
+byte goes over an inproc PAIR, after which this thread encodes and sends (while the loop is
+inside llama_decode, which releases the GIL); heartbeats read the loop's LoadBoard. Sends
+never block: a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN)
+loses that message, counted. This thread also answers Hello and Ping and heartbeats every
+gateway, so liveness never waits for a tick either.
 
 Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
 connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
@@ -17,11 +17,9 @@ CURVE (worker/curve.py) decides who may connect at all.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -55,6 +53,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, make_curve_server
 from loomserve.worker.gateways import GatewayTable
 from loomserve.worker.handshake import HandshakeWatch
+from loomserve.worker.outbox import BROADCAST, Outbox
 
 log = structlog.get_logger(__name__)
 
@@ -74,7 +73,6 @@ MAX_GATEWAYS = 1024  # gateways known at once; a connection flood cannot grow th
 # their logit_bias), an Embed two and one per input. Past that, a body of nested junk fails
 # as soon as it is unpacked instead of growing fifty-fold into empty lists first.
 INBOUND_CONTAINERS = MAX_EMBED_INPUTS + 8
-BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity is empty)
 
 
 @dataclass(slots=True)
@@ -86,35 +84,6 @@ class IOCounters:
     dropped_gone: int = 0  # sends refused with EHOSTUNREACH: the gateway disconnected
     gateways_lost: int = 0  # gateways given up on (silence or disconnection)
     gateways_refused: int = 0  # messages from new gateways beyond MAX_GATEWAYS; answered, dropped
-
-
-class Outbox:
-    """The Sink the loop sends through: messages wait here for the IO thread, which one byte
-    over an inproc PAIR wakes. send and flush are the loop thread's; broadcast any thread's."""
-
-    def __init__(self, context: zmq.Context, wake_address: str) -> None:
-        self.messages: deque[tuple[bytes, Message]] = deque()
-        self._wake = context.socket(zmq.PAIR)
-        self._wake.setsockopt(zmq.SNDHWM, 1)
-        self._wake.setsockopt(zmq.LINGER, 0)
-        self._wake.connect(wake_address)
-
-    def send(self, gateway: bytes, message: Message) -> None:
-        self.messages.append((gateway, message))
-
-    def broadcast(self, message: Message) -> None:
-        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
-        self.messages.append((BROADCAST, message))
-        self.flush()
-
-    def flush(self) -> None:
-        """Wake the IO thread to send the outbox; one byte, never blocking."""
-        # On EAGAIN a wake-up is already pending; it will find these messages too.
-        with contextlib.suppress(zmq.Again):
-            self._wake.send(b"", zmq.NOBLOCK)
-
-    def close(self) -> None:
-        self._wake.close(linger=0)
 
 
 class WorkerIO:
