@@ -205,7 +205,7 @@ class TickLoop:
     def _take_input(self, block: bool) -> None:
         item = self.inbox.get(block=block)
         if item is None:
-            return
+            return  # nothing came in: nothing to flush
         while item is not None:
             if item is STOP:
                 if self._stop_by is None:
@@ -245,9 +245,7 @@ class TickLoop:
         if error is not None:
             code, message = error
             log.debug("request rejected", request_id=generate.request_id, code=code.value)
-            self.sink.send(gateway, Rejected(generate.request_id, code.value, message))
-            if self._on_reject:
-                self._on_reject(code.value)
+            self._reject(gateway, Rejected(generate.request_id, code.value, message))
             return
         request = new_request(key, generate, sampler)
         ahead = self.scheduler.enqueue(request)
@@ -259,9 +257,13 @@ class TickLoop:
         else:
             rejected = self.embedder.offer(gateway, embed)
         if rejected is not None:
-            self.sink.send(gateway, rejected)
-            if self._on_reject:
-                self._on_reject(rejected.code)
+            self._reject(gateway, rejected)
+
+    def _reject(self, gateway: bytes, rejected: Rejected) -> None:
+        """A Generate or an Embed refused: the gateway hears why, the metrics count it."""
+        self.sink.send(gateway, rejected)
+        if self._on_reject:
+            self._on_reject(rejected.code)
 
     def _embed(self) -> None:
         if self.embedder is None or not self.embedder.pending:
