@@ -57,7 +57,8 @@ async def create_embeddings(
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)
     _, handle = await Tries(pool).submit(embed)
-    reply: Embeddings = handle.accepted.result()
+    reply = handle.accepted.result()
+    assert isinstance(reply, Embeddings)  # an Embed's answer; a Rejected one was raised
     vectors = np.frombuffer(reply.vectors, dtype="<f4").reshape(len(embed.inputs), reply.size)
     data = []
     for index, vector in enumerate(vectors):
