@@ -1,12 +1,13 @@
 """The worker's ZeroMQ side: one IO thread owns the ROUTER socket that gateways connect to.
 
-Like vLLM's engine core, the tick loop never waits on the network. Inbound frames are
-decoded here and handed to the loop through its queue; what the loop says is appended to
-an outbox and a wake-up byte goes over an inproc PAIR, after which this thread encodes and
-sends (while the loop is inside llama_decode, which releases the GIL). Sends never block:
-a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN) loses that
-message, counted. This thread also answers Hello and Ping and heartbeats every gateway, so
-liveness never waits for a tick either.
+Like vLLM's engine core, the tick loop never waits on the network, and neither side holds the
+other: they share channels made first (channels.py). Inbound frames are decoded here and put
+on the loop's Inbox; what the loop says is appended to the Outbox (outbox.py) and a wake-up
+byte goes over an inproc PAIR, after which this thread encodes and sends (while the loop is
+inside llama_decode, which releases the GIL); heartbeats read the loop's LoadBoard. Sends
+never block: a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN)
+loses that message, counted. This thread also answers Hello and Ping and heartbeats every
+gateway, so liveness never waits for a tick either.
 
 Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
 connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
@@ -16,11 +17,9 @@ CURVE (worker/curve.py) decides who may connect at all.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -49,11 +48,12 @@ from loomserve.protocol import (
 )
 from loomserve.protocol.codec import TooLong, request_id_of
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
+from loomserve.worker.channels import Inbox, LoadBoard
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, make_curve_server
 from loomserve.worker.gateways import GatewayTable
 from loomserve.worker.handshake import HandshakeWatch
-from loomserve.worker.loop import Load, TickLoop
+from loomserve.worker.outbox import BROADCAST, Outbox
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +73,6 @@ MAX_GATEWAYS = 1024  # gateways known at once; a connection flood cannot grow th
 # their logit_bias), an Embed two and one per input. Past that, a body of nested junk fails
 # as soon as it is unpacked instead of growing fifty-fold into empty lists first.
 INBOUND_CONTAINERS = MAX_EMBED_INPUTS + 8
-BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity is empty)
 
 
 @dataclass(slots=True)
@@ -88,18 +87,21 @@ class IOCounters:
 
 
 class WorkerIO:
-    """The ROUTER socket, its thread, and the Sink the loop sends through."""
+    """The ROUTER socket, its thread, and the Outbox the loop sends through."""
 
     def __init__(
         self,
         config: WorkerConfig,
         model_info: ModelInfo,
+        inbox: Inbox,
+        loads: LoadBoard,
         on_gateways: Callable[[int], None] | None = None,
         keys: ServerKeys | None = None,
         on_reject: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
-        self.loop: TickLoop | None = None
+        self.inbox = inbox  # where inbound work goes, for the loop
+        self.loads = loads  # what the loop last published, for heartbeats
         self.model_info = model_info
         self.counters = IOCounters()
         self.ready = True
@@ -125,11 +127,7 @@ class WorkerIO:
         wake_address = f"inproc://loomserve-wake-{id(self)}"
         self._wake_in = self._context.socket(zmq.PAIR)
         self._wake_in.bind(wake_address)
-        self._wake_out = self._context.socket(zmq.PAIR)  # used by the loop thread only
-        self._wake_out.setsockopt(zmq.SNDHWM, 1)
-        self._wake_out.setsockopt(zmq.LINGER, 0)
-        self._wake_out.connect(wake_address)
-        self._outbox: deque[tuple[bytes, Message]] = deque()
+        self.outbox = Outbox(self._context, wake_address)  # the loop's Sink
         self._gateways = GatewayTable(
             MAX_GATEWAYS, max_open=config.slots + config.max_queue, lost_remembered=LOST_REMEMBERED
         )
@@ -141,18 +139,17 @@ class WorkerIO:
         """The address actually bound (a tcp://...:0 bind gets its port here)."""
         return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def start(self, loop: TickLoop) -> None:
-        """Serve: hand inbound work to this tick loop, whose sink this object is."""
-        self.loop = loop
+    def start(self) -> None:
+        """Serve: receive into the inbox, send what the outbox holds."""
         self._thread.start()
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets."""
         self._closing = True
-        self.flush()
+        self.outbox.flush()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._wake_out.close(linger=0)
+        self.outbox.close()
         self._wake_in.close(linger=0)
         # The last Finish messages get a moment to leave; a dead gateway cannot hold us.
         self._close_sockets(linger=CLOSE_LINGER_MS)
@@ -163,22 +160,6 @@ class WorkerIO:
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
-
-    # --- Sink: called by the loop thread ---------------------------------------------
-
-    def send(self, gateway: bytes, message: Message) -> None:
-        self._outbox.append((gateway, message))
-
-    def broadcast(self, message: Message) -> None:
-        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
-        self._outbox.append((BROADCAST, message))
-        self.flush()
-
-    def flush(self) -> None:
-        """Wake the IO thread to send the outbox; one byte, never blocking."""
-        # On EAGAIN a wake-up is already pending; it will find these messages too.
-        with contextlib.suppress(zmq.Again):
-            self._wake_out.send(b"", zmq.NOBLOCK)
 
     # --- the IO thread -----------------------------------------------------------
 
@@ -303,21 +284,15 @@ class WorkerIO:
             self._refuse_gateway(gateway)
             return
         self._admit(gateway, now)
-        if isinstance(message, Generate):
+        if isinstance(message, (Generate, Embed)):  # the loop tells which work it is
             refusal = gateways.open(gateway, message.request_id)
             if refusal is None:
-                self.loop.submit(gateway, message)
-            else:
-                self._reject(gateway, message.request_id, *refusal)
-        elif isinstance(message, Embed):
-            refusal = gateways.open(gateway, message.request_id)
-            if refusal is None:
-                self.loop.embed(gateway, message)
+                self.inbox.submit(gateway, message)
             else:
                 self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):
             if gateways.cancel(gateway, message.request_id):
-                self.loop.cancel(gateway, message.request_id)
+                self.inbox.cancel(gateway, message.request_id)
         elif isinstance(message, Ping):
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
         else:
@@ -348,7 +323,7 @@ class WorkerIO:
         )
 
     def _send_outbox(self) -> None:
-        outbox, gateways = self._outbox, self._gateways
+        outbox, gateways = self.outbox.messages, self._gateways
         while outbox:
             gateway, message = outbox.popleft()
             if gateway == BROADCAST:
@@ -392,7 +367,7 @@ class WorkerIO:
             self._send_now(gateway, beat)
 
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
-        load: Load = self.loop.load
+        load = self.loads.latest
         return Heartbeat(
             sent_at=time.time(),
             ping_sent_at=ping_sent_at,
@@ -408,7 +383,7 @@ class WorkerIO:
             return
         self.counters.gateways_lost += 1
         log.warning("gateway lost; cancelling its requests", gateway=_name(gateway), why=why)
-        self.loop.gateway_gone(
+        self.inbox.gateway_gone(
             gateway, f"the worker cancelled this request: its gateway was lost ({why})"
         )
         if self._on_gateways:

@@ -2,147 +2,70 @@
 
 ADR 006 and 008 are summarised in docs/life-of-a-request.md.
 
-A TickLoop owns the engine and the scheduler, and runs on one thread. Other
-threads hand it work through submit(), cancel(), gateway_gone() and stop(), which only put
-items on a queue.Queue; it blocks on that queue whenever it has nothing to do. Everything it
-says goes to a Sink: Accepted and Rejected at once, and per tick one Outputs per gateway with
-that gateway's new tokens and finishes. No socket here (io.py owns those), so the loop runs
-and is tested in-process. It keeps no slot state: the scheduler decides and records every
-change of a request's state; the loop hands the engine what those decisions need.
+A TickLoop owns the engine and the scheduler, and runs on one thread. Other threads hand it
+work through its Inbox (channels.py: a Generate or an Embed, cancellations, a lost gateway,
+stop), which only puts items on a queue; it blocks on that queue whenever it has nothing to
+do. Everything it says goes to a Sink (outputs.py): Accepted and Rejected at once, and per
+tick one Outputs per gateway with that gateway's new tokens and finishes; after each tick it
+publishes its Load on the LoadBoard. No socket here (io.py owns those), so the loop runs and
+is tested in-process. It keeps no slot state: the scheduler decides and records every change
+of a request's state; the loop hands the engine what those decisions need, with helpers for
+the parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells
+moved for admissions), drafting.py (speculation), batching.py (the engine's batch),
+scoring.py (logprobs), records.py (tick and finish records and their log lines).
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
-import numpy as np
 import structlog
 
 from loomserve.protocol import (
     Accepted,
     Embed,
     ErrorCode,
-    Finish,
     FinishReason,
     Generate,
-    Message,
-    Outputs,
-    PromptLogprobs,
     Rejected,
-    TokenChunk,
-    TokenLogprobs,
+)
+from loomserve.worker.batching import Filled, fill_batch
+from loomserve.worker.channels import (
+    STOP,
+    Cancel,
+    GatewayGone,
+    Inbox,
+    Load,
+    LoadBoard,
+    Submit,
 )
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.drafting import Drafting, make_speculator
 from loomserve.worker.embeddings import Embedder
 from loomserve.worker.engine import Engine
 from loomserve.worker.faults import DecodeFaults
-from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
+from loomserve.worker.intake import NO_EMBEDDINGS, new_request, refusal
+from loomserve.worker.kv_moves import KvMoves
+from loomserve.worker.outputs import PendingOutputs, Sink
 from loomserve.worker.preemption import GIB
-from loomserve.worker.prefix_cache import advertised_keys
-from loomserve.worker.queueing import DEFAULT_TENANT, WaitingQueue
-from loomserve.worker.sampling import InvalidSampling, sample_rows
-from loomserve.worker.scheduler import (
-    Admission,
-    Preemption,
-    Release,
-    Request,
-    RequestKey,
-    Run,
-    Scheduler,
-    Slot,
-    Step,
+from loomserve.worker.queueing import WaitingQueue
+from loomserve.worker.records import (
+    FinishRecord,
+    TickRecord,
+    finish_record,
+    log_finish,
+    log_tick,
+    tick_record,
 )
-from loomserve.worker.speculation import Proposal, SpecSettings, Speculator
-from loomserve.worker.strategies import SlotPhase, load_strategy
-from loomserve.worker.tick_cost import WARM_UP_TICKS, LatencyTarget, TickCostModel
+from loomserve.worker.sampling import InvalidSampling, sample_rows
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.scoring import score_prompts, slot_logprobs
+from loomserve.worker.slots import Release, Step
+from loomserve.worker.strategies import load_strategy
+from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
 
 log = structlog.get_logger(__name__)
-
-
-class Sink(Protocol):
-    """Where the loop's messages go: the IO thread, or a list in a test."""
-
-    def send(self, gateway: bytes, message: Message) -> None: ...
-
-    def flush(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """The loop's load after its latest tick; the IO thread reads it for heartbeats."""
-
-    queue_depth: int
-    free_slots: int
-    running: int
-    tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # (running, waiting)
-    prefixes: tuple[int, ...] = ()  # keys of the cached prompts, for routing (prefix_cache.py)
-
-
-@dataclass(frozen=True, slots=True)
-class TickRecord:
-    """What one tick did: for the tick log line and the metrics."""
-
-    tick: int
-    decode_tokens: int  # one per generating slot in the batch
-    prefill_tokens: int  # prompt tokens evaluated
-    pad_tokens: int  # tokens that only join slots into fewer passes (ubatches.py)
-    ubatches: int  # forward passes llama.cpp makes of the batch
-    sampled_tokens: int  # new tokens produced
-    budget: int  # the batch's token budget
-    slots_active: int
-    queue_depth: int
-    seconds: float
-    drafts: int = 0  # slots that verified drafted tokens (speculation)
-    draft_tokens: int = 0  # drafted tokens verified
-    accepted_tokens: int = 0  # of those, the ones the samplers agreed with
-    accepted_per_position: tuple[int, ...] = ()  # accepted drafts by position in the draft
-    filler_tokens: int = 0  # tokens only there to keep drafts in one pass
-
-
-@dataclass(frozen=True, slots=True)
-class FinishRecord:
-    """One finished request with its timings: for its log line and the metrics."""
-
-    finish: Finish
-    ttft_seconds: float | None  # None when no token was produced
-    decode_seconds: float  # from the first token to the finish
-    priority: int = 0
-    tenant: str = DEFAULT_TENANT
-    preemptions: int = 0  # times it gave its slot to a request of better priority
-
-
-# --- inbox items -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Submit:
-    gateway: bytes
-    generate: Generate
-
-
-@dataclass(frozen=True, slots=True)
-class _Embed:
-    gateway: bytes
-    embed: Embed
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    gateway: bytes
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class _GatewayGone:
-    gateway: bytes
-    why: str
-
-
-_STOP = object()
 
 
 class TickLoop:
@@ -157,6 +80,8 @@ class TickLoop:
         on_finish: Callable[[FinishRecord], None] | None = None,
         on_reject: Callable[[str], None] | None = None,
         embedder: Embedder | None = None,
+        inbox: Inbox | None = None,
+        loads: LoadBoard | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -176,65 +101,41 @@ class TickLoop:
             latency=self._latency_target(config),
             ram_cache_bytes=config.ram_cache_bytes,
         )
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox = inbox if inbox is not None else Inbox()  # IO (or a test) writes it
         self.tick_count = 0
-        self.load = Load(queue_depth=0, free_slots=config.slots, running=0)
+        self.loads = loads if loads is not None else LoadBoard(config.slots)  # IO reads it
         self._on_tick = on_tick
         self._on_finish = on_finish
         self._on_reject = on_reject
         self.embedder = embedder  # None: this worker computes no embeddings
-        self._stop_by: float | None = None  # set by stop(): when the last requests are cut
+        self._stop_by: float | None = None  # set by STOP (Inbox.stop): when the last are cut
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
         self.dead: str | None = None  # why the engine was given up on, once it was
         self._faults = DecodeFaults.from_env()  # tests only: see faults.py
-        self._outputs: dict[bytes, Outputs] = {}
-        self._scoring: Step | None = None  # this tick's step when a run scores its prompt
+        self.outputs = PendingOutputs()  # this tick's, sent at its end
         self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
-        self.speculator = self._speculator(config, engine)
-        self._verified: dict[int, Run] = {}  # this tick's decode runs with extra tokens
-        self._spec_counts = _SpecCounts()
-        self._prefixes: tuple[int, ...] = ()  # advertised in heartbeats; see Load.prefixes
-        self._prefixes_at = -float("inf")
-        engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
-
-    @staticmethod
-    def _speculator(config: WorkerConfig, engine: Engine) -> Speculator | None:
-        # Rejected drafts must be cut from a sequence again: no recurrent state.
-        if not config.spec_ngram or not engine.split_rules.padding:
-            return None
-        settings = SpecSettings(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        self.kv_moves = KvMoves(engine, self.scheduler)
+        self.speculator = make_speculator(config, engine.split_rules)
+        # Drafts ride in the tick's pass and are verified as it samples (drafting.py).
+        self.drafting = Drafting(
+            engine, self.scheduler, self.speculator, self.tick_cost, config, self.outputs
         )
-        return Speculator(settings, config.slots)
+        engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
         if config.itl_target_ms is None:
             return None
         return LatencyTarget(config.itl_target_ms / 1000, self.tick_cost)
 
-    # --- any thread ------------------------------------------------------------------
-
-    def submit(self, gateway: bytes, generate: Generate) -> None:
-        self.inbox.put(_Submit(gateway, generate))
-
-    def embed(self, gateway: bytes, embed: Embed) -> None:
-        self.inbox.put(_Embed(gateway, embed))
-
-    def cancel(self, gateway: bytes, request_id: str) -> None:
-        self.inbox.put(_Cancel(gateway, request_id))
-
-    def gateway_gone(self, gateway: bytes, why: str) -> None:
-        """The gateway vanished: cancel its queued and running requests, saying why."""
-        self.inbox.put(_GatewayGone(gateway, why))
-
-    def stop(self) -> None:
-        """Drain: refuse new requests, give the others config.shutdown_timeout, then return."""
-        self.inbox.put(_STOP)
+    @property
+    def load(self) -> Load:
+        """The load after the latest tick (heartbeats and metrics read it)."""
+        return self.loads.latest
 
     # --- the loop thread -------------------------------------------------------------
 
     def run(self) -> None:
-        """Tick until stop() has drained the requests, or until the engine is dead.
+        """Tick until a STOP (Inbox.stop) has drained the requests, or until the engine is dead.
 
         A failing tick fails the requests it ran and the loop serves on; max_failed_ticks
         failures in a row mean the engine itself is broken: `dead` says why and run returns,
@@ -260,7 +161,7 @@ class TickLoop:
         self._send_outputs()
 
     def _drained(self) -> bool:
-        """After stop(): whether every request has finished, or the time for them is up."""
+        """After a STOP: whether every request has finished, or the time for them is up."""
         if self._stop_by is None:
             return False
         embedding = self.embedder is not None and self.embedder.pending
@@ -287,12 +188,12 @@ class TickLoop:
         if not step.n_tokens:  # nothing to run: only finishes to send, if anything
             self._send_outputs()
             return
-        # 3b. Generating slots may draft tokens that ride in the same pass (speculation.py).
-        self._speculate(step)
-        sampled = self._build_batch(step)
+        # 3b. Generating slots may draft tokens that ride in the same pass (drafting.py).
+        self.drafting.speculate(step)
+        filled = fill_batch(self.engine.batch, step)
         # 4. One forward pass; the scheduler advances each slot's cache.
         # 5. Each slot samples at its own batch index; the scheduler records the token.
-        n_sampled = self._sample(sampled) if self._forward(step) else 0
+        n_sampled = self._sample(filled) if self._forward(step) else 0
         # 6. Requests that just ended free their slots; each gateway gets one Outputs.
         self._release_finished()
         self._send_outputs()
@@ -301,38 +202,39 @@ class TickLoop:
     # --- 1: input ----------------------------------------------------------------------
 
     def _take_input(self, block: bool) -> None:
-        try:
-            item = self.inbox.get(block=block)
-        except queue.Empty:
-            return
-        while True:
-            if item is _STOP:
+        item = self.inbox.get(block=block)
+        if item is None:
+            return  # nothing came in: nothing to flush
+        while item is not None:
+            if item is STOP:
                 if self._stop_by is None:
                     self._stop_by = time.monotonic() + self.config.shutdown_timeout
-            elif isinstance(item, _Submit):
-                self._accept(item.gateway, item.generate)
-            elif isinstance(item, _Embed):
-                self._accept_embed(item.gateway, item.embed)
-            elif isinstance(item, _Cancel):
+            elif isinstance(item, Submit):
+                if isinstance(item.message, Embed):  # the embedder's work, not the tick's
+                    self._accept_embed(item.gateway, item.message)
+                else:
+                    self._accept(item.gateway, item.message)
+            elif isinstance(item, Cancel):
                 # Unknown ids are ignored: the request may have just finished.
                 self.scheduler.cancel((item.gateway, item.request_id))
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway, item.request_id)
-            elif isinstance(item, _GatewayGone):
+            elif isinstance(item, GatewayGone):
                 for key in self.scheduler.keys_of(item.gateway):
                     self.scheduler.cancel(key, item.why)
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway)
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                break
+            item = self.inbox.get(block=False)
         # Accepted and Rejected go out now, not after this tick's forward pass.
         self.sink.flush()
 
     def _accept(self, gateway: bytes, generate: Generate) -> None:
         key = (gateway, generate.request_id)
-        error = self._refusal(key, generate)
+        engine = self.engine
+        stopping = self._stop_by is not None
+        error = refusal(
+            key, generate, self.scheduler, engine.n_vocab, engine.slot_context, stopping
+        )
         sampler = None
         if error is None:
             try:
@@ -342,55 +244,25 @@ class TickLoop:
         if error is not None:
             code, message = error
             log.debug("request rejected", request_id=generate.request_id, code=code.value)
-            self.sink.send(gateway, Rejected(generate.request_id, code.value, message))
-            if self._on_reject:
-                self._on_reject(code.value)
+            self._reject(gateway, Rejected(generate.request_id, code.value, message))
             return
-        request = Request(
-            key=key,
-            prompt=generate.prompt_tokens,
-            params=generate.params,
-            arrived_at=time.monotonic(),
-            sampler=sampler,
-            priority=generate.priority,
-            tenant=generate.tenant or DEFAULT_TENANT,
-        )
+        request = new_request(key, generate, sampler)
         ahead = self.scheduler.enqueue(request)
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
 
-    def _refusal(self, key: RequestKey, generate: Generate) -> tuple[ErrorCode, str] | None:
-        """Why this request cannot be taken, cheapest checks first; None when it can."""
-        if self._stop_by is not None:
-            return ErrorCode.NOT_READY, "the worker is shutting down"
-        if key in self.scheduler.live:
-            return ErrorCode.DUPLICATE_REQUEST, f"request {key[1]!r} is already running"
-        n_vocab = self.engine.n_vocab
-        if max(generate.prompt_tokens) >= n_vocab:
-            return ErrorCode.INVALID_REQUEST, f"prompt token ids must be below {n_vocab}"
-        n_prompt, limit = len(generate.prompt_tokens), self.engine.slot_context
-        if n_prompt >= limit:
-            return (
-                ErrorCode.PROMPT_TOO_LONG,
-                f"the prompt has {n_prompt} tokens; a slot holds {limit} tokens "
-                f"including at least one generated token",
-            )
-        if not self.scheduler.can_enqueue():
-            return ErrorCode.QUEUE_FULL, f"all slots are busy and {self.config.max_queue} wait"
-        return None
-
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
         if self.embedder is None:
-            message = (
-                "this server computes no embeddings: the model has no pooling head; "
-                "start the worker with --embeddings for mean-pooled ones"
-            )
-            rejected = Rejected(embed.request_id, ErrorCode.INVALID_REQUEST.value, message)
+            rejected = Rejected(embed.request_id, ErrorCode.INVALID_REQUEST.value, NO_EMBEDDINGS)
         else:
             rejected = self.embedder.offer(gateway, embed)
         if rejected is not None:
-            self.sink.send(gateway, rejected)
-            if self._on_reject:
-                self._on_reject(rejected.code)
+            self._reject(gateway, rejected)
+
+    def _reject(self, gateway: bytes, rejected: Rejected) -> None:
+        """A Generate or an Embed refused: the gateway hears why, the metrics count it."""
+        self.sink.send(gateway, rejected)
+        if self._on_reject:
+            self._on_reject(rejected.code)
 
     def _embed(self) -> None:
         if self.embedder is None or not self.embedder.pending:
@@ -407,110 +279,18 @@ class TickLoop:
             if release.drop_sequence is not None:
                 self.engine.drop_sequence(release.drop_sequence)
             release.request.sampler.close()
-            self._outputs_for(release.request.gateway).finishes.append(release.finish)
+            self.outputs.to(release.request.gateway).finishes.append(release.finish)
             self._finished(release, now)
 
     def _finished(self, release: Release, now: float) -> None:
-        request, first = release.request, release.request.first_token_at
-        record = FinishRecord(
-            finish=release.finish,
-            ttft_seconds=first - request.arrived_at if first else None,
-            decode_seconds=now - first if first else 0.0,
-            priority=request.priority,
-            tenant=request.tenant,
-            preemptions=request.preemptions,
-        )
-        _log_finish(record)
+        record = finish_record(release, now)
+        log_finish(record)
         if self._on_finish:
             self._on_finish(record)
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
-            swapped = False
-            if admission.preempted is not None:
-                swapped = self._swap_out(admission.preempted)
-            slot, reused = admission.slot.index, admission.reused
-            if admission.save_first is not None and not swapped:
-                self._save_to_ram(slot, admission.save_first)
-            if admission.restore is not None:
-                self.engine.drop_sequence(slot)
-                if not self.engine.restore_sequence(slot, admission.restore):
-                    log.warning("could not restore a swapped-out request; recomputing it")
-                    self.engine.drop_sequence(slot)
-                    self.scheduler.prefix_lost(admission)
-            elif admission.ram_entry is not None:
-                self._restore_from_ram(admission)
-            elif admission.source is not None:
-                self.engine.drop_sequence(slot)
-                self.engine.copy_prefix(admission.source.index, slot, reused)
-            elif not self.engine.keep_prefix(slot, reused):
-                # This cache cannot keep a part of a sequence: evaluate the whole prompt.
-                self.engine.drop_sequence(slot)
-                self.scheduler.prefix_lost(admission)
-
-    def _swap_out(self, preemption: Preemption) -> bool:
-        """Save a preempted request's cells to host memory if the swap space holds them; else
-        it recomputes them when it resumes (the slot keeps them meanwhile, as a prefix, and
-        the RAM cache may take them). True when they were saved."""
-        seq = preemption.slot.index
-        if not preemption.n_cached or not self.scheduler.swap.fits(self.engine.state_size(seq)):
-            return False
-        state = self.engine.save_sequence(seq)
-        if state is None:
-            return False
-        self.scheduler.swap_out(preemption, state, len(state))
-        return True
-
-    def _save_to_ram(self, seq: int, tokens: list[int]) -> None:
-        """Keep a slot's cells in the RAM cache before the slot is used for another request."""
-        ram, engine = self.scheduler.ram, self.engine
-        # The cells must be exactly these tokens: a slot that holds more or fewer is not saved.
-        if engine.seq_pos_max(seq) != len(tokens) - 1 or not ram.fits(engine.state_size(seq)):
-            return
-        state = engine.save_sequence(seq)
-        if state is not None:
-            ram.put(tokens, state, len(state))
-
-    def _restore_from_ram(self, admission: Admission) -> None:
-        """Load a RAM-cached sequence into the admitted slot and keep its shared prefix."""
-        slot, reused, entry = admission.slot.index, admission.reused, admission.ram_entry
-        self.engine.drop_sequence(slot)
-        if self.engine.restore_sequence(slot, entry.state) and self.engine.keep_prefix(
-            slot, reused
-        ):
-            self.scheduler.ram.restored(entry, reused)
-            return
-        log.warning("could not restore a RAM-cached prompt; evaluating it")
-        self.engine.drop_sequence(slot)
-        self.scheduler.prefix_lost(admission)
-
-    # --- 3: the batch ----------------------------------------------------------------
-
-    def _build_batch(self, step: Step) -> list[tuple[Slot, int]]:
-        """Fill the engine's batch from the runs, in their order; return the slots to sample
-        and their batch indices, in batch order (the order of the output logits' rows)."""
-        batch = self.engine.batch
-        batch.clear()
-        sampled = []
-        self._scoring = None
-        self._verified = {}
-        for run in step.runs:
-            seq = run.slot.index
-            if run.filler and run.pad:  # padding grown to the tick's draft length
-                last = batch.add_run(run.tokens, run.start, seq, False)
-            elif run.draft or run.filler:  # its token, its drafts (logits on each), filler
-                last = batch.add_verified_run(run.tokens, run.start, seq, 1 + run.draft)
-                self._verified[seq] = run
-            elif run.score:  # a prompt being scored: logits on every token (_score_prompts)
-                last = batch.add_run(run.tokens, run.start, seq, True, logits_on_all=True)
-                self._scoring = step
-            elif len(run.tokens) == 1:  # a decode token: the cheaper single add
-                last = batch.add(run.tokens[0], run.start, seq, run.sample)
-            else:
-                last = batch.add_run(run.tokens, run.start, seq, run.sample)
-            if run.sample:
-                sampled.append((run.slot, last))
-        return sampled
+            self.kv_moves.place(admission)
 
     # --- 4: forward --------------------------------------------------------------------
 
@@ -533,15 +313,18 @@ class TickLoop:
 
     # --- 5: sample ----------------------------------------------------------------------
 
-    def _sample(self, sampled: list[tuple[Slot, int]]) -> int:
+    def _sample(self, filled: Filled) -> int:
         """Sample each slot's new token and hand it to the scheduler; return how many."""
-        scored = self._score_prompts(self._scoring) if self._scoring is not None else None
+        scored, sampled = None, filled.sampled
+        if filled.scoring is not None:
+            scored = score_prompts(filled.scoring, self.engine.output_logits, self.outputs)
         if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
             return 0
-        if self._verified:
-            return self._sample_verified(sampled)
+        if filled.verified:
+            return self.drafting.sample_verified(sampled, filled.verified)
         now = time.monotonic()
         is_eog, record_token = self.engine.is_eog, self.scheduler.record_token
+        context = self.engine.slot_context
         # Logits were asked for exactly where a token is sampled, so output row i belongs to
         # sampled[i]: one view of them all instead of one per slot. Unless a prompt was
         # scored: then its rows are picked out.
@@ -557,199 +340,19 @@ class TickLoop:
             if sampler.grammar_complete:  # the token ends it: before max_tokens can
                 slot.finish(FinishReason.STOP)
             asked = request.params.logprobs is not None
-            logprobs = self._logprobs(slot, logits[row], token) if asked else None
+            logprobs = slot_logprobs(slot, logits[row], token, context) if asked else None
             chunk = record_token(slot, token, is_eog(token), now)
             if chunk is not None:
                 chunk.logprobs = logprobs
-                self._outputs_for(request.gateway).tokens.append(chunk)
+                self.outputs.to(request.gateway).tokens.append(chunk)
         return len(sampled)
-
-    def _sample_verified(self, sampled: list[tuple[Slot, int]]) -> int:
-        """Sampling in a tick with drafts: a slot with drafts samples at its token and at
-        each draft in turn, keeping drafts while they equal what it samples; then the cells
-        of the tokens it did not keep are dropped. Return the tokens produced."""
-        verified = self._verified
-        n_rows = sum(
-            1 + verified[slot.index].draft if slot.index in verified else 1 for slot, _ in sampled
-        )
-        logits = self.engine.output_logits(n_rows)
-        now, row, produced = time.monotonic(), 0, 0
-        for slot, index in sampled:
-            run = verified.get(slot.index)
-            n_draft = run.draft if run is not None else 0
-            block = logits[row : row + 1 + n_draft]
-            row += 1 + n_draft
-            drafts = run.tokens[1 : 1 + n_draft] if run is not None else []
-            produced += self._verify(slot, index, block, drafts, now)
-        for run in verified.values():
-            # The slot's sequence is its cached tokens; the rest of the run's cells go.
-            self.engine.keep_prefix(run.slot.index, run.slot.n_in_cache)
-        return produced
-
-    def _verify(
-        self, slot: Slot, index: int, rows: np.ndarray, drafts: list[int], now: float
-    ) -> int:
-        """Sample row by row (the row for the token at `index`, then one per draft) while
-        each sampled token equals the next draft; record the tokens; return how many."""
-        request = slot.request
-        sampler = request.sampler
-        greedy = rows.argmax(axis=1).tolist() if sampler.plain_greedy else None
-        asked = request.params.logprobs is not None
-        outputs = self._outputs_for(request.gateway)
-        n_recorded = matched = 0
-        for position in range(len(rows)):
-            logits = rows[position]
-            token = (
-                greedy[position] if greedy is not None else sampler.sample(index + position, logits)
-            )
-            logprobs = self._logprobs(slot, logits, token) if asked else None
-            chunk = self.scheduler.record_token(slot, token, self.engine.is_eog(token), now)
-            n_recorded += 1
-            if chunk is not None:
-                chunk.logprobs = logprobs
-                outputs.tokens.append(chunk)
-            agrees = position < len(drafts) and token == drafts[position]
-            matched += agrees
-            if not agrees or slot.finish_reason is not None:
-                break
-        # Every recorded token but the last was a draft whose cell now holds.
-        self.scheduler.accept_drafts(slot, n_recorded - 1)
-        if drafts and self.speculator is not None:
-            self.speculator.verified(slot.index, request, len(drafts), matched)
-            self._spec_counts.add(len(drafts), matched)
-        return n_recorded
-
-    # --- 3b: speculation ------------------------------------------------------------------
-
-    def _speculate(self, step: Step) -> None:
-        """Give generating slots drafts where the tick-cost model says they pay (speculation.py)."""
-        spec = self.speculator
-        # The cost model must have seen some ticks (not necessarily prompt chunks: the
-        # prediction needed is for this tick's make-up, mostly decode tokens).
-        if spec is None or not step.plan.decode or self.tick_cost.observations < WARM_UP_TICKS:
-            return
-        if any(run.score for run in step.runs):  # prompt scoring reads its rows its own way
-            return
-        context = self.engine.slot_context
-        uniform = self.scheduler.split_rules.per_slot_streams
-        proposals, growing, max_length = [], 0, spec.settings.max_tokens
-        for run in step.runs:
-            slot = run.slot
-            if run.pad:
-                growing += 1
-                max_length = min(max_length, context - run.start - 1)
-                continue
-            if not (run.sample and slot.phase is SlotPhase.GENERATING):
-                continue
-            growing += 1
-            max_length = min(max_length, context - run.start - 1)
-            request = slot.request
-            params = request.params
-            if not params.speculative or params.grammar:
-                proposals.append(Proposal(slot.index, [], 0.0))
-                continue
-            proposal = spec.propose(slot.index, request, slot.tokens)
-            # Drafts past max_tokens could never be kept (the token after them is sampled).
-            left = min(params.max_tokens - request.completion_tokens, context - len(slot.tokens))
-            if len(proposal.tokens) > left - 1:
-                proposal = Proposal(slot.index, proposal.tokens[: max(0, left - 1)], proposal.rate)
-            proposals.append(proposal)
-        if max_length <= 0:
-            return
-        proposals = [
-            Proposal(p.slot, p.tokens[:max_length], p.rate) if len(p.tokens) > max_length else p
-            for p in proposals
-        ]
-        plan = step.plan
-        predicted = self.tick_cost.predict(len(plan.decode), plan.n_tokens - len(plan.decode))
-
-        def tick_seconds(extra: int) -> float:
-            return predicted + spec.cost.predict(extra)
-
-        def keeps_passes(length: int) -> bool:
-            return self.scheduler.ubatches_with_filler(step, length) <= step.ubatches
-
-        room = self.config.batch_tokens - step.n_tokens
-        width = growing if uniform else 0
-        length = spec.choose(
-            proposals, room, tick_seconds, width, keeps_passes if uniform else lambda n: True
-        )
-        if length:
-            drafts = {p.slot: p.tokens[:length] for p in proposals if p.tokens}
-            self.scheduler.add_drafts(step, drafts, length)
-
-    def _logprobs(self, slot: Slot, logits: np.ndarray, token: int) -> list[TokenLogprobs]:
-        """The new token's logprobs, before the scheduler records it (its penalty history is
-        what the slot generated so far)."""
-        generated = slot.tokens[len(slot.request.prompt) :]  # resumed ones too
-        params, context = slot.request.params, self.engine.slot_context
-        return [token_logprobs(logits, token, params, generated, context)]
-
-    def _score_prompts(self, step: Step) -> np.ndarray:
-        """Send the prompt logprobs of the step's scoring runs; return the logits rows of the
-        sampled slots (in batch order, as _sample reads them)."""
-        n_outputs = sum(len(run.tokens) if run.score else run.sample for run in step.runs)
-        logits = self.engine.output_logits(n_outputs)
-        rows, sampled_rows = 0, []
-        for run in step.runs:
-            if run.score:
-                self._send_prompt_logprobs(run, logits[rows : rows + len(run.tokens)])
-                rows += len(run.tokens)
-                if run.sample:
-                    sampled_rows.append(rows - 1)
-            elif run.sample:
-                sampled_rows.append(rows)
-                rows += 1
-        return logits[sampled_rows]
-
-    def _send_prompt_logprobs(self, run: Run, rows: np.ndarray) -> None:
-        """Row i scores prompt token run.start + i + 1; the prompt's last row scores nothing
-        (its logits sample the first generated token)."""
-        request = run.slot.request
-        prompt = request.prompt
-        n_scored = min(len(run.tokens), len(prompt) - 1 - run.start)
-        if n_scored <= 0:
-            return
-        first = run.start + 1
-        entries = prompt_logprobs(
-            rows[:n_scored], prompt[first : first + n_scored], request.params.prompt_logprobs
-        )
-        chunk = TokenChunk(request.request_id, [], prompt_logprobs=PromptLogprobs(first, entries))
-        self._outputs_for(request.gateway).tokens.append(chunk)
 
     # --- 6: emit -----------------------------------------------------------------------
 
-    def _outputs_for(self, gateway: bytes) -> Outputs:
-        outputs = self._outputs.get(gateway)
-        if outputs is None:
-            outputs = self._outputs[gateway] = Outputs(tokens=[], finishes=[])
-        return outputs
-
     def _send_outputs(self) -> None:
         # The load first: a heartbeat that follows these Outputs must not predate them.
-        scheduler = self.scheduler
-        self.load = Load(
-            scheduler.queue_depth,
-            scheduler.free_slots,
-            scheduler.running,
-            scheduler.waiting.counts(),
-            self._advertised_prefixes(),
-        )
-        if self._outputs:
-            for gateway, outputs in self._outputs.items():
-                self.sink.send(gateway, outputs)
-            self._outputs = {}
-            self.sink.flush()
-
-    def _advertised_prefixes(self) -> tuple[int, ...]:
-        """The cached prompts' keys, recomputed at most once per heartbeat interval: routing
-        needs no fresher view, and hashing every cached sequence each tick would cost."""
-        now = time.monotonic()
-        if now - self._prefixes_at >= self.config.heartbeat_interval:
-            self._prefixes_at = now
-            scheduler = self.scheduler
-            self._prefixes = tuple(advertised_keys(scheduler.slots, scheduler.ram))
-        return self._prefixes
+        self.loads.publish(self.scheduler, self.config.heartbeat_interval)
+        self.outputs.send(self.sink)
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1
@@ -762,83 +365,12 @@ class TickLoop:
             self.speculator.cost.observe(step.n_extra, surcharge)
         else:
             self.tick_cost.observe(decode_tokens, prefill_tokens, seconds)
-        counts, self._spec_counts = self._spec_counts, _SpecCounts()
+        counts = self.drafting.take_counts()
         if not (self.config.log_ticks or self._on_tick):
             return
-        record = TickRecord(
-            tick=self.tick_count,
-            decode_tokens=len(plan.decode),
-            prefill_tokens=plan.n_tokens - len(plan.decode),
-            pad_tokens=step.n_pad,
-            ubatches=step.ubatches,
-            sampled_tokens=n_sampled,
-            budget=self.config.batch_tokens,
-            slots_active=self.scheduler.running,
-            queue_depth=self.scheduler.queue_depth,
-            seconds=seconds,
-            drafts=counts.drafts,
-            draft_tokens=counts.drafted,
-            accepted_tokens=counts.accepted,
-            accepted_per_position=tuple(counts.per_position),
-            filler_tokens=step.n_extra - counts.drafted,
-        )
+        scheduler, budget = self.scheduler, self.config.batch_tokens
+        record = tick_record(self.tick_count, step, n_sampled, budget, scheduler, seconds, counts)
         if self.config.log_ticks:
-            log.info(
-                "tick",
-                tick=record.tick,
-                batch_tokens=step.n_tokens,
-                decode_tokens=record.decode_tokens,
-                prefill_tokens=record.prefill_tokens,
-                pad_tokens=record.pad_tokens,
-                draft_tokens=record.draft_tokens or None,
-                accepted_tokens=record.accepted_tokens if record.draft_tokens else None,
-                ubatches=record.ubatches,
-                slots_active=record.slots_active,
-                queue_depth=record.queue_depth,
-                tick_ms=round(record.seconds * 1000, 3),
-            )
+            log_tick(record, step.n_tokens)
         if self._on_tick:
             self._on_tick(record)
-
-
-@dataclass(slots=True)
-class _SpecCounts:
-    """One tick's drafted and accepted tokens, for its TickRecord."""
-
-    drafts: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_position: list[int] = field(default_factory=list)
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.drafts += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        if accepted > len(self.per_position):
-            self.per_position.extend([0] * (accepted - len(self.per_position)))
-        for position in range(accepted):
-            self.per_position[position] += 1
-
-
-def _log_finish(record: FinishRecord) -> None:
-    finish = record.finish
-    decoded = finish.completion_tokens - 1
-    log.info(
-        "request finished",
-        request_id=finish.request_id,
-        reason=finish.reason,
-        prompt_tokens=finish.prompt_tokens,
-        completion_tokens=finish.completion_tokens,
-        cached_tokens=finish.cached_tokens,
-        priority=record.priority,
-        tenant=record.tenant,
-        preemptions=record.preemptions or None,
-        queue_ms=round(finish.queue_seconds * 1000, 3),
-        ttft_ms=None if record.ttft_seconds is None else round(record.ttft_seconds * 1000, 3),
-        tokens_per_second=(
-            round(decoded / record.decode_seconds, 2)
-            if decoded > 0 and record.decode_seconds > 0
-            else None
-        ),
-        message=finish.message or None,
-    )

@@ -14,7 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from loomserve.protocol import FinishReason
 from loomserve.worker.io import IOCounters
-from loomserve.worker.loop import FinishRecord, TickLoop, TickRecord
+from loomserve.worker.loop import TickLoop
+from loomserve.worker.records import FinishRecord, TickRecord
 
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

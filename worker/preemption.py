@@ -10,7 +10,10 @@ two requests take turns evicting each other.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from loomserve.worker.slots import Request, Slot
 
 GIB = 1024**3
 
@@ -29,6 +32,25 @@ def choose_victim(running: Iterable[R], incoming: Ranked) -> R | None:
     if victim is None or victim.priority <= incoming.priority:
         return None
     return victim
+
+
+def victim_slot(busy: Iterable[Slot], incoming: Request, spared: frozenset[int]) -> Slot | None:
+    """The busy slot whose request gives its place to `incoming`, or None.
+
+    Slots in `spared` are kept (an admission of this tick copies from them), and so are
+    requests already ending.
+    """
+    # A request that scores its prompt is not preempted: its prompt's logprobs come
+    # from its one prefill, which a resumption would repeat.
+    candidates = {
+        slot.request.key: slot
+        for slot in busy
+        if not slot.finish_reason
+        and slot.index not in spared
+        and slot.request.params.prompt_logprobs is None
+    }
+    victim = choose_victim([slot.request for slot in candidates.values()], incoming)
+    return None if victim is None else candidates[victim.key]
 
 
 class SwapSpace:

@@ -6,204 +6,53 @@ slot, in the order a tick makes them: admit waiting requests, plan the batch's r
 (the strategy splits the budget), advance the slots after the forward pass, record each
 sampled token (deciding EOS, max_tokens and the context limit), and release the requests that
 ended. The loop does the engine work each decision implies; the decisions that touch the
-engine come back as values (Admission, Release) so that it stays explicit.
+engine come back as values (Admission, Release; slots.py holds these types) so that it
+stays explicit.
 
 Who waits and who runs is decided with two helpers: the waiting queue (queueing.py: fcfs or
 priority order, tenants' weighted round-robin and caps) and, under the priority policy,
 preemption (preemption.py): a waiting request that outranks a running one takes its slot, and
 the running one goes back to the queue to resume later where it stopped.
 
-A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
-have their keys and values in the cache at positions 0..n_in_cache-1. A slot that finishes
-normally keeps that cache, so a later prompt with the same beginning skips those tokens
-(prefix reuse, like llama-server's cache_prompt); prefix_cache.py decides where a request
-goes and whose cache it starts from.
+A slot that finishes normally keeps its cache (slots.py), so a later prompt with the same
+beginning skips those tokens (prefix reuse, like llama-server's cache_prompt); prefix_cache.py
+decides where a request goes and whose cache it starts from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import structlog
 
-from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenChunk
-from loomserve.worker.preemption import SwapSpace, choose_victim
+from loomserve.protocol import FinishReason, TokenChunk
+from loomserve.worker.preemption import SwapSpace, victim_slot
 from loomserve.worker.prefix_cache import can_place, place
-from loomserve.worker.queueing import DEFAULT_TENANT, Policy, WaitingQueue
-from loomserve.worker.ram_cache import RamCache, RamEntry
+from loomserve.worker.queueing import Policy, WaitingQueue
+from loomserve.worker.ram_cache import RamCache
+from loomserve.worker.shaping import add_drafts, shape, ubatches_with_filler
+from loomserve.worker.slots import (
+    KEEPS_CACHE,
+    Admission,
+    Preemption,
+    Release,
+    Request,
+    RequestKey,
+    Run,
+    Slot,
+    Step,
+    set_phase,
+)
 from loomserve.worker.strategies import (
     BatchPlan,
     BatchStrategy,
+    CheckedPlans,
     DecodeMaximal,
     SlotPhase,
     SlotView,
-    check_plan,
-    limit_prefill,
 )
 from loomserve.worker.tick_cost import LatencyTarget
-from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
+from loomserve.worker.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
-
-RequestKey = tuple[bytes, str]  # (gateway identity, request id): ids are unique per gateway
-
-KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound for reuse
-
-
-@dataclass(slots=True)
-class Request:
-    """One accepted Generate, from acceptance to its Finish."""
-
-    key: RequestKey
-    prompt: list[int]
-    params: SamplingParams
-    arrived_at: float  # time.monotonic() at acceptance
-    sampler: object = None  # the engine's sampler chain, built at acceptance
-    admitted_at: float = 0.0
-    first_token_at: float = 0.0
-    cached_tokens: int = 0  # prompt tokens whose KV was reused (Finish.cached_tokens, usage)
-    completion_tokens: int = 0
-    priority: int = 0  # lower is served first under the priority policy
-    tenant: str = DEFAULT_TENANT
-    order: int = -1  # arrival order in the waiting queue, set when first queued
-    # After a preemption: the sequence to resume (prompt, then the tokens generated so far),
-    # and its KV state saved in host memory (opaque to the scheduler) when it was swapped out.
-    resume_tokens: list[int] | None = None
-    saved_state: object = None
-    saved_tokens: int = 0  # the tokens the saved state holds
-    saved_bytes: int = 0
-    preemptions: int = 0
-
-    @property
-    def request_id(self) -> str:
-        return self.key[1]
-
-    @property
-    def gateway(self) -> bytes:
-        return self.key[0]
-
-
-@dataclass(slots=True)
-class Slot:
-    """One sequence of the shared KV cache; seq_id in llama.cpp is the slot's index."""
-
-    index: int
-    phase: SlotPhase = SlotPhase.IDLE
-    request: Request | None = None
-    tokens: list[int] = field(default_factory=list)
-    n_in_cache: int = 0  # tokens[:n_in_cache] have their KV in the cache
-    n_prompt: int = 0
-    admitted_tick: int = 0
-    last_used_tick: int = -1  # idle slots are reused least recently used first
-    finish_reason: FinishReason | None = None  # set when the request ends; released next
-    finish_message: str = ""
-
-    @property
-    def prompt_remaining(self) -> int:
-        return self.n_prompt - self.n_in_cache if self.phase is SlotPhase.PREFILLING else 0
-
-    @property
-    def busy(self) -> bool:
-        return self.request is not None
-
-    def view(self) -> SlotView:
-        request = self.request
-        return SlotView(
-            index=self.index,
-            phase=self.phase,
-            prompt_remaining=self.prompt_remaining,
-            generated=request.completion_tokens if request else 0,
-            admitted_tick=self.admitted_tick,
-        )
-
-    def finish(self, reason: FinishReason, message: str = "") -> None:
-        """Mark the request over (the first reason wins); release_finished frees the slot."""
-        if self.finish_reason is None:
-            self.finish_reason = reason
-            self.finish_message = message
-
-
-@dataclass(slots=True)
-class Preemption:
-    """A running request that gave its slot to a waiting one of better priority.
-
-    The slot keeps the victim's cells for now. The loop may save them (swap_out) before the
-    slot's next request uses it; otherwise the request recomputes them when it resumes.
-    """
-
-    slot: Slot
-    request: Request
-    n_cached: int  # the tokens the slot's cells hold for the request
-
-
-@dataclass(slots=True)
-class Admission:
-    """A queued request placed in a slot, reusing the first `reused` tokens of a cache.
-
-    The cache is the slot's own when `source` is None: the engine keeps that sequence's first
-    `reused` cells and drops the rest. Otherwise the engine drops the slot's sequence and
-    copies the first `reused` cells of the source slot's (a busy slot running the same prefix).
-    A resumed request whose state was swapped out has it in `restore`: the engine drops the
-    slot's sequence and loads that state instead. A prefix found in the RAM cache is in
-    `ram_entry`: the engine drops the slot's sequence, loads the entry's state and keeps its
-    first `reused` cells. `preempted` is the running request that gave up this slot for it:
-    the loop deals with that one first. `save_first` holds the slot's cached tokens when they
-    are worth keeping in the RAM cache: the loop saves the slot's cells before anything else.
-    """
-
-    slot: Slot
-    request: Request
-    reused: int
-    source: Slot | None = None
-    restore: object = None
-    preempted: Preemption | None = None
-    ram_entry: RamEntry | None = None
-    save_first: list[int] | None = None
-
-
-@dataclass(slots=True)
-class Run:
-    """Consecutive tokens of one slot in this tick's batch."""
-
-    slot: Slot
-    tokens: list[int]
-    start: int  # the cache position of tokens[0]
-    sample: bool  # a token is sampled from the last token's logits
-    # Logits on every token, not only the last: they score the prompt tokens that follow
-    # (SamplingParams.prompt_logprobs).
-    score: bool = False
-    # A padding token that only joins its neighbours' pass (ubatches.py): its cell is dropped
-    # after the forward pass and the slot does not advance.
-    pad: bool = False
-    # Speculation (speculation.py): the last `draft` tokens before the filler are drafted
-    # tokens, each with logits, kept only as far as the sampler agrees; the last `filler`
-    # tokens only give the run the tick's common length, and their cells are dropped.
-    draft: int = 0
-    filler: int = 0
-
-
-@dataclass(slots=True)
-class Step:
-    """One tick's work, as planned: the strategy's plan and the runs that carry it out."""
-
-    plan: BatchPlan
-    runs: list[Run] = field(default_factory=list)  # in slot order, padding runs included
-    n_pad: int = 0  # padding tokens among the runs
-    ubatches: int = 0  # the forward passes llama.cpp will make of the batch
-    n_extra: int = 0  # drafted and filler tokens (speculation), beyond the plan's
-
-    @property
-    def n_tokens(self) -> int:
-        return self.plan.n_tokens + self.n_pad + self.n_extra
-
-
-@dataclass(slots=True)
-class Release:
-    """A request that ended and left its slot or the queue, and what its end asks of the loop."""
-
-    request: Request
-    finish: Finish  # for the request's gateway
-    drop_sequence: int | None  # the slot whose cells the engine drops; None when kept or unused
 
 
 class Scheduler:
@@ -241,8 +90,7 @@ class Scheduler:
         self._slot_of: dict[RequestKey, Slot] = {}
         # Left the queue, with why the worker cancelled them; released next.
         self._cancelled_waiting: list[tuple[Request, str]] = []
-        self._fallback = DecodeMaximal()
-        self._strategy_failures = 0
+        self._plans = CheckedPlans()  # the strategy's plans, checked, with a fallback
         self._budget = 0  # the latest schedule()'s token budget
 
     # --- counts -----------------------------------------------------------------------
@@ -363,7 +211,7 @@ class Scheduler:
         slot.admitted_tick = tick
         slot.finish_reason = None
         slot.finish_message = ""
-        _set_phase(slot)
+        set_phase(slot)
         if not request.admitted_at:  # its first admission: the queue time and cache hits
             request.admitted_at = now
             request.cached_tokens = reused
@@ -395,7 +243,7 @@ class Scheduler:
         slot.n_in_cache = 0
         if admission.request.resume_tokens is None:
             admission.request.cached_tokens = 0
-        _set_phase(slot)
+        set_phase(slot)
 
     # --- preemption ---------------------------------------------------------------------
 
@@ -405,19 +253,10 @@ class Scheduler:
         """Free a slot for `request` by preempting a running request it outranks, if any."""
         if self.waiting.policy is not Policy.PRIORITY:
             return None
-        # A request that scores its prompt is not preempted: its prompt's logprobs come
-        # from its one prefill, which a resumption would repeat.
-        running = [
-            slot.request
-            for slot in self._slot_of.values()
-            if not slot.finish_reason
-            and slot.index not in spared
-            and slot.request.params.prompt_logprobs is None
-        ]
-        victim = choose_victim(running, request)
-        if victim is None:
+        slot = victim_slot(self._slot_of.values(), request, spared)
+        if slot is None:
             return None
-        slot = self._slot_of[victim.key]
+        victim = slot.request
         preemption = Preemption(slot, victim, slot.n_in_cache)
         victim.resume_tokens = list(slot.tokens)
         victim.preemptions += 1
@@ -456,7 +295,8 @@ class Scheduler:
         views = self.views()
         if not views:
             return Step(BatchPlan())
-        plan = self._plan(views, budget, chunk_size)
+        limit = self.latency.limit if self.latency is not None else None
+        plan = self._plans.plan(self.strategy, views, budget, chunk_size, self.queue_depth, limit)
         slots = self.slots
         runs = []
         for index in plan.decode:
@@ -469,94 +309,21 @@ class Scheduler:
             # request scores its prompt.
             score = slot.request.params.prompt_logprobs is not None
             runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt, score))
-        return self._shape(Step(plan, runs), budget)
-
-    def _shape(self, step: Step, budget: int) -> Step:
-        """Order and pad the runs so that llama.cpp makes as few passes as it can (ubatches.py).
-
-        Slot order costs nothing where the cache is one stream, and there it stays one pass.
-        """
-        rules = self.split_rules
-        step.runs.sort(key=lambda run: run.slot.index)
-        if rules.per_slot_streams and rules.padding:
-            room = budget - step.plan.n_tokens
-            in_batch = [run.slot.index for run in step.runs]
-            pads = gaps_to_bridge(in_batch, self._paddable, room) if room else []
-            if pads:
-                slots = self.slots
-                for index in pads:
-                    slot = slots[index]
-                    # Any token will do; the slot's next position keeps its cells in order.
-                    step.runs.append(Run(slot, [0], slot.n_in_cache, False, pad=True))
-                step.runs.sort(key=lambda run: run.slot.index)
-                step.n_pad = len(pads)
-        lengths = [(run.slot.index, len(run.tokens)) for run in step.runs]
-        step.ubatches = count_ubatches(lengths, budget, rules.per_slot_streams)
-        return step
+        return shape(Step(plan, runs), budget, self.split_rules, self.slots)
 
     def ubatches_with_filler(self, step: Step, length: int) -> int:
         """The passes the step would take with `length` more tokens on every decode and
-        padding run (speculation's common length, where each slot has its own KV stream)."""
-        lengths = []
-        for run in step.runs:
-            grows = run.pad or (run.sample and run.slot.phase is SlotPhase.GENERATING)
-            lengths.append((run.slot.index, len(run.tokens) + (length if grows else 0)))
-        return count_ubatches(lengths, self._budget, self.split_rules.per_slot_streams)
+        padding run (shaping.py)."""
+        return ubatches_with_filler(step, length, self._budget, self.split_rules)
 
     def add_drafts(self, step: Step, drafts: dict[int, list[int]], length: int) -> None:
-        """Put the drafted tokens after each generating slot's last token; with a KV stream
-        per slot, also fill every decode and padding run up to `length` extra tokens."""
-        uniform = self.split_rules.per_slot_streams
-        for run in step.runs:
-            decoding = run.sample and run.slot.phase is SlotPhase.GENERATING
-            if not (decoding or (run.pad and uniform)):
-                continue
-            draft = drafts.get(run.slot.index, []) if decoding else []
-            filler = length - len(draft) if uniform else 0
-            # Filler repeats the run's first token: any token will do, nothing reads it.
-            run.tokens = run.tokens + draft + run.tokens[:1] * filler
-            run.draft, run.filler = len(draft), filler
-            step.n_extra += len(draft) + filler
-        lengths = [(run.slot.index, len(run.tokens)) for run in step.runs]
-        step.ubatches = count_ubatches(lengths, self._budget, self.split_rules.per_slot_streams)
+        """Put the drafted tokens after each generating slot's last token (shaping.py)."""
+        add_drafts(step, drafts, length, self._budget, self.split_rules)
 
     def accept_drafts(self, slot: Slot, accepted: int) -> None:
         """`accepted` drafted tokens of the slot's last run are now its sequence's: their
         cells hold. The loop drops the rest of the run's cells."""
         slot.n_in_cache += accepted
-
-    def _paddable(self, index: int) -> bool:
-        slot = self.slots[index]
-        # A busy slot's next cell is written by its own next token anyway.
-        return slot.busy or not slot.n_in_cache or self.split_rules.pad_cached_slots
-
-    def _plan(self, views: list[SlotView], budget: int, chunk_size: int) -> BatchPlan:
-        depth = self.queue_depth
-        try:
-            plan = self.strategy.plan(views, budget, chunk_size, depth)
-            check_plan(plan, views, budget)
-            if self.latency is not None:
-                plan = self._within_target(plan, views, budget)
-        except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
-            self._strategy_failures += 1
-            if self._strategy_failures % 1000 == 1:  # the first, then every 1000th
-                log.error(
-                    "strategy failed; decode-maximal plans this tick",
-                    strategy=getattr(self.strategy, "name", type(self.strategy).__qualname__),
-                    error=str(exc),
-                    failures=self._strategy_failures,
-                )
-            plan = self._fallback.plan(views, budget, chunk_size, depth)
-        return plan
-
-    def _within_target(self, plan: BatchPlan, views: list[SlotView], budget: int) -> BatchPlan:
-        """While a stream generates, hold the tick's prompt tokens to what the target allows;
-        with nothing generating, prompts get the whole budget."""
-        generating = sum(view.phase is SlotPhase.GENERATING for view in views)
-        if not generating or not plan.prefill:
-            return plan
-        cap = self.latency.prefill_cap(generating)
-        return plan if cap is None else limit_prefill(plan, views, cap, budget)
 
     # --- after the forward pass ---------------------------------------------------------
 
@@ -610,7 +377,7 @@ class Scheduler:
         end drops its cells (Release.drop_sequence).
         """
         releases = [
-            Release(request, self._finish(request, FinishReason.CANCELLED, message, now), None)
+            Release(request, request.finished(FinishReason.CANCELLED, message, now), None)
             for request, message in self._cancelled_waiting
         ]
         self._cancelled_waiting.clear()
@@ -619,7 +386,7 @@ class Scheduler:
             if request is None or reason is None:
                 continue
             keep = reason in KEEPS_CACHE
-            finish = self._finish(request, reason, slot.finish_message, now)
+            finish = request.finished(reason, slot.finish_message, now)
             self._vacate(slot, tick, keep)
             del self.live[request.key]
             releases.append(Release(request, finish, None if keep else slot.index))
@@ -638,24 +405,3 @@ class Scheduler:
         else:
             slot.tokens = []
             slot.n_in_cache = 0
-
-    @staticmethod
-    def _finish(request: Request, reason: FinishReason, message: str, now: float) -> Finish:
-        started = request.admitted_at or now
-        return Finish(
-            request_id=request.request_id,
-            reason=reason.value,
-            prompt_tokens=len(request.prompt),
-            completion_tokens=request.completion_tokens,
-            cached_tokens=request.cached_tokens,
-            queue_seconds=started - request.arrived_at,
-            message=message,
-        )
-
-
-def _set_phase(slot: Slot) -> None:
-    """A slot decodes once everything but its last token is cached and a token was
-    generated (a resumed request); otherwise it prefills the rest of its sequence."""
-    resumed = slot.request.completion_tokens > 0
-    decoding = resumed and slot.n_in_cache == len(slot.tokens) - 1
-    slot.phase = SlotPhase.GENERATING if decoding else SlotPhase.PREFILLING

@@ -19,6 +19,7 @@ import zmq
 
 from loomserve.protocol import PROTOCOL_VERSION, ErrorCode, ModelInfo, WorkerError
 from loomserve.protocol.vocab import vocab_fingerprint
+from loomserve.worker.channels import Inbox, LoadBoard
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.curve import ServerKeys, load_server_keys
 from loomserve.worker.embeddings import POOLING_NAMES, Embedder, model_pooling
@@ -90,10 +91,14 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     )
     _log_start(config, engine, info)
     metrics = WorkerMetrics() if config.metrics_port is not None else None
+    # IO and the loop share these and the outbox, never each other (channels.py).
+    inbox, loads = Inbox(), LoadBoard(config.slots)
     try:
         io = WorkerIO(
             config,
             info,
+            inbox,
+            loads,
             on_gateways=metrics.on_gateways if metrics else None,
             keys=keys,
             on_reject=metrics.on_reject if metrics else None,
@@ -105,11 +110,13 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     loop = TickLoop(
         engine,
         config,
-        io,
+        io.outbox,
         on_tick=metrics.on_tick if metrics else None,
         on_finish=metrics.on_finish if metrics else None,
         on_reject=metrics.on_reject if metrics else None,
         embedder=embedder,
+        inbox=inbox,
+        loads=loads,
     )
     if metrics is not None:
         metrics.watch(loop, io.counters)
@@ -123,17 +130,17 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             timeout_s=config.shutdown_timeout,
         )
         io.ready = False
-        loop.stop()
+        inbox.stop()
 
     def on_stuck(why: str) -> None:
         # From the watchdog's thread: the main thread is stuck in the tick and cannot help.
         io.ready = False
-        io.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, why))
+        io.outbox.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, why))
         time.sleep(DEAD_NOTICE_SECONDS)
         exit_now(EXIT_ENGINE_DEAD)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    io.start(loop)
+    io.start()
     watchdog = Watchdog(loop, config.tick_watchdog, config.shutdown_timeout, on_stuck)
     watchdog.start()
     log.info(
@@ -148,7 +155,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         if loop.dead is not None:
             # Every gateway fails its open requests and answers 503 until we are back.
             io.ready = False
-            io.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, loop.dead))
+            io.outbox.broadcast(WorkerError(ErrorCode.ENGINE_DEAD.value, loop.dead))
             # Stay connected a moment: a gateway that sees the connection drop before it
             # has read these gives its requests the vaguer "connection closed".
             time.sleep(DEAD_NOTICE_SECONDS)

@@ -5,7 +5,7 @@ A generating slot proposes the tokens that followed the most recent earlier occu
 last n tokens (prompt and output together; n from `ngram_max` down to `ngram_min`), as vLLM's
 `ngram` method and llama-server's `ngram-simple` do. The loop puts the proposal in the tick's
 one batch after the slot's last token, asks for logits at each, and keeps the longest prefix
-the slot's own sampler agrees with (worker/loop.py); so what is produced is exactly what
+the slot's own sampler agrees with (worker/drafting.py); so what is produced is exactly what
 decoding one token at a time produces.
 
 How long a draft is follows two things. Each slot keeps its recent acceptance rate

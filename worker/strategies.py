@@ -3,7 +3,7 @@
 A strategy sees read-only views of the busy slots and answers with a BatchPlan: which
 generating slots decode one token, and how many prompt tokens each prefilling slot
 evaluates. It never touches the engine, so it is plain Python, testable without a model.
-The loop checks every plan (check_plan) before it builds a batch from it.
+Every plan is checked (check_plan, by CheckedPlans) before a batch is built from it.
 
 Pick one by name (decode-maximal, prefill-priority, balanced) or by a dotted path to your
 own class, `package.module:Class` or `package.module.Class`, built with no arguments.
@@ -12,10 +12,14 @@ own class, `package.module:Class` or `package.module.Class`, built with no argum
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
+
+import structlog
+
+log = structlog.get_logger("loomserve.worker.scheduler")  # the logger this line always had
 
 
 class SlotPhase(StrEnum):
@@ -200,3 +204,38 @@ def load_strategy(spec: str) -> BatchStrategy:
     if not callable(getattr(strategy, "plan", None)):
         raise ValueError(f"strategy {spec!r} has no plan(slots, budget, chunk_size, queue_depth)")
     return strategy
+
+
+class CheckedPlans:
+    """A strategy's plans, checked and limited (the latency target); when the strategy fails,
+    decode-maximal plans the tick, logged the first time and every 1000th."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self._fallback = DecodeMaximal()
+
+    def plan(
+        self,
+        strategy: BatchStrategy,
+        views: list[SlotView],
+        budget: int,
+        chunk_size: int,
+        depth: int,
+        limit: Callable[[BatchPlan, list[SlotView], int], BatchPlan] | None = None,
+    ) -> BatchPlan:
+        try:
+            plan = strategy.plan(views, budget, chunk_size, depth)
+            check_plan(plan, views, budget)
+            if limit is not None:
+                plan = limit(plan, views, budget)
+        except Exception as exc:  # InvalidPlan, or anything a user's strategy raises
+            self.failures += 1
+            if self.failures % 1000 == 1:  # the first, then every 1000th
+                log.error(
+                    "strategy failed; decode-maximal plans this tick",
+                    strategy=getattr(strategy, "name", type(strategy).__qualname__),
+                    error=str(exc),
+                    failures=self.failures,
+                )
+            plan = self._fallback.plan(views, budget, chunk_size, depth)
+        return plan

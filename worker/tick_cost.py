@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from loomserve.worker.least_squares import RecursiveLeastSquares
+from loomserve.worker.strategies import BatchPlan, SlotPhase, SlotView, limit_prefill
 
 FORGETTING = 0.98  # each tick weighs 2% less per newer tick: ~50 ticks of memory
 MAX_COVARIANCE_TRACE = 1e4  # no forgetting beyond this: unexcited directions must not blow up
@@ -104,3 +105,12 @@ class LatencyTarget:
         cap = max(MIN_PREFILL_TOKENS, math.floor(room / cost.per_prefill_token))
         self.latest_cap = cap
         return cap
+
+    def limit(self, plan: BatchPlan, views: list[SlotView], budget: int) -> BatchPlan:
+        """While a stream generates, hold the tick's prompt tokens to what the target allows;
+        with nothing generating, prompts get the whole budget."""
+        generating = sum(view.phase is SlotPhase.GENERATING for view in views)
+        if not generating or not plan.prefill:
+            return plan
+        cap = self.prefill_cap(generating)
+        return plan if cap is None else limit_prefill(plan, views, cap, budget)

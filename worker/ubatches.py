@@ -10,10 +10,10 @@ same number of tokens from each: the fewest any of them has left, capped at n_ub
 length. So a gap in the slot ids, or a prompt chunk beside decode tokens, costs a pass.
 
 count_ubatches replays that on runs (one slot's consecutive tokens each); the tests pin it to
-the passes the real engine makes. The scheduler orders runs by slot id, places new requests
-beside busy slots, and bridges short gaps with padding tokens (gaps_to_bridge), so a tick
-costs one pass for its decode tokens plus one per prompt chunk (fewer when neighbouring slots
-prefill chunks of one length).
+the passes the real engine makes. The scheduler places new requests beside busy slots, and
+shaping.py orders runs by slot id and bridges short gaps with padding tokens (gaps_to_bridge),
+so a tick costs one pass for its decode tokens plus one per prompt chunk (fewer when
+neighbouring slots prefill chunks of one length).
 """
 
 from __future__ import annotations

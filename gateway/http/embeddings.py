@@ -19,7 +19,7 @@ from loomserve.gateway.request import prompts
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.workers.pool import WorkerPool
 from loomserve.gateway.workers.retries import Tries
-from loomserve.protocol import Embed
+from loomserve.protocol import Embed, Embeddings
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
 
 MAX_INPUTS = MAX_EMBED_INPUTS  # OpenAI's limit on inputs per request
@@ -56,7 +56,9 @@ async def create_embeddings(
 ) -> dict[str, Any]:
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)
-    reply = await Tries(pool).embed(embed)
+    _, handle = await Tries(pool).submit(embed)
+    reply = handle.accepted.result()
+    assert isinstance(reply, Embeddings)  # an Embed's answer; a Rejected one was raised
     vectors = np.frombuffer(reply.vectors, dtype="<f4").reshape(len(embed.inputs), reply.size)
     data = []
     for index, vector in enumerate(vectors):

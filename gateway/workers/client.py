@@ -242,73 +242,54 @@ class WorkerClient:
 
     # --- requests --------------------------------------------------------------
 
-    async def submit(self, generate: Generate, deadline: float) -> RequestHandle:
-        """Send a Generate and wait for the worker to take it.
+    async def submit(
+        self, message: Generate | Embed, deadline: float | None = None
+    ) -> RequestHandle:
+        """Send a Generate or an Embed and wait for the worker's first answer to it.
 
-        Raises WorkerUnavailable or WorkerRejected (the request never ran), or WorkerLost.
-        The handle's reads raise WorkerTimeout once `deadline` (time.monotonic()) passes.
+        A Generate's is Accepted (within the request timeout): its tokens follow on the handle,
+        whose reads raise WorkerTimeout once `deadline` (time.monotonic()) passes. An Embed's is
+        its Embeddings, in the handle's `accepted`, by `deadline` (the request timeout when
+        None), else WorkerTimeout. Either way: WorkerUnavailable or WorkerRejected (the request
+        never ran), or WorkerLost.
         """
         reason = self.unavailable_reason()
         if reason:
             raise WorkerUnavailable(reason)
-        request_id = generate.request_id
+        request_id = message.request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id} is already in use")
+        generation = isinstance(message, Generate)  # else the reply is the whole answer
+        if deadline is None:
+            deadline = time.monotonic() + self.config.request_timeout
         accepted = asyncio.get_running_loop().create_future()
         handle = RequestHandle(request_id, deadline, accepted)
         self._requests[request_id] = handle
-        if not self._send(generate):
+        if not self._send(message):
             self._requests.pop(request_id, None)
             raise WorkerUnavailable(f"not connected to the worker at {self.endpoint}")
-        self._sent_since_heartbeat.append(request_id)
+        if generation:
+            self._sent_since_heartbeat.append(request_id)
+        # A worker that dies fails this future at once (see _worker_lost); one that is alive
+        # but mid-way through a long tick confirms a Generate after it, so wait for that.
+        wait = self.config.request_timeout if generation else deadline - time.monotonic()
         try:
-            # A worker that dies fails this future at once (see _worker_lost); one that is
-            # alive but mid-way through a long tick confirms after it, so wait for that.
-            async with asyncio.timeout(self.config.request_timeout):
+            async with asyncio.timeout(wait):
                 reply = await handle.accepted
         except TimeoutError:
             self.cancel(handle)
             self._requests.pop(request_id, None)
-            raise WorkerUnavailable("the worker did not confirm the request in time") from None
+            if generation:
+                raise WorkerUnavailable("the worker did not confirm the request in time") from None
+            raise WorkerTimeout("the embeddings took longer than the request timeout") from None
         except asyncio.CancelledError:
             self.cancel(handle)
+            if not generation:  # a Generate's Finish still comes, and closes it
+                self._requests.pop(request_id, None)
             raise
         if isinstance(reply, Rejected):
             raise WorkerRejected(reply.code, reply.message)
         return handle
-
-    async def embed(self, embed: Embed) -> Embeddings:
-        """Send an Embed and wait for its vectors (at most the request timeout).
-
-        Raises WorkerUnavailable, WorkerRejected, WorkerLost or WorkerTimeout.
-        """
-        reason = self.unavailable_reason()
-        if reason:
-            raise WorkerUnavailable(reason)
-        if embed.request_id in self._requests:
-            raise ValueError(f"request id {embed.request_id} is already in use")
-        timeout = self.config.request_timeout
-        # The Embeddings (or Rejected) reply resolves the handle's `accepted` future.
-        reply_future = asyncio.get_running_loop().create_future()
-        handle = RequestHandle(embed.request_id, time.monotonic() + timeout, reply_future)
-        self._requests[embed.request_id] = handle
-        if not self._send(embed):
-            self._requests.pop(embed.request_id, None)
-            raise WorkerUnavailable(f"not connected to the worker at {self.endpoint}")
-        try:
-            async with asyncio.timeout(timeout):
-                reply = await reply_future
-        except TimeoutError:
-            self.cancel(handle)
-            self._requests.pop(embed.request_id, None)
-            raise WorkerTimeout("the embeddings took longer than the request timeout") from None
-        except asyncio.CancelledError:
-            self.cancel(handle)
-            self._requests.pop(embed.request_id, None)
-            raise
-        if isinstance(reply, Rejected):
-            raise WorkerRejected(reply.code, reply.message)
-        return reply
 
     def cancel(self, handle: RequestHandle) -> None:
         """Ask the worker to stop a request; its Finish still arrives and is routed as usual."""

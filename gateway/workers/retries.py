@@ -11,9 +11,8 @@ count: which workers the request went to, and whether it may go to one more.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -25,7 +24,7 @@ from loomserve.gateway.workers.errors import (
     WorkerUnavailable,
 )
 from loomserve.gateway.workers.routing import prefix_key
-from loomserve.protocol.messages import Embed, Embeddings, ErrorCode, Generate
+from loomserve.protocol.messages import Embed, ErrorCode, Generate
 from loomserve.protocol.prefix_keys import prefix_keys
 
 if TYPE_CHECKING:
@@ -36,8 +35,6 @@ log = structlog.get_logger(__name__)
 MAX_WORKERS_PER_REQUEST = 2  # the first worker, and one other when the first fails it
 # Refusals another worker may not share; the others (prompt too long...) any worker repeats.
 RETRYABLE_REJECTIONS = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NOT_READY})
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -51,19 +48,16 @@ class Tries:
     _last_failure: WorkerClientError | None = field(default=None, init=False)
 
     async def submit(
-        self, generate: Generate, deadline: float
+        self, message: Generate | Embed, deadline: float | None = None
     ) -> tuple[WorkerClient, RequestHandle]:
-        """Send a Generate to the best worker not tried yet, and on to another while the
-        budget lasts; raises the last worker's error (or WorkerUnavailable)."""
-        key = prefix_key(generate.prompt_tokens)
-        keys = prefix_keys(generate.prompt_tokens)
-        send = lambda client: client.submit(generate, deadline)  # noqa: E731
-        return await self._send(key, send, True, keys)
-
-    async def embed(self, embed: Embed) -> Embeddings:
-        """Send an Embed to the worker with the most headroom, and on to another the same way."""
-        _, reply = await self._send(None, lambda client: client.embed(embed), False)
-        return reply
+        """Send a Generate to the best worker not tried yet (an Embed: to the one with the
+        most headroom), and on to another while the budget lasts; raises the last worker's
+        error (or WorkerUnavailable). WorkerClient.submit says what the handle then holds."""
+        if isinstance(message, Generate):
+            key = prefix_key(message.prompt_tokens)
+            keys = prefix_keys(message.prompt_tokens)
+            return await self._send(key, message, deadline, True, keys)
+        return await self._send(None, message, deadline, False)
 
     async def resend(
         self, generate: Generate, deadline: float, lost: WorkerLost
@@ -89,10 +83,11 @@ class Tries:
     async def _send(
         self,
         key: int | None,
-        send: Callable[[WorkerClient], Awaitable[T]],
+        message: Generate | Embed,
+        deadline: float | None,
         generation: bool,
         keys: list[int] | None = None,
-    ) -> tuple[WorkerClient, T]:
+    ) -> tuple[WorkerClient, RequestHandle]:
         """Try workers in the pool's order until one serves; `generation`: count the tries in
         the routing metrics and prefix affinity (embeddings leave both alone)."""
         while len(self.workers) < self.limit:
@@ -105,7 +100,7 @@ class Tries:
                 self.pool.count_reroute("lost" if lost else "refused")
             self.workers.append(choice.endpoint)
             try:
-                result = await send(client)
+                result = await client.submit(message, deadline)
             except (WorkerUnavailable, WorkerLost) as exc:
                 self._last_failure = exc
                 continue

@@ -112,7 +112,7 @@ def test_the_worker_refuses_it_from_any_peer(tiny_model_path: Path) -> None:
     try:
         loop = TickLoop(engine, config, collector := Collector())
         params = SamplingParams(max_tokens=8, temperature=0.0, grammar=NEVER_ENDS)
-        loop.submit(GW, Generate("never", [1, 40], params))
+        loop.inbox.submit(GW, Generate("never", [1, 40], params))
         drain(loop)
         assert collector.rejected() == {"never": ErrorCode.INVALID_REQUEST.value}
     finally:

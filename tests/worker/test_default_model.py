@@ -81,7 +81,7 @@ def run_together(engine: Engine, texts: list[str], max_tokens: int = 16) -> dict
     loop = TickLoop(engine, engine.config, collector)
     for i, text in enumerate(texts):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        loop.submit(b"gw", Generate(f"r{i}", engine.tokenize(text), params))
+        loop.inbox.submit(b"gw", Generate(f"r{i}", engine.tokenize(text), params))
     drain(loop)
     return collector.tokens(b"gw")
 
@@ -130,7 +130,7 @@ def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):
     collector = Collector()
     loop = TickLoop(engine, engine.config, collector)
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    loop.submit(b"gw", Generate("a", engine.tokenize(PROMPTS[0]), params))
+    loop.inbox.submit(b"gw", Generate("a", engine.tokenize(PROMPTS[0]), params))
     drain(loop)
     per_tick = [len(m.tokens) for m in collector.of_type(Outputs, b"gw") if m.tokens]
     assert per_tick == [1] * 6  # one token per tick, each in its own Outputs

@@ -120,7 +120,7 @@ def random_requests(n: int, n_vocab: int, seed: int) -> list[Generate]:
 
 def run_alone(engine: Engine, config: WorkerConfig, request: Generate) -> list[int]:
     loop, collector = new_loop(engine, config)
-    loop.submit(GW, request)
+    loop.inbox.submit(GW, request)
     drain(loop)
     return collector.tokens().get(request.request_id, [])
 
@@ -132,7 +132,7 @@ def run_staggered(loop: TickLoop, requests: list[Generate], seed: int) -> None:
     while pending:
         for _ in range(rng.randrange(1, 5)):
             if pending:
-                loop.submit(GW, pending.pop(0))
+                loop.inbox.submit(GW, pending.pop(0))
         for _ in range(rng.randrange(0, 4)):
             loop.tick(block=False)
     drain(loop)
@@ -228,7 +228,7 @@ def test_prefix_reuse_while_others_run(engine, config, batch_invariant):
 def test_a_full_queue_rejects_at_once(engine, config):
     loop, collector = new_loop(engine, config, slots=2, max_queue=3)
     for i in range(7):
-        loop.submit(GW, greedy(f"r{i}", [1, 5, 6], 4))
+        loop.inbox.submit(GW, greedy(f"r{i}", [1, 5, 6], 4))
     loop.tick(block=False)
     accepted = collector.of_type(Accepted)
     assert [a.request_id for a in accepted] == ["r0", "r1", "r2", "r3", "r4"]
@@ -237,20 +237,20 @@ def test_a_full_queue_rejects_at_once(engine, config):
     drain(loop)
     assert set(collector.finishes()) == {"r0", "r1", "r2", "r3", "r4"}
     # Once the queue drained, new requests are taken again.
-    loop.submit(GW, greedy("late", [1, 5], 2))
+    loop.inbox.submit(GW, greedy("late", [1, 5], 2))
     drain(loop)
     assert collector.finishes()["late"].reason == FinishReason.LENGTH
 
 
 def test_cancelling_a_running_request_frees_its_slot_and_cells(engine, config):
     loop, collector = new_loop(engine, config, slots=2)
-    loop.submit(GW, greedy("long", [1, *range(10, 50)], 200, ignore_eos=True))
-    loop.submit(GW, greedy("other", [1, 7, 8], 30, ignore_eos=True))
+    loop.inbox.submit(GW, greedy("long", [1, *range(10, 50)], 200, ignore_eos=True))
+    loop.inbox.submit(GW, greedy("other", [1, 7, 8], 30, ignore_eos=True))
     for _ in range(10):
         loop.tick(block=False)
     slot = next(s for s in loop.scheduler.slots if s.request and s.request.request_id == "long")
     assert engine.seq_pos_max(slot.index) >= 40
-    loop.cancel(GW, "long")
+    loop.inbox.cancel(GW, "long")
     loop.tick(block=False)
     finish = collector.finishes()["long"]
     assert finish.reason == FinishReason.CANCELLED and 0 < finish.completion_tokens < 200
@@ -262,11 +262,11 @@ def test_cancelling_a_running_request_frees_its_slot_and_cells(engine, config):
 
 def test_cancelling_a_queued_request_never_runs_it(engine, config):
     loop, collector = new_loop(engine, config, slots=1)
-    loop.submit(GW, greedy("first", [1, 5, 6], 20, ignore_eos=True))
-    loop.submit(GW, greedy("waiting", [1, 7], 20))
+    loop.inbox.submit(GW, greedy("first", [1, 5, 6], 20, ignore_eos=True))
+    loop.inbox.submit(GW, greedy("waiting", [1, 7], 20))
     loop.tick(block=False)
-    loop.cancel(GW, "waiting")
-    loop.cancel(GW, "no-such-request")  # ignored: it may have just finished
+    loop.inbox.cancel(GW, "waiting")
+    loop.inbox.cancel(GW, "no-such-request")  # ignored: it may have just finished
     drain(loop)
     finishes = collector.finishes()
     assert finishes["waiting"].reason == FinishReason.CANCELLED
@@ -278,11 +278,11 @@ def test_cancelling_a_queued_request_never_runs_it(engine, config):
 def test_a_vanished_gateway_loses_all_its_requests(engine, config):
     loop, collector = new_loop(engine, config, slots=2)
     for i in range(4):
-        loop.submit(b"gone", greedy(f"g{i}", [1, 5 + i], 50, ignore_eos=True))
-    loop.submit(GW, greedy("stays", [1, 9], 30, ignore_eos=True))
+        loop.inbox.submit(b"gone", greedy(f"g{i}", [1, 5 + i], 50, ignore_eos=True))
+    loop.inbox.submit(GW, greedy("stays", [1, 9], 30, ignore_eos=True))
     loop.tick(block=False)
     loop.tick(block=False)
-    loop.gateway_gone(b"gone", "it disconnected")
+    loop.inbox.gateway_gone(b"gone", "it disconnected")
     drain(loop)
     gone = collector.finishes(b"gone")
     assert {f.reason for f in gone.values()} == {FinishReason.CANCELLED}
@@ -296,7 +296,7 @@ def test_a_thousand_short_requests_leave_nothing_behind(engine, config):
     rng = random.Random(2)
     for i in range(1000):
         prompt = [1] + [rng.randrange(3, engine.n_vocab) for _ in range(rng.randrange(0, 6))]
-        loop.submit(GW, greedy(f"r{i}", prompt, rng.randrange(1, 5)))
+        loop.inbox.submit(GW, greedy(f"r{i}", prompt, rng.randrange(1, 5)))
     drain(loop)
     finishes = collector.finishes()
     assert len(finishes) == 1000 and not collector.rejected()
@@ -312,8 +312,8 @@ def test_a_thousand_short_requests_leave_nothing_behind(engine, config):
 def test_prompt_too_long_is_refused_before_it_takes_a_slot(engine, config):
     loop, collector = new_loop(engine, config)
     limit = engine.slot_context
-    loop.submit(GW, greedy("too-long", [1] * limit, 4))
-    loop.submit(GW, greedy("just-fits", [1] * (limit - 1), 4))
+    loop.inbox.submit(GW, greedy("too-long", [1] * limit, 4))
+    loop.inbox.submit(GW, greedy("just-fits", [1] * (limit - 1), 4))
     drain(loop)
     assert collector.rejected() == {"too-long": "prompt_too_long"}
     finish = collector.finishes()["just-fits"]
@@ -323,7 +323,7 @@ def test_prompt_too_long_is_refused_before_it_takes_a_slot(engine, config):
 def test_the_slot_context_limits_generation(engine, config):
     loop, collector = new_loop(engine, config)
     prompt = [1, *range(10, 10 + engine.slot_context - 6)]
-    loop.submit(GW, greedy("r", prompt, 100, ignore_eos=True))
+    loop.inbox.submit(GW, greedy("r", prompt, 100, ignore_eos=True))
     drain(loop)
     finish = collector.finishes()["r"]
     assert finish.reason == FinishReason.LENGTH
@@ -341,7 +341,7 @@ def test_the_slot_context_limits_generation(engine, config):
 )
 def test_invalid_requests_are_rejected(engine, config, generate, code):
     loop, collector = new_loop(engine, config)
-    loop.submit(GW, generate)
+    loop.inbox.submit(GW, generate)
     drain(loop)
     assert collector.rejected() == {generate.request_id: code.value}
     assert collector.finishes() == {} and loop.scheduler.free_slots == config.slots
@@ -349,13 +349,13 @@ def test_invalid_requests_are_rejected(engine, config, generate, code):
 
 def test_request_ids_are_per_gateway_and_unique_while_live(engine, config):
     loop, collector = new_loop(engine, config)
-    loop.submit(GW, greedy("same", [1, 5], 5))
-    loop.submit(GW, greedy("same", [1, 6], 5))
-    loop.submit(b"gw-2", greedy("same", [1, 5], 5))
+    loop.inbox.submit(GW, greedy("same", [1, 5], 5))
+    loop.inbox.submit(GW, greedy("same", [1, 6], 5))
+    loop.inbox.submit(b"gw-2", greedy("same", [1, 5], 5))
     drain(loop)
     assert collector.rejected() == {"same": "duplicate_request"}
     assert collector.tokens()["same"] == collector.tokens(b"gw-2")["same"]
-    loop.submit(GW, greedy("same", [1, 5], 5))  # finished ids may be used again
+    loop.inbox.submit(GW, greedy("same", [1, 5], 5))  # finished ids may be used again
     drain(loop)
     assert len(collector.of_type(Accepted)) == 2
 
@@ -365,8 +365,8 @@ def test_request_ids_are_per_gateway_and_unique_while_live(engine, config):
 
 def test_an_end_of_generation_token_stops_and_is_not_sent(engine, config):
     loop, collector = new_loop(engine, config)
-    loop.submit(GW, greedy("eos", [1, 5], 10, logit_bias={2: 100.0}))
-    loop.submit(GW, greedy("ignored", [1, 5], 4, logit_bias={2: 100.0}, ignore_eos=True))
+    loop.inbox.submit(GW, greedy("eos", [1, 5], 10, logit_bias={2: 100.0}))
+    loop.inbox.submit(GW, greedy("ignored", [1, 5], 4, logit_bias={2: 100.0}, ignore_eos=True))
     drain(loop)
     finishes = collector.finishes()
     assert finishes["eos"].reason == FinishReason.STOP and finishes["eos"].completion_tokens == 1
@@ -393,7 +393,7 @@ def test_unseeded_sampling_differs_between_requests(engine, config):
     loop, collector = new_loop(engine, config)
     params = SamplingParams(max_tokens=24, temperature=1.5)
     for i in range(4):
-        loop.submit(GW, Generate(f"r{i}", [1, 40, 41], params))
+        loop.inbox.submit(GW, Generate(f"r{i}", [1, 40, 41], params))
     drain(loop)
     assert len({tuple(t) for t in collector.tokens().values()}) > 1
 
@@ -408,9 +408,9 @@ ws     ::= [ ]?
     loop, collector = new_loop(engine, config)
     for seed in range(4):
         params = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar)
-        loop.submit(GW, Generate(f"json{seed}", [1, 40, 41], params))
+        loop.inbox.submit(GW, Generate(f"json{seed}", [1, 40, 41], params))
     digits = SamplingParams(max_tokens=5, temperature=0.0, grammar="root ::= [0-9]+")
-    loop.submit(GW, Generate("digits", [1, 40], digits))
+    loop.inbox.submit(GW, Generate("digits", [1, 40], digits))
     drain(loop)
     tokens, finishes = collector.tokens(), collector.finishes()
     for seed in range(4):
@@ -423,14 +423,16 @@ ws     ::= [ ]?
 def test_penalties_and_bias_shape_sampling(engine, config):
     loop, collector = new_loop(engine, config)
     banned = run_alone(engine, config, greedy("plain", [1, 40, 41], 8))[0]
-    loop.submit(GW, greedy("biased", [1, 40, 41], 8, logit_bias={banned: float("-inf")}))
-    loop.submit(
+    loop.inbox.submit(GW, greedy("biased", [1, 40, 41], 8, logit_bias={banned: float("-inf")}))
+    loop.inbox.submit(
         GW,
         greedy(
             "penalised", [1, 40, 41], 30, repeat_penalty=10.0, repeat_last_n=-1, ignore_eos=True
         ),
     )
-    loop.submit(GW, greedy("present", [1, 40, 41], 30, presence_penalty=2.0, frequency_penalty=2.0))
+    loop.inbox.submit(
+        GW, greedy("present", [1, 40, 41], 30, presence_penalty=2.0, frequency_penalty=2.0)
+    )
     drain(loop)
     tokens = collector.tokens()
     assert banned not in tokens["biased"]
@@ -451,15 +453,15 @@ def test_a_failed_decode_fails_its_requests_and_the_worker_serves_on(engine, con
         return real_decode(batch) if code is None else code
 
     engine.decode = failing_once
-    loop.submit(GW, greedy("unlucky", [1, 5, 6], 5))
-    loop.submit(GW, greedy("also-unlucky", [1, 7], 5))
+    loop.inbox.submit(GW, greedy("unlucky", [1, 5, 6], 5))
+    loop.inbox.submit(GW, greedy("also-unlucky", [1, 7], 5))
     drain(loop)
     finishes = collector.finishes()
     for rid in ("unlucky", "also-unlucky"):
         assert finishes[rid].reason == FinishReason.ERROR
         assert "llama_decode failed" in finishes[rid].message
     assert all(engine.seq_pos_max(s.index) == -1 for s in loop.scheduler.slots)
-    loop.submit(GW, greedy("later", [1, 5, 6], 5))
+    loop.inbox.submit(GW, greedy("later", [1, 5, 6], 5))
     drain(loop)
     assert collector.finishes()["later"].completion_tokens == 5
 
@@ -474,7 +476,7 @@ class OverBudget:
 def test_an_invalid_plan_falls_back_to_decode_maximal(engine, config, monkeypatch):
     loop, collector = new_loop(engine, config)
     loop.scheduler.strategy = OverBudget()
-    loop.submit(GW, greedy("r", [1, *range(10, 80)], 6))
+    loop.inbox.submit(GW, greedy("r", [1, *range(10, 80)], 6))
     drain(loop)
     assert collector.finishes()["r"].completion_tokens == 6
 
@@ -482,12 +484,12 @@ def test_an_invalid_plan_falls_back_to_decode_maximal(engine, config, monkeypatc
 def test_stop_past_its_timeout_cancels_every_live_request_with_a_reason(engine, config):
     loop, collector = new_loop(engine, config, slots=1, shutdown_timeout=0.0)
     for i in range(3):
-        loop.submit(GW, greedy(f"r{i}", [1, 5], 10_000, ignore_eos=True))
+        loop.inbox.submit(GW, greedy(f"r{i}", [1, 5], 10_000, ignore_eos=True))
     thread = threading.Thread(target=loop.run)
     thread.start()
     with collector.changed:
         collector.changed.wait_for(lambda: len(collector.tokens().get("r0", [])) >= 5, timeout=30)
-    loop.stop()
+    loop.inbox.stop()
     thread.join(timeout=30)
     assert not thread.is_alive()
     finishes = collector.finishes()
@@ -499,10 +501,10 @@ def test_stop_past_its_timeout_cancels_every_live_request_with_a_reason(engine, 
 def test_stop_lets_running_requests_finish_and_refuses_new_ones(engine, config):
     loop, collector = new_loop(engine, config, slots=1, shutdown_timeout=60.0)
     for i in range(2):
-        loop.submit(GW, greedy(f"r{i}", [1, 5], 40, ignore_eos=True))
+        loop.inbox.submit(GW, greedy(f"r{i}", [1, 5], 40, ignore_eos=True))
     loop.tick(block=False)
-    loop.stop()
-    loop.submit(GW, greedy("late", [1, 5], 4))
+    loop.inbox.stop()
+    loop.inbox.submit(GW, greedy("late", [1, 5], 4))
     started = time.monotonic()
     loop.run()  # returns once both have finished, long before the timeout
     assert time.monotonic() - started < 30
@@ -516,7 +518,7 @@ def test_ticks_failing_in_a_row_declare_the_engine_dead(engine, config, monkeypa
     monkeypatch.setenv("LOOMSERVE_TEST_FAIL_DECODE", "every")
     loop, collector = new_loop(engine, config, slots=1, max_failed_ticks=3)
     for i in range(4):
-        loop.submit(GW, greedy(f"r{i}", [1, 5], 4))
+        loop.inbox.submit(GW, greedy(f"r{i}", [1, 5], 4))
     loop.run()  # one slot: each tick runs one request, and each tick raises
     assert loop.dead == "3 ticks in a row failed"
     finishes = collector.finishes()
@@ -529,9 +531,9 @@ def test_ticks_failing_in_a_row_declare_the_engine_dead(engine, config, monkeypa
 def test_a_failing_tick_fails_its_requests_alone(engine, config, monkeypatch):
     monkeypatch.setenv("LOOMSERVE_TEST_FAIL_DECODE", "once")
     loop, collector = new_loop(engine, config, slots=1, max_failed_ticks=2)
-    loop.submit(GW, greedy("poison", [1, 5], 4))
-    loop.submit(GW, greedy("fine", [1, 5], 4, ignore_eos=True))
-    loop.stop()  # drains: returns when both have finished
+    loop.inbox.submit(GW, greedy("poison", [1, 5], 4))
+    loop.inbox.submit(GW, greedy("fine", [1, 5], 4, ignore_eos=True))
+    loop.inbox.stop()  # drains: returns when both have finished
     loop.run()
     assert loop.dead is None and loop.failed_ticks == 0
     finishes = collector.finishes()

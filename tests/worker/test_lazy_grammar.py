@@ -133,7 +133,7 @@ def run(engine: Engine, config: WorkerConfig, batch: list[Generate], eager: bool
         engine.new_sampler = lambda params: EagerSampler(params, engine)  # type: ignore[method-assign]
     try:
         for request in batch:
-            loop.submit(GW, request)
+            loop.inbox.submit(GW, request)
         drain(loop)
     finally:
         if eager:
@@ -246,7 +246,7 @@ def test_the_stack_layout_reads_on_this_build(engine):
 def test_a_completed_grammar_ends_the_request_with_stop(engine, config, grammar):
     loop = TickLoop(engine, config, collector := Collector())
     params = SamplingParams(max_tokens=40, temperature=0.0, grammar=grammar, ignore_eos=True)
-    loop.submit(GW, Generate("done", [1, 40, 41], params))
+    loop.inbox.submit(GW, Generate("done", [1, 40, 41], params))
     # Forced to the end of the grammar by `ignore_eos`: without the completion check the
     # request would run to max_tokens (EOS is the only token the grammar then allows).
     drain(loop)
@@ -261,7 +261,7 @@ def test_completion_beats_max_tokens_on_the_same_token(engine, config):
     """A grammar completed by the last allowed token ends with stop, not length."""
     loop = TickLoop(engine, config, collector := Collector())
     params = SamplingParams(max_tokens=3, temperature=0.0, grammar="root ::= [a-c]{3}")
-    loop.submit(GW, Generate("exact", [1, 40, 41], params))
+    loop.inbox.submit(GW, Generate("exact", [1, 40, 41], params))
     drain(loop)
     assert collector.finishes()["exact"].reason == FinishReason.STOP
     assert len(collector.tokens()["exact"]) == 3
@@ -277,8 +277,8 @@ def test_an_ambiguous_grammar_fails_its_request_alone(engine, config):
         max_tokens=64, temperature=0.0, grammar=ambiguous, logit_bias={letter_a: 100.0}
     )
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    loop.submit(GW, Generate("ambiguous", [1, 40, 41], forced))
-    loop.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
+    loop.inbox.submit(GW, Generate("ambiguous", [1, 40, 41], forced))
+    loop.inbox.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
     drain(loop)
     finishes, tokens = collector.finishes(), collector.tokens()
     assert finishes["ambiguous"].reason == FinishReason.ERROR
@@ -287,7 +287,7 @@ def test_an_ambiguous_grammar_fails_its_request_alone(engine, config):
     assert len(tokens["ambiguous"]) < 12  # 2, 4, ... stacks: it stops near 2**10
     assert finishes["beside"].reason == FinishReason.LENGTH
     alone = TickLoop(engine, config, alone_collector := Collector())
-    alone.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
+    alone.inbox.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
     drain(alone)
     assert tokens["beside"] == alone_collector.tokens()["beside"]
 

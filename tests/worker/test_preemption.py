@@ -12,7 +12,8 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.preemption import choose_victim
 from loomserve.worker.queueing import WaitingQueue
-from loomserve.worker.scheduler import Request, Scheduler, Slot
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request, Slot
 from loomserve.worker.strategies import SlotPhase
 from tests.worker.test_engine import GW, drain, new_loop
 
@@ -190,12 +191,12 @@ def run(engine, config, requests: list[Generate], urgent_after: int | None) -> d
     """Run the requests; with urgent_after, two urgent ones arrive after that many ticks."""
     loop, collector = new_loop(engine, config)
     for generate_ in requests:
-        loop.submit(GW, generate_)
+        loop.inbox.submit(GW, generate_)
     if urgent_after is not None:
         for _ in range(urgent_after):
             loop.tick(block=False)
-        loop.submit(GW, urgent(0))
-        loop.submit(GW, urgent(1))
+        loop.inbox.submit(GW, urgent(0))
+        loop.inbox.submit(GW, urgent(1))
     drain(loop)
     finishes = collector.finishes()
     assert all(f.reason == "length" for f in finishes.values())

@@ -14,7 +14,8 @@ from loomserve.protocol import FinishReason, SamplingParams
 from loomserve.protocol.prefix_keys import prefix_keys
 from loomserve.worker.prefix_cache import advertised_keys, can_place, place, usable_prefix
 from loomserve.worker.ram_cache import RamCache
-from loomserve.worker.scheduler import Request, Scheduler
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request
 
 BLOCK = 4
 

@@ -64,7 +64,7 @@ def test_greedy_output_is_the_same_after_a_prefix_hit(engine, script: str, lengt
     length = len(prompt)
     loop, collector = new_loop(engine, config)
     for attempt in ("cold", "hit", "hit-again"):
-        loop.submit(b"gw", greedy(attempt, prompt, 24, logprobs=5))
+        loop.inbox.submit(b"gw", greedy(attempt, prompt, 24, logprobs=5))
         drain(loop)
     tokens = collector.tokens(b"gw")
     finishes = collector.finishes(b"gw")

@@ -70,7 +70,7 @@ def greedy(request_id: str, prompt: list[int], max_tokens: int) -> Generate:
 
 
 def run(loop: TickLoop, collector: Collector, generate: Generate) -> list[int]:
-    loop.submit(GW, generate)
+    loop.inbox.submit(GW, generate)
     for _ in range(5000):
         loop.tick(block=False)
         if generate.request_id in collector.finishes:

@@ -9,7 +9,8 @@ import pytest
 
 from loomserve.protocol import SamplingParams
 from loomserve.worker.queueing import Policy, WaitingQueue
-from loomserve.worker.scheduler import Request, Scheduler
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request
 
 _ids = count()
 

@@ -10,7 +10,8 @@ import pytest
 
 from loomserve.protocol import FinishReason, SamplingParams, TokenChunk
 from loomserve.worker.prefix_cache import common_prefix
-from loomserve.worker.scheduler import Request, Scheduler, Slot
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request, Slot
 from loomserve.worker.strategies import BatchPlan, SlotPhase
 
 GW = b"gateway-1"

@@ -206,7 +206,7 @@ def _in_process(engine: Engine, generate: Generate) -> list[int]:
 
     sink = Sink()
     loop = TickLoop(engine, engine.config, sink)
-    loop.submit(b"gw", generate)
+    loop.inbox.submit(b"gw", generate)
     loop.tick()
     while loop.scheduler.has_work():
         loop.tick()

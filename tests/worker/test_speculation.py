@@ -8,7 +8,8 @@ import random
 import pytest
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.scheduler import Request, Scheduler
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request
 from loomserve.worker.speculation import (
     EXPLORE_INTERVAL,
     Acceptance,

@@ -14,8 +14,9 @@ import pytest
 from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop, TickRecord
+from loomserve.worker.loop import TickLoop
 from loomserve.worker.metrics import WorkerMetrics
+from loomserve.worker.records import TickRecord
 from loomserve.worker.tick_cost import WARM_UP_TICKS
 from tests.worker.test_engine import GW, Collector, drain, run_staggered
 
@@ -42,7 +43,7 @@ def engine(config: WorkerConfig):
 def always_draft(loop: TickLoop) -> None:
     """Make every tick draft as much as its budget and passes allow, whatever it costs: the
     adaptive choice is tested on its own (test_speculation.py); here drafts must be many."""
-    loop.tick_cost.observations = WARM_UP_TICKS
+    loop.tick_cost.fit.observations = WARM_UP_TICKS
 
     def longest(proposals, room, tick_seconds, uniform, allowed) -> int:
         length = max((len(p.tokens) for p in proposals), default=0)
@@ -99,7 +100,7 @@ def repetitive_requests(n: int, n_vocab: int, seed: int, **params) -> list[Gener
 
 def alone(engine: Engine, config: WorkerConfig, request: Generate, spec: bool) -> Run:
     run = Run(engine, config, spec, force=True)
-    run.loop.submit(GW, request)
+    run.loop.inbox.submit(GW, request)
     drain(run.loop)
     return run
 
@@ -230,7 +231,7 @@ def test_the_adaptive_choice_drafts_on_a_repetitive_load_and_keeps_outputs(engin
     adaptive = Run(engine, config, spec=True, force=False)
     for run in (plain, adaptive):
         for request in requests:
-            run.loop.submit(GW, request)
+            run.loop.inbox.submit(GW, request)
         drain(run.loop)
     assert adaptive.collector.tokens() == plain.collector.tokens()
     assert adaptive.drafted > 0

@@ -11,8 +11,10 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.loop import TickLoop, TickRecord
-from loomserve.worker.scheduler import Request, Scheduler, Slot
+from loomserve.worker.loop import TickLoop
+from loomserve.worker.records import TickRecord
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request, Slot
 from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
 from tests.forward_passes import PassCounter
 
@@ -113,7 +115,7 @@ def test_every_tick_reports_the_passes_it_made(config):
             if submitted < 40 and rng.random() < 0.3:
                 prompt = [1] + [rng.randrange(3, engine.n_vocab) for _ in range(rng.randrange(30))]
                 params = SamplingParams(max_tokens=rng.randrange(2, 30), temperature=0.0)
-                loop.submit(GW, Generate(f"r{submitted}", prompt, params))
+                loop.inbox.submit(GW, Generate(f"r{submitted}", prompt, params))
                 submitted += 1
             before = counter.passes
             loop.tick(block=False)

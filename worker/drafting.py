@@ -1,0 +1,171 @@
+"""Speculation in the tick: generating slots draft tokens (speculation.py proposes them, purely)
+that ride in the tick's one forward pass, and the samplers verify them as they sample.
+
+The loop calls speculate(step) after planning and sample_verified() when the step carries
+drafts; the scheduler shapes the drafts into the batch (shaping.py) and accepts the kept ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine
+from loomserve.worker.outputs import PendingOutputs
+from loomserve.worker.records import SpecCounts
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.scoring import slot_logprobs
+from loomserve.worker.slots import Run, Slot, Step
+from loomserve.worker.speculation import Proposal, SpecSettings, Speculator
+from loomserve.worker.strategies import SlotPhase
+from loomserve.worker.tick_cost import WARM_UP_TICKS, TickCostModel
+from loomserve.worker.ubatches import SplitRules
+
+
+def make_speculator(config: WorkerConfig, split_rules: SplitRules) -> Speculator | None:
+    # Rejected drafts must be cut from a sequence again: no recurrent state.
+    if not config.spec_ngram or not split_rules.padding:
+        return None
+    settings = SpecSettings(
+        config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+    )
+    return Speculator(settings, config.slots)
+
+
+class Drafting:
+    """Drafts for a tick's generating slots where they pay, and their verification."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler: Scheduler,
+        speculator: Speculator | None,
+        tick_cost: TickCostModel,
+        config: WorkerConfig,
+        outputs: PendingOutputs,
+    ) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+        self.speculator = speculator
+        self.tick_cost = tick_cost
+        self.batch_tokens = config.batch_tokens
+        self.outputs = outputs
+        self.counts = SpecCounts()  # this tick's
+
+    def take_counts(self) -> SpecCounts:
+        """This tick's counts, for its TickRecord; the next tick starts from zero."""
+        counts, self.counts = self.counts, SpecCounts()
+        return counts
+
+    def speculate(self, step: Step) -> None:
+        """Give generating slots drafts where the tick-cost model says they pay (speculation.py)."""
+        spec = self.speculator
+        # The cost model must have seen some ticks (not necessarily prompt chunks: the
+        # prediction needed is for this tick's make-up, mostly decode tokens).
+        if spec is None or not step.plan.decode or self.tick_cost.observations < WARM_UP_TICKS:
+            return
+        if any(run.score for run in step.runs):  # prompt scoring reads its rows its own way
+            return
+        context = self.engine.slot_context
+        uniform = self.scheduler.split_rules.per_slot_streams
+        proposals, growing, max_length = [], 0, spec.settings.max_tokens
+        for run in step.runs:
+            slot = run.slot
+            if run.pad:
+                growing += 1
+                max_length = min(max_length, context - run.start - 1)
+                continue
+            if not (run.sample and slot.phase is SlotPhase.GENERATING):
+                continue
+            growing += 1
+            max_length = min(max_length, context - run.start - 1)
+            request = slot.request
+            params = request.params
+            if not params.speculative or params.grammar:
+                proposals.append(Proposal(slot.index, [], 0.0))
+                continue
+            proposal = spec.propose(slot.index, request, slot.tokens)
+            # Drafts past max_tokens could never be kept (the token after them is sampled).
+            left = min(params.max_tokens - request.completion_tokens, context - len(slot.tokens))
+            if len(proposal.tokens) > left - 1:
+                proposal = Proposal(slot.index, proposal.tokens[: max(0, left - 1)], proposal.rate)
+            proposals.append(proposal)
+        if max_length <= 0:
+            return
+        proposals = [
+            Proposal(p.slot, p.tokens[:max_length], p.rate) if len(p.tokens) > max_length else p
+            for p in proposals
+        ]
+        plan = step.plan
+        predicted = self.tick_cost.predict(len(plan.decode), plan.n_tokens - len(plan.decode))
+
+        def tick_seconds(extra: int) -> float:
+            return predicted + spec.cost.predict(extra)
+
+        def keeps_passes(length: int) -> bool:
+            return self.scheduler.ubatches_with_filler(step, length) <= step.ubatches
+
+        room = self.batch_tokens - step.n_tokens
+        width = growing if uniform else 0
+        length = spec.choose(
+            proposals, room, tick_seconds, width, keeps_passes if uniform else lambda n: True
+        )
+        if length:
+            drafts = {p.slot: p.tokens[:length] for p in proposals if p.tokens}
+            self.scheduler.add_drafts(step, drafts, length)
+
+    def sample_verified(self, sampled: list[tuple[Slot, int]], verified: dict[int, Run]) -> int:
+        """Sampling in a tick with drafts: a slot with drafts samples at its token and at
+        each draft in turn, keeping drafts while they equal what it samples; then the cells
+        of the tokens it did not keep are dropped. Return the tokens produced."""
+        n_rows = sum(
+            1 + verified[slot.index].draft if slot.index in verified else 1 for slot, _ in sampled
+        )
+        logits = self.engine.output_logits(n_rows)
+        now, row, produced = time.monotonic(), 0, 0
+        for slot, index in sampled:
+            run = verified.get(slot.index)
+            n_draft = run.draft if run is not None else 0
+            block = logits[row : row + 1 + n_draft]
+            row += 1 + n_draft
+            drafts = run.tokens[1 : 1 + n_draft] if run is not None else []
+            produced += self._verify(slot, index, block, drafts, now)
+        for run in verified.values():
+            # The slot's sequence is its cached tokens; the rest of the run's cells go.
+            self.engine.keep_prefix(run.slot.index, run.slot.n_in_cache)
+        return produced
+
+    def _verify(
+        self, slot: Slot, index: int, rows: np.ndarray, drafts: list[int], now: float
+    ) -> int:
+        """Sample row by row (the row for the token at `index`, then one per draft) while
+        each sampled token equals the next draft; record the tokens; return how many."""
+        request = slot.request
+        sampler = request.sampler
+        greedy = rows.argmax(axis=1).tolist() if sampler.plain_greedy else None
+        asked, context = request.params.logprobs is not None, self.engine.slot_context
+        outputs = self.outputs.to(request.gateway)
+        n_recorded = matched = 0
+        for position in range(len(rows)):
+            logits = rows[position]
+            token = (
+                greedy[position] if greedy is not None else sampler.sample(index + position, logits)
+            )
+            logprobs = slot_logprobs(slot, logits, token, context) if asked else None
+            chunk = self.scheduler.record_token(slot, token, self.engine.is_eog(token), now)
+            n_recorded += 1
+            if chunk is not None:
+                chunk.logprobs = logprobs
+                outputs.tokens.append(chunk)
+            agrees = position < len(drafts) and token == drafts[position]
+            matched += agrees
+            if not agrees or slot.finish_reason is not None:
+                break
+        # Every recorded token but the last was a draft whose cell now holds.
+        self.scheduler.accept_drafts(slot, n_recorded - 1)
+        if drafts and self.speculator is not None:
+            self.speculator.verified(slot.index, request, len(drafts), matched)
+            self.counts.add(len(drafts), matched)
+        return n_recorded

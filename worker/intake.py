@@ -1,0 +1,60 @@
+"""Whether the loop takes a request it was handed, and the Request it becomes. Plain Python.
+
+The checks run cheapest first, so a flood of requests that cannot be served costs little; a
+request that passes them is refused only when its sampler cannot be built (the engine's
+part, in the loop).
+"""
+
+from __future__ import annotations
+
+import time
+
+from loomserve.protocol import ErrorCode, Generate
+from loomserve.worker.queueing import DEFAULT_TENANT
+from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.slots import Request, RequestKey
+
+NO_EMBEDDINGS = (
+    "this server computes no embeddings: the model has no pooling head; "
+    "start the worker with --embeddings for mean-pooled ones"
+)
+
+
+def refusal(
+    key: RequestKey,
+    generate: Generate,
+    scheduler: Scheduler,
+    n_vocab: int,
+    slot_context: int,
+    stopping: bool,
+) -> tuple[ErrorCode, str] | None:
+    """Why this request cannot be taken, cheapest checks first; None when it can."""
+    if stopping:
+        return ErrorCode.NOT_READY, "the worker is shutting down"
+    if key in scheduler.live:
+        return ErrorCode.DUPLICATE_REQUEST, f"request {key[1]!r} is already running"
+    if max(generate.prompt_tokens) >= n_vocab:
+        return ErrorCode.INVALID_REQUEST, f"prompt token ids must be below {n_vocab}"
+    n_prompt = len(generate.prompt_tokens)
+    if n_prompt >= slot_context:
+        return (
+            ErrorCode.PROMPT_TOO_LONG,
+            f"the prompt has {n_prompt} tokens; a slot holds {slot_context} tokens "
+            f"including at least one generated token",
+        )
+    if not scheduler.can_enqueue():
+        return ErrorCode.QUEUE_FULL, f"all slots are busy and {scheduler.max_queue} wait"
+    return None
+
+
+def new_request(key: RequestKey, generate: Generate, sampler: object) -> Request:
+    """The accepted Generate as the scheduler queues it, arriving now."""
+    return Request(
+        key=key,
+        prompt=generate.prompt_tokens,
+        params=generate.params,
+        arrived_at=time.monotonic(),
+        sampler=sampler,
+        priority=generate.priority,
+        tenant=generate.tenant or DEFAULT_TENANT,
+    )

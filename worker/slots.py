@@ -1,0 +1,198 @@
+"""A request's life in the worker, as values: the request, its slot, and what the scheduler
+decides about them each tick (Admission, Preemption, Run, Step, Release). Plain Python.
+
+A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
+have their keys and values in the cache at positions 0..n_in_cache-1 (seq_id in llama.cpp is
+the slot's index). The scheduler (scheduler.py) makes every change of these values; the loop
+does the engine work the decisions imply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loomserve.protocol import Finish, FinishReason, SamplingParams
+from loomserve.worker.queueing import DEFAULT_TENANT
+from loomserve.worker.ram_cache import RamEntry
+from loomserve.worker.strategies import BatchPlan, SlotPhase, SlotView
+
+RequestKey = tuple[bytes, str]  # (gateway identity, request id): ids are unique per gateway
+
+KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound for reuse
+
+
+@dataclass(slots=True)
+class Request:
+    """One accepted Generate, from acceptance to its Finish."""
+
+    key: RequestKey
+    prompt: list[int]
+    params: SamplingParams
+    arrived_at: float  # time.monotonic() at acceptance
+    sampler: object = None  # the engine's sampler chain, built at acceptance
+    admitted_at: float = 0.0
+    first_token_at: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (Finish.cached_tokens, usage)
+    completion_tokens: int = 0
+    priority: int = 0  # lower is served first under the priority policy
+    tenant: str = DEFAULT_TENANT
+    order: int = -1  # arrival order in the waiting queue, set when first queued
+    # After a preemption: the sequence to resume (prompt, then the tokens generated so far),
+    # and its KV state saved in host memory (opaque to the scheduler) when it was swapped out.
+    resume_tokens: list[int] | None = None
+    saved_state: object = None
+    saved_tokens: int = 0  # the tokens the saved state holds
+    saved_bytes: int = 0
+    preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.key[1]
+
+    @property
+    def gateway(self) -> bytes:
+        return self.key[0]
+
+    def finished(self, reason: FinishReason, message: str, now: float) -> Finish:
+        """The Finish that ends it, for its gateway."""
+        started = self.admitted_at or now
+        return Finish(
+            request_id=self.request_id,
+            reason=reason.value,
+            prompt_tokens=len(self.prompt),
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            queue_seconds=started - self.arrived_at,
+            message=message,
+        )
+
+
+@dataclass(slots=True)
+class Slot:
+    """One sequence of the shared KV cache; seq_id in llama.cpp is the slot's index."""
+
+    index: int
+    phase: SlotPhase = SlotPhase.IDLE
+    request: Request | None = None
+    tokens: list[int] = field(default_factory=list)
+    n_in_cache: int = 0  # tokens[:n_in_cache] have their KV in the cache
+    n_prompt: int = 0
+    admitted_tick: int = 0
+    last_used_tick: int = -1  # idle slots are reused least recently used first
+    finish_reason: FinishReason | None = None  # set when the request ends; released next
+    finish_message: str = ""
+
+    @property
+    def prompt_remaining(self) -> int:
+        return self.n_prompt - self.n_in_cache if self.phase is SlotPhase.PREFILLING else 0
+
+    @property
+    def busy(self) -> bool:
+        return self.request is not None
+
+    def view(self) -> SlotView:
+        request = self.request
+        return SlotView(
+            index=self.index,
+            phase=self.phase,
+            prompt_remaining=self.prompt_remaining,
+            generated=request.completion_tokens if request else 0,
+            admitted_tick=self.admitted_tick,
+        )
+
+    def finish(self, reason: FinishReason, message: str = "") -> None:
+        """Mark the request over (the first reason wins); release_finished frees the slot."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.finish_message = message
+
+
+@dataclass(slots=True)
+class Preemption:
+    """A running request that gave its slot to a waiting one of better priority.
+
+    The slot keeps the victim's cells for now. The loop may save them (swap_out) before the
+    slot's next request uses it; otherwise the request recomputes them when it resumes.
+    """
+
+    slot: Slot
+    request: Request
+    n_cached: int  # the tokens the slot's cells hold for the request
+
+
+@dataclass(slots=True)
+class Admission:
+    """A queued request placed in a slot, reusing the first `reused` tokens of a cache.
+
+    The cache is the slot's own when `source` is None: the engine keeps that sequence's first
+    `reused` cells and drops the rest. Otherwise the engine drops the slot's sequence and
+    copies the first `reused` cells of the source slot's (a busy slot running the same prefix).
+    A resumed request whose state was swapped out has it in `restore`: the engine drops the
+    slot's sequence and loads that state instead. A prefix found in the RAM cache is in
+    `ram_entry`: the engine drops the slot's sequence, loads the entry's state and keeps its
+    first `reused` cells. `preempted` is the running request that gave up this slot for it:
+    the loop deals with that one first. `save_first` holds the slot's cached tokens when they
+    are worth keeping in the RAM cache: the loop saves the slot's cells before anything else.
+    """
+
+    slot: Slot
+    request: Request
+    reused: int
+    source: Slot | None = None
+    restore: object = None
+    preempted: Preemption | None = None
+    ram_entry: RamEntry | None = None
+    save_first: list[int] | None = None
+
+
+@dataclass(slots=True)
+class Run:
+    """Consecutive tokens of one slot in this tick's batch."""
+
+    slot: Slot
+    tokens: list[int]
+    start: int  # the cache position of tokens[0]
+    sample: bool  # a token is sampled from the last token's logits
+    # Logits on every token, not only the last: they score the prompt tokens that follow
+    # (SamplingParams.prompt_logprobs).
+    score: bool = False
+    # A padding token that only joins its neighbours' pass (ubatches.py): its cell is dropped
+    # after the forward pass and the slot does not advance.
+    pad: bool = False
+    # Speculation (speculation.py): the last `draft` tokens before the filler are drafted
+    # tokens, each with logits, kept only as far as the sampler agrees; the last `filler`
+    # tokens only give the run the tick's common length, and their cells are dropped.
+    draft: int = 0
+    filler: int = 0
+
+
+@dataclass(slots=True)
+class Step:
+    """One tick's work, as planned: the strategy's plan and the runs that carry it out."""
+
+    plan: BatchPlan
+    runs: list[Run] = field(default_factory=list)  # in slot order, padding runs included
+    n_pad: int = 0  # padding tokens among the runs
+    ubatches: int = 0  # the forward passes llama.cpp will make of the batch
+    n_extra: int = 0  # drafted and filler tokens (speculation), beyond the plan's
+
+    @property
+    def n_tokens(self) -> int:
+        return self.plan.n_tokens + self.n_pad + self.n_extra
+
+
+@dataclass(slots=True)
+class Release:
+    """A request that ended and left its slot or the queue, and what its end asks of the loop."""
+
+    request: Request
+    finish: Finish  # for the request's gateway
+    drop_sequence: int | None  # the slot whose cells the engine drops; None when kept or unused
+
+
+def set_phase(slot: Slot) -> None:
+    """A slot decodes once everything but its last token is cached and a token was
+    generated (a resumed request); otherwise it prefills the rest of its sequence."""
+    resumed = slot.request.completion_tokens > 0
+    decoding = resumed and slot.n_in_cache == len(slot.tokens) - 1
+    slot.phase = SlotPhase.GENERATING if decoding else SlotPhase.PREFILLING
