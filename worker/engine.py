@@ -168,6 +168,11 @@ class Engine:
             per_slot_streams=config.batch_invariant and config.slots > 1,
             padding=not recurrent,
             pad_cached_slots=llama.llama_model_n_swa(self.model) == 0,
+            # A lone prompt runs in chunks of this many tokens (strategies.py): a prefix hit
+            # evaluates again what keeps its tail on those chunks' kernel paths.
+            prompt_chunk=min(config.prefill_chunk, config.batch_tokens)
+            if config.batch_invariant
+            else 0,
         )
         self.batch = TokenBatch(config.batch_tokens)
 
