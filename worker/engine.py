@@ -143,8 +143,8 @@ class Engine:
         if config.batch_invariant:
             # ggml's tiled K-quant matmul takes over from 8 batch rows up and sums in a
             # different order, so a sequence's numbers would depend on how many others share
-            # its batch. Older ggml builds read this switch; the one in llama-cpp-python
-            # 0.3.36 no longer does (tests/worker/test_prefix_hit_invariance.py).
+            # its batch. The ggml of llama-cpp-python 0.3.36 reads it once per process, at its
+            # first matmul (ggml-cpu/tiled/tiled.cpp).
             os.environ.setdefault("GGML_CPU_TILED_MM", "0")
         self.config = config
         self.model = self._load_model(config)
