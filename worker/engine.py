@@ -143,8 +143,8 @@ class Engine:
         if config.batch_invariant:
             # ggml's tiled K-quant matmul takes over from 8 batch rows up and sums in a
             # different order, so a sequence's numbers would depend on how many others share
-            # its batch. Older ggml builds read this switch; the one in llama-cpp-python
-            # 0.3.36 no longer does (tests/worker/test_prefix_hit_invariance.py).
+            # its batch. The ggml of llama-cpp-python 0.3.36 reads it once per process, at its
+            # first matmul (ggml-cpu/tiled/tiled.cpp).
             os.environ.setdefault("GGML_CPU_TILED_MM", "0")
         self.config = config
         self.model = self._load_model(config)
@@ -168,6 +168,11 @@ class Engine:
             per_slot_streams=config.batch_invariant and config.slots > 1,
             padding=not recurrent,
             pad_cached_slots=llama.llama_model_n_swa(self.model) == 0,
+            # A lone prompt runs in chunks of this many tokens (strategies.py): a prefix hit
+            # evaluates again what keeps its tail on those chunks' kernel paths.
+            prompt_chunk=min(config.prefill_chunk, config.batch_tokens)
+            if config.batch_invariant
+            else 0,
         )
         self.batch = TokenBatch(config.batch_tokens)
 

@@ -79,12 +79,50 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def usable_prefix(shared: int, n_tokens: int) -> int:
+# ggml's CPU kernels (llama-cpp-python 0.3.36, batch-invariant engine: no repacked or tiled
+# K-quant weights) compute a token's row on one of three paths, by the rows of its ubatch, and
+# the three sum in different orders:
+# - 1 row: the matmuls' vec_dot (llamafile's sgemm takes 2 rows and up), and from 512 KV
+#   cells flash attention split across threads by KV cells (its split-KV path);
+# - 2 to 63 rows: sgemm, and flash attention one query row at a time over all the cells;
+# - 64 rows and up: sgemm, and flash attention in tiles of 64 query rows (GGML_FA_TILE_Q).
+# Within a path a row's sums do not depend on the other rows, nor on how many there are.
+FA_TILE_ROWS = 64
+
+
+def usable_prefix(shared: int, n_tokens: int, chunk: int = 0) -> int:
     """How many of `shared` cached leading tokens a sequence of n_tokens may reuse.
 
-    At least the last token is evaluated again: its logits give the next token.
+    At least the last token is evaluated again: its logits give the next token. With `chunk`
+    (the most prompt tokens a lone slot evaluates in one pass; 0: no kernel rule) the
+    evaluated tail must also take the kernel paths each of its tokens took when the whole
+    sequence ran from its first token, in chunks of `chunk` tokens from there: then a hit
+    gives the same logits, bit for bit, as no hit. The scheduler evaluates the tail in chunks
+    of `chunk` tokens from the reused prefix on, so its last chunk, the only one that may be
+    shorter, must fall on the path of the rows it holds. When the last chunk of the whole
+    sequence is as long a path as a full chunk (usually 64 tokens or more), a tail of 64
+    tokens or more will do; otherwise the tail is part of that last chunk only (at least 2
+    of it, or just the last token when it was alone), or starts on a chunk boundary.
     """
-    return max(0, min(shared, n_tokens - 1))
+    most = max(0, min(shared, n_tokens - 1))
+    if chunk <= 0 or n_tokens <= 0:
+        return most
+    evaluated = n_tokens - most  # at least 1
+    last = (n_tokens - 1) % chunk + 1  # the tokens of the whole sequence's last chunk
+    full_path = _path_floor(chunk)
+    if _path_floor(last) == full_path:  # every token ran on one path
+        tail = (evaluated - 1) % chunk + 1  # the tokens of the tail's last chunk
+        evaluated += max(0, full_path - tail)
+    elif evaluated <= last:
+        evaluated = max(evaluated, _path_floor(last))
+    else:  # the last chunk's tokens apart from the full chunks': from a chunk boundary
+        evaluated = last + -(-(evaluated - last) // chunk) * chunk
+    return n_tokens - evaluated
+
+
+def _path_floor(rows: int) -> int:
+    """The fewest rows of a ubatch that takes the kernel path `rows` rows take."""
+    return 1 if rows <= 1 else 2 if rows < FA_TILE_ROWS else FA_TILE_ROWS
 
 
 def place(
@@ -95,6 +133,7 @@ def place(
     min_copy_tokens: int,
     ram: RamCache | None = None,
     reserved: frozenset[int] = frozenset(),
+    chunk: int = 0,
 ) -> Placement:
     """The idle slot for a sequence and the cache it starts from.
 
@@ -103,11 +142,11 @@ def place(
     min_copy_tokens or more, or the RAM cache one longer by a block or more, the least
     recently used candidate takes the request and starts from that prefix instead, keeping
     the other candidates' caches. `reserved` slots (this tick's copy sources) are no targets;
-    at least one other slot must be idle (can_place).
+    at least one other slot must be idle (can_place). `chunk`: usable_prefix's.
     """
     candidates = candidate_slots(slots, per_slot_streams, reserved)
     candidate_ids = {slot.index for slot in candidates}
-    shared = _usable_by_slot(slots, tokens)
+    shared = _usable_by_slot(slots, tokens, chunk)
     target = max(candidates, key=lambda slot: (shared.get(slot.index, 0), -slot.last_used_tick))
     best = Placement(target.index, shared.get(target.index, 0))
     lru = min(candidates, key=lambda slot: slot.last_used_tick)
@@ -119,7 +158,7 @@ def place(
         best = Placement(lru.index, source_shared, source)
     if ram is not None and ram.enabled and tokens:
         entry, n_shared = ram.longest(tokens)
-        from_ram = usable_prefix(n_shared, len(tokens))
+        from_ram = usable_prefix(n_shared, len(tokens), chunk)
         if entry is not None and from_ram - best.reused >= ram.block_tokens:
             best = Placement(lru.index, from_ram, ram=entry)
     return best
@@ -168,12 +207,13 @@ def advertised_keys(
     return list(keys)
 
 
-def _usable_by_slot(slots: Sequence[CachedSlot], tokens: list[int]) -> dict[int, int]:
+def _usable_by_slot(slots: Sequence[CachedSlot], tokens: list[int], chunk: int) -> dict[int, int]:
     """Each slot's usable cached prefix of the sequence, for the slots that cache any."""
     shared = {}
     for slot in slots:
         if slot.n_in_cache:
-            n = usable_prefix(common_prefix(slot.tokens[: slot.n_in_cache], tokens), len(tokens))
+            common = common_prefix(slot.tokens[: slot.n_in_cache], tokens)
+            n = usable_prefix(common, len(tokens), chunk)
             if n:
                 shared[slot.index] = n
     return shared

@@ -194,6 +194,7 @@ class Scheduler:
             min_copy_tokens=self.min_copy_tokens,
             ram=self.ram,
             reserved=reserved,
+            chunk=self.split_rules.prompt_chunk,
         )
         slot, reused = self.slots[placement.target], placement.reused
         source = None if placement.source is None else self.slots[placement.source]

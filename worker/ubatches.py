@@ -75,6 +75,9 @@ class SplitRules:
     # Whether an idle slot's cached prefix survives a padding token that is removed after the
     # pass. Not with a sliding-window cache: the pad may take a cell the prefix still needs.
     pad_cached_slots: bool = True
+    # The most prompt tokens a lone slot evaluates in one pass, when a prefix hit must give
+    # the logits no hit gives, bit for bit (prefix_cache.usable_prefix); 0: no such promise.
+    prompt_chunk: int = 0
 
 
 def gaps_to_bridge(in_batch: Sequence[int], can_pad: Callable[[int], bool], room: int) -> list[int]:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from loomserve.gateway.workers.routing import PREFIX_BLOCK_TOKENS
+from loomserve.worker.prefix_cache import usable_prefix
 from tests.procs import Proc, Samples, free_port, scrape_metrics, start_gateway, start_worker
 from tests.tiny_model import ModelShape, write_tiny_model
 
@@ -124,8 +125,11 @@ def test_a_shared_prefix_stays_on_one_worker_and_hits_its_cache(replicas: Replic
     assert sorted(moved.values()) == [0, 6], moved  # all six on one worker
     samples = scrape_metrics(replicas.gateway.url + "/metrics")
     assert sum(per_worker(samples, "worker_prefix_affinity_hits_total").values()) - hits_before >= 5
-    # After the first, each request found the shared prefix in that worker's cache.
-    assert all(count >= len(prefix) for count in cached[1:]), cached
+    # After the first, each request found the shared prefix in that worker's cache, and kept
+    # all of it but what its last 64 tokens, evaluated again, take (usable_prefix).
+    reused = usable_prefix(len(prefix), len(prefix) + 2, 512)
+    assert reused == len(prefix) + 2 - 64
+    assert cached[1:] == [reused] * 5, cached
 
 
 def test_a_worker_with_another_model_is_refused_and_named(

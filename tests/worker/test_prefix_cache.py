@@ -46,6 +46,64 @@ def test_usable_prefix_always_leaves_the_last_token_to_evaluate():
     assert usable_prefix(10, 10) == 9
     assert usable_prefix(4, 10) == 4
     assert usable_prefix(0, 1) == 0 and usable_prefix(3, 0) == 0
+    assert usable_prefix(10, 10, chunk=512) == 8 and usable_prefix(1, 1, chunk=512) == 0
+
+
+@pytest.mark.parametrize(
+    ("shared", "n_tokens", "usable"),
+    [
+        (355, 355, 291),  # the audit's prompt sent again: its last 64 tokens tile alike
+        (300, 355, 291),
+        (200, 355, 200),  # 155 tokens evaluated: tiled anyway
+        (900, 1000, 900),
+        (999, 1000, 936),
+        (550, 600, 536),  # a last chunk of 88: 64 of it again
+        (530, 530, 528),  # a last chunk of 18 (one row at a time): 2 of it again
+        (515, 520, 515),
+        (500, 520, 0),  # its last chunk of 8 apart from the 512 before: from a boundary
+        (1100, 1050, 1048),  # a last chunk of 26 wholly cached
+        (900, 1050, 512),
+        (513, 513, 512),  # a last chunk of 1 runs alone, as it did
+        (500, 513, 0),
+        (1030, 1040, 1030),  # 10 evaluated, all in the last chunk of 16
+        (600, 1100, 600),  # 500 evaluated in one pass
+        (560, 1100, 524),  # 540 would leave a last pass of 28: 576 leaves one of 64
+        (500, 1100, 500),
+    ],
+)
+def test_usable_prefix_keeps_the_tail_on_its_kernel_paths(shared, n_tokens, usable):
+    assert usable_prefix(shared, n_tokens, chunk=512) == usable
+
+
+def kernel_path(rows: int) -> int:
+    """ggml's CPU paths by ubatch rows: 1 row; 2 to 63; 64 and up (prefix_cache.py)."""
+    return 0 if rows == 1 else 1 if rows < 64 else 2
+
+
+def paths_of_run(n_tokens: int, start: int, chunk: int) -> list[int]:
+    """Each evaluated token's kernel path when tokens start.. run in chunks from start."""
+    paths = []
+    for first in range(start, n_tokens, chunk):
+        rows = min(chunk, n_tokens - first)
+        paths += [kernel_path(rows)] * rows
+    return paths
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 17, 64, 100, 512])
+def test_usable_prefix_is_the_longest_reuse_whose_tail_runs_as_it_did_cold(chunk):
+    """Against a brute force: the longest reuse after which every token evaluated again
+    takes the path it took when the whole sequence ran from its first token."""
+    for n_tokens in [*range(1, 200), *range(500, 530), 1023, 1024, 1025, 1100]:
+        cold = paths_of_run(n_tokens, 0, chunk)
+        for shared in {0, 1, 5, 60, 63, 64, 65, 100, 512, 513, n_tokens - 2, n_tokens - 1}:
+            if not 0 <= shared <= n_tokens:
+                continue
+            expected = next(
+                start
+                for start in range(min(shared, n_tokens - 1), -1, -1)
+                if paths_of_run(n_tokens, start, chunk) == cold[start:]
+            )
+            assert usable_prefix(shared, n_tokens, chunk) == expected, (n_tokens, shared)
 
 
 def test_an_idle_slots_own_cache_wins_without_a_copy():

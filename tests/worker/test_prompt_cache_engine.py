@@ -19,6 +19,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.loop import TickLoop
 from loomserve.worker.metrics import WorkerMetrics
+from loomserve.worker.prefix_cache import usable_prefix
 from tests.procs import free_port, scrape_metrics, start_worker
 
 GW = b"gw-1"
@@ -191,11 +192,15 @@ def test_a_worker_process_serves_later_turns_from_its_ram_cache(tiny_model_path:
         try:
             sock.send_multipart(encode(Hello("gw-ram")))
             assert isinstance(receive(sock, lambda m: isinstance(m, ModelInfo)), ModelInfo)
-            a, b = [1, *range(20, 80)], [1, *range(100, 160)]
+            a, b = [1, *range(20, 140)], [1, *range(150, 250)]
             first_a = generate(sock, greedy("a1", a, 6))
             generate(sock, greedy("b1", b, 6))  # takes the one slot: a's cells go to RAM
-            again = generate(sock, greedy("a2", [*a, *first_a[0], 7, 8], 6))
-            assert again[1].cached_tokens >= len(a)
+            turn = [*a, *first_a[0], 7, 8]
+            again = generate(sock, greedy("a2", turn, 6))
+            # a and 5 of its tokens were cached (the 6th was never evaluated); the last 64
+            # tokens run again, as the whole prompt's last pass had 64 rows or more.
+            assert usable_prefix(len(a) + 5, len(turn), 512) == len(turn) - 64
+            assert again[1].cached_tokens == len(turn) - 64
         finally:
             sock.close(linger=0)
         samples = scrape_metrics(f"http://127.0.0.1:{metrics_port}/metrics")
