@@ -22,6 +22,8 @@ Penalties see the generated tokens only, not the prompt, as in llama-server.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import llama_cpp as llama
 import numpy as np
 
@@ -29,6 +31,7 @@ from loomserve.protocol import SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
 from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
+from loomserve.worker.slots import TokenSampler
 
 # A greedy pick the grammar refused: this many of the next best are checked one at a time
 # before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
@@ -132,7 +135,9 @@ class Sampler:
             self._grammar = None
 
 
-def sample_rows(samplers: list[Sampler], batch_indices: list[int], logits: np.ndarray) -> list[int]:
+def sample_rows(
+    samplers: Sequence[TokenSampler], batch_indices: list[int], logits: np.ndarray
+) -> list[int]:
     """Each sampler's token from its row of `logits` (one row per sampler, in order), whose
     batch indices in the last decode are `batch_indices`.
 
