@@ -251,6 +251,7 @@ class TickLoop:
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
 
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
+        rejected: Rejected | None
         if self.embedder is None:
             rejected = Rejected(embed.request_id, ErrorCode.INVALID_REQUEST.value, NO_EMBEDDINGS)
         else:

@@ -69,14 +69,14 @@ class Sampler:
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token for the output at batch_index of the last decode, whose logits these are."""
         if self._grammar is not None:
-            return self._sample_with_grammar(logits)
+            return self._sample_with_grammar(self._grammar, logits)
         if self._chain is None:
             return int(logits.argmax())
         # llama_sampler_sample also accepts the token into every sampler of the chain.
         return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
 
-    def _sample_with_grammar(self, logits: np.ndarray) -> int:
-        grammar, chain = self._grammar, self._chain
+    def _sample_with_grammar(self, grammar: GrammarState, logits: np.ndarray) -> int:
+        chain = self._chain
         candidates = grammar.shared.candidates
         if chain is None:
             token = int(logits.argmax())
@@ -85,7 +85,7 @@ class Sampler:
             llama.llama_sampler_apply(chain, candidates.pointer)
             token = candidates.selected()
         if not grammar.allows(token):
-            token = self._resample(logits)
+            token = self._resample(grammar, logits)
             if self.failure is not None:
                 return token
         try:
@@ -98,11 +98,11 @@ class Sampler:
         self.grammar_complete = grammar.complete()
         return token
 
-    def _resample(self, logits: np.ndarray) -> int:
+    def _resample(self, grammar: GrammarState, logits: np.ndarray) -> int:
         """The token when the grammar refused the chain's: for greedy, the best of the next
         GREEDY_SCAN tokens the grammar allows, one check each; else (or when none of those
         settles it) the whole vocabulary masked and the chain run again."""
-        grammar, chain = self._grammar, self._chain
+        chain = self._chain
         candidates = grammar.shared.candidates
         if self._greedy:
             # The chain's logits, after bias and penalties, are still in the buffer in id order.
