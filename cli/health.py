@@ -42,7 +42,7 @@ def probe_worker(
 
 def probe(endpoint: str, timeout: float, curve: tuple[Path, Path] | None = None) -> Probe:
     """Ping the worker once; its Heartbeat, or the handshake's failure when there was one."""
-    context = zmq.Context.instance()
+    context: zmq.Context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     # A readable name in the worker's logs instead of five random bytes.

@@ -31,7 +31,11 @@ CONTEXT_SETTINGS = {
 def default_of(config: type, name: str) -> Any:
     """A setting's default, declared once: on its config dataclass."""
     setting = next(f for f in fields(config) if f.name == name)
-    return setting.default if setting.default is not MISSING else setting.default_factory()
+    if setting.default is not MISSING:
+        return setting.default
+    if callable(setting.default_factory):  # MISSING, when there is none, is not callable
+        return setting.default_factory()
+    raise ValueError(f"{config.__name__}.{name} has no default")
 
 
 def worker_options(func):

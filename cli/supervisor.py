@@ -193,18 +193,18 @@ class Supervisor:
         once, then SIGKILL to those still running after stop_timeout."""
         for stage in sorted({child.spec.stop_stage for child in self.children}, reverse=True):
             running = [
-                child
+                (child, child.process)
                 for child in self.children
                 if child.spec.stop_stage == stage and child.process is not None
             ]
-            for child in running:
-                _signal_group(child.process, signal.SIGTERM)
+            for _, process in running:
+                _signal_group(process, signal.SIGTERM)
             deadline = time.monotonic() + self.stop_timeout
-            while any(child.process.poll() is None for child in running):
+            while any(process.poll() is None for _, process in running):
                 if self._signals.force or time.monotonic() >= deadline:
                     break
                 time.sleep(POLL_SECONDS / 2)
-            for child in running:
+            for child, _ in running:
                 self._reap(child)
 
     def _reap(self, child: Child) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -18,6 +19,9 @@ from loomserve.protocol import messages as m
 
 # Large enough for a prompt of a million token ids; ZMQ_MAXMSGSIZE uses the same cap.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+# A received frame: bytes, or a view of the buffer libzmq received it in (copy=False).
+Frame = bytes | memoryview
 
 _TYPE_BY_TAG: dict[int, type] = {
     0x01: m.Hello,
@@ -51,7 +55,7 @@ def encode(message: m.Message) -> list[bytes]:
 
 
 def decode(
-    frames: list[bytes], max_items: int | None = None, max_containers: int | None = None
+    frames: Sequence[Frame], max_items: int | None = None, max_containers: int | None = None
 ) -> m.Message:
     """The message in the frames; raises DecodeError for anything malformed.
 
@@ -86,7 +90,7 @@ def decode(
         raise error(f"bad {cls.__name__} body: {exc}") from exc
 
 
-def request_id_of(frames: list[bytes]) -> str | None:
+def request_id_of(frames: Sequence[Frame]) -> str | None:
     """The request id of a Generate or Embed that did not decode, read without unpacking the
     rest, so the receiver can reject it by name; None when there is none to read."""
     if len(frames) != 2 or len(frames[0]) != 1:

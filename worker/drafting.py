@@ -81,7 +81,7 @@ class Drafting:
                 continue
             growing += 1
             max_length = min(max_length, context - run.start - 1)
-            request = slot.request
+            request = slot.occupant
             params = request.params
             if not params.speculative or params.grammar:
                 proposals.append(Proposal(slot.index, [], 0.0))
@@ -142,8 +142,8 @@ class Drafting:
     ) -> int:
         """Sample row by row (the row for the token at `index`, then one per draft) while
         each sampled token equals the next draft; record the tokens; return how many."""
-        request = slot.request
-        sampler = request.sampler
+        request = slot.occupant
+        sampler = request.chain
         greedy = rows.argmax(axis=1).tolist() if sampler.plain_greedy else None
         asked, context = request.params.logprobs is not None, self.engine.slot_context
         outputs = self.outputs.to(request.gateway)

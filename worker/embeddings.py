@@ -59,6 +59,13 @@ class _Job:
     def done(self) -> bool:
         return all(v is not None for v in self.vectors)
 
+    def matrix(self) -> np.ndarray:
+        """Its vectors, one row per input, once it is done."""
+        rows = [v for v in self.vectors if v is not None]
+        if len(rows) != len(self.vectors):
+            raise RuntimeError(f"embedding {self.embed.request_id!r} is not done")
+        return np.stack(rows)
+
 
 def model_pooling(engine: Engine) -> int:
     """The pooling the model's own metadata declares (a pooling head); NONE when it has none."""
@@ -87,7 +94,7 @@ class Embedder:
         params.n_seq_max = MAX_SEQUENCES
         params.n_threads = params.n_threads_batch = config.n_threads
         params.no_perf = True
-        if "kv_unified" in {name for name, _ in llama.llama_context_params._fields_}:
+        if "kv_unified" in {entry[0] for entry in llama.llama_context_params._fields_}:
             params.kv_unified = True  # inputs of any length share the one batch's cells
         self.ctx = llama.llama_init_from_model(engine.model, params)
         if not self.ctx:
@@ -130,7 +137,7 @@ class Embedder:
 
     def cancel(self, gateway: bytes, request_id: str | None = None) -> None:
         """Forget a gateway's Embed (all of them when request_id is None)."""
-        kept = deque()
+        kept: deque[_Job] = deque()
         for job in self._jobs:
             if job.gateway == gateway and request_id in (None, job.embed.request_id):
                 self._pending_inputs -= len(job.embed.inputs) - job.next_input
@@ -191,7 +198,7 @@ class Embedder:
         replies: list[tuple[bytes, Reply]] = []
         while self._jobs and self._jobs[0].done:
             job = self._jobs.popleft()
-            data = np.stack(job.vectors).astype("<f4").tobytes()
+            data = job.matrix().astype("<f4").tobytes()
             tokens = sum(len(t) for t in job.embed.inputs)
             replies.append((job.gateway, Embeddings(job.embed.request_id, self.size, data, tokens)))
         return replies

@@ -147,7 +147,7 @@ class Engine:
             # first matmul (ggml-cpu/tiled/tiled.cpp).
             os.environ.setdefault("GGML_CPU_TILED_MM", "0")
         self.config = config
-        self.model = self._load_model(config)
+        self.model: llama.llama_model_p | None = self._load_model(config)
         self.vocab = llama.llama_model_get_vocab(self.model)
         self.description = describe(self.model, config.model_path, self._gpu_layers(config))
         self.n_vocab = self.description.n_vocab
@@ -198,7 +198,7 @@ class Engine:
 
     def _new_context(self, config: WorkerConfig):
         params = llama.llama_context_default_params()
-        fields = {name for name, _ in llama.llama_context_params._fields_}
+        fields = {entry[0] for entry in llama.llama_context_params._fields_}
         params.n_ctx = self.slot_context * config.slots
         params.n_batch = config.batch_tokens
         params.n_ubatch = config.batch_tokens

@@ -77,7 +77,9 @@ class Candidates:
         buffer["logit"] = logits
         buffer["p"] = 0.0
         array = self.array
-        array.data = buffer.ctypes.data_as(ctypes.POINTER(llama.llama_token_data))
+        # llama_cpp annotates `data` as an array; the C field is a pointer, which this is.
+        pointer = buffer.ctypes.data_as(ctypes.POINTER(llama.llama_token_data))
+        array.data = pointer  # type: ignore[assignment]
         array.size = len(buffer)
         array.selected = -1
         array.sorted = False

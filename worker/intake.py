@@ -12,7 +12,7 @@ import time
 from loomserve.protocol import ErrorCode, Generate
 from loomserve.worker.queueing import DEFAULT_TENANT
 from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request, RequestKey
+from loomserve.worker.slots import Request, RequestKey, TokenSampler
 
 NO_EMBEDDINGS = (
     "this server computes no embeddings: the model has no pooling head; "
@@ -47,7 +47,7 @@ def refusal(
     return None
 
 
-def new_request(key: RequestKey, generate: Generate, sampler: object) -> Request:
+def new_request(key: RequestKey, generate: Generate, sampler: TokenSampler | None) -> Request:
     """The accepted Generate as the scheduler queues it, arriving now."""
     return Request(
         key=key,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
@@ -46,7 +46,7 @@ from loomserve.protocol import (
     decode,
     encode,
 )
-from loomserve.protocol.codec import TooLong, request_id_of
+from loomserve.protocol.codec import Frame, TooLong, request_id_of
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
 from loomserve.worker.channels import Inbox, LoadBoard
 from loomserve.worker.config import WorkerConfig
@@ -175,7 +175,7 @@ class WorkerIO:
         next_beat, next_check = started + interval, started + check_every
         while True:
             wait_ms = max(0.0, min(next_beat, next_check) - time.monotonic()) * 1000
-            events = dict(poller.poll(timeout=wait_ms))
+            events = dict(poller.poll(timeout=int(wait_ms)))  # pyzmq truncates a float too
             if self._wake_in in events:
                 self._drain_wakes()
             if self._router in events:
@@ -224,7 +224,9 @@ class WorkerIO:
                 continue
             self._handle(gateway, message)
 
-    def _reject_undecodable(self, gateway: bytes, body: list[bytes], error: DecodeError) -> None:
+    def _reject_undecodable(
+        self, gateway: bytes, body: Sequence[Frame], error: DecodeError
+    ) -> None:
         """A Generate or Embed that did not decode still gets its Rejected, when its id is
         readable: the gateway must not wait for an answer that never comes."""
         request_id = request_id_of(body)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import structlog
 
 from loomserve.worker.engine import Engine
+from loomserve.worker.ram_cache import RamEntry
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.slots import Admission, Preemption
 
@@ -39,7 +40,7 @@ class KvMoves:
                 self.engine.drop_sequence(slot)
                 self.scheduler.prefix_lost(admission)
         elif admission.ram_entry is not None:
-            self.restore_from_ram(admission)
+            self.restore_from_ram(admission, admission.ram_entry)
         elif admission.source is not None:
             self.engine.drop_sequence(slot)
             self.engine.copy_prefix(admission.source.index, slot, reused)
@@ -71,9 +72,10 @@ class KvMoves:
         if state is not None:
             ram.put(tokens, state, len(state))
 
-    def restore_from_ram(self, admission: Admission) -> None:
-        """Load a RAM-cached sequence into the admitted slot and keep its shared prefix."""
-        slot, reused, entry = admission.slot.index, admission.reused, admission.ram_entry
+    def restore_from_ram(self, admission: Admission, entry: RamEntry) -> None:
+        """Load a RAM-cached sequence (the admission's ram_entry) into the admitted slot and
+        keep its shared prefix."""
+        slot, reused = admission.slot.index, admission.reused
         self.engine.drop_sequence(slot)
         if self.engine.restore_sequence(slot, entry.state) and self.engine.keep_prefix(
             slot, reused

@@ -251,6 +251,7 @@ class TickLoop:
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
 
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
+        rejected: Rejected | None
         if self.embedder is None:
             rejected = Rejected(embed.request_id, ErrorCode.INVALID_REQUEST.value, NO_EMBEDDINGS)
         else:
@@ -278,7 +279,7 @@ class TickLoop:
         for release in self.scheduler.release_finished(self.tick_count, now):
             if release.drop_sequence is not None:
                 self.engine.drop_sequence(release.drop_sequence)
-            release.request.sampler.close()
+            release.request.chain.close()
             self.outputs.to(release.request.gateway).finishes.append(release.finish)
             self._finished(release, now)
 
@@ -329,11 +330,11 @@ class TickLoop:
         # sampled[i]: one view of them all instead of one per slot. Unless a prompt was
         # scored: then its rows are picked out.
         logits = self.engine.output_logits(len(sampled)) if scored is None else scored
-        samplers = [slot.request.sampler for slot, _ in sampled]
+        samplers = [slot.occupant.chain for slot, _ in sampled]
         tokens = sample_rows(samplers, [index for _, index in sampled], logits)
         for row, ((slot, _), token) in enumerate(zip(sampled, tokens, strict=True)):
-            request = slot.request
-            sampler = request.sampler
+            request = slot.occupant
+            sampler = request.chain
             if sampler.failure is not None:  # its grammar grew too complex (grammar_state.py)
                 slot.finish(FinishReason.ERROR, sampler.failure)
                 continue

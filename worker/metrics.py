@@ -282,10 +282,10 @@ class _SchedulingCollector:
         counts = self.loop.load.tenants
         labels = [self.labels.label(tenant) for tenant in counts]
         by_label: dict[str, list[int]] = {tenant: [0, 0] for tenant in list(self.labels.names)}
-        for label, (running, waiting) in zip(labels, counts.values(), strict=True):
+        for label, (n_running, n_waiting) in zip(labels, counts.values(), strict=True):
             totals = by_label.setdefault(label, [0, 0])
-            totals[0] += running
-            totals[1] += waiting
+            totals[0] += n_running
+            totals[1] += n_waiting
         running = GaugeMetricFamily(
             "loomserve:num_requests_running_by_tenant",
             f"Requests holding a slot, per tenant (the first {MAX_TENANT_LABELS}, then other).",

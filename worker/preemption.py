@@ -43,13 +43,13 @@ def victim_slot(busy: Iterable[Slot], incoming: Request, spared: frozenset[int])
     # A request that scores its prompt is not preempted: its prompt's logprobs come
     # from its one prefill, which a resumption would repeat.
     candidates = {
-        slot.request.key: slot
+        slot.occupant.key: slot
         for slot in busy
         if not slot.finish_reason
         and slot.index not in spared
-        and slot.request.params.prompt_logprobs is None
+        and slot.occupant.params.prompt_logprobs is None
     }
-    victim = choose_victim([slot.request for slot in candidates.values()], incoming)
+    victim = choose_victim([slot.occupant for slot in candidates.values()], incoming)
     return None if victim is None else candidates[victim.key]
 
 

@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
 
@@ -36,22 +36,26 @@ class Queued(Protocol):
     order: int  # arrival order, set by the queue on first push; kept when pushed again
 
 
+# The queue hands back the requests it was given, as their own type (the scheduler's Request).
+Q = TypeVar("Q", bound=Queued)
+
+
 @dataclass(slots=True)
-class TenantState:
+class TenantState(Generic[Q]):
     """One tenant's waiting requests (a heap), running count and round-robin pass."""
 
     name: str
     weight: float
-    heap: list[tuple[int, int, Queued]] = field(default_factory=list)  # (rank, order, request)
+    heap: list[tuple[int, int, Q]] = field(default_factory=list)  # (rank, order, request)
     running: int = 0
     pass_: float = 0.0  # the virtual time of its next turn
 
     @property
-    def head(self) -> Queued:
+    def head(self) -> Q:
         return self.heap[0][2]
 
 
-class WaitingQueue:
+class WaitingQueue(Generic[Q]):
     """Requests waiting for a slot, in the order the policy and the tenants' shares give."""
 
     def __init__(
@@ -63,7 +67,7 @@ class WaitingQueue:
         self.policy = Policy(policy)
         self.weights = dict(weights or {})
         self.max_running = max_running_per_tenant  # 0: no cap
-        self.tenants: dict[str, TenantState] = {}
+        self.tenants: dict[str, TenantState[Q]] = {}
         self._vtime = 0.0  # the pass of the latest turn taken
         self._next_order = 0
         self._len = 0
@@ -74,7 +78,7 @@ class WaitingQueue:
     def __bool__(self) -> bool:
         return self._len > 0
 
-    def __iter__(self) -> Iterator[Queued]:
+    def __iter__(self) -> Iterator[Q]:
         """Every waiting request, tenant by tenant (not in serving order)."""
         for tenant in self.tenants.values():
             for _, _, request in tenant.heap:
@@ -82,7 +86,7 @@ class WaitingQueue:
 
     # --- in and out ---------------------------------------------------------------------
 
-    def push(self, request: Queued) -> None:
+    def push(self, request: Q) -> None:
         """Queue a request: a new one at the end of its priority, a preempted one where it was."""
         if request.order < 0:
             request.order = self._next_order
@@ -93,7 +97,7 @@ class WaitingQueue:
         heapq.heappush(tenant.heap, (self._rank(request), request.order, request))
         self._len += 1
 
-    def remove(self, request: Queued) -> None:
+    def remove(self, request: Q) -> None:
         """Take a request out of the queue (cancelled); ValueError when it is not there."""
         tenant = self.tenants.get(request.tenant)
         if tenant is None:
@@ -108,12 +112,12 @@ class WaitingQueue:
                 return
         raise ValueError("the request is not queued")
 
-    def peek(self) -> Queued | None:
+    def peek(self) -> Q | None:
         """The request that takes the next free slot; None when every waiting tenant is capped."""
         tenant = self._next_tenant()
         return tenant.head if tenant is not None else None
 
-    def pop(self) -> Queued | None:
+    def pop(self) -> Q | None:
         """Take the request peek() names and count its tenant's turn."""
         tenant = self._next_tenant()
         if tenant is None:
@@ -145,8 +149,8 @@ class WaitingQueue:
     def _rank(self, request: Queued) -> int:
         return request.priority if self.policy is Policy.PRIORITY else 0
 
-    def _next_tenant(self) -> TenantState | None:
-        best: TenantState | None = None
+    def _next_tenant(self) -> TenantState[Q] | None:
+        best: TenantState[Q] | None = None
         best_key: tuple[int, float, int] | None = None
         for tenant in self.tenants.values():
             if not tenant.heap or (self.max_running and tenant.running >= self.max_running):
@@ -157,14 +161,14 @@ class WaitingQueue:
                 best, best_key = tenant, key
         return best
 
-    def _tenant(self, name: str) -> TenantState:
+    def _tenant(self, name: str) -> TenantState[Q]:
         tenant = self.tenants.get(name)
         if tenant is None:
             weight = self.weights.get(name, 1.0)
             tenant = self.tenants[name] = TenantState(name, weight, pass_=self._vtime)
         return tenant
 
-    def _forget_if_idle(self, tenant: TenantState) -> None:
+    def _forget_if_idle(self, tenant: TenantState[Q]) -> None:
         # Tenants come and go (the `user` field names them): keep only those with requests.
         if not tenant.heap and tenant.running <= 0:
             del self.tenants[tenant.name]

@@ -27,13 +27,17 @@ BLOCK_TOKENS = 32
 MIB = 1024**2
 
 
+# A sequence's KV state as the engine saved it (llama_state_seq_get_data); opaque here.
+SavedState = bytes | bytearray
+
+
 @dataclass(slots=True, eq=False)
 class RamEntry:
     """One saved sequence: its tokens and the KV state of exactly those tokens."""
 
     id: int
     tokens: list[int]
-    state: object  # the engine's saved bytes; opaque here
+    state: SavedState
     n_bytes: int
     hashes: list[int] = field(default_factory=list)  # chained block hashes, for the index
     keys: list[int] = field(default_factory=list)  # its prefix keys, for heartbeats
@@ -104,7 +108,7 @@ class RamCache:
 
     # --- changes ------------------------------------------------------------------------
 
-    def put(self, tokens: list[int], state: object, n_bytes: int) -> RamEntry | None:
+    def put(self, tokens: list[int], state: SavedState, n_bytes: int) -> RamEntry | None:
         """Store a saved sequence as the most recent entry; None when it cannot fit.
 
         Entries whose tokens are a prefix of the new one are dropped: every prompt that

@@ -22,6 +22,8 @@ Penalties see the generated tokens only, not the prompt, as in llama-server.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import llama_cpp as llama
 import numpy as np
 
@@ -29,6 +31,7 @@ from loomserve.protocol import SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
 from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
+from loomserve.worker.slots import TokenSampler
 
 # A greedy pick the grammar refused: this many of the next best are checked one at a time
 # before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
@@ -66,14 +69,14 @@ class Sampler:
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token for the output at batch_index of the last decode, whose logits these are."""
         if self._grammar is not None:
-            return self._sample_with_grammar(logits)
+            return self._sample_with_grammar(self._grammar, logits)
         if self._chain is None:
             return int(logits.argmax())
         # llama_sampler_sample also accepts the token into every sampler of the chain.
         return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
 
-    def _sample_with_grammar(self, logits: np.ndarray) -> int:
-        grammar, chain = self._grammar, self._chain
+    def _sample_with_grammar(self, grammar: GrammarState, logits: np.ndarray) -> int:
+        chain = self._chain
         candidates = grammar.shared.candidates
         if chain is None:
             token = int(logits.argmax())
@@ -82,7 +85,7 @@ class Sampler:
             llama.llama_sampler_apply(chain, candidates.pointer)
             token = candidates.selected()
         if not grammar.allows(token):
-            token = self._resample(logits)
+            token = self._resample(grammar, logits)
             if self.failure is not None:
                 return token
         try:
@@ -95,11 +98,11 @@ class Sampler:
         self.grammar_complete = grammar.complete()
         return token
 
-    def _resample(self, logits: np.ndarray) -> int:
+    def _resample(self, grammar: GrammarState, logits: np.ndarray) -> int:
         """The token when the grammar refused the chain's: for greedy, the best of the next
         GREEDY_SCAN tokens the grammar allows, one check each; else (or when none of those
         settles it) the whole vocabulary masked and the chain run again."""
-        grammar, chain = self._grammar, self._chain
+        chain = self._chain
         candidates = grammar.shared.candidates
         if self._greedy:
             # The chain's logits, after bias and penalties, are still in the buffer in id order.
@@ -132,7 +135,9 @@ class Sampler:
             self._grammar = None
 
 
-def sample_rows(samplers: list[Sampler], batch_indices: list[int], logits: np.ndarray) -> list[int]:
+def sample_rows(
+    samplers: Sequence[TokenSampler], batch_indices: list[int], logits: np.ndarray
+) -> list[int]:
     """Each sampler's token from its row of `logits` (one row per sampler, in order), whose
     batch indices in the last decode are `batch_indices`.
 

@@ -27,7 +27,7 @@ from loomserve.protocol import FinishReason, TokenChunk
 from loomserve.worker.preemption import SwapSpace, victim_slot
 from loomserve.worker.prefix_cache import can_place, place
 from loomserve.worker.queueing import Policy, WaitingQueue
-from loomserve.worker.ram_cache import RamCache
+from loomserve.worker.ram_cache import RamCache, SavedState
 from loomserve.worker.shaping import add_drafts, shape, ubatches_with_filler
 from loomserve.worker.slots import (
     KEEPS_CACHE,
@@ -69,7 +69,7 @@ class Scheduler:
         min_copy_tokens: int = 1,
         strategy: BatchStrategy | None = None,
         split_rules: SplitRules | None = None,
-        waiting: WaitingQueue | None = None,
+        waiting: WaitingQueue[Request] | None = None,
         swap_bytes: int = 0,
         latency: LatencyTarget | None = None,
         ram_cache_bytes: int = 0,
@@ -81,7 +81,7 @@ class Scheduler:
         # A busy slot's prefix is copied only when it saves at least this many tokens.
         self.min_copy_tokens = min_copy_tokens
         self.strategy: BatchStrategy = strategy or DecodeMaximal()
-        self.waiting = waiting if waiting is not None else WaitingQueue()
+        self.waiting: WaitingQueue[Request] = waiting if waiting is not None else WaitingQueue()
         self.swap = SwapSpace(swap_bytes)
         self.ram = RamCache(ram_cache_bytes)  # slots' caches kept after their slots were taken
         self.latency = latency  # the --itl-target-ms cap on prompt tokens per tick
@@ -257,7 +257,7 @@ class Scheduler:
         slot = victim_slot(self._slot_of.values(), request, spared)
         if slot is None:
             return None
-        victim = slot.request
+        victim = slot.occupant
         preemption = Preemption(slot, victim, slot.n_in_cache)
         victim.resume_tokens = list(slot.tokens)
         victim.preemptions += 1
@@ -274,7 +274,7 @@ class Scheduler:
         self.waiting.push(victim)
         return preemption
 
-    def swap_out(self, preemption: Preemption, state: object, n_bytes: int) -> None:
+    def swap_out(self, preemption: Preemption, state: SavedState, n_bytes: int) -> None:
         """The loop saved a preempted request's cells; it resumes from them."""
         request = preemption.request
         request.saved_state = state
@@ -308,7 +308,7 @@ class Scheduler:
             start, end = slot.n_in_cache, slot.n_in_cache + n_tokens
             # Logits only where a token is sampled (the last prompt token), unless the
             # request scores its prompt.
-            score = slot.request.params.prompt_logprobs is not None
+            score = slot.occupant.params.prompt_logprobs is not None
             runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt, score))
         return shape(Step(plan, runs), budget, self.split_rules, self.slots)
 
@@ -355,7 +355,7 @@ class Scheduler:
         An end-of-generation token (unless the request ignores EOS) is counted but not sent:
         it is not text. max_tokens and the slot's context end a request after its token.
         """
-        request = slot.request
+        request = slot.occupant
         request.completion_tokens += 1
         if not request.first_token_at:
             request.first_token_at = now
@@ -395,7 +395,7 @@ class Scheduler:
 
     def _vacate(self, slot: Slot, tick: int, keep_cache: bool) -> None:
         """Free a slot of its request (which leaves, or waits again if preempted)."""
-        request = slot.request
+        request = slot.occupant
         del self._slot_of[request.key]
         self.waiting.stopped(request.tenant)
         slot.request = None

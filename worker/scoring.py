@@ -18,8 +18,9 @@ from loomserve.worker.slots import Run, Slot, Step
 def slot_logprobs(slot: Slot, logits: np.ndarray, token: int, context: int) -> list[TokenLogprobs]:
     """The new token's logprobs, before the scheduler records it (its penalty history is
     what the slot generated so far)."""
-    generated = slot.tokens[len(slot.request.prompt) :]  # resumed ones too
-    return [token_logprobs(logits, token, slot.request.params, generated, context)]
+    request = slot.occupant
+    generated = slot.tokens[len(request.prompt) :]  # resumed ones too
+    return [token_logprobs(logits, token, request.params, generated, context)]
 
 
 def score_prompts(
@@ -45,14 +46,13 @@ def score_prompts(
 def _send_prompt_logprobs(run: Run, rows: np.ndarray, outputs: PendingOutputs) -> None:
     """Row i scores prompt token run.start + i + 1; the prompt's last row scores nothing
     (its logits sample the first generated token)."""
-    request = run.slot.request
-    prompt = request.prompt
+    request = run.slot.occupant
+    prompt, top = request.prompt, request.params.prompt_logprobs
+    assert top is not None, "a scoring run is of a request that asked for prompt logprobs"
     n_scored = min(len(run.tokens), len(prompt) - 1 - run.start)
     if n_scored <= 0:
         return
     first = run.start + 1
-    entries = prompt_logprobs(
-        rows[:n_scored], prompt[first : first + n_scored], request.params.prompt_logprobs
-    )
+    entries = prompt_logprobs(rows[:n_scored], prompt[first : first + n_scored], top)
     chunk = TokenChunk(request.request_id, [], prompt_logprobs=PromptLogprobs(first, entries))
     outputs.to(request.gateway).tokens.append(chunk)

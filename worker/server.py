@@ -118,7 +118,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         inbox=inbox,
         loads=loads,
     )
-    if metrics is not None:
+    if metrics is not None and config.metrics_port is not None:  # both or neither
         metrics.watch(loop, io.counters)
         metrics.serve(config.metrics_host, config.metrics_port)
         log.info("metrics", url=f"http://{config.metrics_host}:{config.metrics_port}/metrics")

@@ -10,15 +10,34 @@ does the engine work the decisions imply.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from loomserve.protocol import Finish, FinishReason, SamplingParams
 from loomserve.worker.queueing import DEFAULT_TENANT
-from loomserve.worker.ram_cache import RamEntry
+from loomserve.worker.ram_cache import RamEntry, SavedState
 from loomserve.worker.strategies import BatchPlan, SlotPhase, SlotView
+
+if TYPE_CHECKING:
+    import numpy as np
 
 RequestKey = tuple[bytes, str]  # (gateway identity, request id): ids are unique per gateway
 
 KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound for reuse
+
+
+class TokenSampler(Protocol):
+    """What the loop asks of a request's sampler (sampling.Sampler, which needs llama.cpp);
+    the scheduler only carries it."""
+
+    failure: str | None  # after sample(): why the request must end with an error
+    grammar_complete: bool  # after sample(): the grammar allows only an end-of-generation
+
+    @property
+    def plain_greedy(self) -> bool: ...
+
+    def sample(self, batch_index: int, logits: np.ndarray) -> int: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -29,7 +48,9 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     arrived_at: float  # time.monotonic() at acceptance
-    sampler: object = None  # the engine's sampler chain, built at acceptance
+    # The engine's sampler chain, built at acceptance (None only where a test of the
+    # scheduler builds requests without an engine): `chain` reads it.
+    sampler: TokenSampler | None = None
     admitted_at: float = 0.0
     first_token_at: float = 0.0
     cached_tokens: int = 0  # prompt tokens whose KV was reused (Finish.cached_tokens, usage)
@@ -40,7 +61,7 @@ class Request:
     # After a preemption: the sequence to resume (prompt, then the tokens generated so far),
     # and its KV state saved in host memory (opaque to the scheduler) when it was swapped out.
     resume_tokens: list[int] | None = None
-    saved_state: object = None
+    saved_state: SavedState | None = None
     saved_tokens: int = 0  # the tokens the saved state holds
     saved_bytes: int = 0
     preemptions: int = 0
@@ -52,6 +73,13 @@ class Request:
     @property
     def gateway(self) -> bytes:
         return self.key[0]
+
+    @property
+    def chain(self) -> TokenSampler:
+        """Its sampler; every request the loop accepted has one."""
+        if self.sampler is None:
+            raise RuntimeError(f"request {self.request_id!r} has no sampler")
+        return self.sampler
 
     def finished(self, reason: FinishReason, message: str, now: float) -> Finish:
         """The Finish that ends it, for its gateway."""
@@ -89,6 +117,13 @@ class Slot:
     @property
     def busy(self) -> bool:
         return self.request is not None
+
+    @property
+    def occupant(self) -> Request:
+        """The request of a busy slot; reading it on an idle slot is a scheduler bug."""
+        if self.request is None:
+            raise RuntimeError(f"slot {self.index} is idle: it has no request")
+        return self.request
 
     def view(self) -> SlotView:
         request = self.request
@@ -139,7 +174,7 @@ class Admission:
     request: Request
     reused: int
     source: Slot | None = None
-    restore: object = None
+    restore: SavedState | None = None
     preempted: Preemption | None = None
     ram_entry: RamEntry | None = None
     save_first: list[int] | None = None
@@ -193,6 +228,6 @@ class Release:
 def set_phase(slot: Slot) -> None:
     """A slot decodes once everything but its last token is cached and a token was
     generated (a resumed request); otherwise it prefills the rest of its sequence."""
-    resumed = slot.request.completion_tokens > 0
+    resumed = slot.occupant.completion_tokens > 0
     decoding = resumed and slot.n_in_cache == len(slot.tokens) - 1
     slot.phase = SlotPhase.GENERATING if decoding else SlotPhase.PREFILLING

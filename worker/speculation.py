@@ -78,9 +78,9 @@ class NgramIndex:
                     table[tuple(tokens[end - n : end])] = end
         self._indexed = max(self._indexed, length - 1)
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
-            end = self._maps[n - self.n_min].get(tuple(tokens[length - n :]))
-            if end is not None:
-                return list(tokens[end : min(end + k, length)])
+            found = self._maps[n - self.n_min].get(tuple(tokens[length - n :]))
+            if found is not None:
+                return list(tokens[found : min(found + k, length)])
         return []
 
 

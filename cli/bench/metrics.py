@@ -193,7 +193,7 @@ def compute_metrics(
 ) -> BenchmarkMetrics:
     """Everything the summary reports, from the records of one run."""
     done = [r for r in records if r.success]
-    kinds = Counter(r.error_kind for r in records if not r.success)
+    kinds = Counter(r.error_kind for r in records if r.error_kind is not None)  # the failed
     unfinished, not_sent = kinds.pop(UNFINISHED, 0), kinds.pop(NOT_SENT, 0)
     total_input = sum(r.input_tokens for r in done)
     total_output = sum(r.output_tokens for r in done)

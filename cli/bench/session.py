@@ -251,7 +251,7 @@ def run_session(
         notes = report.run_warnings(metrics, run, pacing)
         for note in notes:
             warn(note)
-        point = {
+        point: dict[str, Any] = {
             "shape": report.shape_dict(run),
             "summary": report.summary_dict(metrics),
             "generator": report.generator_dict(run, pacing),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from loomserve.cli.bench.runner import LoadShape
 
@@ -33,10 +34,12 @@ def parse_sweep(spec: str) -> tuple[str, list[float]]:
     return name, parsed
 
 
+def _change(field: str, value: float) -> dict[str, Any]:
+    """The replacement for one field of LoadShape (whose fields are of several types)."""
+    return {field: int(value) if field == "max_concurrency" else value}
+
+
 def sweep_shapes(base: LoadShape, parameter: str, values: list[float]) -> list[LoadShape]:
     """The base load shape with one parameter replaced by each value in turn."""
     field = SWEEPABLE[parameter]
-    return [
-        dataclasses.replace(base, **{field: int(v) if field == "max_concurrency" else v})
-        for v in values
-    ]
+    return [dataclasses.replace(base, **_change(field, v)) for v in values]

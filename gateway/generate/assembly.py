@@ -30,6 +30,12 @@ class TokenLogprob:
     logprob: float | None  # None only for a prompt's first token: nothing precedes it
     top: list[tuple[bytes, float]] | None  # most likely first; None with logprob None
 
+    def scored(self) -> tuple[float, list[tuple[bytes, float]]]:
+        """Its logprob and top alternatives, which every token but a prompt's first has."""
+        if self.logprob is None or self.top is None:
+            raise ValueError("a prompt's first token has no logprob")
+        return self.logprob, self.top
+
 
 @dataclass(slots=True)
 class PromptScores:

@@ -173,12 +173,13 @@ class Generation:
             return finish
         try:
             async with asyncio.timeout(FINISH_GRACE_SECONDS):
-                while not isinstance(finish, Finish):
-                    finish = await self.handle.next_event()
+                while True:
+                    event = await self.handle.next_event()
+                    if isinstance(event, Finish):
+                        return event
         except (TimeoutError, WorkerClientError):
             self.client.forget(self.handle)
             return None
-        return finish
 
     def _record(self, done: Done, finish: Finish | None) -> None:
         m = self.metrics

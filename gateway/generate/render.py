@@ -85,7 +85,7 @@ class StreamChunks:
             held = "".join(self._tool_event(index, e) for e in events)
             if parser.calls and reason == "stop":
                 reason = "tool_calls"
-        body = {"delta": {}} if self.request.chat else {"text": ""}
+        body: dict[str, Any] = {"delta": {}} if self.request.chat else {"text": ""}
         return held + self._choice(index, body, reason)
 
     def usage(self, usage: Usage) -> str:
@@ -134,19 +134,19 @@ def _text(token: bytes) -> str:
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> ChatLogprobs:
-    """Chat's logprobs shape: each token with its bytes and its top alternatives."""
-    return ChatLogprobs(
-        content=[
-            ChatTokenLogprob(
-                token=_text(e.token),
-                logprob=e.logprob,
-                bytes=list(e.token),
-                top_logprobs=[
-                    TopLogprob(token=_text(t), logprob=v, bytes=list(t)) for t, v in e.top
-                ],
-            )
-            for e in entries
-        ]
+    """Chat's logprobs shape: each token with its bytes and its top alternatives. Chat never
+    scores its prompt, so every entry is a sampled token's, with its logprob."""
+    return ChatLogprobs(content=[_chat_token_logprob(e.token, *e.scored()) for e in entries])
+
+
+def _chat_token_logprob(
+    token: bytes, logprob: float, top: list[tuple[bytes, float]]
+) -> ChatTokenLogprob:
+    return ChatTokenLogprob(
+        token=_text(token),
+        logprob=logprob,
+        bytes=list(token),
+        top_logprobs=[TopLogprob(token=_text(t), logprob=v, bytes=list(t)) for t, v in top],
     )
 
 
@@ -181,7 +181,6 @@ def response_body(
     usage: Usage,
 ) -> Completion | ChatCompletion:
     """The whole response of a request that does not stream: one choice per text, in order."""
-    head = {"id": request.id, "created": request.created, "model": request.model}
     asked = request.logprobs
     if request.chat:
         chat_choices = []
@@ -195,7 +194,13 @@ def response_body(
                     finish_reason=reason,
                 )
             )
-        return ChatCompletion(**head, choices=chat_choices, usage=usage)
+        return ChatCompletion(
+            id=request.id,
+            created=request.created,
+            model=request.model,
+            choices=chat_choices,
+            usage=usage,
+        )
     choices = []
     for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):
         prefix = request.prompt_of(i).text if request.echo else ""
@@ -208,4 +213,6 @@ def response_body(
                 finish_reason=done.finish_reason,
             )
         )
-    return Completion(**head, choices=choices, usage=usage)
+    return Completion(
+        id=request.id, created=request.created, model=request.model, choices=choices, usage=usage
+    )

@@ -394,8 +394,8 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     if outcome is None:
         return Response(status_code=499)  # nobody is listening any more
     texts, dones, logprobs = outcome
-    body = response_body(request, texts, dones, logprobs, group.usage())
-    return JSONResponse(body.model_dump())
+    answer = response_body(request, texts, dones, logprobs, group.usage())
+    return JSONResponse(answer.model_dump())
 
 
 def _shutting_down() -> APIError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -25,13 +25,22 @@ from loomserve.protocol.messages import MAX_EMBED_INPUTS
 MAX_INPUTS = MAX_EMBED_INPUTS  # OpenAI's limit on inputs per request
 
 
+def _inputs(given: str | list[str] | list[int] | list[list[int]]) -> list[str] | list[list[int]]:
+    """The request's inputs one by one: a lone text or list of token ids is one input. The
+    schema's lists each hold one kind (pydantic picks one member of the union), so a list
+    that starts with an id is a list of ids."""
+    if isinstance(given, str):
+        return [given]
+    if given and isinstance(given[0], int):
+        return [cast("list[int]", given)]
+    return cast("list[str] | list[list[int]]", given)
+
+
 async def embed_request(body: EmbeddingRequest, vocab: Vocab) -> Embed:
     """The Embed for a request's inputs; 400 for empty or bad ones."""
     if body.dimensions is not None:
         raise invalid_request("dimensions is not supported", "dimensions")
-    raw = body.input
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
-        raw = [raw]
+    raw = _inputs(body.input)
     if not raw:
         raise invalid_request("input must not be empty", "input")
     if len(raw) > MAX_INPUTS:

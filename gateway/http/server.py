@@ -56,7 +56,7 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
                 access_log=False,  # AccessMiddleware logs each request with its id
                 lifespan="on",
                 # The drain already waited: what is left gets a moment, then is cut.
-                timeout_graceful_shutdown=2.0,
+                timeout_graceful_shutdown=2,  # seconds
                 http=HeaderTimeoutProtocol.with_header_timeout(config.header_timeout),
             ),
         )

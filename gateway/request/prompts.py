@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from loomserve.gateway.api.errors import invalid_request
@@ -51,10 +52,10 @@ async def completion_prompts(vocab: Vocab, prompt: Any, echo: bool) -> list[tupl
             tokens = await tokenize(vocab, one, add_special=True, parse_special=True)
             text = one
         else:
-            await off_loop(len(one), lambda one=one: check_token_ids(vocab, one, "prompt"))
+            await off_loop(len(one), partial(check_token_ids, vocab, one, "prompt"))
             tokens, text = one, ""
             if echo:
-                text = await off_loop(len(one), lambda one=one: vocab.detokenize(one))
+                text = await off_loop(len(one), partial(vocab.detokenize, one))
         if not tokens:
             raise invalid_request("the prompt is empty", "prompt")
         result.append((tokens, text))

@@ -124,7 +124,8 @@ class Vocab:
 class Pieces(Protocol):
     """What turning generated tokens into text needs of a vocabulary (Vocab has it)."""
 
-    n_tokens: int  # token ids run from 0 to n_tokens - 1
+    @property
+    def n_tokens(self) -> int: ...  # token ids run from 0 to n_tokens - 1
 
     def piece(self, token_id: int) -> bytes: ...
 

@@ -128,5 +128,9 @@ class MarkerPieces:
         """Itself when some marker is a control token, else the plain vocabulary."""
         return self if self._markers else self._vocab
 
+    @property
+    def n_tokens(self) -> int:
+        return self._vocab.n_tokens
+
     def piece(self, token_id: int) -> bytes:
         return self._markers.get(token_id) or self._vocab.piece(token_id)

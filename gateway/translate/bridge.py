@@ -10,7 +10,7 @@ carries, so a translator sees exactly what a chat client would.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -32,10 +32,13 @@ def named_event(name: str, payload: dict[str, Any]) -> str:
     return f"event: {name}\ndata: {data}\n\n"
 
 
-async def chat_chunks(events: AsyncIterator[str | bytes]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of a chat stream's events ([DONE] left out)."""
-    async for text in events:
-        text = text.decode() if isinstance(text, bytes) else text
+async def chat_chunks(
+    events: AsyncIterable[str | bytes | memoryview],
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a chat stream's events ([DONE] left out). The chat stream writes
+    str; a response body may in general hold bytes too."""
+    async for body in events:
+        text = body if isinstance(body, str) else bytes(body).decode()
         for event in text.split("\n\n"):
             if not event.startswith("data: "):
                 continue

@@ -279,7 +279,7 @@ class MessageEvents:
 
     async def translate(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         """The whole event stream of one message."""
-        start = {
+        start: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",

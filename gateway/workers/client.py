@@ -18,7 +18,9 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import structlog
 import zmq
@@ -59,6 +61,8 @@ from loomserve.protocol.messages import (
 )
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 RequestEvent = TokenChunk | Finish
 DISCONNECT_GRACE_SECONDS = 0.1  # for the last messages to reach the socket
@@ -332,7 +336,7 @@ class WorkerClient:
         """Handle every message already in the socket, now, ahead of the receive loop."""
         while self._socket is not None:
             try:
-                frames = self._socket.recv_multipart(flags=zmq.NOBLOCK).result()
+                frames = _future(self._socket.recv_multipart(flags=zmq.NOBLOCK)).result()
             except zmq.Again:
                 return
             self._receive(frames)
@@ -530,7 +534,9 @@ class WorkerClient:
         """Send without waiting; False when the worker is not connected (nothing is queued)."""
         if self._socket is None:
             return False
-        future = self._socket.send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
+        future = _future(
+            self._socket.send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
+        )
         if not future.done():
             future.add_done_callback(_log_send_failure)
             return True
@@ -538,6 +544,12 @@ class WorkerClient:
         if error is not None and not isinstance(error, zmq.Again):
             log.warning("send to worker failed", error=str(error))
         return error is None
+
+
+def _future(awaitable: Awaitable[T]) -> asyncio.Future[T]:
+    """A zmq.asyncio socket call's result as what it is: pyzmq types it as an Awaitable, but
+    returns an asyncio Future, which with NOBLOCK is often already done."""
+    return cast("asyncio.Future[T]", awaitable)
 
 
 def gateway_identity() -> str:

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from loomserve.gateway.generate.assembly import TextAssembly
 from loomserve.gateway.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.tools.checks import MarkerPieces
 from loomserve.gateway.tools.format import GENERIC, HERMES, JSON, LLAMA3, MISTRAL, ToolFormat
 from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
 from loomserve.gateway.tools.parser import (
@@ -213,3 +215,29 @@ def test_grammar_from_schemas_compiles_for_every_format(tiny_model_path: Path) -
         assert json.dumps(fmt.arguments_key) in grammar.replace('\\"', '"')
     with pytest.raises(ToolGrammarError):
         tool_grammar(HERMES, [("f", {"type": "string", "maxLength": 10**7})], parallel=False)
+
+
+CONTROL_MARKER_PIECES = {0: b"", 1: b"Hello", 2: b"[", 3: b"", 4: b"{}"}
+
+
+class ControlMarkerVocab:
+    """A vocabulary in which Mistral's [TOOL_CALLS] is one control token (id 3), as in
+    Mistral's own: its piece is empty, as llama.cpp renders control tokens."""
+
+    n_tokens = len(CONTROL_MARKER_PIECES)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return [3] if text == "[TOOL_CALLS]" else [2, 4]
+
+    def piece(self, token_id: int) -> bytes:
+        return CONTROL_MARKER_PIECES[token_id]
+
+
+def test_marker_pieces_serve_text_assembly_like_the_vocabulary() -> None:
+    """A request with tools on such a model assembles its text from MarkerPieces, which
+    must answer everything TextAssembly asks of a vocabulary (n_tokens too)."""
+    pieces = MarkerPieces(ControlMarkerVocab(), MISTRAL).pieces()
+    assert isinstance(pieces, MarkerPieces)  # the marker is a control token
+    assert pieces.n_tokens == ControlMarkerVocab.n_tokens
+    text = TextAssembly(pieces, (), prompt_len=1)
+    assert text.push([1, 3, 4]) == "Hello[TOOL_CALLS]{}"
