@@ -270,6 +270,10 @@ def test_queue_full_duplicates_and_cancellation(gateway: Gateway):
     for i in range(7):
         gateway.send(greedy(f"q{i}", [1, 9 + i], 500, ignore_eos=True))
     gateway.send(greedy("q0", [1, 9], 5))  # q0 is live: a duplicate
+    # Cancelled at once, not after the answers were read: on a busy machine the two running
+    # requests could otherwise reach max_tokens before their Cancel (finish "length").
+    for i in range(6):
+        gateway.send(Cancel(f"q{i}"))
     answers: dict[str, Message] = {}
     duplicate = None
     while len(answers) < 7 or duplicate is None:
@@ -281,8 +285,6 @@ def test_queue_full_duplicates_and_cancellation(gateway: Gateway):
     assert [type(answers[f"q{i}"]).__name__ for i in range(7)] == ["Accepted"] * 6 + ["Rejected"]
     assert answers["q6"].code == "queue_full"
     assert duplicate.code == "duplicate_request"
-    for i in range(6):
-        gateway.send(Cancel(f"q{i}"))
     finishes = {}
     while len(finishes) < 6:
         message = gateway.wait_for(lambda m: isinstance(m, Outputs) and bool(m.finishes))
