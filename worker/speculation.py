@@ -5,8 +5,10 @@ A generating slot proposes the tokens that followed the most recent earlier occu
 last n tokens (prompt and output together; n from `ngram_max` down to `ngram_min`), as vLLM's
 `ngram` method and llama-server's `ngram-simple` do. The loop puts the proposal in the tick's
 one batch after the slot's last token, asks for logits at each, and keeps the longest prefix
-the slot's own sampler agrees with (worker/drafting.py); so what is produced is exactly what
-decoding one token at a time produces.
+the slot's own sampler agrees with (worker/drafting.py); so each token is the sampler's own
+choice, as in decoding one token at a time. (Not always bit for bit on a real model: a draft's
+row is one of several of its sequence in the pass, and the CPU kernels sum such rows in
+another order than a lone one: docs/speculation.md.)
 
 How long a draft is follows two things. Each slot keeps its recent acceptance rate
 (Acceptance): position j of a draft is accepted with about rate**j. And the tick pays for
