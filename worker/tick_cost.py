@@ -50,10 +50,6 @@ class TickCostModel:
         return self.fit.observations
 
     @property
-    def p(self) -> list[list[float]]:
-        return self.fit.p
-
-    @property
     def ready(self) -> bool:
         """Whether the model has seen enough ticks, some with prompt tokens, to be used."""
         return self.observations >= WARM_UP_TICKS and self.prefill_observations >= 2

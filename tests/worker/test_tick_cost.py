@@ -76,7 +76,7 @@ def test_the_model_stays_sound_over_a_long_run():
         assert cost.base == pytest.approx(0.0003, rel=0.15)
         assert cost.per_decode_token == pytest.approx(0.00005, rel=0.25)
         assert cost.per_prefill_token == pytest.approx(0.00002, rel=0.1)
-        p = model.p
+        p = model.fit.p
         assert all(p[i][j] == p[j][i] for i in range(3) for j in range(3))
 
 
