@@ -70,7 +70,12 @@ class NgramIndex:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the sequence's last
-        n tokens, for the largest n that has one; [] when none has."""
+        n tokens, for the largest n that has one; [] when none has.
+
+        A match that ends p tokens back says the sequence repeats with period p, so the draft
+        goes on past the sequence's end by repeating those p tokens: a looping output (which
+        greedy decoding of a small model often is) still gets a full-length draft instead of
+        one cut to its period."""
         length = len(tokens)
         # Index every n-gram that ends before the current one, never the current one itself.
         for end in range(self._indexed + 1, length):
@@ -82,7 +87,8 @@ class NgramIndex:
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
             found = self._maps[n - self.n_min].get(tuple(tokens[length - n :]))
             if found is not None:
-                return list(tokens[found : min(found + k, length)])
+                period = length - found
+                return [tokens[found + j % period] for j in range(k)]
         return []
 
 

@@ -32,7 +32,10 @@ def reference_proposal(tokens: list[int], n_min: int, n_max: int, k: int) -> lis
         tail = tokens[length - n :]
         for end in range(length - 1, n - 1, -1):
             if tokens[end - n : end] == tail:
-                return tokens[end : min(end + k, length)]
+                draft: list[int] = []
+                for j in range(k):  # past the end, the draft copies itself (LZ77-style)
+                    draft.append(tokens[end + j] if end + j < length else draft[end + j - length])
+                return draft
     return []
 
 
@@ -45,7 +48,13 @@ def test_the_latest_earlier_occurrence_is_proposed():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 1, 2]
     # [1, 2] last occurred ending at 6 (followed by 3, 7, 1, 2); the current one is not a match.
     assert index.propose(tokens, 3) == [3, 7, 1]
-    assert index.propose(tokens, 10) == [3, 7, 1, 2]  # never past the sequence's end
+    # Past the sequence's end the match's period (3, 7, 1, 2) repeats.
+    assert index.propose(tokens, 10) == [3, 7, 1, 2, 3, 7, 1, 2, 3, 7]
+
+
+def test_a_loop_of_period_one_drafts_its_token_k_times():
+    index = NgramIndex(2, 3)
+    assert index.propose([4, 8, 8, 8], 5) == [8, 8, 8, 8, 8]
 
 
 def test_a_longer_match_wins_over_a_more_recent_shorter_one():
@@ -183,7 +192,7 @@ def test_the_speculator_explores_after_passing_over_proposals():
 def test_each_request_has_its_own_index_and_acceptance():
     speculator = Speculator(SpecSettings(max_tokens=4, ngram_min=1, ngram_max=2), n_slots=2)
     first, second = object(), object()
-    assert speculator.propose(0, first, [1, 2, 3, 1]).tokens == [2, 3, 1]
+    assert speculator.propose(0, first, [1, 2, 3, 1]).tokens == [2, 3, 1, 2]
     speculator.verified(0, first, drafted=4, accepted=0)
     assert speculator.propose(0, first, [1, 2, 3, 1]).rate < 0.8
     # A new request in the slot starts afresh: its own tokens, the prior acceptance.
