@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -55,8 +56,8 @@ class Load:
 
 
 LOADS = (
-    Load("grounded c=1", "input-grounded", 1, 2, "chat", 200, None),
-    Load("grounded c=4", "input-grounded", 4, 4, "chat", 200, None),
+    Load("grounded c=1", "input-grounded", 1, 4, "chat", 200, None),
+    Load("grounded c=4", "input-grounded", 4, 8, "chat", 200, None),
     Load("random c=4", "random", 4, 8, "completions", 128, 64),
     Load("random c=16", "random", 16, 16, "completions", 128, 64),
 )
@@ -134,8 +135,19 @@ def run_load(base_url: str, load: Load, seed: int, extra_body: dict | None) -> f
 @click.option("--loads", default=",".join(load.name for load in LOADS), help="Which loads.")
 @click.option("--llama-server", "binary", type=click.Path(path_type=Path), default=LLAMA_SERVER)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--loomserve-args",
+    default="",
+    help='More `loomserve serve` options, e.g. "--no-batch-invariant".',
+)
 def main(
-    model: str | None, rounds: int, threads: int, loads: str, binary: Path, json_out: Path | None
+    model: str | None,
+    rounds: int,
+    threads: int,
+    loads: str,
+    binary: Path,
+    json_out: Path | None,
+    loomserve_args: str,
 ) -> None:
     """Alternate the servers on every load, `rounds` times; print medians and ratios."""
     path = resolve_model(model)
@@ -144,7 +156,7 @@ def main(
     procs = []
     try:
         port = free_port()
-        procs.append(loomserve(path, port, threads, ["--spec-ngram"]))
+        procs.append(loomserve(path, port, threads, ["--spec-ngram", *shlex.split(loomserve_args)]))
         url = f"http://127.0.0.1:{port}"
         servers["loomserve, no drafts"] = (url, {"speculative": False})
         servers["loomserve"] = (url, None)
@@ -167,7 +179,8 @@ def main(
         for proc in procs:
             stop(proc)
     click.echo(
-        f"\nGemma 3 270M ({path.name}), {threads} threads, {SLOTS} slots, medians of {rounds}"
+        f"\n{path.name}, {threads} threads, {SLOTS} slots, medians of {rounds}"
+        + (f", loomserve {loomserve_args}" if loomserve_args else "")
     )
     names = list(servers)
     click.echo(
