@@ -8,7 +8,9 @@ shared machine's moods spread over all three. Loads (`loomserve bench`, closed l
 
   grounded c=1, c=4: the input-grounded dataset (a passage of ~200 tokens asked back, edited;
                      chat endpoint, greedy), the load speculation is for;
-  random c=4, c=16:  random prompts (128 tokens in, 64 out), where drafts rarely match.
+  random c=4, c=16:  random prompts (128 tokens in, 64 out), greedy: a small base model's
+                     output often loops, and drafts from the loop pass;
+  sampled c=16:      the same at temperature 1, where drafts seldom pass.
 
 It prints the medians per load and server and the ratios to loomserve without drafts.
 
@@ -53,6 +55,7 @@ class Load:
     endpoint: str
     input_len: int
     output_len: int | None  # None: the dataset's own (the passage's length)
+    temperature: float = 0.0
 
 
 LOADS = (
@@ -60,6 +63,8 @@ LOADS = (
     Load("grounded c=4", "input-grounded", 4, 8, "chat", 200, None),
     Load("random c=4", "random", 4, 8, "completions", 128, 64),
     Load("random c=16", "random", 16, 16, "completions", 128, 64),
+    # Sampled at temperature 1: drafts seldom pass, so the tick-cost model must keep them out.
+    Load("sampled c=16", "random", 16, 16, "completions", 128, 64, temperature=1.0),
 )
 
 
@@ -119,6 +124,7 @@ def run_load(base_url: str, load: Load, seed: int, extra_body: dict | None) -> f
         num_prompts=load.prompts,
         shape=LoadShape(max_concurrency=load.concurrency),
         seed=seed,
+        temperature=load.temperature,
         extra_body=extra_body,
         progress=False,
         num_warmups=0,

@@ -191,7 +191,9 @@ def worker_options(func):
             default=default_of(WorkerConfig, "spec_ngram"),
             help="Self-speculative n-gram drafting: generating slots draft tokens that "
             "followed an earlier occurrence of their last tokens, verified in the same pass "
-            "where the learned tick cost says they pay. Greedy output is unchanged.",
+            "where the learned tick cost says they pay. Default: on with "
+            "--no-batch-invariant; off with --batch-invariant, whose promise it would break "
+            "(a verified row's logits differ from a lone decode's in their last bits).",
         ),
         click.option(
             "--num-speculative-tokens",

@@ -86,10 +86,13 @@ class WorkerConfig:
     batch_invariant: bool = True
     # Self-speculative n-gram drafting in the tick (worker/speculation.py): each generating
     # slot may draft up to num_speculative_tokens tokens that followed an earlier occurrence
-    # of its last prompt_lookup_min..max tokens, where the tick-cost model says they are
-    # nearly free. Greedy output is the same with it as without. Off by default: on this
-    # project's 2-core machine it did not win on every load (docs/speculation.md).
-    spec_ngram: bool = False
+    # of its last prompt_lookup_min..max tokens, where the tick-cost model says they pay.
+    # None: on without batch invariance, off with it. It never lost a measured load, but a
+    # verified draft is one of several rows of its sequence in a ubatch, which the CPU
+    # kernels sum in another order than a lone decode row: greedy output would depend on the
+    # batch in its last bits, which batch invariance promises it does not
+    # (docs/speculation.md).
+    spec_ngram: bool | None = None
     num_speculative_tokens: int = 16
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -152,6 +155,11 @@ class WorkerConfig:
         if self.cache_ram is not None:
             return self.cache_ram * MIB
         return min(DEFAULT_CACHE_RAM_MIB * MIB, memory_limit_bytes() // 4)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether slots draft: --spec-ngram, or by default wherever batch invariance is off."""
+        return self.spec_ngram if self.spec_ngram is not None else not self.batch_invariant
 
     @property
     def tenant_weights(self) -> dict[str, float]:

@@ -26,7 +26,7 @@ from loomserve.worker.ubatches import SplitRules
 
 def make_speculator(config: WorkerConfig, split_rules: SplitRules) -> Speculator | None:
     # Rejected drafts must be cut from a sequence again: no recurrent state.
-    if not config.spec_ngram or not split_rules.padding:
+    if not config.speculates or not split_rules.padding:
         return None
     settings = SpecSettings(
         config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max

@@ -350,7 +350,9 @@ def test_self_test_measures_the_generator() -> None:
     result = run_self_test(echo=lines.append, scale=0.05)
     assert result["failed"] == 0
     assert result["max_request_rate"] > 20 and result["max_chunk_rate"] > 500
-    assert 0 < result["cpu_us_per_chunk"] < result["cpu_us_per_request"]
+    # A chunk's CPU is what the chunk run took beyond its requests' share; at this scale (3
+    # streams) the per-request estimate's noise can exceed it, and the estimate is then 0.
+    assert 0 <= result["cpu_us_per_chunk"] < result["cpu_us_per_request"]
     assert math.isfinite(result["paced_achieved_rate"]) and result["paced_achieved_rate"] > 0
     assert "Load generator self-test" in lines[-1]
 

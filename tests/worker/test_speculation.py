@@ -8,6 +8,7 @@ import random
 import pytest
 
 from loomserve.protocol import SamplingParams
+from loomserve.worker.config import WorkerConfig
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.slots import Request
 from loomserve.worker.speculation import (
@@ -37,6 +38,19 @@ def reference_proposal(tokens: list[int], n_min: int, n_max: int, k: int) -> lis
                     draft.append(tokens[end + j] if end + j < length else draft[end + j - length])
                 return draft
     return []
+
+
+# --- settings ---------------------------------------------------------------------------
+
+
+def test_drafting_defaults_on_exactly_where_batch_invariance_is_off(tmp_path):
+    model = tmp_path / "m.gguf"
+    assert not WorkerConfig(model_path=model).speculates  # batch invariant by default
+    assert WorkerConfig(model_path=model, batch_invariant=False).speculates
+    for invariant in (True, False):
+        for chosen in (True, False):
+            config = WorkerConfig(model_path=model, batch_invariant=invariant, spec_ngram=chosen)
+            assert config.speculates is chosen
 
 
 # --- n-gram lookup ---------------------------------------------------------------------------
