@@ -10,7 +10,8 @@ shared machine's moods spread over all three. Loads (`loomserve bench`, closed l
                      chat endpoint, greedy), the load speculation is for;
   random c=4, c=16:  random prompts (128 tokens in, 64 out), greedy: a small base model's
                      output often loops, and drafts from the loop pass;
-  sampled c=16:      the same at temperature 1, where drafts seldom pass.
+  sampled c=16:      the same at temperature 1, where a draft passes only when the
+                     sampled token equals it.
 
 It prints the medians per load and server and the ratios to loomserve without drafts.
 
@@ -63,7 +64,7 @@ LOADS = (
     Load("grounded c=4", "input-grounded", 4, 8, "chat", 200, None),
     Load("random c=4", "random", 4, 8, "completions", 128, 64),
     Load("random c=16", "random", 16, 16, "completions", 128, 64),
-    # Sampled at temperature 1: drafts seldom pass, so the tick-cost model must keep them out.
+    # Sampled at temperature 1: a draft passes only when the sampled token equals it.
     Load("sampled c=16", "random", 16, 16, "completions", 128, 64, temperature=1.0),
 )
 

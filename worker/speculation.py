@@ -69,8 +69,8 @@ class NgramIndex:
         self._indexed = 0  # n-grams ending at indices up to here are in the maps
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the sequence's last
-        n tokens, for the largest n that has one; [] when none has.
+        """k tokens that followed the latest earlier occurrence of the sequence's last n
+        tokens, for the largest n that has one; [] when none has.
 
         A match that ends p tokens back says the sequence repeats with period p, so the draft
         goes on past the sequence's end by repeating those p tokens: a looping output (which
