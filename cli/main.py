@@ -321,6 +321,12 @@ def gateway_options(func):
             help="Tokens held for a client that does not read its stream; past them the "
             "request is cancelled.",
         ),
+        click.option(
+            "--model-sampling-defaults/--no-model-sampling-defaults",
+            default=default_of(GatewayConfig, "model_sampling_defaults"),
+            help="Let the GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat "
+            "penalty) fill the fields a request leaves out; off: neutral defaults.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -407,6 +413,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         header_timeout=opts["header_timeout"],
         body_timeout=opts["body_timeout"],
         stream_buffer_tokens=opts["stream_buffer_tokens"],
+        model_sampling_defaults=opts["model_sampling_defaults"],
     )
 
 

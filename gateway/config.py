@@ -53,6 +53,9 @@ class GatewayConfig:
     # Tokens of one sequence the gateway holds for a client that does not read them (its
     # socket is full); past this the request is cancelled in the worker, freeing its slot.
     stream_buffer_tokens: int = 2048
+    # The GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat penalty) fill
+    # the fields a request leaves out, as vLLM's --generation-config auto; False: neutral.
+    model_sampling_defaults: bool = True
 
     def __post_init__(self) -> None:
         if not self.worker_endpoints:

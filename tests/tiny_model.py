@@ -73,8 +73,14 @@ def vocabulary(extra: int = 0) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(k) for k in kinds]
 
 
-def write_tiny_model(path: Path, seed: int = 1234, shape: ModelShape = TINY) -> Path:
-    """Write a generated model (the tiny one unless shape says otherwise) to path."""
+def write_tiny_model(
+    path: Path,
+    seed: int = 1234,
+    shape: ModelShape = TINY,
+    sampling: dict[str, float | int] | None = None,
+) -> Path:
+    """Write a generated model (the tiny one unless shape says otherwise) to path; `sampling`
+    adds general.sampling.* defaults (e.g. {"temp": 0.0, "top_k": 5})."""
     tokens, scores, token_types = vocabulary(shape.extra_vocab)
     dtype = np.float16 if shape.f16 else np.float32
     n_vocab = len(tokens)
@@ -86,6 +92,11 @@ def write_tiny_model(path: Path, seed: int = 1234, shape: ModelShape = TINY) -> 
 
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_name("tiny-llama-test")
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            writer.add_int32(f"general.sampling.{key}", value)
+        else:
+            writer.add_float32(f"general.sampling.{key}", value)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)

@@ -26,7 +26,7 @@ import structlog
 
 from loomserve.protocol import SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.sampling import Sampler, build_sampler
+from loomserve.worker.sampling import HostSampler, Sampler, build_sampler
 from loomserve.worker.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
@@ -230,7 +230,7 @@ class Engine:
 
     # --- per request ----------------------------------------------------------------
 
-    def new_sampler(self, params: SamplingParams) -> Sampler:
+    def new_sampler(self, params: SamplingParams) -> Sampler | HostSampler:
         """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
         return build_sampler(params, self.ctx, self.vocab, self.n_vocab, self.slot_context)
 

@@ -33,7 +33,7 @@ def token_logprobs(
 
     `generated` is what the request generated before this token: the penalties' history.
     """
-    scores = _adjusted(logits, params, generated, slot_context)
+    scores = adjusted_logits(logits, params, generated, slot_context)
     peak = float(scores.max())
     # float32 exponentials (a large vocabulary's worth) summed in float64.
     log_total = peak + float(np.log(np.exp(scores - peak).sum(dtype=np.float64)))
@@ -75,10 +75,11 @@ def _entry(scores: np.ndarray, log_total: float, token: int, top: int) -> TokenL
     )
 
 
-def _adjusted(
+def adjusted_logits(
     logits: np.ndarray, params: SamplingParams, generated: Sequence[int], slot_context: int
 ) -> np.ndarray:
-    """The logits after logit bias, then penalties, as the sampler chain orders them."""
+    """The logits after logit bias, then penalties, as llama.cpp's sampler chain orders and
+    applies them (a copy; the row itself when neither applies)."""
     window = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
     history = list(generated[-window:]) if window > 0 else []
     penalised = history and (

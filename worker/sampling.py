@@ -1,21 +1,22 @@
-"""Per-request samplers: a llama.cpp sampler chain built from SamplingParams.
-
-Each request gets its own chain at acceptance and the chain is freed when the request ends,
+"""Per-request samplers, built from SamplingParams at acceptance and freed when the request ends,
 so grammar, penalty and RNG state never leak from one request to the next in a slot.
-Plain greedy requests (temperature 0, no penalties, bias or grammar) skip the chain and take
-the argmax of the logits directly: the same token llama.cpp's greedy sampler picks (the
-first maximum), without copying the whole vocabulary into candidate structs. sample_rows
-takes those argmaxes for a whole tick in one numpy call.
 
-A request with a grammar samples lazily, as llama.cpp's common_sampler_sample does: its
-chain (without the grammar) picks a token, the grammar is asked about that one token, and
-only when it refuses does the grammar mask the whole vocabulary for a second pick. Masking
-262,144 tokens costs more than a forward pass of a small model; most tokens pass the check.
-A greedy request checks its next best tokens one at a time first (_best_allowed) and masks
-only when none of them settles it. The grammar advances by the kept token only
-(grammar_state.py). For greedy requests the token is the same as masking first: the first
-maximum over all tokens, when the grammar allows it, is the first maximum over those it
-allows.
+A request without a grammar gets a HostSampler: its token is drawn on the host from the row
+of logits the loop hands it (draw.py: exact, at about the cost of an argmax), with the
+request's own random generator, so a seeded request gives the same text alone, batched and
+after a restart. Logit bias and penalties are applied to a copy of its row first, as
+llama.cpp's samplers apply them (logprobs.adjusted_logits). Plain greedy requests take the
+argmax; sample_rows takes those for a whole tick in one numpy call.
+
+A request with a grammar gets a Sampler: a llama.cpp sampler chain that samples lazily, as
+llama.cpp's common_sampler_sample does: the chain (without the grammar) picks a token, the
+grammar is asked about that one token, and only when it refuses does the grammar mask the
+whole vocabulary for a second pick. Masking 262,144 tokens costs more than a forward pass of
+a small model; most tokens pass the check. A greedy request checks its next best tokens one
+at a time first (_best_allowed) and masks only when none of them settles it. The grammar
+advances by the kept token only (grammar_state.py). For greedy requests the token is the same
+as masking first: the first maximum over all tokens, when the grammar allows it, is the first
+maximum over those it allows.
 
 Penalties see the generated tokens only, not the prompt, as in llama-server.
 """
@@ -30,7 +31,9 @@ import numpy as np
 from loomserve.protocol import SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
+from loomserve.worker.draw import Truncation, draw
 from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
+from loomserve.worker.logprobs import adjusted_logits
 from loomserve.worker.slots import TokenSampler
 
 # A greedy pick the grammar refused: this many of the next best are checked one at a time
@@ -135,6 +138,46 @@ class Sampler:
             self._grammar = None
 
 
+class HostSampler:
+    """A request without a grammar: each token drawn on the host from its row of logits
+    (draw.py), with the request's own random generator."""
+
+    __slots__ = ("_adjusts", "_context", "_cut", "_generated", "_params", "_rng", "failure")
+
+    grammar_complete = False  # no grammar
+
+    def __init__(self, params: SamplingParams, slot_context: int) -> None:
+        self._params = params
+        self._context = slot_context
+        self._cut = (
+            None
+            if params.greedy
+            else Truncation(params.temperature, params.top_k, params.top_p, params.min_p)
+        )
+        # seed None: fresh entropy from the OS, so unseeded requests differ.
+        self._rng = np.random.default_rng(params.seed)
+        self._adjusts = bool(params.logit_bias) or _has_penalties(params)
+        self._generated: list[int] = []  # the penalties' history, when they apply
+        self.failure: str | None = None
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self._cut is None and not self._adjusts
+
+    def sample(self, batch_index: int, logits: np.ndarray) -> int:
+        """The token for this row of logits (batch_index is not needed: the row is given)."""
+        scores = logits
+        if self._adjusts:
+            scores = adjusted_logits(logits, self._params, self._generated, self._context)
+        token = int(scores.argmax()) if self._cut is None else draw(scores, self._cut, self._rng)
+        if self._adjusts:
+            self._generated.append(token)
+        return token
+
+    def close(self) -> None:
+        """Nothing to free: its state is Python's."""
+
+
 def sample_rows(
     samplers: Sequence[TokenSampler], batch_indices: list[int], logits: np.ndarray
 ) -> list[int]:
@@ -180,7 +223,9 @@ def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama
     return llama.llama_sampler_init_penalties(*args)
 
 
-def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context: int) -> Sampler:
+def build_sampler(
+    params: SamplingParams, ctx, vocab, n_vocab: int, slot_context: int
+) -> Sampler | HostSampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
 
     The worker checks what it is sent itself, as the gateway did: a peer that speaks the
@@ -191,10 +236,19 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
-    grammar = _grammar(params.grammar, vocab, n_vocab) if params.grammar else None
+    if not params.grammar:
+        return HostSampler(params, slot_context)
+    grammar = _grammar(params.grammar, vocab, n_vocab)
     if _is_argmax(params):
         return Sampler(None, ctx, grammar)
 
+    chain = llama_chain(params, n_vocab, slot_context)
+    return Sampler(chain, ctx, grammar, greedy=params.greedy)
+
+
+def llama_chain(params: SamplingParams, n_vocab: int, slot_context: int) -> llama.llama_sampler_p:
+    """llama.cpp's sampler chain for the params (bias, penalties, then greedy, or top-k,
+    top-p, min-p, temperature and dist): grammar requests sample with it."""
     stages: list[llama.llama_sampler_p] = []
     if params.logit_bias:
         biases = (llama.llama_logit_bias * len(params.logit_bias))(
@@ -222,7 +276,7 @@ def build_sampler(params: SamplingParams, ctx, vocab, n_vocab: int, slot_context
     chain = llama.llama_sampler_chain_init(chain_params)
     for stage in stages:
         llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
-    return Sampler(chain, ctx, grammar, greedy=params.greedy)
+    return chain
 
 
 def _best_allowed(scores: np.ndarray, grammar: GrammarState) -> int | None:

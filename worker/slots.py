@@ -26,7 +26,7 @@ KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound
 
 
 class TokenSampler(Protocol):
-    """What the loop asks of a request's sampler (sampling.Sampler, which needs llama.cpp);
+    """What the loop asks of a request's sampler (sampling.HostSampler or Sampler);
     the scheduler only carries it."""
 
     failure: str | None  # after sample(): why the request must end with an error

@@ -53,6 +53,7 @@ from loomserve.gateway.request.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
     max_new_tokens,
+    model_sampling_defaults,
     reject_unsupported,
     request_priority,
     sampling_params,
@@ -67,7 +68,7 @@ from loomserve.gateway.tools.template import TemplateTools
 from loomserve.gateway.translate.messages import messages_router
 from loomserve.gateway.translate.responses import responses_router
 from loomserve.gateway.workers.pool import WorkerPool
-from loomserve.protocol.messages import ModelInfo
+from loomserve.protocol.messages import ModelInfo, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -100,6 +101,8 @@ class Gateway:
     pool: WorkerPool  # every worker; it looks like one that is ready while any is
     metrics: GatewayMetrics
     started_at: int
+    # What a request's unset sampling fields become: the model's defaults or neutral ones.
+    sampling_defaults: SamplingParams = field(default_factory=SamplingParams)
     drain: Drain = field(default_factory=Drain)  # SIGTERM: stop admitting, finish, exit
 
     def worker_info(self) -> ModelInfo:
@@ -108,6 +111,25 @@ class Gateway:
         if reason or self.pool.info is None:
             raise unavailable(reason or "not connected to the worker")
         return self.pool.info
+
+
+def _sampling_defaults(config: GatewayConfig, vocab: Vocab) -> SamplingParams:
+    """The defaults for a request's unset sampling fields, logged once at start-up."""
+    found = model_sampling_defaults(vocab.meta) if config.model_sampling_defaults else {}
+    defaults = SamplingParams(**found)
+    source = "the model (general.sampling.*)" if found else "neutral"
+    if not config.model_sampling_defaults:
+        source = "neutral (--no-model-sampling-defaults)"
+    log.info(
+        "sampling defaults",
+        source=source,
+        temperature=defaults.temperature,
+        top_k=defaults.top_k,
+        top_p=defaults.top_p,
+        min_p=defaults.min_p,
+        repeat_penalty=defaults.repeat_penalty,
+    )
+    return defaults
 
 
 def create_app(
@@ -130,7 +152,15 @@ def create_app(
     tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
     log.debug("chat template", tool_format=template_tools.format.name)
     gateway = Gateway(
-        config, vocab, template, template_tools, tool_pieces, pool, metrics, int(time.time())
+        config,
+        vocab,
+        template,
+        template_tools,
+        tool_pieces,
+        pool,
+        metrics,
+        int(time.time()),
+        _sampling_defaults(config, vocab),
     )
     metrics.model_info.labels(model_name=config.served_model_name).set(1)
 
@@ -416,7 +446,7 @@ async def _prepare(
     _check_model(gateway, body.model)
     reject_unsupported(body)
     stops = stop_strings(body.stop)
-    params = sampling_params(body, 1, vocab)
+    params = sampling_params(body, 1, vocab, gateway.sampling_defaults)
     tools = None
     if isinstance(body, ChatCompletionRequest):
         tools = tool_request(body, gateway.template_tools, vocab)

@@ -28,6 +28,17 @@ MAX_STOP_CHARS = 512
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 LOGIT_BIAS_LIMIT = 100.0
 MAX_CHOICES = 128  # choices (prompts × n) in one request; OpenAI caps n at 128
+# The sampling defaults a GGUF may carry (llama.cpp's general.sampling.* keys), by the
+# SamplingParams field each one fills when a request leaves it out.
+MODEL_SAMPLING_KEYS = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repeat_penalty",
+    "penalty_last_n": "repeat_last_n",
+}
+NEUTRAL = SamplingParams()
 
 
 # OpenAI's fields this server cannot honour, with the values that ask for nothing (accepted).
@@ -134,9 +145,31 @@ def max_new_tokens(requested: int | None, default: int | None, prompt_len: int, 
     return room if default is None else min(default, room)
 
 
-def sampling_params(request: GenerationFields, max_tokens: int, vocab: Vocab) -> SamplingParams:
-    """The worker's SamplingParams; their own checks become 400s."""
-    defaults = SamplingParams()
+def model_sampling_defaults(meta: Callable[[str], str]) -> dict[str, float | int]:
+    """The sampling defaults in a GGUF's metadata (`meta` reads a key), by SamplingParams
+    field. A value that does not parse, or that SamplingParams refuses, is left out."""
+    found: dict[str, float | int] = {}
+    for key, name in MODEL_SAMPLING_KEYS.items():
+        text = meta(f"general.sampling.{key}").strip()
+        if not text:
+            continue
+        try:
+            value = int(text) if name in ("top_k", "repeat_last_n") else float(text)
+            SamplingParams(**{name: value})
+        except ValueError:
+            continue
+        found[name] = value
+    return found
+
+
+def sampling_params(
+    request: GenerationFields,
+    max_tokens: int,
+    vocab: Vocab,
+    defaults: SamplingParams = NEUTRAL,
+) -> SamplingParams:
+    """The worker's SamplingParams: the request's fields, `defaults` for those it leaves out
+    (the model's own, when it has them); their own checks become 400s."""
     logprobs = top_logprobs(request)
     # Completions' echo with logprobs: the prompt's tokens get theirs too, as in OpenAI's.
     echo = isinstance(request, CompletionRequest) and bool(request.echo)

@@ -40,7 +40,7 @@ class Vocab:
         self.eos_text = self._special_text(self.eos_id)
         template = llama_cpp.llama_model_chat_template(model, None)
         self.chat_template: str | None = template.decode() if template else None
-        self.architecture = self._meta("general.architecture")
+        self.architecture = self.meta("general.architecture")
         self._pieces: dict[int, bytes] = {}
         self._piece_buffer = ctypes.create_string_buffer(256)
 

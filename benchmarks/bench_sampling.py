@@ -1,0 +1,178 @@
+"""What sampling costs on the host, in process, on the real model's logits. Not a test: read
+the numbers.
+
+    python -m benchmarks.bench_sampling                     # Gemma 3 270M (262,144 tokens)
+    python -m benchmarks.bench_sampling --slots 64 --reps 5
+
+Two figures:
+- per token: one token sampled from one row of logits, by llama.cpp's sampler chain (what
+  loomserve ran before, and what grammar requests still run) and by the host sampler
+  (worker/draw.py), for each mix of settings; the rows are those of one forward pass over
+  `--slots` different prompts, as a tick's are.
+- per tick: a TickLoop with `--slots` generating slots, every tick's time outside
+  llama_decode (scheduling, the batch, sampling, bookkeeping, outputs), greedy against each
+  sampled mix.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+import structlog
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loomserve.cli.default_model import resolve_model
+from loomserve.protocol import Generate, SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import Engine
+from loomserve.worker.loop import TickLoop
+from loomserve.worker.sampling import HostSampler, Sampler, llama_chain
+
+MIXES: dict[str, dict] = {
+    "greedy": {"temperature": 0.0},
+    "temperature 1": {"temperature": 1.0},
+    "temperature 0.7, top_p 0.95": {"temperature": 0.7, "top_p": 0.95},
+    "top_k 40, top_p 0.95, min_p 0.05, T 0.8": {
+        "temperature": 0.8,
+        "top_k": 40,
+        "top_p": 0.95,
+        "min_p": 0.05,
+    },
+    "min_p 0.1, T 1.0": {"temperature": 1.0, "min_p": 0.1},
+    "top_k 50, T 1.2": {"temperature": 1.2, "top_k": 50},
+}
+WORDS = (
+    "the of and to in is was for on that with as by at from his her an were are which this "
+    "be or has had not but it first one their its new after who they two have been also"
+).split()
+
+
+class Nowhere:
+    """A Sink that drops what the loop says."""
+
+    def send(self, gateway: bytes, message) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def prompts(engine: Engine, n: int, length: int) -> list[list[int]]:
+    """n different prompts of about `length` tokens, from common words."""
+    out = []
+    for i in range(n):
+        words = [WORDS[(i * 7 + j * (i + 3)) % len(WORDS)] for j in range(length)]
+        out.append(engine_tokens(engine, " ".join(words))[:length])
+    return out
+
+
+def engine_tokens(engine: Engine, text: str) -> list[int]:
+    import llama_cpp as llama
+
+    raw = text.encode()
+    buffer = (llama.llama_token * (len(raw) + 8))()
+    n = llama.llama_tokenize(engine.vocab, raw, len(raw), buffer, len(buffer), True, False)
+    return list(buffer[:n])
+
+
+def per_token(engine: Engine, slots: int, reps: int) -> dict[str, tuple[float, float]]:
+    """Median microseconds per sampled token: (llama.cpp chain, host sampler), per mix."""
+    batch = engine.batch
+    batch.clear()
+    indices = [
+        batch.add_run(prompt, 0, seq, logits_on_last=True)
+        for seq, prompt in enumerate(prompts(engine, slots, 24))
+    ]
+    if engine.decode(batch) != 0:
+        raise RuntimeError("llama_decode failed")
+    logits = engine.output_logits(slots)
+    results = {}
+    for name, fields in MIXES.items():
+        params = SamplingParams(max_tokens=16, seed=1, **fields)
+        timings: dict[str, list[float]] = {"chain": [], "host": []}
+        for _ in range(reps):
+            chain = Sampler(
+                None if params.greedy else llama_chain(params, engine.n_vocab, 4096), engine.ctx
+            )
+            host = HostSampler(params, 4096)
+            for label, sampler in (("chain", chain), ("host", host)):
+                started = time.perf_counter()
+                for row, index in enumerate(indices):
+                    sampler.sample(index, logits[row])
+                timings[label].append((time.perf_counter() - started) / slots * 1e6)
+            chain.close()
+        results[name] = (statistics.median(timings["chain"]), statistics.median(timings["host"]))
+    engine.clear_cache()
+    return results
+
+
+def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> float:
+    """Median milliseconds per tick outside llama_decode, with every slot generating."""
+    loop = TickLoop(engine, config, Nowhere())
+    decode_seconds = [0.0]
+    decode = engine.decode
+
+    def timed_decode(batch):
+        started = time.perf_counter()
+        try:
+            return decode(batch)
+        finally:
+            decode_seconds[0] += time.perf_counter() - started
+
+    engine.decode = timed_decode  # type: ignore[method-assign]
+    try:
+        for i, prompt in enumerate(prompts(engine, config.slots, 16)):
+            params = SamplingParams(max_tokens=ticks + 64, ignore_eos=True, seed=i, **fields)
+            loop.inbox.submit(b"bench", Generate(f"r{i}", prompt, params))
+        while any(slot.prompt_remaining for slot in loop.scheduler.slots) or loop.tick_count < 3:
+            loop.tick(block=False)
+        host = []
+        for _ in range(ticks):
+            decode_seconds[0] = 0.0
+            started = time.perf_counter()
+            loop.tick(block=False)
+            host.append(time.perf_counter() - started - decode_seconds[0])
+        loop.scheduler.cancel_all("done")
+        loop.tick(block=False)
+    finally:
+        engine.decode = decode  # type: ignore[method-assign]
+    return statistics.median(host) * 1000
+
+
+@click.command()
+@click.option("--model", default=None, help="GGUF file; default Gemma 3 270M.")
+@click.option("--threads", type=int, default=2)
+@click.option("--slots", type=int, default=64, help="Rows per tick, and slots of the loop.")
+@click.option("--reps", type=int, default=5, help="Runs per per-token figure (median shown).")
+@click.option("--ticks", type=int, default=20, help="Ticks per per-tick figure (median).")
+def main(model: str | None, threads: int, slots: int, reps: int, ticks: int) -> None:
+    # The loop logs every finish; only the figures belong on the screen.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    config = WorkerConfig(
+        model_path=resolve_model(model),
+        slots=slots,
+        ctx_size=256,
+        threads=threads,
+        batch_tokens=max(512, slots),
+        max_queue=slots,
+    )
+    engine = Engine(config)
+    print(f"model {config.model_path.name}, vocabulary {engine.n_vocab}, {slots} rows")
+    print(f"\nper token, median of {reps} runs over {slots} rows (microseconds)")
+    print(f"{'settings':42} {'llama.cpp chain':>16} {'host sampler':>13} {'speed-up':>9}")
+    for name, (chain, host) in per_token(engine, slots, reps).items():
+        print(f"{name:42} {chain:16.1f} {host:13.1f} {chain / host:8.1f}x")
+    print(f"\nper tick at {slots} generating slots, outside llama_decode (ms, median of {ticks})")
+    for name, fields in MIXES.items():
+        print(f"{name:42} {per_tick(engine, config, fields, ticks):8.2f}")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

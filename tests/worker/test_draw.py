@@ -1,0 +1,141 @@
+"""draw.py: the host sampler's draws follow softmax(logits / T) over exactly the tokens that
+top-k, top-p and min-p keep (chi-square over 100,000 draws per path), whatever the head's
+span: a narrow one makes the rejection-sampled tail carry a tenth of the mass. Pure numpy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from loomserve.worker.draw import Truncation, draw, draw_exact
+
+DRAWS = 100_000
+N_VOCAB = 300
+
+
+def _logits(seed: int = 0) -> np.ndarray:
+    """A spread like a model's: a few strong tokens over a broad low tail."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0.0, 1.5, N_VOCAB)
+    logits[rng.choice(N_VOCAB, 12, replace=False)] += rng.uniform(2.0, 6.0, 12)
+    return logits.astype(np.float32)
+
+
+def _expected(logits: np.ndarray, cut: Truncation) -> np.ndarray:
+    """The target distribution, written out plainly: llama.cpp's order (top-k, top-p,
+    min-p on the untempered logits), then softmax(logits / T) over what they keep."""
+    values = logits.astype(np.float64)
+    order = np.argsort(-values, kind="stable")
+    kept = np.zeros(len(values), dtype=bool)
+    ranked = order if not cut.top_k else order[: cut.top_k]
+    if cut.top_p < 1.0:
+        probs = np.exp(values[ranked] - values[ranked].max())
+        probs /= probs.sum()
+        cumulative, n_keep = 0.0, len(ranked)
+        for i, p in enumerate(probs):
+            cumulative += p
+            if cumulative >= cut.top_p:
+                n_keep = i + 1
+                break
+        ranked = ranked[:n_keep]
+    kept[ranked] = True
+    if cut.min_p > 0.0:
+        kept &= values >= values.max() + math.log(cut.min_p)
+    weights = np.where(kept, np.exp((values - values.max()) / cut.temperature), 0.0)
+    return weights / weights.sum()
+
+
+def _chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
+    """The p-value of Pearson's chi-square (bins under 5 expected draws pooled), by the
+    Wilson-Hilferty approximation of its distribution."""
+    order = np.argsort(expected)
+    pooled_o, pooled_e, o_acc, e_acc = [], [], 0.0, 0.0
+    for i in order:
+        o_acc += counts[i]
+        e_acc += expected[i]
+        if e_acc >= 5:
+            pooled_o.append(o_acc)
+            pooled_e.append(e_acc)
+            o_acc = e_acc = 0.0
+    if e_acc and pooled_e:
+        pooled_o[-1] += o_acc
+        pooled_e[-1] += e_acc
+    observed, wanted = np.array(pooled_o), np.array(pooled_e)
+    statistic = float(((observed - wanted) ** 2 / wanted).sum())
+    dof = len(wanted) - 1
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _counts(logits: np.ndarray, cut: Truncation, margin: float | None, sampler=draw) -> np.ndarray:
+    rng = np.random.default_rng(1234)
+    counts = np.zeros(len(logits))
+    for _ in range(DRAWS):
+        token = sampler(logits, cut, rng) if margin is None else sampler(logits, cut, rng, margin)
+        counts[token] += 1
+    return counts
+
+
+# A head so narrow that the tail, drawn by rejection, holds a tenth of the mass.
+NARROW = -0.5
+CUTS = {
+    "temperature 1": (Truncation(1.0), None),
+    "temperature 0.6": (Truncation(0.6), None),
+    "top-k 20": (Truncation(1.0, top_k=20), None),
+    "top-p 0.9": (Truncation(0.8, top_p=0.9), None),
+    "top-p 0.9999": (Truncation(1.0, top_p=0.9999), None),
+    "min-p 0.01": (Truncation(1.0, min_p=0.01), None),
+    "top-k, top-p, min-p": (Truncation(0.7, top_k=40, top_p=0.95, min_p=0.05), None),
+    "temperature 1, narrow head": (Truncation(1.0), NARROW),
+    "temperature 2.5, narrow head": (Truncation(2.5), NARROW),
+    "top-p 0.9, narrow head": (Truncation(1.0, top_p=0.9), NARROW),
+    "min-p 1e-4, narrow head": (Truncation(1.3, min_p=1e-4), NARROW),
+}
+
+
+@pytest.mark.parametrize("name", list(CUTS))
+def test_draws_follow_the_tempered_softmax_over_the_kept_tokens(name):
+    (cut, margin), logits = CUTS[name], _logits()
+    expected = _expected(logits, cut)
+    counts = _counts(logits, cut, margin)
+    # Exactly the kept tokens: nothing outside the set, and every token it holds with a
+    # share above 1 in 5,000 drawn at least once.
+    assert counts[expected == 0].sum() == 0
+    assert (counts[expected > 2e-4] > 0).all()
+    assert _chi_square_p(counts, expected * DRAWS) > 1e-3
+
+
+def test_the_narrow_span_draws_much_of_the_mass_from_the_tail():
+    """The rejection path carries real weight in the tests above, not a rounding error."""
+    logits = _logits()
+    floor = logits.max() - (math.log(N_VOCAB) + NARROW)
+    expected = _expected(logits, Truncation(1.0))
+    assert expected[logits < floor].sum() > 0.05
+
+
+def test_the_whole_row_reference_agrees_too():
+    logits, cut = _logits(3), CUTS["top-k, top-p, min-p"][0]
+    counts = _counts(logits, cut, None, sampler=draw_exact)
+    assert _chi_square_p(counts, _expected(logits, cut) * DRAWS) > 1e-3
+
+
+def test_a_top_k_beyond_the_head_and_minus_infinity_logits():
+    logits = _logits(5)
+    logits[:100] = -np.inf  # a logit bias of -inf on a third of the vocabulary
+    cut = Truncation(1.0, top_k=250)  # more than the head holds at a narrow span
+    expected = _expected(logits, cut)
+    rng = np.random.default_rng(7)
+    counts = np.zeros(N_VOCAB)
+    for _ in range(20_000):
+        counts[draw(logits, cut, rng, margin=NARROW)] += 1
+    assert counts[:100].sum() == 0
+    assert _chi_square_p(counts, expected * 20_000) > 1e-3
+
+
+def test_the_same_generator_state_gives_the_same_tokens():
+    logits, cut = _logits(), Truncation(1.0, top_p=0.95)
+    first = [draw(logits, cut, np.random.default_rng(42)) for _ in range(5)]
+    again = [draw(logits, cut, np.random.default_rng(42)) for _ in range(5)]
+    assert first == again
