@@ -6,12 +6,12 @@ all of them: at Gemma's 262,144 tokens that is ~2 ms a token for a temperature a
 ~20 ms with top_p, which sorts the whole vocabulary. Nearly all of that work is spent on
 tokens that are never drawn: one scoring 20 below the best has odds of e^-20 against it.
 
-draw() reads the row twice, for its maximum and for the tokens within `span` of it (the
+candidates() reads the row twice, for its maximum and for the tokens within `span` of it (the
 head: from a few to a few thousand tokens on a real model), and works on the head alone.
 It stays exact, not approximately right:
 - top-k, top-p and min-p cut inside the head (top-p checks its cut against both bounds of
   the probability mass under the head, and sums that mass when the bounds disagree); when
-  one reaches below the head the whole row is worked through (`draw_exact`).
+  one reaches below the head the whole row is worked through (`exact_candidates`).
 - When nothing cuts, the tokens under the head keep their probability by rejection
   sampling: a draw takes a head token with its exact weight, or the tail with an envelope
   of the largest weight a tail token can have, and then a uniformly chosen tail token is
@@ -49,10 +49,49 @@ class Truncation:
     min_p: float = 0.0  # 0: off
 
 
+@dataclass(slots=True)
+class Candidates:
+    """The tokens one row can give and their weights: found once per row (`candidates`), then
+    `pick` draws. Tokens under the floor are candidates too when `row` is kept: each weighs
+    under `envelope` and is drawn by rejection."""
+
+    ids: np.ndarray  # the head's candidates
+    cumulative: np.ndarray  # their tempered weights (relative to the peak's), summed in order
+    peak: float
+    temperature: float
+    row: np.ndarray | None = None  # set: every token under the floor is a candidate too
+    floor: float = 0.0  # a float32 value: tail tokens are those of the row under it
+    n_tail: int = 0
+    envelope: float = 0.0  # more than any tail token's tempered weight
+    tail_least: float = -math.inf  # the least logit min-p lets a tail token have
+
+    def pick(self, rng: np.random.Generator) -> int:
+        head_mass = float(self.cumulative[-1])
+        if self.row is None:
+            return int(self.ids[_index(self.cumulative, rng.random() * head_mass)])
+        row, temperature = self.row, self.temperature
+        tail_mass = self.n_tail * self.envelope
+        while True:
+            u = rng.random() * (head_mass + tail_mass)
+            if u < head_mass:
+                return int(self.ids[_index(self.cumulative, u)])
+            token = _tail_token(row, self.floor, rng)
+            value = float(row[token])
+            if value < self.tail_least:
+                continue  # min-p refuses it: draw again from the start
+            if rng.random() * self.envelope < math.exp((value - self.peak) / temperature):
+                return token
+
+
 def draw(
     row: np.ndarray, cut: Truncation, rng: np.random.Generator, margin: float | None = None
 ) -> int:
-    """A token drawn from softmax(row / temperature) over the tokens the filters keep.
+    """A token drawn from softmax(row / temperature) over the tokens the filters keep."""
+    return candidates(row, cut, margin).pick(rng)
+
+
+def candidates(row: np.ndarray, cut: Truncation, margin: float | None = None) -> Candidates:
+    """What the filters keep of the row, and with what weight.
 
     `margin` sets the head's span; any span gives the same distribution (tests narrow it so
     that the tail is drawn often); the default keeps the tail's work rare.
@@ -69,13 +108,13 @@ def draw(
     ids = np.flatnonzero(row >= floor)
     values = row[ids].astype(np.float64)
     n_tail = n_vocab - len(ids)
-    # Whether every token under the floor is still a candidate (weighing at most
-    # e^((floor - peak) / temperature)), and the least logit min-p lets such a token have.
+    # Whether every token under the floor is still a candidate, and the least logit min-p
+    # lets such a token have.
     with_tail, tail_least = n_tail > 0, -math.inf
 
     if 0 < cut.top_k < n_vocab:
         if len(ids) < cut.top_k:
-            return draw_exact(row, cut, rng)  # top-k reaches under the head
+            return exact_candidates(row, cut)  # top-k reaches under the head
         if cut.top_k < len(ids):
             best = np.argpartition(values, -cut.top_k)[-cut.top_k :]
             ids, values = ids[best], values[best]
@@ -87,7 +126,7 @@ def draw(
         if nucleus is None:  # the cut depends on the tail's exact mass (top_p near 1)
             nucleus = _nucleus(values, peak, cut.top_p, _tail_mass(row, floor, peak), exact=True)
             if nucleus is None:
-                return draw_exact(row, cut, rng)  # the nucleus reaches under the head
+                return exact_candidates(row, cut)  # the nucleus reaches under the head
         ids, values = ids[nucleus], values[nucleus]
         with_tail = False
 
@@ -101,21 +140,12 @@ def draw(
         tail_least = least
 
     cumulative = np.cumsum(np.exp((values - peak) / cut.temperature))
-    head_mass = float(cumulative[-1])
-    if not with_tail:
-        return int(ids[_index(cumulative, rng.random() * head_mass)])
-    envelope = math.exp((float(floor) - peak) / cut.temperature)  # > any tail token's weight
-    tail_mass = n_tail * envelope
-    while True:
-        u = rng.random() * (head_mass + tail_mass)
-        if u < head_mass:
-            return int(ids[_index(cumulative, u)])
-        token = _tail_token(row, floor, n_vocab, rng)
-        value = float(row[token])
-        if value < tail_least:
-            continue  # min-p refuses it: draw again from the start
-        if rng.random() * envelope < math.exp((value - peak) / cut.temperature):
-            return token
+    found = Candidates(ids, cumulative, peak, cut.temperature)
+    if with_tail:
+        found.row, found.floor, found.n_tail = row, float(floor), n_tail
+        found.envelope = math.exp((float(floor) - peak) / cut.temperature)
+        found.tail_least = tail_least
+    return found
 
 
 def _nucleus(
@@ -144,9 +174,9 @@ def _nucleus(
     return best[: last + 1]
 
 
-def draw_exact(row: np.ndarray, cut: Truncation, rng: np.random.Generator) -> int:
-    """The same draw over the whole row, with no head: the reference, and the path for
-    filters that reach under the head."""
+def exact_candidates(row: np.ndarray, cut: Truncation) -> Candidates:
+    """The same over the whole row, with no head: the reference, and the path for filters
+    that reach under the head."""
     values = row.astype(np.float64)
     ids = np.arange(len(values))
     if 0 < cut.top_k < len(values):
@@ -162,8 +192,9 @@ def draw_exact(row: np.ndarray, cut: Truncation, rng: np.random.Generator) -> in
     if cut.min_p > 0.0:
         keep_mask = values >= peak + math.log(cut.min_p)
         ids, values = ids[keep_mask], values[keep_mask]
-    cumulative = np.cumsum(np.exp((values - peak) / cut.temperature))
-    return int(ids[_index(cumulative, rng.random() * float(cumulative[-1]))])
+    return Candidates(
+        ids, np.cumsum(np.exp((values - peak) / cut.temperature)), peak, cut.temperature
+    )
 
 
 def _index(cumulative: np.ndarray, u: float) -> int:
@@ -171,8 +202,9 @@ def _index(cumulative: np.ndarray, u: float) -> int:
     return min(int(np.searchsorted(cumulative, u, side="right")), len(cumulative) - 1)
 
 
-def _tail_token(row: np.ndarray, floor: np.float32, n_vocab: int, rng) -> int:
+def _tail_token(row: np.ndarray, floor: float, rng: np.random.Generator) -> int:
     """A token drawn uniformly from those under the floor (there is at least one)."""
+    n_vocab = len(row)
     while True:
         token = int(rng.integers(n_vocab))
         if row[token] < floor:

@@ -102,7 +102,8 @@ class Vocab:
         llama_cpp.llama_sampler_free(sampler)
         return None
 
-    def _meta(self, key: str) -> str:
+    def meta(self, key: str) -> str:
+        """The GGUF metadata value of key, as text; empty when the file has none."""
         buffer = ctypes.create_string_buffer(128)
         n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
         return buffer.value.decode(errors="replace") if n >= 0 else ""

@@ -4,6 +4,7 @@ them off. Real gateway and worker on the tiny model."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,16 @@ def servers(greedy_model: Path) -> Iterator[tuple[Proc, Proc]]:
         yield with_defaults, neutral
 
 
+def start_up_line(gateway: Proc) -> dict:
+    """The gateway's start-up log line naming the sampling defaults in force."""
+    for line in gateway.logs().splitlines():
+        if '"sampling defaults"' in line:
+            entry = json.loads(line)
+            entry["top_p"] = round(entry["top_p"], 6)  # float32 in the GGUF
+            return entry
+    raise AssertionError("no 'sampling defaults' line in the gateway's log")
+
+
 def complete(gateway: Proc, **fields: object) -> str:
     body = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, **fields}
     response = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
@@ -45,7 +56,9 @@ def test_the_models_temperature_fills_a_request_that_sets_none(servers) -> None:
     with_defaults, _ = servers
     greedy = complete(with_defaults, temperature=0)
     assert {complete(with_defaults) for _ in range(3)} == {greedy}
-    assert "sampling defaults" in with_defaults.logs() and "temperature=0.0" in with_defaults.logs()
+    logged = start_up_line(with_defaults)
+    assert logged["temperature"] == 0.0 and logged["top_k"] == 7 and logged["top_p"] == 0.9
+    assert logged["source"].startswith("the model")
 
 
 def test_a_field_the_request_sets_wins(servers) -> None:
@@ -57,7 +70,8 @@ def test_a_field_the_request_sets_wins(servers) -> None:
 def test_the_option_turns_them_off(servers) -> None:
     _, neutral = servers
     assert len({complete(neutral) for _ in range(6)}) > 1
-    assert "--no-model-sampling-defaults" in neutral.logs()
+    logged = start_up_line(neutral)
+    assert logged["temperature"] == 1.0 and "--no-model-sampling-defaults" in logged["source"]
 
 
 def test_values_that_do_not_parse_or_check_are_left_out() -> None:

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from loomserve.worker.draw import Truncation, draw, draw_exact
+from loomserve.worker.draw import Candidates, Truncation, candidates, draw, exact_candidates
 
 DRAWS = 100_000
 N_VOCAB = 300
@@ -69,12 +69,13 @@ def _chi_square_p(counts: np.ndarray, expected: np.ndarray) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def _counts(logits: np.ndarray, cut: Truncation, margin: float | None, sampler=draw) -> np.ndarray:
+def _counts(found: Candidates, draws: int = DRAWS) -> np.ndarray:
+    """How often each token is picked in `draws` draws from the row's candidates (found
+    once: what the filters keep does not change from draw to draw)."""
     rng = np.random.default_rng(1234)
-    counts = np.zeros(len(logits))
-    for _ in range(DRAWS):
-        token = sampler(logits, cut, rng) if margin is None else sampler(logits, cut, rng, margin)
-        counts[token] += 1
+    counts = np.zeros(N_VOCAB)
+    for _ in range(draws):
+        counts[found.pick(rng)] += 1
     return counts
 
 
@@ -99,7 +100,7 @@ CUTS = {
 def test_draws_follow_the_tempered_softmax_over_the_kept_tokens(name):
     (cut, margin), logits = CUTS[name], _logits()
     expected = _expected(logits, cut)
-    counts = _counts(logits, cut, margin)
+    counts = _counts(candidates(logits, cut, margin))
     # Exactly the kept tokens: nothing outside the set, and every token it holds with a
     # share above 1 in 5,000 drawn at least once.
     assert counts[expected == 0].sum() == 0
@@ -117,7 +118,7 @@ def test_the_narrow_span_draws_much_of_the_mass_from_the_tail():
 
 def test_the_whole_row_reference_agrees_too():
     logits, cut = _logits(3), CUTS["top-k, top-p, min-p"][0]
-    counts = _counts(logits, cut, None, sampler=draw_exact)
+    counts = _counts(exact_candidates(logits, cut))
     assert _chi_square_p(counts, _expected(logits, cut) * DRAWS) > 1e-3
 
 
@@ -126,12 +127,9 @@ def test_a_top_k_beyond_the_head_and_minus_infinity_logits():
     logits[:100] = -np.inf  # a logit bias of -inf on a third of the vocabulary
     cut = Truncation(1.0, top_k=250)  # more than the head holds at a narrow span
     expected = _expected(logits, cut)
-    rng = np.random.default_rng(7)
-    counts = np.zeros(N_VOCAB)
-    for _ in range(20_000):
-        counts[draw(logits, cut, rng, margin=NARROW)] += 1
+    counts = _counts(candidates(logits, cut, NARROW))
     assert counts[:100].sum() == 0
-    assert _chi_square_p(counts, expected * 20_000) > 1e-3
+    assert _chi_square_p(counts, expected * DRAWS) > 1e-3
 
 
 def test_the_same_generator_state_gives_the_same_tokens():
@@ -139,3 +137,39 @@ def test_the_same_generator_state_gives_the_same_tokens():
     first = [draw(logits, cut, np.random.default_rng(42)) for _ in range(5)]
     again = [draw(logits, cut, np.random.default_rng(42)) for _ in range(5)]
     assert first == again
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        Truncation(1.0, top_k=40),
+        Truncation(0.7, top_p=0.95),
+        Truncation(1.0, top_p=0.9999),
+        Truncation(1.0, min_p=0.05),
+        Truncation(0.8, top_k=40, top_p=0.95, min_p=0.05),
+    ],
+    ids=["top-k", "top-p", "top-p near 1", "min-p", "all three"],
+)
+def test_at_a_262k_vocabulary_the_filters_keep_what_the_whole_row_keeps(cut):
+    """The head's cuts against the whole row's, token for token, at Gemma's vocabulary size
+    (a spread like a model's: a peaked few over a broad tail)."""
+    rng = np.random.default_rng(11)
+    row = rng.normal(0.0, 3.0, 262_144).astype(np.float32)
+    row[rng.choice(262_144, 300, replace=False)] += rng.uniform(4.0, 18.0, 300).astype(np.float32)
+    found, whole = candidates(row, cut), exact_candidates(row, cut)
+    assert found.row is None  # a cut inside the head: no tail to draw by rejection
+    assert sorted(found.ids.tolist()) == sorted(whole.ids.tolist())
+    weights = np.diff(found.cumulative, prepend=0.0)
+    whole_weights = dict(
+        zip(whole.ids.tolist(), np.diff(whole.cumulative, prepend=0.0), strict=True)
+    )
+    for token, weight in zip(found.ids.tolist(), weights, strict=True):
+        assert weight == pytest.approx(whole_weights[token], rel=1e-9)
+
+
+def test_a_temperature_alone_keeps_every_token():
+    """No filter: the head is drawn from directly and every other token by rejection."""
+    row = np.random.default_rng(2).normal(0.0, 3.0, 262_144).astype(np.float32)
+    found = candidates(row, Truncation(1.0))
+    assert found.row is not None and len(found.ids) + found.n_tail == 262_144
+    assert found.n_tail * found.envelope < 0.25 * float(found.cumulative[-1])
