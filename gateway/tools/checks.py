@@ -2,7 +2,8 @@
 
 tool_choice `auto` (the default with tools) lets the model answer or call; its output is parsed
 for calls in the template's syntax. `required` and a named function add a grammar, so the
-model can only write a call (of that function) whose arguments match the function's schema.
+model can only write a call (of that function) whose arguments match the function's schema;
+a named function is called exactly once, whatever parallel_tool_calls says.
 `none` renders no tools and parses nothing.
 """
 
@@ -100,6 +101,7 @@ def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) ->
             )
         chosen = [t for t in tools if t.function.name == choice.function.name]
         kind: Literal["required", "named"] = "named"
+        parallel = False  # a named function is called once, as vLLM calls it
     else:
         chosen, kind = list(tools), "required"
     if body.grammar or (body.response_format is not None and body.response_format.type != "text"):
