@@ -1,6 +1,8 @@
-"""Tool calls that end: a repeated call ends the reply, a forced single call ends it when
-whole, a call cut by max_tokens is a call (never content), and streamed and non-streamed
-answers carry the same calls and finish reason.
+"""Tool calls that end: a repeated call ends the reply, a forced single call (or a named one)
+ends it when whole, a call cut by max_tokens is a call (never content) unless it was a cut
+duplicate (then it is dropped and the reply ends `tool_calls`), a forced call's strings are
+bounded, an echo of the system message holding the tools is no answer, and streamed and
+non-streamed answers carry the same calls and finish reason.
 
 The parser and the stop rules are pure and tested on text; the endings end to end on the
 tiny model, through the chat endpoint, over a sweep of max_tokens that cuts calls
