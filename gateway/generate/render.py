@@ -83,8 +83,7 @@ class StreamChunks:
         if parser is not None:
             events = parser.finish(cut=reason == "length")
             held = "".join(self._tool_event(index, e) for e in events)
-            if parser.calls and reason == "stop":
-                reason = "tool_calls"
+            reason = parser.finish_reason(reason)
         body: dict[str, Any] = {"delta": {}} if self.request.chat else {"text": ""}
         return held + self._choice(index, body, reason)
 

@@ -2,7 +2,8 @@
 
 tool_choice `auto` (the default with tools) lets the model answer or call; its output is parsed
 for calls in the template's syntax. `required` and a named function add a grammar, so the
-model can only write a call (of that function) whose arguments match the function's schema.
+model can only write a call (of that function) whose arguments match the function's schema;
+a named function is called exactly once, whatever parallel_tool_calls says.
 `none` renders no tools and parses nothing.
 """
 
@@ -19,7 +20,7 @@ from loomserve.gateway.text.tokenizer import Pieces, Vocab
 from loomserve.gateway.tools.format import ToolFormat
 from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
 from loomserve.gateway.tools.parser import ToolCallParser
-from loomserve.gateway.tools.template import TemplateTools, generic_tools_prompt
+from loomserve.gateway.tools.template import TemplateTools, system_with_tools
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
@@ -33,7 +34,8 @@ class ToolRequest:
     choice: Literal["auto", "required", "named"]
     parallel: bool  # parallel_tool_calls: more than one call per reply
     grammar: str | None  # forces a call, for `required` and a named function
-    # The system prompt that shows the tools to a model whose template cannot ("" if it can).
+    # The system message that shows the tools to a model whose template cannot: the request's
+    # own system text, then the tools' prompt ("" when the template shows tools itself).
     injected_prompt: str = ""
 
     def parser(self) -> ToolCallParser:
@@ -51,9 +53,22 @@ def tool_request(
     """The request's tools, or None when it has none or chose `none`; 400 for bad ones."""
     request = _tool_request(body, template_tools.format, vocab)
     if request is not None and not template_tools.renders_tools:
-        prompt = generic_tools_prompt(request.definitions)
+        # The whole system message, as the template renders it: a model that echoes its
+        # prompt copies the request's system text first, then ours.
+        prompt = system_with_tools(_system_text(body), request.definitions)
         request = dataclasses.replace(request, injected_prompt=prompt)
     return request
+
+
+def _system_text(body: ChatCompletionRequest) -> str:
+    """The text of the request's leading system (or developer) message, "" when none."""
+    first = body.messages[0] if body.messages else None
+    if first is None or first.role not in ("system", "developer"):
+        return ""
+    content = first.content
+    if isinstance(content, list):
+        return "".join(part.text or "" for part in content if part.type == "text")
+    return content or ""
 
 
 def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) -> ToolRequest | None:
@@ -86,6 +101,7 @@ def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) ->
             )
         chosen = [t for t in tools if t.function.name == choice.function.name]
         kind: Literal["required", "named"] = "named"
+        parallel = False  # a named function is called once, as vLLM calls it
     else:
         chosen, kind = list(tools), "required"
     if body.grammar or (body.response_format is not None and body.response_format.type != "text"):

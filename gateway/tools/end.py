@@ -11,10 +11,11 @@ the finish is "stop", which the response reports as "tool_calls") when:
 - the reply may hold one call only (parallel_tool_calls false) and that call is whole.
 
 PromptEcho guards the other failure of small models: a model whose template cannot show
-tools gets them in an injected system prompt (tool_template.py), and under `auto` may start
-its reply by copying that prompt. The start of the reply is held while it is word for word
-the prompt's start; once it has copied ECHO_CHARS characters the copy is dropped and the reply
-ends there (finish "stop", no content): the prompt is ours, never the model's answer.
+tools gets them in its system message (template.py: the request's own system text, then the
+tools' prompt), and under `auto` may start its reply by copying that message. The start of
+the reply is held while it is word for word the message's start; once it has copied ECHO_CHARS
+characters the copy is dropped and the reply ends there (finish "stop", no content): the
+prompt is ours, never the model's answer.
 """
 
 from __future__ import annotations

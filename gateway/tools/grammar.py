@@ -3,22 +3,33 @@
 Each function's call is the JSON object {"name": <its name>, <arguments_key>: <arguments>},
 name first, its arguments held to the function's JSON schema by llama.cpp's schema converter;
 the format's markers are written around the calls, so the parser reads them back as calls.
+
+A string whose schema sets no maxLength may hold at most MAX_TOOL_STRING_CHARS characters
+(beyond its minLength): a small model forced into a call can otherwise write one string until
+max_tokens (`{"tz": "UTC-00:00:00:00:...`), and the call never ends.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from llama_cpp.llama_grammar import SchemaConverter
 
-from loomserve.gateway.text.grammar import schema_problem
+from loomserve.gateway.text.grammar import MAX_SCHEMA_REPEAT, schema_problem
 from loomserve.gateway.tools.format import ToolFormat
 
 # A character of a JSON string: anything but a quote, a backslash or a control character,
 # or an escape.
 STRICT_CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+# The most characters a string of a forced call's arguments holds where its schema sets no
+# maxLength: the largest maxLength a schema may set (text/grammar.py's MAX_SCHEMA_REPEAT).
+MAX_TOOL_STRING_CHARS = MAX_SCHEMA_REPEAT
+# A string's characters, unbounded (how the converter writes a string without maxLength),
+# or a GBNF literal or character class, which is left as it is.
+_ANY_CHARS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|(?<![\w-])(?:char|\(char\))\*')
 
 
 class ToolGrammarError(ValueError):
@@ -51,7 +62,7 @@ def tool_grammar(
             raise ToolGrammarError(f"function {name!r}: unsupported JSON schema: {exc}") from exc
         except RecursionError as exc:
             raise ToolGrammarError(f"function {name!r}: the schema is too deep") from exc
-    rules = [_strict_strings(converter.format_grammar()), f"call ::= {' | '.join(alternatives)}"]
+    rules = [_bounded_strings(converter.format_grammar()), f"call ::= {' | '.join(alternatives)}"]
     wrapped = f"{_literal(fmt.call_prefix)} call {_literal(fmt.call_suffix)}"
     if parallel and fmt.parallel:
         rules.append(f"wrapped-call ::= {wrapped}")
@@ -62,11 +73,22 @@ def tool_grammar(
     return "\n".join(rules) + "\n"
 
 
-def _strict_strings(grammar: str) -> str:
-    """llama-cpp-python's converter lets raw control characters into strings, which JSON
-    forbids; llama.cpp's own converter keeps them out, as here."""
+def _bounded_strings(grammar: str) -> str:
+    """Strings of JSON's characters only, each at most MAX_TOOL_STRING_CHARS long.
+
+    llama-cpp-python's converter lets raw control characters into strings, which JSON
+    forbids; llama.cpp's own converter keeps them out, as here. An unbounded `char*` (or
+    `(char)*`, after a minLength) becomes `char{0,N}`, which llama.cpp expands once, into
+    rules that do not nest (whereas a schema's maxLength is written out as N nested groups).
+    """
+    bounded = f"char{{0,{MAX_TOOL_STRING_CHARS}}}"
+
+    def bound(match: re.Match[str]) -> str:
+        return match.group() if match.group()[0] in '"[' else bounded
+
     lines = [
-        STRICT_CHAR_RULE if line.startswith("char ::= ") else line for line in grammar.split("\n")
+        STRICT_CHAR_RULE if line.startswith("char ::= ") else _ANY_CHARS.sub(bound, line)
+        for line in grammar.split("\n")
     ]
     return "\n".join(lines)
 

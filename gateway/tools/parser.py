@@ -10,7 +10,10 @@ A call that repeats an earlier call of the same reply word for word is dropped: 
 while its text is a prefix of the earlier call's, and sent only once it differs. A reply cut
 by max_tokens (`finish(cut=True)`) never gives a call's beginning back as content: a call
 whose name is whole is sent with the arguments written so far (vLLM's shape for a cut call),
-and the rest of an unfinished call or call marker is dropped.
+unless it was cut while, so far, it repeated an earlier call word for word (then it is
+dropped: a cut duplicate is no call); the rest of an unfinished call or call marker is
+dropped. A reply cut where nothing but such a duplicate (or a marker) was lost reports
+`tool_calls`, as if it had ended at its calls (`finish_reason`).
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ class ToolCallParser:
     calls: int = 0  # calls announced so far
     repeats: int = 0  # calls dropped because they repeated an earlier one word for word
     whole_calls: int = 0  # calls announced whose object closed
+    # finish(cut=True) found that the cut lost nothing new: after whole calls, only the start
+    # of another call that so far repeats an earlier one (or a marker, or space).
+    cut_at_repeat: bool = False
+    _content_after_call: bool = False  # content was sent since the last whole call
     _buffer: str = ""
     _mode: str = "text"  # "text", "run" (between calls), "object"
     _at_start: bool = True
@@ -112,6 +119,8 @@ class ToolCallParser:
 
         cut: the reply ended at max_tokens; an unfinished call is not content then.
         """
+        if cut:
+            self.cut_at_repeat = self._cut_lost_nothing()
         if self._mode == "object":
             self._finish_object(cut)
         elif self._mode == "run":
@@ -125,6 +134,27 @@ class ToolCallParser:
             self._content(buffer)
         self._buffer = ""
         return self._take()
+
+    def finish_reason(self, reason: str) -> str:
+        """The reply's finish reason as the response reports it (after `finish`): `tool_calls`
+        when it made calls and ended at them, or was cut only inside a repeated call."""
+        if self.calls and (reason == "stop" or (reason == "length" and self.cut_at_repeat)):
+            return "tool_calls"
+        return reason
+
+    def _cut_lost_nothing(self) -> bool:
+        """Whether what max_tokens cut (the text still held) adds nothing to whole calls."""
+        if not self.calls or self.whole_calls < self.calls or self._content_after_call:
+            return False
+        if self._mode == "object":
+            obj = self._object
+            if obj.index is not None:
+                return False  # a call of its own, cut short
+            return obj.held or obj.dropped or self._repeats(obj.text)
+        if self._mode == "run":
+            return True  # between calls, or in a closing marker
+        buffer = self._buffer  # text held back: space, or a call marker cut short
+        return not buffer[: len(buffer) - _partial_marker(buffer, self.format.opens)].strip()
 
     # --- states ------------------------------------------------------------------
 
@@ -288,7 +318,7 @@ class ToolCallParser:
             return
         if obj.index is not None:
             self._done_calls.append(obj.text)
-            self.whole_calls += 1
+            self._whole_call()
         if obj.args_start is not None:  # announced (or dropped) as it came
             if obj.args_quoted and obj.index is not None:
                 raw = obj.text[obj.args_start : obj.args_end].strip()
@@ -302,13 +332,15 @@ class ToolCallParser:
         self._announce(obj, name)
         if obj.index is not None:
             self._done_calls.append(obj.text)
-            self.whole_calls += 1
+            self._whole_call()
             self._arguments(obj.index, arguments)
 
     def _finish_object(self, cut: bool) -> None:
         """The reply ended inside an object: a call cut short keeps what it sent."""
         obj = self._object
-        if obj.held:  # cut while it repeated an earlier call
+        if obj.held or (cut and obj.index is None and not obj.dropped and self._repeats(obj.text)):
+            # Cut while it repeated an earlier call (before or after its arguments began): a
+            # duplicate, not a call of its own with empty arguments.
             self._mode = "text"
             return
         if cut and obj.index is None and not obj.dropped:
@@ -341,9 +373,15 @@ class ToolCallParser:
             self._content((self._run_text if self._run_calls == 0 else "") + trailing)
         self._mode, self._run_text, self._run_calls = "text", "", 0
 
+    def _whole_call(self) -> None:
+        self.whole_calls += 1
+        self._content_after_call = False
+
     def _content(self, text: str) -> None:
         if not text:
             return
+        if self.calls and not text.isspace():
+            self._content_after_call = True
         last = self._events[-1] if self._events else None
         if isinstance(last, ContentDelta):
             last.text += text
@@ -368,7 +406,11 @@ def parse_reply(
     fmt: ToolFormat, text: str, max_calls: int | None, cut: bool = False
 ) -> tuple[str, list[ParsedCall]]:
     """The content and the calls of a whole reply, as the streamed events add up."""
-    parser = ToolCallParser(fmt, max_calls)
+    return read_reply(ToolCallParser(fmt, max_calls), text, cut)
+
+
+def read_reply(parser: ToolCallParser, text: str, cut: bool) -> tuple[str, list[ParsedCall]]:
+    """parse_reply with a fresh parser of one's own, which then knows the reply's ending."""
     content: list[str] = []
     calls: list[ParsedCall] = []
     for event in [*parser.push(text), *parser.finish(cut)]:

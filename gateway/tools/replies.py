@@ -6,23 +6,25 @@ from typing import Any
 
 from loomserve.gateway.api.schemas import AssistantMessage, FunctionCall, ToolCall
 from loomserve.gateway.tools.checks import ToolRequest
-from loomserve.gateway.tools.parser import ArgumentsDelta, CallStart, parse_reply
+from loomserve.gateway.tools.parser import ArgumentsDelta, CallStart, read_reply
 
 
 def assistant_message(
     tools: ToolRequest | None, text: str, reason: str
 ) -> tuple[AssistantMessage, Any]:
-    """The reply as content and tool calls; finish_reason `tool_calls` when it made some."""
+    """The reply as content and tool calls; finish_reason `tool_calls` when it made some and
+    ended at them (or was cut only inside a repeated call)."""
     if tools is None:
         return AssistantMessage(content=text), reason
-    content, parsed = parse_reply(tools.format, text, tools.max_calls, cut=reason == "length")
+    parser = tools.parser()
+    content, parsed = read_reply(parser, text, cut=reason == "length")
     if not parsed:
         return AssistantMessage(content=content), reason
     calls = [
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed
     ]
     message = AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
-    return message, "tool_calls" if reason == "stop" else reason
+    return message, parser.finish_reason(reason)
 
 
 def tool_call_delta(event: CallStart | ArgumentsDelta) -> dict[str, Any]:

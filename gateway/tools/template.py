@@ -55,6 +55,13 @@ def generic_tools_prompt(tools: list[dict[str, Any]]) -> str:
     return GENERIC_INSTRUCTIONS.format(tools=listed)
 
 
+def system_with_tools(system: str, tools: list[dict[str, Any]]) -> str:
+    """The system message's text once the tools are written into it: the request's own
+    system text (if any), then the tools' prompt."""
+    text = generic_tools_prompt(tools)
+    return f"{system}\n\n{text}" if system else text
+
+
 @dataclass(frozen=True, slots=True)
 class TemplateTools:
     """What one chat template renders of tools, and the call syntax its model writes."""
@@ -109,7 +116,7 @@ class TemplateTools:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and tools to render, with what the template cannot show as text."""
         if tools and not self.renders_tools:
-            messages = _with_system_text(messages, generic_tools_prompt(tools))
+            messages = _with_tools_prompt(messages, tools)
             tools = None
         names = {
             call["id"]: call["function"]["name"]
@@ -158,12 +165,14 @@ def _shows(template: Renderer, messages: list[dict[str, Any]], needle: str, **ex
         return False
 
 
-def _with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+def _with_tools_prompt(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     if messages and messages[0]["role"] in ("system", "developer"):
         first = messages[0]
-        content = first.get("content") or ""
-        return [{**first, "content": f"{content}\n\n{text}" if content else text}, *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
+        content = system_with_tools(first.get("content") or "", tools)
+        return [{**first, "content": content}, *messages[1:]]
+    return [{"role": "system", "content": system_with_tools("", tools)}, *messages]
 
 
 def _result_as_user(message: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ call is fully in the grammar's hands).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -263,3 +264,59 @@ def test_agents_sdk_runs_a_function_tool(gateway: Proc) -> None:
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert isinstance(result.final_output, str)
+
+
+AGENTS_DOC = Path(__file__).parents[2] / "docs" / "agents.md"
+RECIPE_MARK = "<!-- agents-recipe:"
+
+
+def recipe() -> str:
+    """The Python block that follows the recipe's marker in docs/agents.md, as written."""
+    text = AGENTS_DOC.read_text()
+    after = text[text.index(RECIPE_MARK) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```\n", start)]
+
+
+@pytest.fixture(scope="module")
+def roomy_gateway(long_model_path: Path) -> Iterator[Proc]:
+    """The tiny model with room for a string argument of the grammar's longest: the random
+    model writes byte tokens, up to four to a character, where a real model writes whole ones."""
+    with (
+        start_worker(long_model_path, slots=1, ctx_size=6144) as worker,
+        start_gateway(long_model_path, worker.endpoint, served_model_name=MODEL) as gateway,
+    ):
+        yield gateway
+
+
+def test_the_documented_agents_recipe_runs_on_a_base_model(roomy_gateway: Proc) -> None:
+    """docs/agents.md's recipe for the Agents SDK, run as written against a gateway (only its
+    URL and model name swapped): a random model, so a base model of the worst kind."""
+    from agents import Runner
+
+    gateway = roomy_gateway
+
+    code = recipe()
+    for line in ('BASE_URL = "http://127.0.0.1:8000/v1"', 'MODEL = "gemma-3-270m-q4_k_m"'):
+        assert line in code
+    code = code.replace("http://127.0.0.1:8000/v1", gateway.url + "/v1")
+    code = code.replace("gemma-3-270m-q4_k_m", MODEL)
+    scope: dict[str, Any] = {}
+    exec(compile(code, str(AGENTS_DOC), "exec"), scope)  # our own docs
+    result = scope["result"]
+    assert len(result.raw_responses) == 1  # one model turn: the call
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item"], kinds
+    call = result.new_items[0].raw_item
+    city = json.loads(call.arguments)["city"]
+    assert result.final_output == f"sunny in {city}"
+
+    async def streamed() -> Any:
+        run = Runner.run_streamed(scope["agent"], "What is the weather in Rome?")
+        async for _ in run.stream_events():
+            pass
+        return run
+
+    run = asyncio.run(streamed())
+    assert [item.type for item in run.new_items] == kinds
+    assert isinstance(run.final_output, str) and run.final_output.startswith("sunny in ")

@@ -1,6 +1,8 @@
-"""Tool calls that end: a repeated call ends the reply, a forced single call ends it when
-whole, a call cut by max_tokens is a call (never content), and streamed and non-streamed
-answers carry the same calls and finish reason.
+"""Tool calls that end: a repeated call ends the reply, a forced single call (or a named one)
+ends it when whole, a call cut by max_tokens is a call (never content) unless it was a cut
+duplicate (then it is dropped and the reply ends `tool_calls`), a forced call's strings are
+bounded, an echo of the system message holding the tools is no answer, and streamed and
+non-streamed answers carry the same calls and finish reason.
 
 The parser and the stop rules are pure and tested on text; the endings end to end on the
 tiny model, through the chat endpoint, over a sweep of max_tokens that cuts calls
@@ -20,6 +22,7 @@ import pytest
 from loomserve.gateway.text.stop import StopMatcher
 from loomserve.gateway.tools.end import ECHO_CHARS, PromptEcho, ToolCallEnd
 from loomserve.gateway.tools.format import HERMES, MISTRAL
+from loomserve.gateway.tools.grammar import MAX_TOOL_STRING_CHARS
 from loomserve.gateway.tools.parser import (
     ArgumentsDelta,
     CallStart,
@@ -27,6 +30,7 @@ from loomserve.gateway.tools.parser import (
     ToolCallParser,
     parse_reply,
 )
+from loomserve.gateway.tools.template import system_with_tools
 from tests.e2e.test_tools import ASCII_ONLY
 from tests.procs import Proc, start_gateway, start_worker
 
@@ -96,6 +100,54 @@ def test_a_cut_marker_is_not_content() -> None:
     assert whole("hello\n<tool_ca", cut=False) == ("hello\n<tool_ca", [])
     content, calls = parse_reply(MISTRAL, 'ok [TOOL_CALLS][{"name": "f", "argu', None, True)
     assert (content, [c.name for c in calls]) == ("ok ", ["f"])
+
+
+def cut_ending(text: str, streamed: bool) -> tuple[str, list[Any], str]:
+    """(content, [[name, arguments]], finish_reason) of a reply cut by max_tokens after text."""
+    parser = ToolCallParser(HERMES, None)
+    events = []
+    for piece in text if streamed else [text]:
+        events += parser.push(piece)
+    events += parser.finish(cut=True)
+    content, calls = "", []
+    for event in events:
+        if isinstance(event, ContentDelta):
+            content += event.text
+        elif isinstance(event, CallStart):
+            calls.append([event.name, ""])
+        elif isinstance(event, ArgumentsDelta):
+            calls[event.index][1] += event.text
+    return content, calls, parser.finish_reason("length")
+
+
+REPEAT = f"{CALL}\n{CALL}"
+DIVERGES = len(CALL) + 1 + CALL.index("Paris")  # where OTHER first differs from CALL
+
+
+@pytest.mark.parametrize("cut_at", range(len(CALL), len(REPEAT) + 1))
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_reply_cut_inside_a_repeated_call_ends_at_its_calls(cut_at: int, streamed: bool) -> None:
+    """The issue's reply: a whole call, then the same call again until max_tokens. The cut
+    duplicate is no call (never one with empty arguments), and nothing new was lost."""
+    assert cut_ending(REPEAT[:cut_at], streamed) == (
+        "",
+        [["get_time", '{"city": "Paris"}']],
+        "tool_calls",
+    )
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_reply_cut_where_it_said_something_new_ends_by_length_else_at_its_calls(
+    streamed: bool,
+) -> None:
+    paris = ["get_time", '{"city": "Paris"}']
+    new_call = f"{CALL}\n{OTHER}"[: DIVERGES + 1]
+    assert cut_ending(new_call, streamed) == ("", [paris, ["get_time", '{"city": "R']], "length")
+    assert cut_ending(f"{CALL}\nand then", streamed) == ("\nand then", [paris], "length")
+    assert cut_ending(CALL[:20], streamed) == ("", [], "length")
+    # Cut in a closing marker, or in the next call's opening one: the call is whole.
+    assert cut_ending(CALL[:-3], streamed) == ("", [paris], "tool_calls")
+    assert cut_ending(f"{CALL}\n<tool_", streamed) == ("", [paris], "tool_calls")
 
 
 def ending(max_calls: int | None) -> ToolCallEnd:
@@ -248,3 +300,74 @@ def test_streamed_and_whole_answers_agree_wherever_the_cut(
         assert reason == "tool_calls" and calls
         for _, arguments in calls:
             json.loads(arguments)
+
+
+def test_a_forced_call_cut_anywhere_in_its_repeat_is_the_one_call(gateway: Proc) -> None:
+    """The issue's repro on the tiny model: `required`, parallel calls allowed. The model writes
+    its call, then the same call again (which ends the reply when whole). Cut anywhere after
+    the first call, the reply is that call alone, finish `tool_calls`: the cut duplicate is
+    never a second call with empty arguments, and the reply lost nothing."""
+    _, single, reason, first_tokens = ask(
+        gateway, False, tool_choice="required", parallel_tool_calls=False
+    )
+    assert reason == "tool_calls" and len(single) == 1
+    _, calls, reason, all_tokens = ask(gateway, False, tool_choice="required")
+    # This model repeats its call: everything after the first call is the duplicate.
+    assert (calls, reason) == (single, "tool_calls") and all_tokens > first_tokens + 8
+    step = max(1, (all_tokens - first_tokens) // 10)
+    for max_tokens in range(first_tokens, all_tokens, step):
+        for stream in (False, True):
+            content, calls, reason, _ = ask(
+                gateway, stream, tool_choice="required", max_tokens=max_tokens
+            )
+            assert (content, calls, reason) == (None, single, "tool_calls"), (max_tokens, stream)
+
+
+def test_a_named_choice_is_one_call_even_with_parallel_calls_allowed(gateway: Proc) -> None:
+    named = {"type": "function", "function": {"name": "lookup"}}
+    single = ask(gateway, False, tool_choice="required", parallel_tool_calls=False)
+    for stream in (False, True):
+        content, calls, reason, tokens = ask(gateway, stream, tool_choice=named)
+        assert (content, calls, reason) == (None, single[1], "tool_calls")
+        assert tokens == single[3]  # it ended at its call, not at a repeat of it
+
+
+FREE_TEXT: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_string_in_a_forced_call_is_bounded_so_the_call_ends(gateway: Proc, stream: bool) -> None:
+    """This model writes `city` on and on (until the context ends, without the cap)."""
+    content, calls, reason, _ = ask(
+        gateway, stream, tools=[FREE_TEXT], tool_choice="required", parallel_tool_calls=False
+    )
+    assert reason == "tool_calls", (reason, calls)
+    assert content is None and len(calls) == 1
+    city = json.loads(calls[0][1])["city"]
+    assert 0 < len(city) <= MAX_TOOL_STRING_CHARS
+
+
+@pytest.mark.parametrize("system", [None, "You are a helpful assistant. Answer in one word."])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echo_of_the_system_message_with_the_tools_is_no_answer(
+    gateway: Proc, system: str | None, stream: bool
+) -> None:
+    """A reply (forced here by a grammar) that copies the system message the tools were
+    written into: the request's own system text first, when it has one, then the tools."""
+    messages = MESSAGES if system is None else [{"role": "system", "content": system}, *MESSAGES]
+    echo = system_with_tools(system or "", [LOOKUP])
+    grammar = f"root ::= {json.dumps(echo)}"
+    content, calls, reason, _ = ask(
+        gateway, stream, messages=messages, max_tokens=400, extra_body={"grammar": grammar}
+    )
+    assert (content, calls, reason) == (None, [], "stop")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from loomserve.gateway.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.checks import MarkerPieces
 from loomserve.gateway.tools.format import GENERIC, HERMES, JSON, LLAMA3, MISTRAL, ToolFormat
-from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
+from loomserve.gateway.tools.grammar import MAX_TOOL_STRING_CHARS, ToolGrammarError, tool_grammar
 from loomserve.gateway.tools.parser import (
     ArgumentsDelta,
     CallStart,
@@ -22,6 +23,7 @@ from loomserve.gateway.tools.parser import (
     parse_reply,
 )
 from loomserve.gateway.tools.template import TemplateTools
+from loomserve.protocol.limits import grammar_problem
 
 
 def streamed(fmt: ToolFormat, text: str, max_calls: int | None = None, step: int = 1):
@@ -215,6 +217,27 @@ def test_grammar_from_schemas_compiles_for_every_format(tiny_model_path: Path) -
         assert json.dumps(fmt.arguments_key) in grammar.replace('\\"', '"')
     with pytest.raises(ToolGrammarError):
         tool_grammar(HERMES, [("f", {"type": "string", "maxLength": 10**7})], parallel=False)
+
+
+def test_a_forced_calls_strings_are_bounded(tiny_model_path: Path) -> None:
+    """A string without maxLength holds at most MAX_TOOL_STRING_CHARS characters; a literal
+    that spells `char*` and a schema's own maxLength stay as they are."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "free": {"type": "string"},
+            "long": {"type": "string", "minLength": 2},
+            "short": {"type": "string", "maxLength": 3},
+            "kind": {"enum": ["a char* b"]},
+            "any": {"type": "object"},
+        },
+    }
+    grammar = tool_grammar(HERMES, [("f", schema)], parallel=True)
+    assert not re.search(r"char\)?\*", grammar.replace("a char* b", ""))
+    assert f"char{{0,{MAX_TOOL_STRING_CHARS}}}" in grammar
+    assert "a char* b" in grammar
+    assert Vocab(tiny_model_path).grammar_error(grammar) is None
+    assert grammar_problem(grammar) is None
 
 
 CONTROL_MARKER_PIECES = {0: b"", 1: b"Hello", 2: b"[", 3: b"", 4: b"{}"}
