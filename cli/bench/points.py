@@ -113,7 +113,13 @@ def summarize_run(
     notes = report.run_warnings(metrics, run, pacing)
     for note in (
         pace_warning(pace),
-        cache_warning(settings.dataset, metrics.total_input, metrics.total_cached, settings.seed),
+        cache_warning(
+            settings.dataset,
+            metrics.total_input,
+            metrics.total_cached,
+            metrics.completed,
+            settings.seed,
+        ),
     ):
         if note:
             notes.insert(0, note)

@@ -36,7 +36,7 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 
 def _fmt(value: float) -> str:
-    return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.3g}"
+    return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.4g}"
 
 
 def _frame(title: str, xlabel: str, ylabel: str, body: list[str]) -> str:

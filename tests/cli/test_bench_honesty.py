@@ -52,11 +52,13 @@ def test_completion_rate_is_measured_between_completions_not_over_the_tail() -> 
 
 
 def test_cache_warning_only_for_datasets_that_share_nothing() -> None:
-    assert cache_warning("random", 2064, 1040, seed=0) is not None
-    assert "--seed" in (cache_warning("sharegpt", 1000, 500, seed=3) or "")
-    assert cache_warning("random", 2064, 100, seed=0) is None  # a shared template's few tokens
-    assert cache_warning("shared-prefix", 2064, 1500, seed=0) is None  # the point of it
-    assert cache_warning("random", 2064, None, seed=0) is None  # not reported
+    # The rerun: 1,040 of 2,064 prompt tokens cached over 8 requests.
+    assert cache_warning("random", 2064, 1040, 8, seed=0) is not None
+    assert "--seed 3" in (cache_warning("sharegpt", 1000, 500, 4, seed=3) or "")
+    # A BOS token or a chat template's opening, shared by chance: 30 of 180 over 30 requests.
+    assert cache_warning("random", 180, 30, 30, seed=0) is None
+    assert cache_warning("shared-prefix", 2064, 1500, 8, seed=0) is None  # the point of it
+    assert cache_warning("random", 2064, None, 8, seed=0) is None  # not reported
 
 
 def test_an_overloaded_server_is_reported_as_behind_not_as_keeping_up(server, tmp_path) -> None:
@@ -106,7 +108,7 @@ def test_unasked_cache_hits_warn_and_the_json_names_the_server_and_label(server,
     fake, url = server
     fake.cached_share = 0.5
     out = tmp_path / "result.json"
-    args = ["--base-url", url, "--num-prompts", "4", "--input-len", "20", "--output-len", "2"]
+    args = ["--base-url", url, "--num-prompts", "4", "--input-len", "80", "--output-len", "2"]
     args += ["--num-warmups", "1", "--no-progress", "--seed", "7", "--label", "rerun A"]
     args += ["--result-json", str(out)]
     outcome = CliRunner().invoke(bench, args)

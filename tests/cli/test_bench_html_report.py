@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +44,12 @@ def fake() -> Iterator[tuple[FakeOpenAI, str]]:
         yield served
 
 
+def invoke(args: list[str]):
+    """Run the CLI in a thread of its own: Playwright's sync API holds this thread's loop."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(CliRunner().invoke, bench, args).result()
+
+
 def open_page(browser, path: Path):
     """The report loaded in a new page, with its console errors and requests collected."""
     page = browser.new_page()
@@ -65,7 +72,7 @@ def test_a_runs_report_renders_and_shows_the_jsons_figures(browser, fake, tmp_pa
     args += ["--max-concurrency", "4", "--num-warmups", "0", "--no-progress", "--label", "A<b>"]
     args += ["--class", "chat:share=1", "--class", "batch:share=1", "--goodput", "ttft:500"]
     args += ["--result-json", str(out), "--report", str(html)]
-    outcome = CliRunner().invoke(bench, args)
+    outcome = invoke(args)
     assert outcome.exit_code == 0, outcome.output
     result = json.loads(out.read_text())
     page, errors, requests = open_page(browser, html)
@@ -96,7 +103,7 @@ def test_a_sweeps_report_has_its_table_and_curves(browser, fake, tmp_path) -> No
     args = ["--base-url", url, "--num-prompts", "4", "--input-len", "6", "--output-len", "3"]
     args += ["--sweep", "max-concurrency=1,4", "--num-warmups", "0", "--no-progress"]
     args += ["--result-json", str(out), "--report", str(html)]
-    outcome = CliRunner().invoke(bench, args)
+    outcome = invoke(args)
     assert outcome.exit_code == 0, outcome.output
     points = json.loads(out.read_text())["sweep"]["points"]
     page, errors, _ = open_page(browser, html)
