@@ -108,12 +108,12 @@ def line_chart(
     def sy(y: float) -> float:
         return HEIGHT - BOTTOM - (y - y0) / ((y1 - y0) or 1.0) * (HEIGHT - TOP - BOTTOM)
 
-    body = _axes([t for t in x_ticks if t <= x1], y_ticks, sx, sy)
+    body = _axes(x_ticks, y_ticks, sx, sy)
     if hline:
-        y, label = hline
+        level, label = hline
         body.append(
-            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-            f'class="target"/><text x="{WIDTH - RIGHT - 4}" y="{sy(y) - 4:.1f}" '
+            f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{sy(level):.1f}" y2="{sy(level):.1f}" '
+            f'class="target"/><text x="{WIDTH - RIGHT - 4}" y="{sy(level) - 4:.1f}" '
             f'text-anchor="end">{escape(label)}</text>'
         )
     for i, s in enumerate(series):
