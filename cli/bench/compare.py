@@ -42,7 +42,7 @@ def load_points(path: Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"{path}: not a result JSON")
     if "sweep" in result:
         parameter = result["sweep"]["parameter"]
-        return {f"{parameter}={p['value']:g}": p for p in result["sweep"]["points"]}
+        return {f"{parameter}={_value(p['value'])}": p for p in result["sweep"]["points"]}
     if "search" in result:
         answer = result["search"].get("answer") or {}
         value = answer.get("value")
@@ -51,6 +51,11 @@ def load_points(path: Path) -> dict[str, dict[str, Any]]:
     if "summary" not in result:
         raise ValueError(f"{path}: has no summary, sweep or search")
     return {"run": result}
+
+
+def _value(value: Any) -> str:
+    """A sweep value as its point's name: 4 and 4.0 alike; "inf" as written."""
+    return f"{value:g}" if isinstance(value, int | float) else str(value)
 
 
 def samples(point: dict[str, Any]) -> dict[str, list[float]]:

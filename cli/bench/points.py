@@ -56,7 +56,7 @@ def bucket_for(span_s: float) -> float:
 
 
 def in_flight_timeline(records: Sequence[RequestRecord], bucket_s: float) -> list[int]:
-    """Requests on the wire at the start of each bucket (completed or not)."""
+    """Requests on the wire at the start of each bucket (of those that completed)."""
     spans = [
         (r.start_s, r.start_s + (r.e2e_s if r.e2e_s is not None else 0.0))
         for r in records
