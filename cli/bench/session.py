@@ -337,7 +337,7 @@ def finish(
     if config.result_json:
         report.write_json(config.result_json, result)
         echo(f"Wrote {config.result_json}")
-    if config.plot and outcome.runs:
+    if config.plot and outcome.runs and outcome.search is None:  # a search's curve: --report
         if config.sweep is None:
             title = f"{model}: {describe_shape(outcome.runs[0].shape)}"
             report.plot_run(config.plot, outcome.runs[0].records, title)
