@@ -80,7 +80,7 @@ def ratio_interval(a: list[float], b: list[float]) -> tuple[float, float] | None
     ratio = mean_b / mean_a
     relative = np.var(a, ddof=1) / (len(a) * mean_a**2) + np.var(b, ddof=1) / (len(b) * mean_b**2)
     half = t_quantile(min(len(a), len(b)) - 1) * ratio * math.sqrt(float(relative))
-    return ratio - half, ratio + half
+    return max(0.0, ratio - half), ratio + half  # a ratio of positive figures
 
 
 def verdict(figure: str, interval: tuple[float, float] | None, ratio: float | None) -> str:

@@ -120,7 +120,8 @@ class Driver:
         warn: Callable[[str], None],
     ) -> tuple[dict[str, Any], BenchmarkMetrics, RunResult]:
         """One run of the requests in this shape, summarized (and printed) as it ends."""
-        echo(f"Running {len(requests)} requests: {describe_shape(shape)}")
+        replay = all(r.due_s is not None for r in requests)
+        echo(f"Running {len(requests)} requests: {describe_shape(shape, replay)}")
         arrival_seed = seed - (seed - self.plan.seed) % REPEAT_SEED_STRIDE  # same per repeat
         timeline = None
         if self.scraper is not None:
@@ -203,8 +204,10 @@ class Driver:
         return outcome
 
 
-def describe_shape(shape: LoadShape) -> str:
-    """The load shape in words, for the line before each run."""
-    rate = "inf" if math.isinf(shape.request_rate) else f"{shape.request_rate:g} req/s"
+def describe_shape(shape: LoadShape, replay: bool = False) -> str:
+    """The load shape in words, for the line before each run (replay: a trace's own clock)."""
+    rate = "inf" if math.isinf(shape.request_rate) else f"{shape.request_rate:.3g} req/s"
     process = "Poisson" if shape.burstiness == 1.0 else f"gamma, burstiness {shape.burstiness:g}"
+    if replay:
+        process = "the trace's schedule"
     return f"request rate {rate} ({process}), max concurrency {shape.max_concurrency or 'none'}"

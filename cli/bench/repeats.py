@@ -87,7 +87,8 @@ def combine(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if len(values) != len(points):
             continue  # missing in some run: no honest mean
         mean, low, high = mean_ci(values)
-        figures[key] = {"mean": mean, "ci95": [low, high], "values": values}
+        # Every headline figure is a rate, a share or a time: none below zero.
+        figures[key] = {"mean": mean, "ci95": [max(0.0, low), high], "values": values}
     combined = dict(points[0])
     summary = dict(points[0]["summary"])
     summary |= {key: figure["mean"] for key, figure in figures.items()}

@@ -83,7 +83,7 @@ def format_probe(index: int, outcome: ProbeOutcome, target: float, mode: str) ->
     unit = "req/s" if mode == "max-rate" else "in flight"
     verdict = "pass" if outcome.attainment >= target else "FAIL"
     return (
-        f"probe {index + 1}: {outcome.value:g} {unit} -> attainment {outcome.attainment:.1%} "
+        f"probe {index + 1}: {outcome.value:.3g} {unit} -> attainment {outcome.attainment:.1%} "
         f"({outcome.met}/{outcome.total}) {verdict} in {outcome.seconds:.1f} s"
     )
 
@@ -111,7 +111,7 @@ async def find_limit(
         outcome = await probe(value, len(result.probes))
         result.probes.append(outcome)
         if not outcome.complete:
-            echo(f"probe {len(result.probes)}: {value:g} cut off by --duration; not counted")
+            echo(f"probe {len(result.probes)}: {value:.3g} cut off by --duration; not counted")
             result.stopped = "budget"
             return None
         echo(format_probe(len(result.probes) - 1, outcome, target, mode))
@@ -157,15 +157,15 @@ def format_answer(result: SearchResult) -> str:
     what = "request rate" if result.mode == "max-rate" else "concurrency"
     goal = f"{result.target:.0%} of requests within every SLO"
     if result.best is None:
-        worst = f"{result.worst.value:g} {unit}" if result.worst else "the start value"
+        worst = f"{result.worst.value:.3g} {unit}" if result.worst else "the start value"
         return f"No {what} tried meets {goal}: even {worst} fails ({result.stopped})."
     low, high = wilson_interval(result.best.met, result.best.total)
     line = (
-        f"Max {what} meeting {goal}: {result.best.value:g} {unit} (attainment "
+        f"Max {what} meeting {goal}: {result.best.value:.3g} {unit} (attainment "
         f"{result.best.attainment:.1%}, 95% CI {low:.1%}-{high:.1%}, n={result.best.total})"
     )
     if result.worst is not None:
-        line += f"; {result.worst.value:g} {unit} fails ({result.worst.attainment:.1%})"
+        line += f"; {result.worst.value:.3g} {unit} fails ({result.worst.attainment:.1%})"
     if result.stopped != "converged":
         line += f" [stopped: {result.stopped}]"
     return line
