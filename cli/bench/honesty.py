@@ -1,8 +1,9 @@
 """Checks that keep a run from flattering the server: overload, and prompt-cache hits unasked.
 
 A client that releases requests on time can still face a server that serves a fraction of
-them: the send rate then says nothing about capacity. The completion rate does, measured
-between the first and the last completion so that neither the ramp-up nor the tail counts.
+them: the send rate then says nothing about capacity. The completion rate does, counted over
+the release window shifted by the first requests' latency, so that neither the ramp-up nor
+the drain counts.
 And a rerun of the same prompts may be answered from the server's prompt cache: its
 `cached_tokens` say so, and a dataset that shares nothing on purpose should see few.
 """
@@ -10,6 +11,7 @@ And a rerun of the same prompts may be answered from the server's prompt cache: 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,11 +48,30 @@ class ServerPace:
 
 
 def completion_rate(records: Sequence[RequestRecord]) -> float | None:
-    """Completions per second from the first completion to the last (None below 5)."""
-    ends = sorted(r.start_s + r.e2e_s for r in records if r.success and r.e2e_s is not None)
-    if len(ends) < MIN_COMPLETIONS or ends[-1] <= ends[0]:
+    """Completions per second while requests were being released (None below 5 of either).
+
+    The window is the release window, shifted by the latency the first requests saw (before
+    any backlog) and widened by half a gap at each end: a server that keeps up completes
+    about one request per release in it, whatever its latency, and a long last answer falls
+    outside instead of stretching the measure; a server that falls behind completes at its
+    own pace, and the backlog's completions come after the window.
+    """
+    released = sorted(r.dispatched_s for r in records if r.dispatched_s is not None)
+    done = sorted(
+        (r for r in records if r.success and r.e2e_s is not None and r.dispatched_s is not None),
+        key=lambda r: r.dispatched_s or 0.0,
+    )
+    if len(released) < MIN_COMPLETIONS or len(done) < MIN_COMPLETIONS:
         return None
-    return (len(ends) - 1) / (ends[-1] - ends[0])
+    first, last = released[0], released[-1]
+    if last <= first:
+        return None  # all released at once: no rate was offered
+    gap = (last - first) / (len(released) - 1)
+    early = done[: max(1, min(10, len(done) // 4))]
+    shift = statistics.median(r.start_s + (r.e2e_s or 0.0) - (r.dispatched_s or 0.0) for r in early)
+    low, high = first + shift - gap / 2, last + shift + gap / 2
+    ends = (r.start_s + (r.e2e_s or 0.0) for r in done)
+    return sum(low <= end <= high for end in ends) / (high - low)
 
 
 def server_pace(records: Sequence[RequestRecord], offered_rate: float, cut_off: int) -> ServerPace:

@@ -64,7 +64,7 @@ def format_summary(
         served = "n/a" if pace.completion_rate is None else f"{pace.completion_rate:.2f}"
         verdict = "" if pace.kept_up else " (FELL BEHIND)"
         lines.append(
-            _row("Completion rate (req/s):", f"{served} of {shape.request_rate:.2f} offered")
+            _row("Completion rate while sending (req/s):", f"{served} of {shape.request_rate:.2f} offered")
             + verdict
         )
     if pace is not None and shape.max_concurrency is not None:

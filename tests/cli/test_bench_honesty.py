@@ -36,16 +36,19 @@ def done(start: float, e2e: float) -> RequestRecord:
     return record
 
 
-def test_completion_rate_is_measured_between_completions_not_over_the_tail() -> None:
+def test_completion_rate_is_measured_over_the_release_window_not_the_tail() -> None:
     # Ten requests a second apart, each taking 5 s: the server keeps up at 1 req/s, although
     # completed/duration (10 / 14 s) would say 0.71.
     records = [done(float(i), 5.0) for i in range(10)]
     assert completion_rate(records) == pytest.approx(1.0)
     assert server_pace(records, 1.0, cut_off=0).kept_up
-    # Served one at a time every 4 s while offered 1 req/s: behind.
-    slow = [done(0.0, 4.0 * (i + 1)) for i in range(10)]
+    # One long last answer (60 s) does not make a server that kept up look behind.
+    assert completion_rate([*records[:-1], done(9.0, 60.0)]) == pytest.approx(0.9)
+    # Released at 1 req/s and served one at a time every 4 s: behind, at about 0.25.
+    slow = [done(float(i), 4.0 * (i + 1) - i) for i in range(10)]
     pace = server_pace(slow, 1.0, cut_off=0)
-    assert pace.completion_rate == pytest.approx(0.25) and not pace.kept_up
+    assert pace.completion_rate is not None and 0.15 < pace.completion_rate < 0.35
+    assert not pace.kept_up
     assert completion_rate(records[:4]) is None  # too few to call a rate
     assert not server_pace(records[:4], 1.0, cut_off=3).kept_up  # cut off: never kept up
     assert server_pace(records, math.inf, cut_off=0).kept_up  # nothing offered to keep up with
@@ -70,7 +73,7 @@ def test_an_overloaded_server_is_reported_as_behind_not_as_keeping_up(server, tm
     args += ["--result-json", str(out)]
     outcome = CliRunner().invoke(bench, args)
     assert outcome.exit_code == 0, outcome.output
-    assert "Completion rate (req/s):" in outcome.output
+    assert "Completion rate while sending (req/s):" in outcome.output
     assert "of 40.00 offered (FELL BEHIND)" in outcome.output
     assert "the server fell behind" in outcome.output
     result = json.loads(out.read_text())
@@ -83,8 +86,10 @@ def test_an_overloaded_server_is_reported_as_behind_not_as_keeping_up(server, tm
 
 def test_a_server_that_keeps_up_draws_no_overload_warning(server, tmp_path) -> None:
     _, url = server
-    args = ["--base-url", url, "--num-prompts", "10", "--input-len", "4", "--output-len", "2"]
-    args += ["--request-rate", "10", "--num-warmups", "0", "--no-progress"]
+    # Evenly spaced (burstiness inf), 3 s of releases: a loaded machine's jitter of a few
+    # hundred ms stays within the 10 % the verdict allows.
+    args = ["--base-url", url, "--num-prompts", "30", "--input-len", "4", "--output-len", "2"]
+    args += ["--request-rate", "10", "--burstiness", "inf", "--num-warmups", "0", "--no-progress"]
     outcome = CliRunner().invoke(bench, args)
     assert outcome.exit_code == 0, outcome.output
     assert "of 10.00 offered" in outcome.output and "FELL BEHIND" not in outcome.output
