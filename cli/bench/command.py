@@ -56,7 +56,8 @@ def _warn(message: str) -> None:
     default=None,
     help="ShareGPT JSON (implied when no --dataset is given), a Mooncake-style trace "
     "(--dataset trace) or JSONL prompts (--dataset jsonl), e.g. --dataset trace "
-    "--dataset-path mooncake.jsonl --time-scale 0.5.",
+    "--dataset-path mooncake.jsonl --time-scale 0.5, or --dataset jsonl --dataset-path "
+    'prompts.jsonl (lines {"prompt": ...} or {"messages": [...]}).',
 )
 @click.option(
     "--time-scale",
@@ -188,7 +189,8 @@ def _warn(message: str) -> None:
     "--scrape-metrics/--no-scrape-metrics",
     default=None,
     help="Sample the target's Prometheus /metrics every second into the JSON and report "
-    "(queue, running, KV cache, server tokens/s). Default: on when the target has /metrics.",
+    "(queue, running, KV cache, server tokens/s). Default: on when the target has /metrics; "
+    "e.g. --no-scrape-metrics when scraping it is costly.",
 )
 @click.option(
     "--label",

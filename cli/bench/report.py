@@ -64,7 +64,10 @@ def format_summary(
         served = "n/a" if pace.completion_rate is None else f"{pace.completion_rate:.2f}"
         verdict = "" if pace.kept_up else " (FELL BEHIND)"
         lines.append(
-            _row("Completion rate while sending (req/s):", f"{served} of {shape.request_rate:.2f} offered")
+            _row(
+                "Completion rate while sending (req/s):",
+                f"{served} of {shape.request_rate:.2f} offered",
+            )
             + verdict
         )
     if pace is not None and shape.max_concurrency is not None:
@@ -264,23 +267,24 @@ def plot_run(path: Path, records: Sequence[RequestRecord], title: str) -> None:
     plt.close(fig)
 
 
-def format_sweep_table(parameter: str, points: Sequence[tuple[float, BenchmarkMetrics]]) -> str:
-    """One line per sweep point: the value, throughputs, and median/p99 latencies."""
+def format_sweep_table(parameter: str, points: Sequence[tuple[float, dict[str, Any]]]) -> str:
+    """One line per sweep point from its summary (the means, under --repeats): the value,
+    throughputs, and median/p99 latencies."""
     header = (
         f"{parameter:>16} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>9}"
     )
 
-    def ms(dist: Distribution, p: float | None) -> str:
-        value = dist.median_ms if p is None else dist.percentiles_ms.get(p)
+    def ms(value: float | None) -> str:
         return f"{value:9.1f}" if value is not None else f"{'n/a':>9}"
 
     rows = [" Sweep ".center(len(header), "="), header]
     for value, m in points:
         rows.append(
-            f"{value:>16g} {m.completed:>5} {m.failed:>5} {m.request_throughput:>8.2f} "
-            f"{m.output_throughput:>10.1f} {ms(m.ttft, None)} {ms(m.ttft, 99.0)} "
-            f"{ms(m.tpot, None)} {ms(m.tpot, 99.0)} {ms(m.itl, 99.0)}"
+            f"{value:>16g} {m['completed']:>5} {m['failed']:>5} {m['request_throughput']:>8.2f} "
+            f"{m['output_throughput']:>10.1f} {ms(m.get('median_ttft_ms'))} "
+            f"{ms(m.get('p99_ttft_ms'))} {ms(m.get('median_tpot_ms'))} "
+            f"{ms(m.get('p99_tpot_ms'))} {ms(m.get('p99_itl_ms'))}"
         )
     rows.append("=" * len(header))
     return "\n".join(rows)

@@ -330,7 +330,8 @@ def finish(
     else:
         parameter, values = config.sweep
         table = list(zip(values, outcome.metrics, strict=True))
-        echo(report.format_sweep_table(parameter, table))
+        summaries = [(v, p["summary"]) for v, p in zip(values, outcome.points, strict=True)]
+        echo(report.format_sweep_table(parameter, summaries))
         result["sweep"] = {"parameter": parameter, "points": outcome.points}
         for point, value in zip(outcome.points, values, strict=True):
             point["value"] = value

@@ -98,8 +98,10 @@ def test_cli_replays_the_trace_on_its_schedule(fake, tmp_path) -> None:
     result = json.loads(out.read_text())
     requests = result["requests"]
     assert [r["scheduled_s"] for r in requests] == [0.0, 0.4, 1.0, 1.6]
-    for r in requests:  # sent on the trace's clock, not all at once
-        assert r["scheduled_s"] <= r["dispatched_s"] < r["scheduled_s"] + 0.2
+    # Sent on the trace's clock: never early, so the last no sooner than 1.6 s in (a loaded
+    # machine may make any of them late, which the summary reports as send lag).
+    assert all(r["scheduled_s"] <= r["dispatched_s"] for r in requests)
+    assert requests[-1]["dispatched_s"] >= 1.6
     assert [body["max_tokens"] for body in server.bodies] == [3, 2, 4, 2]
     assert result["summary"]["completed"] == 4
     assert result["shape"]["request_rate"] == pytest.approx(4 / 1.6)  # the trace's own rate
