@@ -110,8 +110,7 @@ def summarize_run(
     pace = server_pace(run.records, run.shape.request_rate, metrics.unfinished + metrics.not_sent)
     source = input_source(run, settings.token_counts)
     echo(report.format_summary(metrics, run, pacing, source, pace))
-    notes = report.run_warnings(metrics, run, pacing)
-    for note in (
+    server_notes = [
         pace_warning(pace),
         cache_warning(
             settings.dataset,
@@ -120,9 +119,9 @@ def summarize_run(
             metrics.completed,
             settings.seed,
         ),
-    ):
-        if note:
-            notes.insert(0, note)
+    ]
+    # The server's own shortfalls first: they change what every figure below them means.
+    notes = [n for n in server_notes if n] + report.run_warnings(metrics, run, pacing)
     for note in notes:
         warn(note)
     summary = report.summary_dict(metrics)
