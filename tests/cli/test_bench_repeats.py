@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from loomserve.cli.bench.command import bench
 from loomserve.cli.bench.compare import compare, ratio_interval
+from loomserve.cli.bench.html_report import render
 from loomserve.cli.bench.repeats import combine, mean_ci, t_quantile
 from tests.cli.fake_openai import FakeOpenAI, serve_fake
 
@@ -93,3 +94,16 @@ def test_cli_repeats_each_point_with_fresh_prompts(fake, tmp_path) -> None:
     assert len(prompts) == 9 and len(set(prompts)) == 9  # no repeat is a cache hit
     compared = CliRunner().invoke(bench, ["compare", str(out), str(out)])
     assert compared.exit_code == 0 and "within noise" in compared.output
+
+
+def test_searches_compare_by_their_answers_and_repeats_show_intervals_in_the_report(tmp_path):
+    for name, value in (("a.json", 4.0), ("b.json", 6.0)):
+        search = {"mode": "max-rate", "answer": {"value": value}, "probes": []}
+        (tmp_path / name).write_text(json.dumps({"search": search}))
+    (row,) = compare(tmp_path / "a.json", tmp_path / "b.json")
+    assert (row.point, row.figure, row.ratio) == ("search answer", "max-rate", 1.5)
+    assert row.verdict == "no interval (use --repeats)"
+    combined = combine([point(1.0, 100.0), point(2.0, 110.0), point(3.0, 120.0)])
+    page = render({"settings": {}} | combined)
+    low, high = combined["repeats"]["figures"]["mean_ttft_ms"]["ci95"]
+    assert f'<td data-key="mean_ttft_ms">110.00</td><td>95% CI [{low:.2f}, {high:.2f}]</td>' in page
