@@ -32,8 +32,11 @@ def browser() -> Iterator[object]:
         pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium (CI's .ci/run does)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     with sync_api.sync_playwright() as playwright:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start; a container's
+        # small /dev/shm would crash it without --disable-dev-shm-usage.
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
         yield launched
         launched.close()
 
