@@ -79,7 +79,8 @@ def server_pace(records: Sequence[RequestRecord], offered_rate: float, cut_off: 
     waits = [r.start_s - r.dispatched_s for r in records if r.dispatched_s is not None]
     return ServerPace(
         offered_rate=offered_rate,
-        completion_rate=completion_rate(records),
+        # Released all at once (an infinite rate, a closed loop): no rate to keep up with.
+        completion_rate=completion_rate(records) if math.isfinite(offered_rate) else None,
         completed=sum(r.success for r in records),
         cut_off=cut_off,
         mean_slot_wait_ms=1000.0 * sum(waits) / len(waits) if waits else 0.0,

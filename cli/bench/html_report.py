@@ -25,7 +25,7 @@ text-align:right}td:first-child,th:first-child{text-align:left}
 .chart text{font-size:11px;fill:#333}.chart .title{font-size:13px;font-weight:600}
 .grid{stroke:#e4e4e4}.axis{stroke:#888}.target{stroke:#c44e52;stroke-dasharray:5 4}
 .none{fill:#999}.warn{color:#8a5a00;background:#fff6df;padding:4px 8px;margin:4px 0}
-.answer{font-size:1.15em;background:#eef5ff;padding:8px 12px}
+.answer{font-size:1.15em;background:#eef5ff;padding:8px 12px}.wide{overflow-x:auto}
 """
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency"))
 SERVER_SERIES = (
@@ -193,16 +193,22 @@ def _sweep_section(sweep: dict[str, Any]) -> str:
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")  # fmt: skip
     head = f"<tr><th>{escape(parameter)}</th>" + "".join(f"<th>{k}</th>" for k in keys) + "</tr>"
     rows = "".join(
-        f"<tr><td>{fmt(p.get('value'))}</td>"
+        f"<tr><td>{_value(p.get('value'))}</td>"
         + "".join(f"<td>{fmt(p['summary'].get(k))}</td>" for k in keys)
         + "</tr>"
         for p in points
     )
-    sections = "".join(point_section(p, f"{parameter} = {fmt(p.get('value'))}") for p in points)
+    sections = "".join(point_section(p, f"{parameter} = {_value(p.get('value'))}") for p in points)
     return (
-        f'<h2>Sweep over {escape(parameter)}</h2><table class="sweep">{head}{rows}</table>'
+        f'<h2>Sweep over {escape(parameter)}</h2><div class="wide"><table class="sweep">{head}'
+        f"{rows}</table></div>"
         f'<div class="charts">{"".join(charts)}</div>{sections}'
     )
+
+
+def _value(value: Any) -> str:
+    """A sweep value as the user wrote it: 4, 0.5, inf."""
+    return f"{value:g}" if isinstance(value, int | float) else fmt(value)
 
 
 def _search_section(search: dict[str, Any]) -> str:
