@@ -51,7 +51,8 @@ def test_completion_rate_is_measured_over_the_release_window_not_the_tail() -> N
     assert not pace.kept_up
     assert completion_rate(records[:4]) is None  # too few to call a rate
     assert not server_pace(records[:4], 1.0, cut_off=3).kept_up  # cut off: never kept up
-    assert server_pace(records, math.inf, cut_off=0).kept_up  # nothing offered to keep up with
+    closed = server_pace(records, math.inf, cut_off=0)  # nothing offered to keep up with
+    assert closed.kept_up and closed.completion_rate is None
 
 
 def test_cache_warning_only_for_datasets_that_share_nothing() -> None:
