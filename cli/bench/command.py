@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from loomserve.cli.bench.classes import parse_class
+from loomserve.cli.bench.compare import compare, format_comparison
 from loomserve.cli.bench.metrics import parse_slos
 from loomserve.cli.bench.probe import BenchSetupError
 from loomserve.cli.bench.report import write_json
@@ -34,7 +35,11 @@ def _warn(message: str) -> None:
     click.secho(f"warning: {message}", fg="yellow", err=True)
 
 
-@click.command(context_settings={"show_default": True})
+@click.group(
+    context_settings={"show_default": True},
+    invoke_without_command=True,
+    subcommand_metavar="[compare A.json B.json]",
+)
 @click.option("--base-url", default="http://127.0.0.1:8000", help="The server's root URL.")
 @click.option("--model", default=None, help="Model name. Default: the first of /v1/models.")
 @click.option(
@@ -49,7 +54,22 @@ def _warn(message: str) -> None:
     "--dataset-path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
-    help="ShareGPT-format JSON file (for --dataset sharegpt; implies it).",
+    help="ShareGPT JSON (implied when no --dataset is given), a Mooncake-style trace "
+    "(--dataset trace) or JSONL prompts (--dataset jsonl), e.g. --dataset trace "
+    "--dataset-path mooncake.jsonl --time-scale 0.5, or --dataset jsonl --dataset-path "
+    'prompts.jsonl (lines {"prompt": ...} or {"messages": [...]}).',
+)
+@click.option(
+    "--time-scale",
+    type=float,
+    default=1.0,
+    help="trace: a request is due at its timestamp x this (0.5 replays twice as fast).",
+)
+@click.option(
+    "--trace-block-size",
+    type=int,
+    default=512,
+    help="trace: prompt tokens each hash id stands for (Mooncake's traces use 512).",
 )
 @click.option("--num-prompts", type=int, default=100, help="Requests per run.")
 @click.option(
@@ -139,6 +159,52 @@ def _warn(message: str) -> None:
     help="Run once per value: max-concurrency=1,4,16 or request-rate=1,2,4 (or burstiness=).",
 )
 @click.option(
+    "--find",
+    type=click.Choice(["max-rate", "max-concurrency"]),
+    default=None,
+    help="Search the most load that meets the SLOs, e.g. --find max-rate --goodput "
+    '"ttft:500 tpot:50" --attainment 90: bracket, bisect, print each probe; --duration '
+    "bounds the whole search.",
+)
+@click.option(
+    "--attainment",
+    type=float,
+    default=90.0,
+    help="--find: percent of requests (failed ones count) that must meet every SLO.",
+)
+@click.option(
+    "--find-precision",
+    type=float,
+    default=0.1,
+    help="--find: stop when the bracket is this narrow (relative; one step for concurrency).",
+)
+@click.option(
+    "--repeats",
+    type=int,
+    default=1,
+    help="Run each point N times; report means with 95% intervals, e.g. --repeats 5 "
+    "(then: loomserve bench compare A.json B.json).",
+)
+@click.option(
+    "--scrape-metrics/--no-scrape-metrics",
+    default=None,
+    help="Sample the target's Prometheus /metrics every second into the JSON and report "
+    "(queue, running, KV cache, server tokens/s). Default: on when the target has /metrics; "
+    "e.g. --no-scrape-metrics when scraping it is costly.",
+)
+@click.option(
+    "--label",
+    default=None,
+    help='Your name for this run, kept in the result JSON, e.g. --label "8 slots, spec on".',
+)
+@click.option(
+    "--report",
+    "report_html",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write one self-contained HTML report (no network), e.g. --report run.html.",
+)
+@click.option(
     "--result-json",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -157,8 +223,14 @@ def _warn(message: str) -> None:
     is_flag=True,
     help="Measure the generator itself against a built-in instant server, and exit.",
 )
-def bench(**opts) -> None:
-    """Benchmark an OpenAI-compatible server (loomserve, llama-server, vLLM) under load."""
+@click.pass_context
+def bench(ctx: click.Context, **opts) -> None:
+    """Benchmark an OpenAI-compatible server (loomserve, llama-server, vLLM) under load.
+
+    `loomserve bench compare A.json B.json` compares two result files.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
     if opts["self_test"]:
         from loomserve.cli.bench.selftest import run_self_test
 
@@ -174,6 +246,21 @@ def bench(**opts) -> None:
         run_session(config, echo=click.echo, warn=_warn)
     except (BenchSetupError, WarmupFailed, ValueError) as exc:  # ValueError: a bad dataset
         raise click.ClickException(str(exc)) from exc
+
+
+@bench.command("compare")
+@click.argument("a", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("b", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def compare_command(a: Path, b: Path) -> None:
+    """B's figures as ratios of A's, with 95% intervals where both ran --repeats.
+
+    Example: loomserve bench compare before.json after.json
+    """
+    try:
+        rows = compare(a, b)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_comparison(rows, str(a), str(b)))
 
 
 def build_config(opts: dict) -> BenchConfig:
@@ -226,6 +313,15 @@ def build_config(opts: dict) -> BenchConfig:
         save_detailed=opts["save_detailed"],
         plot=opts["plot"],
         progress=opts["progress"],
+        label=opts["label"],
+        find=opts["find"],
+        attainment=opts["attainment"] / 100.0 if opts["attainment"] > 1 else opts["attainment"],
+        find_precision=opts["find_precision"],
+        repeats=opts["repeats"],
+        scrape_metrics=opts["scrape_metrics"],
+        report_html=opts["report_html"],
+        time_scale=opts["time_scale"],
+        trace_block_size=opts["trace_block_size"],
     )
 
 

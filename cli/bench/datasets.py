@@ -58,6 +58,7 @@ class BenchRequest:
     history: tuple[tuple[str, str], ...] = ()
     follows: int | None = None
     turn: int = 0
+    due_s: float | None = None  # a replayed trace's own arrival time, seconds from the start
 
 
 def sample_lengths(rng: random.Random, n: int, mean: int, range_ratio: float) -> list[int]:

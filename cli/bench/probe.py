@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import httpx
@@ -73,3 +74,34 @@ class ServerTokenizer:
 
     def close(self) -> None:
         self.http.close()
+
+
+def server_identity(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> dict:
+    """What the server says it is, for the result JSON: the first model's entry, the `server`
+    header, vLLM's /version and llama-server's /props (the fields that name a build), when
+    they answer. A missing endpoint is left out, never an error."""
+    root = api_root(base_url)
+    identity: dict = {"base_url": base_url}
+    with httpx.Client(headers=auth_headers(api_key), timeout=timeout_s) as http:
+
+        def get(path: str) -> httpx.Response | None:
+            try:
+                response = http.get(root + path)
+            except httpx.HTTPError:
+                return None
+            return response if response.status_code == 200 else None
+
+        if models := get("/v1/models"):
+            identity["server_header"] = models.headers.get("server")
+            with contextlib.suppress(ValueError, AttributeError, IndexError, KeyError):
+                first = models.json()["data"][0]
+                identity["model"] = {k: first[k] for k in ("id", "owned_by", "meta") if k in first}
+        if (version := get("/version")) is not None:
+            with contextlib.suppress(ValueError, AttributeError):
+                identity["version"] = version.json().get("version")
+        if (props := get("/props")) is not None:
+            with contextlib.suppress(ValueError, AttributeError):
+                body = props.json()
+                keys = ("build_info", "model_path", "total_slots", "chat_template_name")
+                identity["props"] = {k: body[k] for k in keys if k in body}
+    return identity

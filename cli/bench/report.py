@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from loomserve.cli.bench.honesty import ServerPace
 from loomserve.cli.bench.metrics import BenchmarkMetrics, Distribution, PacingStats, output_timeline
 from loomserve.cli.bench.records import RequestRecord
 from loomserve.cli.bench.runner import RunResult
@@ -33,7 +34,11 @@ def _percentile_name(p: float) -> str:
 
 
 def format_summary(
-    metrics: BenchmarkMetrics, run: RunResult, pacing: PacingStats, input_source: str
+    metrics: BenchmarkMetrics,
+    run: RunResult,
+    pacing: PacingStats,
+    input_source: str,
+    pace: ServerPace | None = None,
 ) -> str:
     """The end-of-run table, laid out like vLLM's "Serving Benchmark Result"."""
     shape = run.shape
@@ -54,6 +59,19 @@ def format_summary(
         lines.append(_row("Cached input tokens (server usage):", metrics.total_cached))
     lines.append(_row("Total generated tokens:", metrics.total_output))
     lines.append(_row("Request throughput (req/s):", metrics.request_throughput))
+    if pace is not None and math.isfinite(shape.request_rate):
+        # Beside the offered rate: a server that falls behind completes fewer than it is sent.
+        served = "n/a" if pace.completion_rate is None else f"{pace.completion_rate:.2f}"
+        verdict = "" if pace.kept_up else " (FELL BEHIND)"
+        lines.append(
+            _row(
+                "Completion rate while sending (req/s):",
+                f"{served} of {shape.request_rate:.2f} offered",
+            )
+            + verdict
+        )
+    if pace is not None and shape.max_concurrency is not None:
+        lines.append(_row("Mean wait for a concurrency slot (ms):", pace.mean_slot_wait_ms))
     if metrics.request_goodput is not None:
         lines.append(_row("Request goodput (req/s):", metrics.request_goodput))
     lines.append(_row("Output token throughput (tok/s):", metrics.output_throughput))
@@ -74,7 +92,7 @@ def format_summary(
     lines.append(" Load generator ".center(WIDTH, "-"))
     if pacing.achieved_rate is not None:
         achieved = f"{pacing.achieved_rate:.2f} of {pacing.requested_rate:.2f}"
-        lines.append(_row("Achieved request rate (req/s):", achieved))
+        lines.append(_row("Achieved send rate (req/s):", achieved))
     lines.append(_row("Max send lag behind schedule (ms):", pacing.max_lag_ms))
     lines.append(_row("Client CPU (% of one core):", _cpu_percent(run)))
     lines.append(_row("Client event-loop max lag (ms):", run.loop_lag_max_ms))
@@ -249,23 +267,24 @@ def plot_run(path: Path, records: Sequence[RequestRecord], title: str) -> None:
     plt.close(fig)
 
 
-def format_sweep_table(parameter: str, points: Sequence[tuple[float, BenchmarkMetrics]]) -> str:
-    """One line per sweep point: the value, throughputs, and median/p99 latencies."""
+def format_sweep_table(parameter: str, points: Sequence[tuple[float, dict[str, Any]]]) -> str:
+    """One line per sweep point from its summary (the means, under --repeats): the value,
+    throughputs, and median/p99 latencies."""
     header = (
         f"{parameter:>16} {'ok':>5} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>9}"
     )
 
-    def ms(dist: Distribution, p: float | None) -> str:
-        value = dist.median_ms if p is None else dist.percentiles_ms.get(p)
+    def ms(value: float | None) -> str:
         return f"{value:9.1f}" if value is not None else f"{'n/a':>9}"
 
     rows = [" Sweep ".center(len(header), "="), header]
     for value, m in points:
         rows.append(
-            f"{value:>16g} {m.completed:>5} {m.failed:>5} {m.request_throughput:>8.2f} "
-            f"{m.output_throughput:>10.1f} {ms(m.ttft, None)} {ms(m.ttft, 99.0)} "
-            f"{ms(m.tpot, None)} {ms(m.tpot, 99.0)} {ms(m.itl, 99.0)}"
+            f"{value:>16g} {m['completed']:>5} {m['failed']:>5} {m['request_throughput']:>8.2f} "
+            f"{m['output_throughput']:>10.1f} {ms(m.get('median_ttft_ms'))} "
+            f"{ms(m.get('p99_ttft_ms'))} {ms(m.get('median_tpot_ms'))} "
+            f"{ms(m.get('p99_tpot_ms'))} {ms(m.get('p99_itl_ms'))}"
         )
     rows.append("=" * len(header))
     return "\n".join(rows)

@@ -111,7 +111,9 @@ async def run_load(
     Requests still running when duration_s is up are cut off (recorded as unfinished), and
     those not yet sent never are: the run always ends.
     """
-    offsets = arrival_offsets(len(requests), shape.request_rate, shape.burstiness, seed)
+    offsets = [r.due_s for r in requests if r.due_s is not None]
+    if len(offsets) != len(requests):  # a trace brings its own schedule; others draw one
+        offsets = arrival_offsets(len(requests), shape.request_rate, shape.burstiness, seed)
     records = [
         RequestRecord(
             index=i, expected_prompt_len=r.prompt_len, max_tokens=r.output_len, label=r.label

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -11,13 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loomserve.cli.bench import report
-from loomserve.cli.bench.classes import (
-    RequestClass,
-    assign_classes,
-    class_dict,
-    class_metrics,
-    format_class_table,
-)
+from loomserve.cli.bench.classes import RequestClass, assign_classes
 from loomserve.cli.bench.client import StreamingClient
 from loomserve.cli.bench.datasets import (
     BenchRequest,
@@ -28,13 +21,28 @@ from loomserve.cli.bench.datasets import (
     shared_prefix_dataset,
     sharegpt_dataset,
 )
+from loomserve.cli.bench.driver import Driver, Outcome, Plan, describe_shape
 from loomserve.cli.bench.grounded import input_grounded_dataset
-from loomserve.cli.bench.metrics import BenchmarkMetrics, compute_metrics, pacing_stats
-from loomserve.cli.bench.probe import ServerTokenizer, first_model
-from loomserve.cli.bench.runner import LoadShape, RunResult, run_load, warm_up
+from loomserve.cli.bench.html_report import write_html_report
+from loomserve.cli.bench.metrics import BenchmarkMetrics
+from loomserve.cli.bench.points import PointSettings
+from loomserve.cli.bench.probe import ServerTokenizer, first_model, server_identity
+from loomserve.cli.bench.runner import LoadShape
+from loomserve.cli.bench.scrape import MetricsScraper
+from loomserve.cli.bench.search import MODES, search_dict
 from loomserve.cli.bench.sweep import sweep_shapes
+from loomserve.cli.bench.trace import prompts_dataset, trace_dataset
 
-DATASETS = ("random", "shared-prefix", "sharegpt", "input-grounded", "multi-turn")
+DATASETS = (
+    "random",
+    "shared-prefix",
+    "sharegpt",
+    "input-grounded",
+    "multi-turn",
+    "trace",
+    "jsonl",
+)
+FILE_DATASETS = frozenset({"sharegpt", "trace", "jsonl"})
 DEFAULT_OUTPUT_LEN = 128
 
 
@@ -72,12 +80,21 @@ class BenchConfig:
     save_detailed: bool = False
     plot: Path | None = None
     progress: bool = True
+    label: str | None = None  # the user's name for this run, kept in the result JSON
+    find: str | None = None  # "max-rate" or "max-concurrency": search instead of one run
+    attainment: float = 0.9  # --find: the share of requests that must meet every SLO
+    find_precision: float = 0.1  # --find: relative width of the final bracket
+    repeats: int = 1  # runs per point, for means and 95 % intervals
+    scrape_metrics: bool | None = None  # None: when the target serves /metrics
+    report_html: Path | None = None
+    time_scale: float = 1.0  # trace: due time = timestamp x time_scale
+    trace_block_size: int = 512  # trace: prompt tokens per hash id
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
-        if self.dataset == "sharegpt" and self.dataset_path is None:
-            raise ValueError("the sharegpt dataset needs --dataset-path")
+        if self.dataset in FILE_DATASETS and self.dataset_path is None:
+            raise ValueError(f"the {self.dataset} dataset needs --dataset-path")
         if self.num_prompts < 1 or self.turns < 1:
             raise ValueError("--num-prompts and --turns must be at least 1")
         if self.input_len < 1 or (self.output_len is not None and self.output_len < 1):
@@ -86,6 +103,21 @@ class BenchConfig:
             raise ValueError("--max-concurrency must be at least 1")
         if self.duration_s <= 0 or self.timeout_s <= 0:
             raise ValueError("--duration and --timeout must be positive")
+        if self.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+        if self.find is not None:
+            if self.find not in MODES:
+                raise ValueError(f"--find must be one of {sorted(MODES)}, got {self.find!r}")
+            if not self.slos_ms:
+                raise ValueError('--find needs SLOs: --goodput "ttft:500 tpot:50"')
+            if self.sweep is not None or self.repeats > 1:
+                raise ValueError("--find runs its own probes: drop --sweep and --repeats")
+            if self.dataset in ("trace", "multi-turn"):
+                raise ValueError(f"--find varies the load, which the {self.dataset} dataset sets")
+        if not 0 < self.attainment <= 1:
+            raise ValueError("--attainment must be a share in (0, 1], or a percentage")
+        if not 0 < self.find_precision < 1:
+            raise ValueError("--find-precision must lie between 0 and 1")
 
     def shapes(self) -> list[LoadShape]:
         """The load shapes to run: one, or one per sweep value."""
@@ -138,6 +170,17 @@ def _dataset(config: BenchConfig, count: TokenCounter, seed: int) -> list[BenchR
             count,
         )
     assert config.dataset_path is not None
+    if config.dataset == "trace":
+        return trace_dataset(
+            config.dataset_path,
+            config.num_prompts,
+            config.trace_block_size,
+            config.time_scale,
+            seed,
+            count,
+        )
+    if config.dataset == "jsonl":
+        return prompts_dataset(config.dataset_path, config.num_prompts, output_len, count)
     return sharegpt_dataset(config.dataset_path, config.num_prompts, config.output_len, seed, count)
 
 
@@ -149,34 +192,36 @@ def settings_dict(config: BenchConfig, model: str, token_counts: str) -> dict[st
         "token_counts": token_counts,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    for key in ("dataset_path", "result_json", "plot"):
+    for key in ("dataset_path", "result_json", "plot", "report_html"):
         settings[key] = str(settings[key]) if settings[key] is not None else None
     settings.pop("api_key")
     return settings
 
 
-def input_source(run: RunResult, token_counts: str) -> str:
-    """Where the input token total came from, for the summary line."""
-    done = [r for r in run.records if r.success]
-    if done and all(r.prompt_tokens is not None for r in done):
-        return "server usage"
-    return "server /tokenize" if token_counts.startswith("server") else "estimated"
+def plan_for(config: BenchConfig) -> Plan:
+    """The runs the config asks for."""
+    return Plan(
+        shapes=config.shapes(),
+        seed=config.seed,
+        duration_s=config.duration_s,
+        num_warmups=config.num_warmups,
+        repeats=config.repeats,
+        progress=config.progress,
+        find=config.find,
+        attainment=config.attainment,
+        find_precision=config.find_precision,
+    )
 
 
-def describe_shape(shape: LoadShape) -> str:
-    rate = "inf" if math.isinf(shape.request_rate) else f"{shape.request_rate:g} req/s"
-    process = "Poisson" if shape.burstiness == 1.0 else f"gamma, burstiness {shape.burstiness:g}"
-    return f"request rate {rate} ({process}), max concurrency {shape.max_concurrency or 'none'}"
-
-
-async def run_shapes(
+async def drive(
     config: BenchConfig,
     model: str,
-    prompt_sets: list[list[BenchRequest]],
+    prompts: Callable[[int], list[BenchRequest]],
+    token_counts: str,
     echo: Callable[..., None],
-) -> list[RunResult]:
-    """Warm up once, then run each load shape over its own prompts."""
-    shapes = config.shapes()
+    warn: Callable[[str], None],
+) -> Outcome:
+    """Open the client (and the metrics scraper), run the plan, close them."""
     client = StreamingClient(
         config.base_url,
         model,
@@ -187,26 +232,32 @@ async def run_shapes(
         temperature=config.temperature,
         extra_body=config.extra_body,
     )
+    scraper = None
+    if config.scrape_metrics is not False:
+        scraper = MetricsScraper(config.base_url, config.api_key)
+        if not await scraper.available():
+            if config.scrape_metrics:
+                warn(f"--scrape-metrics: {scraper.url} serves no metrics we know; not sampled")
+            await scraper.aclose()
+            scraper = None
+        else:
+            echo(f"Sampling {scraper.url} every second")
+    settings = PointSettings(
+        dataset=config.dataset,
+        seed=config.seed,
+        slos_ms=config.slos_ms,
+        percentiles=config.percentiles,
+        classes=config.classes,
+        save_detailed=config.save_detailed,
+        token_counts=token_counts,
+    )
+    driver = Driver(plan_for(config), client, prompts, settings, echo, warn, scraper)
     try:
-        if config.num_warmups:
-            echo(f"Warming up with {config.num_warmups} requests...")
-            await warm_up(client, prompt_sets[0][0], config.num_warmups, shapes[0].max_concurrency)
-        runs = []
-        for shape, requests in zip(shapes, prompt_sets, strict=True):
-            echo(f"Running {len(requests)} requests: {describe_shape(shape)}")
-            runs.append(
-                await run_load(
-                    client,
-                    requests,
-                    shape,
-                    config.seed,
-                    duration_s=config.duration_s,
-                    progress=config.progress,
-                )
-            )
-        return runs
+        return await driver.run()
     finally:
         await client.aclose()
+        if scraper is not None:
+            await scraper.aclose()
 
 
 def run_session(
@@ -216,74 +267,85 @@ def run_session(
 ) -> dict[str, Any]:
     """Run the benchmark the config describes; print and write its results, and return them."""
     model = config.model or first_model(config.base_url, config.api_key)
+    identity = server_identity(config.base_url, config.api_key)
     count: TokenCounter = approximate_token_counts
     token_counts = "estimated at 4 characters a token"
     tokenizer = ServerTokenizer(config.base_url, model, config.api_key)
     try:
         if config.tokenize and tokenizer.available():
             count, token_counts = tokenizer.count, "server /tokenize"
-        # Each sweep point draws its own prompts: a server's prompt cache must not turn the
-        # prompts of one point into cache hits at the next.
-        prompt_sets = [
-            build_requests(config, count, config.seed + point)
-            for point in range(len(config.shapes()))
-        ]
+
+        # Each sweep point, repeat and probe draws its own prompts (seed + its index): a
+        # server's prompt cache must not turn one point's prompts into the next one's hits.
+        def prompts(seed: int) -> list[BenchRequest]:
+            return build_requests(config, count, seed)
+
+        requests = prompts(config.seed)
+        if len(requests) < config.num_prompts:
+            warn(
+                f"the dataset yielded {len(requests)} usable prompts of {config.num_prompts} asked"
+            )
+        mean_in = sum(r.prompt_len for r in requests) / len(requests)
+        mean_out = sum(r.output_len for r in requests) / len(requests)
+        echo(
+            f"Model {model} at {config.base_url} ({config.endpoint}); dataset {config.dataset}: "
+            f"{len(requests)} prompts, ~{mean_in:.0f} input tokens ({token_counts}), "
+            f"{mean_out:.0f} output tokens"
+        )
+        cache = {config.seed: requests}  # drawn once; the driver asks for the first set again
+        outcome = asyncio.run(
+            drive(
+                config,
+                model,
+                lambda seed: cache.pop(seed, None) or prompts(seed),
+                token_counts,
+                echo,
+                warn,
+            )
+        )
     finally:
         tokenizer.close()
-    requests = prompt_sets[0]
-    if len(requests) < config.num_prompts:
-        warn(f"the dataset yielded {len(requests)} usable prompts of {config.num_prompts} asked")
-    mean_in = sum(r.prompt_len for r in requests) / len(requests)
-    mean_out = sum(r.output_len for r in requests) / len(requests)
-    echo(
-        f"Model {model} at {config.base_url} ({config.endpoint}); dataset {config.dataset}: "
-        f"{len(requests)} prompts, ~{mean_in:.0f} input tokens ({token_counts}), "
-        f"{mean_out:.0f} output tokens"
-    )
-    runs = asyncio.run(run_shapes(config, model, prompt_sets, echo))
+    return finish(config, model, token_counts, identity, outcome, echo)
 
-    points: list[dict[str, Any]] = []
-    summaries: list[BenchmarkMetrics] = []
-    for run in runs:
-        metrics = compute_metrics(run.records, run.duration_s, config.slos_ms, config.percentiles)
-        pacing = pacing_stats(run.records, run.shape.request_rate)
-        echo(report.format_summary(metrics, run, pacing, input_source(run, token_counts)))
-        notes = report.run_warnings(metrics, run, pacing)
-        for note in notes:
-            warn(note)
-        point: dict[str, Any] = {
-            "shape": report.shape_dict(run),
-            "summary": report.summary_dict(metrics),
-            "generator": report.generator_dict(run, pacing),
-            "warnings": notes,
-        }
-        if config.classes:
-            rows = class_metrics(run.records, config.classes, config.percentiles)
-            echo(format_class_table(rows))
-            point["classes"] = {row.name: class_dict(row) for row in rows}
-        if config.save_detailed:
-            point["requests"] = [report.request_dict(r) for r in run.records]
-        points.append(point)
-        summaries.append(metrics)
 
-    result: dict[str, Any] = {"settings": settings_dict(config, model, token_counts)}
-    if config.sweep is None:
-        result |= points[0]
+def finish(
+    config: BenchConfig,
+    model: str,
+    token_counts: str,
+    identity: dict[str, Any],
+    outcome: Outcome,
+    echo: Callable[..., None],
+) -> dict[str, Any]:
+    """Assemble the result, print the sweep table, and write the JSON, plot and report."""
+    result: dict[str, Any] = {
+        "label": config.label,
+        "server": identity,
+        "settings": settings_dict(config, model, token_counts),
+    }
+    table: list[tuple[float, BenchmarkMetrics]] = []
+    if outcome.search is not None:
+        result["search"] = search_dict(outcome.search)
+    elif config.sweep is None:
+        result |= outcome.points[0]
     else:
         parameter, values = config.sweep
-        table = list(zip(values, summaries, strict=True))
-        echo(report.format_sweep_table(parameter, table))
-        result["sweep"] = {"parameter": parameter, "points": points}
-        for point, value in zip(points, values, strict=True):
+        table = list(zip(values, outcome.metrics, strict=True))
+        summaries = [(v, p["summary"]) for v, p in zip(values, outcome.points, strict=True)]
+        echo(report.format_sweep_table(parameter, summaries))
+        result["sweep"] = {"parameter": parameter, "points": outcome.points}
+        for point, value in zip(outcome.points, values, strict=True):
             point["value"] = value
     if config.result_json:
         report.write_json(config.result_json, result)
         echo(f"Wrote {config.result_json}")
-    if config.plot:
+    if config.plot and outcome.runs and outcome.search is None:  # a search's curve: --report
         if config.sweep is None:
-            title = f"{model}: {describe_shape(runs[0].shape)}"
-            report.plot_run(config.plot, runs[0].records, title)
+            title = f"{model}: {describe_shape(outcome.runs[0].shape)}"
+            report.plot_run(config.plot, outcome.runs[0].records, title)
         else:
             report.plot_sweep(config.plot, config.sweep[0], table)
         echo(f"Wrote {config.plot}")
+    if config.report_html:
+        write_html_report(config.report_html, result)
+        echo(f"Wrote {config.report_html}")
     return result

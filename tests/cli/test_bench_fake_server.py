@@ -11,19 +11,12 @@ import asyncio
 import json
 import math
 import re
-import socket
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
-import uvicorn
 from click.testing import CliRunner
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from loomserve.cli.bench.classes import RequestClass, assign_classes, parse_class
 from loomserve.cli.bench.client import StreamingClient
@@ -34,116 +27,16 @@ from loomserve.cli.bench.probe import ServerTokenizer
 from loomserve.cli.bench.records import RequestRecord
 from loomserve.cli.bench.runner import LoadShape, RunResult, run_load
 from loomserve.cli.bench.selftest import run_self_test
+from tests.cli.fake_openai import FIRST_S, FakeOpenAI, serve_fake
 
-FIRST_S = 0.100
-GAP_S = 0.020
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-class FakeOpenAI:
-    """A Starlette app that streams on a fixed timetable and misbehaves on request."""
-
-    def __init__(self) -> None:
-        self.plan: dict[int, str] = {}  # request index → mode; default "ok"
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.bodies: list[dict] = []
-        self.llama_server_tokenize = False  # /tokenize in llama-server's shape
-        self.app = Starlette(
-            routes=[
-                Route("/v1/models", self.models),
-                Route("/tokenize", self.tokenize, methods=["POST"]),
-                Route("/v1/completions", self.generate, methods=["POST"]),
-                Route("/v1/chat/completions", self.generate, methods=["POST"]),
-            ]
-        )
-
-    def reset(self) -> None:
-        self.plan, self.in_flight, self.max_in_flight, self.bodies = {}, 0, 0, []
-        self.llama_server_tokenize = False
-
-    async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
-
-    async def tokenize(self, request: Request) -> Response:
-        body = await request.json()
-        if self.llama_server_tokenize:  # {"content"} in, {"tokens"} out; other keys ignored
-            return JSONResponse({"tokens": list(range(len(body.get("content", "").split())))})
-        return JSONResponse({"count": len(body["prompt"].split())})
-
-    async def generate(self, request: Request) -> Response:
-        start = time.perf_counter()
-        body = await request.json()
-        self.bodies.append(body)
-        index = int(request.headers["x-request-id"][-12:], 16)  # the bench ends ids in it
-        mode = self.plan.get(index, "ok")
-        if mode == "503":
-            error = {"message": "queue full", "type": "server_error", "param": None, "code": 503}
-            return JSONResponse({"error": error}, status_code=503)
-        chat = request.url.path.endswith("/chat/completions")
-        text = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
-        return StreamingResponse(
-            self.stream(start, mode, chat, body["max_tokens"], len(text.split())),
-            media_type="text/event-stream",
-        )
-
-    async def stream(
-        self, start: float, mode: str, chat: bool, tokens: int, prompt_tokens: int
-    ) -> AsyncIterator[bytes]:
-        def event(body: dict) -> bytes:
-            return b"data: " + json.dumps(body).encode() + b"\n\n"
-
-        def token(i: int) -> bytes:
-            choice = {"index": 0, "finish_reason": "length" if i == tokens - 1 else None}
-            if chat:
-                choice["delta"] = {"content": f" t{i}"}
-            else:
-                choice["text"] = f" t{i}"
-            return event({"choices": [choice]})
-
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            if chat:  # announced at once, before any token: must not count as the first token
-                yield event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-            first = FIRST_S * (50 if mode == "slow" else 1)
-            for i in range(tokens):
-                await asyncio.sleep(max(0.0, start + first + i * GAP_S - time.perf_counter()))
-                yield token(i)
-                if i == 1 and mode == "broken":
-                    raise RuntimeError("the fake server breaks the stream on purpose")
-                if i == 1 and mode == "truncated":
-                    return
-            if mode != "no_usage":
-                usage = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": tokens,
-                    "prompt_tokens_details": {"cached_tokens": 1},
-                }
-                yield event({"choices": [], "usage": usage})
-            yield b"data: [DONE]\n\n"
-        finally:
-            self.in_flight -= 1
 
 
 @pytest.fixture(scope="module")
 def fake() -> Iterator[tuple[FakeOpenAI, str]]:
     """The fake server on a free 127.0.0.1 port, in a thread, for this module."""
-    server_app = FakeOpenAI()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(server_app.app, log_level="critical", timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.started
-    yield server_app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=5)
-    sock.close()
+    with serve_fake() as served:
+        yield served
 
 
 @pytest.fixture

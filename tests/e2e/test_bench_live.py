@@ -78,3 +78,28 @@ def test_bench_reports_rejections_by_kind(tiny_model_path: Path, tmp_path: Path)
     assert summary["completed"] + summary["failed"] == 8
     rejected = [r for r in result["requests"] if r["error_kind"] == "http_503"]
     assert all(r["error"] for r in rejected)  # the server's message, not just a status
+
+
+def test_bench_samples_loomserves_metrics_and_writes_a_report(
+    gateway: Proc, tmp_path: Path
+) -> None:
+    report = tmp_path / "report.html"
+    result = run_bench(
+        gateway.url,
+        tmp_path / "scraped.json",
+        *("--num-prompts", "8", "--input-len", "16", "--output-len", "32"),
+        *("--max-concurrency", "4", "--label", "live", "--report", str(report)),
+    )
+    scraped = result["server_metrics"]  # on by default: the gateway serves /metrics
+    assert scraped["server"] == "loomserve" and scraped["errors"] == 0
+    assert scraped["sources"]["generation_tokens_per_s"] == "loomserve:generation_tokens_total"
+    # The server's own count of the tokens it generated during the run, from its counter's
+    # rise between the first and the last sample, is the benchmark's count.
+    times, rates = scraped["times_s"], scraped["series"]["generation_tokens_per_s"]
+    generated = sum(
+        rate * (times[i] - times[i - 1]) for i, rate in enumerate(rates) if rate is not None
+    )
+    assert generated == pytest.approx(result["summary"]["total_output_tokens"], rel=1e-6)
+    assert result["label"] == "live" and result["server"]["model"]["owned_by"] == "loomserve"
+    page = report.read_text()
+    assert "loomserve:generation_tokens_total" in page and "<script" not in page

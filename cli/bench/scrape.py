@@ -1,0 +1,175 @@
+"""--scrape-metrics: what the server saw during the run, from its Prometheus endpoint.
+
+Once a second the scraper reads the target's `/metrics`, parses it with prometheus-client's
+parser, and keeps the few series a reader of a benchmark wants beside it: requests queued
+and running, KV-cache use, and the server's own prompt and generation tokens per second.
+Each server names them its own way; NAMES knows loomserve's, vLLM's and llama-server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loomserve.cli.bench.client import api_root
+
+# Our series → the sample names each server gives it, in order of preference. Gauges are
+# summed over their labels (several workers, several models); counters (the *_total ones)
+# become per-second rates between samples.
+NAMES: dict[str, tuple[str, ...]] = {
+    "waiting": (
+        "loomserve:num_requests_waiting",
+        "vllm:num_requests_waiting",
+        "llamacpp:requests_deferred",
+    ),
+    "running": (
+        "loomserve:num_requests_running",
+        "vllm:num_requests_running",
+        "llamacpp:requests_processing",
+        "loomserve:requests_in_flight",  # the gateway's, when the worker's gauges are absent
+    ),
+    "kv_cache_usage": (
+        "loomserve:kv_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",  # vLLM before v0.10
+        "llamacpp:kv_cache_usage_ratio",
+    ),
+    "generation_tokens_per_s": (
+        "loomserve:generation_tokens_total",
+        "vllm:generation_tokens_total",
+        "llamacpp:tokens_predicted_total",
+    ),
+    "prompt_tokens_per_s": (
+        "loomserve:prompt_tokens_total",
+        "vllm:prompt_tokens_total",
+        "llamacpp:prompt_tokens_total",
+    ),
+}
+RATES = frozenset({"generation_tokens_per_s", "prompt_tokens_per_s"})
+SERVERS = (("loomserve:", "loomserve"), ("vllm:", "vllm"), ("llamacpp:", "llama-server"))
+
+
+def parse_sample(text: str) -> dict[str, float]:
+    """Each known sample name's value (summed over labels) in one /metrics text."""
+    wanted = {name for names in NAMES.values() for name in names}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values
+
+
+def server_kind(names: Iterable[str]) -> str:
+    """Whose metric names these are: loomserve, vllm, llama-server, or unknown."""
+    names = list(names)
+    for prefix, kind in SERVERS:
+        if any(name.startswith(prefix) for name in names):
+            return kind
+    return "unknown"
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Samples of one run: seconds since the run's start and the raw values at each."""
+
+    times_s: list[float] = field(default_factory=list)
+    samples: list[dict[str, float]] = field(default_factory=list)
+    errors: int = 0  # scrapes that failed or did not parse
+
+    def series(self) -> dict[str, Any]:
+        """The timelines for the result JSON: each of NAMES's series the server had."""
+        seen = {name for sample in self.samples for name in sample}
+        out: dict[str, Any] = {
+            "server": server_kind(seen),
+            "times_s": self.times_s,
+            "errors": self.errors,
+            "series": {},
+            "sources": {},
+        }
+        for key, candidates in NAMES.items():
+            name = next((n for n in candidates if n in seen), None)
+            if name is None:
+                continue
+            values = [sample.get(name) for sample in self.samples]
+            if key in RATES:
+                values = _rates(self.times_s, values)
+            out["series"][key] = values
+            out["sources"][key] = name
+        return out
+
+
+def _rates(times: list[float], totals: list[float | None]) -> list[float | None]:
+    """Per-second increase of a counter between samples (the first sample has none)."""
+    rates: list[float | None] = [None]
+    for i in range(1, len(totals)):
+        before, after = totals[i - 1], totals[i]
+        gap = times[i] - times[i - 1]
+        if before is None or after is None or gap <= 0 or after < before:  # a restart
+            rates.append(None)
+        else:
+            rates.append((after - before) / gap)
+    return rates
+
+
+class MetricsScraper:
+    """Samples a server's /metrics on its own connection while a run goes on."""
+
+    def __init__(self, base_url: str, api_key: str | None, interval_s: float = 1.0) -> None:
+        self.url = api_root(base_url) + "/metrics"
+        self.interval_s = interval_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(headers=headers, timeout=max(interval_s, 2.0))
+
+    async def available(self) -> bool:
+        """Whether the target serves Prometheus text with any series we know."""
+        try:
+            response = await self.http.get(self.url)
+            if response.status_code != 200:
+                return False
+            return bool(await asyncio.to_thread(parse_sample, response.text))
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    async def _sample(self, timeline: Timeline, zero: float) -> None:
+        try:
+            response = await self.http.get(self.url)
+            response.raise_for_status()
+            # Parsing a big exposition takes milliseconds: off the loop that times requests.
+            values = await asyncio.to_thread(parse_sample, response.text)
+        except (httpx.HTTPError, ValueError):
+            timeline.errors += 1
+            return
+        timeline.times_s.append(time.perf_counter() - zero)
+        timeline.samples.append(values)
+
+    async def _watch(self, timeline: Timeline, zero: float) -> None:
+        next_at = time.perf_counter()
+        while True:
+            await self._sample(timeline, zero)
+            next_at += self.interval_s
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+
+    @contextlib.asynccontextmanager
+    async def sampling(self) -> AsyncIterator[Timeline]:
+        """Sample every interval while the block runs, and once more at its end."""
+        timeline = Timeline()
+        zero = time.perf_counter()
+        task = asyncio.create_task(self._watch(timeline, zero))
+        try:
+            yield timeline
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await self._sample(timeline, zero)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
