@@ -98,9 +98,11 @@ def candidates(row: np.ndarray, cut: Truncation, margin: float | None = None) ->
     """
     n_vocab = row.shape[0]
     peak = float(row.max())
+    if not math.isfinite(peak):  # a broken forward pass (NaN) or every token biased away
+        return Candidates(np.array([int(row.argmax())]), np.ones(1), 0.0, cut.temperature)
     if margin is None:
-        nucleus = cut.top_p < 1.0 and not 0 < cut.top_k < n_vocab
-        margin = NUCLEUS_MARGIN if nucleus else TAIL_MARGIN
+        top_p_alone = cut.top_p < 1.0 and not 0 < cut.top_k < n_vocab
+        margin = NUCLEUS_MARGIN if top_p_alone else TAIL_MARGIN
     # Tail tokens score under the floor: each weighs under e^-span untempered and under
     # e^-(span / temperature) tempered, both at most e^-margin / n_vocab of the peak's.
     span = max(math.log(n_vocab) + margin, 1e-3) * max(cut.temperature, 1.0)

@@ -116,7 +116,7 @@ class Gateway:
 def _sampling_defaults(config: GatewayConfig, vocab: Vocab) -> SamplingParams:
     """The defaults for a request's unset sampling fields, logged once at start-up."""
     found = model_sampling_defaults(vocab.meta) if config.model_sampling_defaults else {}
-    defaults = SamplingParams(**found)
+    defaults = dataclasses.replace(SamplingParams(), **found)
     source = "the model (general.sampling.*)" if found else "neutral"
     if not config.model_sampling_defaults:
         source = "neutral (--no-model-sampling-defaults)"

@@ -5,6 +5,7 @@ Everything a request can get wrong is caught here, before anything reaches the w
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
@@ -145,17 +146,17 @@ def max_new_tokens(requested: int | None, default: int | None, prompt_len: int, 
     return room if default is None else min(default, room)
 
 
-def model_sampling_defaults(meta: Callable[[str], str]) -> dict[str, float | int]:
+def model_sampling_defaults(meta: Callable[[str], str]) -> dict[str, Any]:
     """The sampling defaults in a GGUF's metadata (`meta` reads a key), by SamplingParams
     field. A value that does not parse, or that SamplingParams refuses, is left out."""
-    found: dict[str, float | int] = {}
+    found: dict[str, Any] = {}
     for key, name in MODEL_SAMPLING_KEYS.items():
         text = meta(f"general.sampling.{key}").strip()
         if not text:
             continue
         try:
-            value = int(text) if name in ("top_k", "repeat_last_n") else float(text)
-            SamplingParams(**{name: value})
+            value: Any = int(text) if name in ("top_k", "repeat_last_n") else float(text)
+            dataclasses.replace(NEUTRAL, **{name: value})  # its checks
         except ValueError:
             continue
         found[name] = value

@@ -173,3 +173,9 @@ def test_a_temperature_alone_keeps_every_token():
     found = candidates(row, Truncation(1.0))
     assert found.row is not None and len(found.ids) + found.n_tail == 262_144
     assert found.n_tail * found.envelope < 0.25 * float(found.cumulative[-1])
+
+
+def test_rows_without_a_finite_peak_give_a_token_not_an_error():
+    rng = np.random.default_rng(0)
+    for row in (np.full(N_VOCAB, np.nan, np.float32), np.full(N_VOCAB, -np.inf, np.float32)):
+        assert 0 <= draw(row, Truncation(1.0, top_p=0.9), rng) < N_VOCAB

@@ -395,6 +395,18 @@ def test_seeded_sampling_repeats_alone_and_batched(engine, config):
     assert tokens["other-seed"] != alone
 
 
+def test_seeded_sampling_repeats_after_a_restart(engine, config):
+    """A new engine (a worker started again) gives a seeded request the same text."""
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, min_p=0.02, seed=7)
+    request = Generate("seeded", [1, 40, 41, 42], params)
+    before = run_alone(engine, config, request)
+    restarted = Engine(config)
+    try:
+        assert run_alone(restarted, config, request) == before
+    finally:
+        restarted.close()
+
+
 def test_unseeded_sampling_differs_between_requests(engine, config):
     loop, collector = new_loop(engine, config)
     params = SamplingParams(max_tokens=24, temperature=1.5)
