@@ -216,6 +216,7 @@ def _open_routes(gateway: Gateway) -> APIRouter:
         The slot counts are those of every worker in rotation, summed.
         503 also while the gateway drains on its way down.
         """
+        gateway.pool.note_rotation()
         reason = gateway.pool.unavailable_reason()
         if gateway.drain.draining:
             reason = "the gateway is shutting down"

@@ -401,7 +401,7 @@ def test_metrics_move_by_what_was_served(
     assert moved(gateway_before, gateway_after, latency) == 8
     assert gateway_after["loomserve:requests_in_flight", ()] == 0
     finished = "loomserve:requests_finished_total"
-    assert moved(worker_before, worker_after, finished, reason="length") == 8
+    assert moved(worker_before, worker_after, finished, finished_reason="length") == 8
     # Bad input never reached the worker.
     assert moved(worker_before, worker_after, "loomserve:requests_rejected_total") == 0
 

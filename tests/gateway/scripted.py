@@ -83,7 +83,7 @@ class ScriptedClient:
     def is_open(self, handle: RequestHandle) -> bool:
         return handle.request_id in self.running
 
-    def cancel(self, handle: RequestHandle) -> None:
+    def cancel(self, handle: RequestHandle, reason: str = "cancelled") -> None:
         self.cancelled.append(handle.request_id)
 
     def forget(self, handle: RequestHandle) -> None:

@@ -416,7 +416,7 @@ def test_metrics_count_what_the_worker_did(gateway: Gateway, metrics_port: int):
 
     assert delta("loomserve:generation_tokens_total") == 7
     assert delta("loomserve:prompt_tokens_total") == 5
-    assert delta("loomserve:requests_finished_total", reason="length") == 1
+    assert delta("loomserve:requests_finished_total", finished_reason="length") == 1
     assert delta("loomserve:requests_rejected_total", reason="prompt_too_long") == 1
     assert delta("loomserve:prefix_cache_queries_total") == 5
     assert delta("loomserve:batch_tokens_total", kind="prefill") == 5
