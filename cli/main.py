@@ -263,7 +263,8 @@ def gateway_options(func):
             "--chat-template",
             default=None,
             help="Chat template overriding the model's own: a llama.cpp built-in name (gemma, "
-            "llama3, chatml, ...), Jinja text, or a file of Jinja.",
+            "llama3, chatml, ...), Jinja text, or a file of Jinja; anything else, or Jinja "
+            "that does not compile, is refused at start-up.",
         ),
         click.option(
             "--allowed-origins",

@@ -176,10 +176,10 @@ class GatewayMetrics:
             self.worker_requests_in_flight,
             self.worker_up,
             self.worker_prefix_affinity_hits,
+            *self.worker_load.values(),
         ):
             with contextlib.suppress(KeyError):
                 metric.remove(endpoint)
-        self.forget_worker_load(endpoint)
 
     def set_worker_load(
         self, endpoint: str, running: int, waiting: int, free_slots: int, kv_usage: float
@@ -190,12 +190,6 @@ class GatewayMetrics:
         load["num_requests_waiting"].labels(endpoint).set(waiting)
         load["free_slots"].labels(endpoint).set(free_slots)
         load["kv_cache_usage_perc"].labels(endpoint).set(kv_usage)
-
-    def forget_worker_load(self, endpoint: str) -> None:
-        """Drop a worker's load series: no heartbeat to tell it (it is down or just back)."""
-        for metric in self.worker_load.values():
-            with contextlib.suppress(KeyError):
-                metric.remove(endpoint)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type (every gateway's, in multiprocess mode)."""

@@ -330,7 +330,6 @@ class WorkerPool:
         self.note_rotation()
         for endpoint, member in list(self.members.items()):
             client = member.client
-            up = member.up
             if member.retiring and client.open_requests == 0:
                 del self.members[endpoint]
                 await client.close()
@@ -340,15 +339,16 @@ class WorkerPool:
                 log.info("worker connection closed", worker=endpoint)
                 continue
             if self.metrics is not None:
-                self.metrics.worker_up.labels(endpoint).set(1 if up else 0)
+                self.metrics.worker_up.labels(endpoint).set(1 if member.up else 0)
                 self.metrics.worker_requests_in_flight.labels(endpoint).set(client.open_requests)
                 _export_load(self.metrics, endpoint, client.heartbeat)
 
 
 def _export_load(metrics: GatewayMetrics, endpoint: str, beat: Heartbeat | None) -> None:
-    """The worker's load gauges from its latest heartbeat; none without one."""
+    """The worker's load gauges from its latest heartbeat; zeros without one (it is down,
+    or has not spoken yet: nothing runs there, nothing can start, its cache is gone)."""
     if beat is None:
-        metrics.forget_worker_load(endpoint)
+        metrics.set_worker_load(endpoint, 0, 0, 0, 0.0)
         return
     usage = beat.kv_cells_used / beat.kv_cells_total if beat.kv_cells_total else 0.0
     metrics.set_worker_load(endpoint, beat.running, beat.queue_depth, beat.free_slots, usage)

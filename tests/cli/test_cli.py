@@ -413,6 +413,58 @@ def test_serve_rejects_a_missing_model(tmp_path: Path) -> None:
     assert "no model file" in result.stderr
 
 
+def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "loomserve.cli.main", "serve", "--log-json", *args]
+    return subprocess.run(
+        [*argv, "--port", str(free_port())],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def started_children(result: subprocess.CompletedProcess[str]) -> list[str]:
+    lines = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    return [line["child"] for line in lines if line.get("event") == "started"]
+
+
+def test_serve_rejects_a_model_that_is_not_gguf(tmp_path: Path) -> None:
+    """`--model /etc/hostname` crash-looped five workers and four gateways; now one line."""
+    text = tmp_path / "hostname"
+    text.write_text("build-box\n")
+    result = run_serve("--model", str(text))
+    assert result.returncode == 2, result.stderr
+    assert f"{text} is not a GGUF model file" in result.stderr
+    assert started_children(result) == [] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("chatgpt", "is not a llama.cpp built-in template, a file or Jinja text"),
+        ("{% for m in messages %}{{ m }}", "the chat template does not compile"),
+    ],
+)
+def test_serve_rejects_a_chat_template_before_starting_anything(
+    tiny_model_path: Path, template: str, says: str
+) -> None:
+    result = run_serve("--model", str(tiny_model_path), "--chat-template", template)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr and "Traceback" not in result.stderr
+    assert started_children(result) == []
+
+
+def test_a_child_failing_on_its_configuration_is_not_restarted(tiny_model_path: Path) -> None:
+    """A --strategy that does not load fails in the worker (serve cannot check it without
+    the worker's imports): it exits with EX_CONFIG once, and serve gives up with it."""
+    result = run_serve(
+        "--model", str(tiny_model_path), "--strategy", "no_such_module:Strategy", "--threads", "1"
+    )
+    assert result.returncode == os.EX_CONFIG, result.stderr
+    assert started_children(result).count("worker") == 1
+    assert "worker cannot start" in result.stderr
+    assert "giving up: child failed on its configuration" in result.stderr
+    assert "restarting" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_worker_health_fails_without_a_worker() -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     argv = [sys.executable, "-m", "loomserve.cli.main", "worker-health", "--worker", endpoint]

@@ -18,6 +18,7 @@ from loomserve.gateway.text.chat_template import (
     ChatTemplateError,
     builtin_templates,
     choose_template,
+    load_override,
 )
 from loomserve.gateway.text.stop import StopMatcher
 from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Vocab
@@ -181,6 +182,34 @@ def test_builtin_template_by_name() -> None:
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     with pytest.raises(ValueError, match="no built-in"):
         BuiltinChatTemplate("no-such-template")
+
+
+def test_chat_template_override_is_a_name_a_file_or_jinja(tmp_path: Path) -> None:
+    assert load_override("chatml") == "chatml"
+    jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert load_override(jinja) == jinja
+    saved = tmp_path / "template.jinja"
+    saved.write_text(jinja)
+    assert load_override(str(saved)) == jinja
+
+
+@pytest.mark.parametrize("value", ["chatgpt", "templates/missing.jinja", "Gemma"])
+def test_a_mistyped_chat_template_is_refused_with_the_builtin_names(value: str) -> None:
+    """Taken as text, each of these would have become every chat's whole prompt."""
+    with pytest.raises(ValueError) as refused:
+        load_override(value)
+    message = str(refused.value)
+    assert repr(value) in message and "\n" not in message
+    assert all(name in message for name in builtin_templates())
+
+
+def test_a_chat_template_that_does_not_compile_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not compile"):
+        load_override("{% for m in messages %}{{ m }}")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ messages[0]['content'] }")
+    with pytest.raises(ValueError, match=f"{broken}: the chat template does not compile"):
+        load_override(str(broken))
 
 
 def test_template_sandbox_blocks_python_internals() -> None:

@@ -295,6 +295,33 @@ def test_queue_full_duplicates_and_cancellation(gateway: Gateway):
     assert beat.free_slots == 2 and beat.queue_depth == 0
 
 
+def test_a_request_the_gateway_ended_finishes_with_its_reason(
+    gateway: Gateway, metrics_port: int
+) -> None:
+    """A gateway that matched a stop string cancels with reason stop: the worker's Finish
+    and metrics say stop, as the client was told, and not cancelled (a client gone)."""
+    gateway.hello()
+    gateway.run(greedy("kept", [1, 30, 31], 5))  # its cells stay, for prefix reuse
+    before = scrape(metrics_port)
+    # Sent at once, not after a token came: on a busy machine the request could otherwise
+    # reach max_tokens first. Queued or running when the Cancel comes, it ends with "stop".
+    gateway.send(greedy("ended", [1, 40, 41], 400, ignore_eos=True))
+    gateway.send(Cancel("ended", reason="stop"))
+    finish = finish_of(gateway.wait_for(is_finish_of("ended")), "ended")
+    assert finish.reason == "stop" and finish.completion_tokens < 400
+    after = scrape(metrics_port)
+    stopped = ("loomserve:requests_finished_total", (("finished_reason", "stop"),))
+    assert after[stopped] - before.get(stopped, 0.0) == 1
+    cancelled = ("loomserve:requests_cancelled_total", ())
+    assert after[cancelled] == before.get(cancelled, 0.0)
+    # Heartbeats carry the KV cache's cells, for the gateways' per-worker gauges (the first
+    # request's cells, at least, are kept for prefix reuse): what the worker's gauge says.
+    gateway.send(Ping(sent_at=2.0))
+    beat = gateway.wait_for(lambda m: isinstance(m, Heartbeat) and m.ping_sent_at == 2.0)
+    assert beat.kv_cells_total == 2 * 512
+    assert 0 < beat.kv_cells_used == after[("loomserve:kv_cache_cells_used", ())]
+
+
 @contextmanager
 def worker_process(model: Path, **config) -> Iterator[tuple[subprocess.Popen, str]]:
     """run_worker in a process of its own, with settings the CLI does not expose."""
