@@ -26,7 +26,6 @@ from loomserve.gateway.workers.pool import WorkerPool
 
 log = structlog.get_logger(__name__)
 
-
 EXIT_CONFIG = os.EX_CONFIG  # 78: the settings or the model are at fault; a restart cannot help
 
 
