@@ -73,8 +73,11 @@ def vocabulary(extra: int = 0) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, [int(k) for k in kinds]
 
 
-def write_tiny_model(path: Path, seed: int = 1234, shape: ModelShape = TINY) -> Path:
-    """Write a generated model (the tiny one unless shape says otherwise) to path."""
+def write_tiny_model(
+    path: Path, seed: int = 1234, shape: ModelShape = TINY, chat_template: str | None = None
+) -> Path:
+    """Write a generated model (the tiny one unless shape says otherwise) to path; with
+    chat_template, the model ships that template."""
     tokens, scores, token_types = vocabulary(shape.extra_vocab)
     dtype = np.float16 if shape.f16 else np.float32
     n_vocab = len(tokens)
@@ -104,6 +107,8 @@ def write_tiny_model(path: Path, seed: int = 1234, shape: ModelShape = TINY) -> 
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     writer.add_tensor("token_embd.weight", weight(n_vocab, shape.n_embd, gain=8.0))
     writer.add_tensor("output_norm.weight", np.ones(shape.n_embd, dtype=np.float32))

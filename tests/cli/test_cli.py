@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from loomserve.cli.main import build_gateway_config, main
 from loomserve.gateway.config import unnamed_key_tenant
 from tests.procs import free_port
+from tests.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cli", "gateway", "protocol", "worker")
@@ -463,6 +464,25 @@ def test_a_child_failing_on_its_configuration_is_not_restarted(tiny_model_path: 
     assert "worker cannot start" in result.stderr
     assert "giving up: child failed on its configuration" in result.stderr
     assert "restarting" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_gateway_whose_model_template_does_not_compile_exits_as_misconfigured(
+    tmp_path: Path,
+) -> None:
+    """Its model's own template is compiled when the gateway starts, past what serve checks:
+    one line and EX_CONFIG, which serve's supervisor does not restart."""
+    model = write_tiny_model(tmp_path / "broken.gguf", chat_template="{% for m in messages %}")
+    argv = [sys.executable, "-m", "loomserve.cli.main", "gateway", "--model", str(model)]
+    argv += ["--worker", f"tcp://127.0.0.1:{free_port()}", "--port", str(free_port())]
+    result = subprocess.run(
+        [*argv, "--log-json"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == os.EX_CONFIG, result.stderr
+    (line,) = [json.loads(text) for text in result.stderr.splitlines() if "cannot start" in text]
+    assert line["event"] == "gateway cannot start"
+    assert "the chat template does not compile" in line["error"]
+    assert "Traceback" not in result.stderr
 
 
 def test_worker_health_fails_without_a_worker() -> None:
