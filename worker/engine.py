@@ -420,15 +420,16 @@ _llama_log = structlog.get_logger("llama.cpp")
 # With one KV cache shared by all slots, llama.cpp compares the whole cache with the training
 # context and warns; each slot is held to its own share, so the warning says nothing true.
 UNIFIED_CACHE_FALSE_ALARM = "possible training context overflow"
-# Warnings about the model file that llama.cpp corrects as it loads it (a token's type):
-# nothing for whoever serves it to do, so they are debug lines.
-SELF_CORRECTED = ("was not control-type",)
+# Warnings with nothing in them for whoever serves the model, so debug lines: about the model
+# file, which llama.cpp corrects as it loads it (a token's type); and that the sliding-window
+# layers keep a full-size cache, llama_context's default, which a cached prefix needs whole.
+EXPECTED_WARNINGS = ("was not control-type", "using full-size SWA cache")
 
 
 class LlamaLogLines:
     """llama.cpp's log, which arrives in pieces (a line may end in a later CONT call), as
     whole lines to structlog: errors as errors, warnings as warnings (less the false alarm and
-    the notes it acts on itself), its chatty info and debug lines at debug."""
+    the expected ones), its chatty info and debug lines at debug."""
 
     def __init__(self) -> None:
         self.level = GGML_LOG_INFO
@@ -451,7 +452,7 @@ class LlamaLogLines:
             return
         if self.level == GGML_LOG_ERROR:
             _llama_log.error(message)
-        elif self.level == GGML_LOG_WARN and not any(s in message for s in SELF_CORRECTED):
+        elif self.level == GGML_LOG_WARN and not any(s in message for s in EXPECTED_WARNINGS):
             _llama_log.warning(message)
         else:
             _llama_log.debug(message)

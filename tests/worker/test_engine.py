@@ -566,7 +566,7 @@ def test_a_quantized_kv_cache_needs_flash_attention(config):
 
 def test_llama_cpps_log_reaches_structlog_as_whole_lines_at_its_level() -> None:
     """Its warnings and errors at their level, a line cut across CONT calls joined, its info
-    chatter and the warnings it acts on itself (a model's token types) at debug."""
+    chatter and the warnings with nothing to act on (a model's token types) at debug."""
     lines = LlamaLogLines()
     with capture_logs() as logs:
         lines.feed(GGML_LOG_INFO, "llama_model_loader: loaded meta data\n")
@@ -575,6 +575,7 @@ def test_llama_cpps_log_reaches_structlog_as_whole_lines_at_its_level() -> None:
             "load: control-looking token:    106 '<end_of_turn>' was not control-type; this is "
             "probably a bug in the model. its type will be overridden\n",
         )
+        lines.feed(GGML_LOG_WARN, "llama_kv_cache_iswa: using full-size SWA cache (ref: x)\n")
         lines.feed(GGML_LOG_WARN, "something ")
         lines.feed(GGML_LOG_CONT, "to look at\n")
         lines.feed(GGML_LOG_ERROR, "failed to read\n")
@@ -582,6 +583,7 @@ def test_llama_cpps_log_reaches_structlog_as_whole_lines_at_its_level() -> None:
     assert [(log["log_level"], log["event"]) for log in logs] == [
         ("debug", "llama_model_loader: loaded meta data"),
         ("debug", logs[1]["event"]),
+        ("debug", "llama_kv_cache_iswa: using full-size SWA cache (ref: x)"),
         ("warning", "something to look at"),
         ("error", "failed to read"),
     ]
