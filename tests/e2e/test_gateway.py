@@ -127,6 +127,15 @@ def test_the_api_pages_load_nothing_from_elsewhere(
         assert served.status_code == 200 and len(served.content) > 1000
 
 
+def test_every_log_line_is_structured(gateways: tuple[Proc, Proc], worker: Proc) -> None:
+    """llama.cpp's own lines (the gateway's vocabulary load printed them raw on stderr) go
+    through structlog too: one JSON object a line, with a level."""
+    for proc in (*gateways, worker):
+        lines = [line for line in proc.logs().splitlines() if line.strip()]
+        assert lines and all(line.startswith("{") for line in lines), proc.log_tail()
+        assert all("level" in json.loads(line) for line in lines)
+
+
 def test_completion(gateways: tuple[Proc, Proc]) -> None:
     tokens = httpx.post(gateways[0].url + "/tokenize", json={"content": PROMPTS[0]}).json()
     result = greedy(gateways[0], PROMPTS[0], max_tokens=12)

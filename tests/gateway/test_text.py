@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from llama_cpp import llama_vocab_get_text
+from structlog.testing import capture_logs
 
 from loomserve.gateway.api.errors import APIError
 from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -52,6 +53,22 @@ def test_vocab_basics(vocab: Vocab) -> None:
     # EOS renders as nothing in generated text, and as itself in /detokenize.
     assert vocab.piece(vocab.eos_id) == b""
     assert vocab.text_of(vocab.eos_id) == "</s>"
+
+
+def test_llama_cpps_lines_go_through_structlog_not_raw_to_stderr(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """llama-cpp-python's own log callback prints llama.cpp's warnings and errors raw on
+    stderr (each start printed the default model's token-type warnings so); the gateway's
+    goes through structlog: errors as errors, the rest at debug (the worker reports the same
+    file's load at its proper levels)."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    with capture_logs() as logs, pytest.raises(ValueError, match="cannot load the vocabulary"):
+        Vocab(broken)
+    assert capfd.readouterr().err == ""
+    llama = [log for log in logs if log["log_level"] == "error"]
+    assert llama and all(log["event"] and "\n" not in log["event"] for log in llama)
 
 
 def test_long_text_tokenizes(vocab: Vocab) -> None:
