@@ -388,6 +388,12 @@ def test_sigterm_stops_serve_and_all_its_children(served: Served) -> None:
     assert not workdir.exists(), "serve left its temp dir behind"
     stopped = [e["child"] for e in served.events() if e.get("event") == "stopped"]
     assert sorted(stopped[:2]) == ["gateway-1", "gateway-2"] and stopped[2] == "worker"
+    # A clean stop is quiet: the gateways leave with nothing open, which the worker (when it
+    # notices before its own stop) logs at info, "gateway gone", not as a lost gateway.
+    events = served.events()
+    since = max(i for i, e in enumerate(events) if e.get("event") == "stopping")
+    loud = [e for e in events[since:] if e.get("level") in ("warning", "error", "critical")]
+    assert not loud, loud
 
 
 def test_serve_refuses_a_port_in_use(tiny_model_path: Path) -> None:
