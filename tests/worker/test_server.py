@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -322,6 +323,39 @@ def test_a_request_the_gateway_ended_finishes_with_its_reason(
     beat = gateway.wait_for(lambda m: isinstance(m, Heartbeat) and m.ping_sent_at == 2.0)
     assert beat.kv_cells_total == 2 * 512
     assert 0 < beat.kv_cells_used == after[("loomserve:kv_cache_cells_used", ())]
+
+
+def test_a_gateway_leaving_with_nothing_open_is_not_a_warning(worker: Proc) -> None:
+    """A clean stop drains a gateway's streams before it goes: the worker notes it at info.
+    One that leaves a request running is a warning, as it costs that request."""
+    quiet = Gateway(worker.endpoint, f"gw-quiet-{os.getpid()}")
+    quiet.hello()
+    quiet.close()
+    busy = Gateway(worker.endpoint, f"gw-busy-{os.getpid()}")
+    busy.hello()
+    busy.send(greedy("left-behind", [1, 50, 51], 500, ignore_eos=True))
+    busy.wait_for(lambda m: isinstance(m, Outputs) and any(c.token_ids for c in m.tokens))
+    busy.close()
+
+    def lines_about(gateway: Gateway) -> list[dict]:
+        """What the worker logged of the gateway leaving."""
+        logged = [json.loads(line) for line in worker.logs().splitlines() if line.startswith("{")]
+        return [
+            line
+            for line in logged
+            if line.get("gateway") == gateway.identity
+            and line["event"].startswith("gateway ")
+            and line["event"] != "gateway connected"
+        ]
+
+    deadline = time.monotonic() + 30  # a heartbeat a second finds the quiet one gone
+    while not (lines_about(quiet) and lines_about(busy)):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.1)
+    ((gone,), (lost,)) = lines_about(quiet), lines_about(busy)
+    assert (gone["event"], gone["level"]) == ("gateway gone", "info")
+    assert (lost["event"], lost["level"]) == ("gateway lost; cancelling its requests", "warning")
+    assert lost["requests"] == 1
 
 
 @contextmanager
