@@ -32,11 +32,28 @@ def default_model_path() -> Path:
     return target
 
 
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+
+
+class ModelFileError(ValueError):
+    """--model names no file, or a file that is not a GGUF model."""
+
+
 def resolve_model(path: str | Path | None) -> Path:
-    """The given model path, or the default model's."""
+    """The given model path, or the default model's; raises ModelFileError for a path that
+    is not a GGUF file, before any process tries to load it."""
     if path is None or str(path) == "":
         return default_model_path()
     resolved = Path(path).expanduser()
     if not resolved.is_file():
-        raise FileNotFoundError(f"no model file at {resolved}")
+        raise ModelFileError(f"no model file at {resolved}")
+    try:
+        with resolved.open("rb") as file:
+            magic = file.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelFileError(f"cannot read the model file {resolved}: {exc}") from exc
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(
+            f"{resolved} is not a GGUF model file (it does not start with {GGUF_MAGIC!r})"
+        )
     return resolved

@@ -263,7 +263,8 @@ def gateway_options(func):
             "--chat-template",
             default=None,
             help="Chat template overriding the model's own: a llama.cpp built-in name (gemma, "
-            "llama3, chatml, ...), Jinja text, or a file of Jinja.",
+            "llama3, chatml, ...), Jinja text, or a file of Jinja; anything else, or Jinja "
+            "that does not compile, is refused at start-up.",
         ),
         click.option(
             "--allowed-origins",
@@ -367,18 +368,11 @@ def log_options(func):
 def build_worker_config(bind: str, **opts) -> WorkerConfig:
     """A WorkerConfig from the command's options: every field an option of the same name sets."""
     settings = {f.name: opts[f.name] for f in fields(WorkerConfig) if f.name in opts}
-    settings.update(model_path=resolve_model(opts["model"]), bind=bind)
     try:
+        settings.update(model_path=resolve_model(opts["model"]), bind=bind)
         return WorkerConfig(**settings)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-
-
-def _is_file(text: str) -> bool:
-    try:
-        return Path(text).is_file()
-    except OSError:  # template text too long to be a file name
-        return False
 
 
 def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfig:
@@ -392,8 +386,10 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
             if line.strip() and not line.startswith("#")
         )
     template = opts["chat_template"]
-    if template and _is_file(template):
-        template = Path(template).read_text()
+    if template:
+        from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
+
+        template = load_override(template)
     return GatewayConfig(
         model_path=resolve_model(opts["model"]),
         worker_endpoints=(workers,) if isinstance(workers, str) else tuple(workers),
@@ -457,6 +453,12 @@ def main() -> None:
     type=click.FloatRange(min=0),
     default=default_of(WorkerConfig, "shutdown_timeout"),
     help="On SIGTERM, seconds running requests get to finish before they are cancelled.",
+)
+@click.option(
+    "--served-model-name",
+    default=default_of(WorkerConfig, "served_model_name"),
+    help="The model's name in the metrics (model_name), as the gateways serve it. "
+    "Default: the model file's name.",
 )
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
@@ -570,7 +572,7 @@ def serve(
         }
         build_worker_config("ipc://check", **options)  # bad settings fail here, not in a child
         build_gateway_config("ipc://check", **options)
-    except (ValueError, FileNotFoundError) as exc:
+    except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
         check_port_free(opts["host"], opts["port"])

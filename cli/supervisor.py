@@ -2,9 +2,10 @@
 stop them all on Ctrl-C or SIGTERM.
 
 A child that crashes is restarted after a delay that doubles with each quick death, up to a
-cap, for as long as it takes: one child's crash loop must not stop the others serving. Only a
-child that has never come up (it died within seconds of every start before serve was ever
-ready: a bad model file, a bad option) makes the supervisor give up, so start-up fails fast.
+cap, for as long as it takes: one child's crash loop must not stop the others serving. Two
+kinds of child make the supervisor give up, so start-up fails fast: one that exits with
+EXIT_CONFIG (it found its settings or its model unusable, and says why in its log), and one
+that has never come up (it died within seconds of every start before serve was ever ready).
 
 Each child runs in its own session, so a Ctrl-C at the terminal reaches the supervisor only and
 the shutdown happens in stages: the gateways first, together, then the worker (so in-flight
@@ -31,6 +32,9 @@ log = structlog.get_logger(__name__)
 QUICK_EXIT_SECONDS = 10.0  # a child that dies sooner than this after starting is crash-looping
 MAX_QUICK_EXITS = 5  # consecutive quick deaths of a never-up child before giving up
 MAX_RESTART_DELAY = 30.0
+# The status of a child that failed on its configuration (sysexits' EX_CONFIG, as the worker
+# and the gateway exit): a restart would fail the same way, so it is never restarted.
+EXIT_CONFIG = os.EX_CONFIG
 POLL_SECONDS = 0.1
 READY_PROBE_SECONDS = 0.5
 
@@ -126,8 +130,8 @@ class Supervisor:
                 if returncode is None:
                     if now - child.started_at >= QUICK_EXIT_SECONDS:
                         child.ever_up = True
-                elif not self._handle_exit(child, returncode, now):
-                    return 1
+                elif (status := self._handle_exit(child, returncode, now)) is not None:
+                    return status
             self._probe_readiness(now)
             time.sleep(POLL_SECONDS)
         log.info("stopping", signal=signal.Signals(self._signals.received[0]).name)
@@ -143,8 +147,9 @@ class Supervisor:
         child.restart_at = None
         log.info("started", child=child.spec.name, pid=child.process.pid)
 
-    def _handle_exit(self, child: Child, returncode: int, now: float) -> bool:
-        """Report a child's death and schedule its restart; False when it never came up."""
+    def _handle_exit(self, child: Child, returncode: int, now: float) -> int | None:
+        """Report a child's death and schedule its restart; or the status to give up with,
+        when it failed on its configuration or never came up."""
         pid = child.process.pid if child.process else None
         child.process = None
         uptime = now - child.started_at
@@ -158,6 +163,9 @@ class Supervisor:
         )
         if self.on_exit and pid is not None:
             self.on_exit(child, pid)
+        if returncode == EXIT_CONFIG:
+            log.error("giving up: child failed on its configuration", child=child.spec.name)
+            return EXIT_CONFIG
         if self._ready:
             log.warning("not ready: a child is down", child=child.spec.name)
         self._ready = False
@@ -165,7 +173,7 @@ class Supervisor:
             log.error(
                 "giving up: child never came up", child=child.spec.name, crashes=MAX_QUICK_EXITS
             )
-            return False
+            return 1
         delay = min(self.max_restart_delay, self.restart_delay * 2**child.quick_exits)
         child.restart_at = now + delay
         log.warning(
@@ -175,7 +183,7 @@ class Supervisor:
             quick_exits=child.quick_exits,
             restarts=child.restarts,
         )
-        return True
+        return None
 
     def _probe_readiness(self, now: float) -> None:
         if self._ready or self.ready_probe is None or now < self._next_probe:

@@ -144,6 +144,23 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        # The worker's own load, as its latest heartbeat told this gateway: under `serve` the
+        # worker has no metrics port unless given one, and these need none.
+        self.worker_load = {
+            name: Gauge(
+                PREFIX + "worker_" + name,
+                doc,
+                ["worker"],
+                multiprocess_mode="livemostrecent",  # every gateway hears the same worker
+                registry=r,
+            )
+            for name, doc in (
+                ("num_requests_running", "Requests holding one of the worker's slots."),
+                ("num_requests_waiting", "Requests in the worker's queue."),
+                ("free_slots", "The worker's slots without a request."),
+                ("kv_cache_usage_perc", "Fraction (0-1) of the worker's KV cache cells in use."),
+            )
+        }
         self.requests_rerouted = Counter(
             PREFIX + "requests_rerouted",
             "Requests sent to a second worker: the first could not take them, or was lost "
@@ -159,9 +176,20 @@ class GatewayMetrics:
             self.worker_requests_in_flight,
             self.worker_up,
             self.worker_prefix_affinity_hits,
+            *self.worker_load.values(),
         ):
             with contextlib.suppress(KeyError):
                 metric.remove(endpoint)
+
+    def set_worker_load(
+        self, endpoint: str, running: int, waiting: int, free_slots: int, kv_usage: float
+    ) -> None:
+        """A worker's load from its latest heartbeat."""
+        load = self.worker_load
+        load["num_requests_running"].labels(endpoint).set(running)
+        load["num_requests_waiting"].labels(endpoint).set(waiting)
+        load["free_slots"].labels(endpoint).set(free_slots)
+        load["kv_cache_usage_perc"].labels(endpoint).set(kv_usage)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type (every gateway's, in multiprocess mode)."""

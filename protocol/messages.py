@@ -16,8 +16,9 @@ from enum import StrEnum
 DEFAULT_TENANT = "default"
 
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
-# and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes
-PROTOCOL_VERSION = 7
+# and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes; 8: Cancel.reason,
+# Heartbeat.kv_cells_used and kv_cells_total
+PROTOCOL_VERSION = 8
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -29,7 +30,7 @@ PRIORITY_LIMIT = 2**31  # |priority| below this
 class FinishReason(StrEnum):
     STOP = "stop"  # an end-of-generation token, or a stop string matched by the gateway
     LENGTH = "length"  # max_tokens or the slot's context ran out
-    CANCELLED = "cancelled"  # the client went away or the gateway asked
+    CANCELLED = "cancelled"  # the client went away, the gateway gave up, or its gateway was lost
     ERROR = "error"  # the engine failed this request; see Finish.message
 
 
@@ -150,11 +151,24 @@ class Embed:
             raise ValueError("token ids are never negative")
 
 
+# The reasons a gateway may give when it ends a request itself.
+CANCEL_REASONS = (FinishReason.CANCELLED.value, FinishReason.STOP.value)
+
+
 @dataclass(slots=True)
 class Cancel:
-    """Stop a request: queued or running. Unknown ids are ignored (it may have just finished)."""
+    """Stop a request: queued or running. Unknown ids are ignored (it may have just finished).
+
+    reason is the finish the worker records: "stop" when the gateway ended the reply on its
+    text (a stop string, a finished tool call), as its client is told; "cancelled" when the
+    client went away, timed out, or could not be served."""
 
     request_id: str
+    reason: str = FinishReason.CANCELLED.value
+
+    def __post_init__(self) -> None:
+        if self.reason not in CANCEL_REASONS:
+            raise ValueError(f"a Cancel's reason is one of {', '.join(CANCEL_REASONS)}")
 
 
 @dataclass(slots=True)
@@ -274,6 +288,10 @@ class Heartbeat:
     # prefix_keys.prefix_keys of the sequences the worker caches, in slots or in RAM, most
     # recently used first, at most MAX_ADVERTISED_KEYS.
     prefixes: list[int] = field(default_factory=list)
+    # KV cache cells holding tokens (running and reusable), and all cells: the gateways
+    # export them per worker, so one /metrics shows the worker's cache.
+    kv_cells_used: int = 0
+    kv_cells_total: int = 0
 
 
 @dataclass(slots=True)

@@ -78,9 +78,11 @@ def write_tiny_model(
     seed: int = 1234,
     shape: ModelShape = TINY,
     sampling: dict[str, float | int] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a generated model (the tiny one unless shape says otherwise) to path; `sampling`
-    adds general.sampling.* defaults (e.g. {"temp": 0.0, "top_k": 5})."""
+    adds general.sampling.* defaults (e.g. {"temp": 0.0, "top_k": 5}); with chat_template,
+    the model ships that template."""
     tokens, scores, token_types = vocabulary(shape.extra_vocab)
     dtype = np.float16 if shape.f16 else np.float32
     n_vocab = len(tokens)
@@ -115,6 +117,8 @@ def write_tiny_model(
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     writer.add_tensor("token_embd.weight", weight(n_vocab, shape.n_embd, gain=8.0))
     writer.add_tensor("output_norm.weight", np.ones(shape.n_embd, dtype=np.float32))

@@ -11,7 +11,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from loomserve.protocol import Embed, Generate
+from loomserve.protocol import Embed, FinishReason, Generate
 from loomserve.worker.prefix_cache import advertised_keys
 from loomserve.worker.scheduler import Scheduler
 
@@ -28,6 +28,7 @@ class Submit:
 class Cancel:
     gateway: bytes
     request_id: str
+    reason: FinishReason = FinishReason.CANCELLED  # the gateway's (protocol Cancel.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +51,8 @@ class Inbox:
     def submit(self, gateway: bytes, message: Work) -> None:
         self._queue.put(Submit(gateway, message))
 
-    def cancel(self, gateway: bytes, request_id: str) -> None:
-        self._queue.put(Cancel(gateway, request_id))
+    def cancel(self, gateway: bytes, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
+        self._queue.put(Cancel(gateway, request_id, FinishReason(reason)))
 
     def gateway_gone(self, gateway: bytes, why: str) -> None:
         """The gateway vanished: cancel its queued and running requests, saying why."""
@@ -81,6 +82,7 @@ class Load:
     running: int
     tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # (running, waiting)
     prefixes: tuple[int, ...] = ()  # keys of the cached prompts, for routing (prefix_cache.py)
+    kv_cells_used: int = 0  # KV cells holding tokens, running and reusable
 
 
 class LoadBoard:
@@ -100,6 +102,7 @@ class LoadBoard:
             scheduler.running,
             scheduler.waiting.counts(),
             self._advertised_prefixes(scheduler, prefixes_every),
+            sum(slot.n_in_cache for slot in scheduler.slots),
         )
 
     def _advertised_prefixes(self, scheduler: Scheduler, every: float) -> tuple[int, ...]:

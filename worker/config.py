@@ -64,6 +64,9 @@ class WorkerConfig:
     max_slots_per_tenant: int = 0  # most running requests of one tenant; 0: no cap
     metrics_port: int | None = None  # Prometheus endpoint; None: off
     metrics_host: str = "127.0.0.1"
+    # The model's name in the metrics' model_name label: the gateways' served name, so both
+    # sides label it alike (`serve` gives both the same). None: the file's stem, as theirs.
+    served_model_name: str | None = None
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each gateway
     # A gateway silent this long is gone and its requests are cancelled (its slots freed
     # within a tenth of this more). Gateways ping every second by default.
@@ -175,6 +178,11 @@ class WorkerConfig:
                 raise ValueError(f"tenant weights are NAME=W with W > 0, got {spec!r}")
             weights[name] = weight
         return weights
+
+    @property
+    def model_name(self) -> str:
+        """The name the model is served under: --served-model-name, else the file's stem."""
+        return self.served_model_name or self.model_path.stem
 
     @property
     def n_threads(self) -> int:

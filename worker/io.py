@@ -294,7 +294,7 @@ class WorkerIO:
                 self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):
             if gateways.cancel(gateway, message.request_id):
-                self.inbox.cancel(gateway, message.request_id)
+                self.inbox.cancel(gateway, message.request_id, message.reason)
         elif isinstance(message, Ping):
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
         else:
@@ -378,13 +378,24 @@ class WorkerIO:
             free_slots=load.free_slots,
             running=load.running,
             prefixes=list(load.prefixes),
+            kv_cells_used=load.kv_cells_used,
+            kv_cells_total=self.model_info.slots * self.model_info.slot_context,
         )
 
     def _lose(self, gateway: bytes, why: str) -> None:
-        if not self._gateways.lose(gateway):
+        state = self._gateways.known.get(gateway)
+        if state is None or not self._gateways.lose(gateway):
             return
         self.counters.gateways_lost += 1
-        log.warning("gateway lost; cancelling its requests", gateway=_name(gateway), why=why)
+        if state.open:
+            log.warning(
+                "gateway lost; cancelling its requests",
+                gateway=_name(gateway),
+                why=why,
+                requests=len(state.open),
+            )
+        else:  # a gateway that stopped cleanly, its streams drained: nothing was lost
+            log.info("gateway gone", gateway=_name(gateway), why=why)
         self.inbox.gateway_gone(
             gateway, f"the worker cancelled this request: its gateway was lost ({why})"
         )

@@ -216,7 +216,7 @@ class TickLoop:
                     self._accept(item.gateway, item.message)
             elif isinstance(item, Cancel):
                 # Unknown ids are ignored: the request may have just finished.
-                self.scheduler.cancel((item.gateway, item.request_id))
+                self.scheduler.cancel((item.gateway, item.request_id), reason=item.reason)
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway, item.request_id)
             elif isinstance(item, GatewayGone):

@@ -50,8 +50,9 @@ class WorkerMetrics:
         self.rejected = counter(
             "requests_rejected", "Requests refused before they ran, by reason.", ("reason",)
         )
+        # Labelled as the gateways' request_success: finished_reason, vLLM's name.
         self.finished = counter(
-            "requests_finished", "Requests that finished, by finish reason.", ("reason",)
+            "requests_finished", "Requests that finished, by finish reason.", ("finished_reason",)
         )
         self.cancelled = counter("requests_cancelled", "Requests cancelled, queued or running.")
         # Same name, same meaning as the gateways': every prompt token of a finished request,
@@ -136,14 +137,14 @@ class WorkerMetrics:
         self._padding = self.batch_tokens.labels(kind="padding")
         self._draft = self.batch_tokens.labels(kind="draft")
         self._finished_by_reason = {
-            r.value: self.finished.labels(reason=r.value) for r in FinishReason
+            r.value: self.finished.labels(finished_reason=r.value) for r in FinishReason
         }
 
     def watch(self, loop: TickLoop, io_counters: IOCounters | None = None) -> None:
         """Read the load gauges and IO counters from these objects at scrape time."""
         model = loop.engine.description
         self.info.labels(
-            model_name=model.name,
+            model_name=loop.config.model_name,  # the gateways' model_info{model_name}
             architecture=model.architecture,
             slots=str(loop.config.slots),
             slot_context=str(loop.engine.slot_context),

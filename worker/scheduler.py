@@ -89,7 +89,7 @@ class Scheduler:
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
         self._slot_of: dict[RequestKey, Slot] = {}
         # Left the queue, with why the worker cancelled them; released next.
-        self._cancelled_waiting: list[tuple[Request, str]] = []
+        self._cancelled_waiting: list[tuple[Request, str, FinishReason]] = []
         self._plans = CheckedPlans()  # the strategy's plans, checked, with a fallback
         self._budget = 0  # the latest schedule()'s token budget
 
@@ -127,24 +127,27 @@ class Scheduler:
         self.live[request.key] = request
         return max(0, len(self.waiting) - self.free_slots)
 
-    def cancel(self, key: RequestKey, message: str = "") -> bool:
+    def cancel(
+        self, key: RequestKey, message: str = "", reason: FinishReason = FinishReason.CANCELLED
+    ) -> bool:
         """Cancel a live request, queued or running; False when there is none by that key.
 
         Either way its Finish comes from the next release_finished. A message says why the
         worker cancelled it on its own (the gateway asked: none), so that the gateway can tell
-        its client the request did not simply end.
+        its client the request did not simply end. reason is the finish to record: the
+        gateway's, which is STOP when it ended the reply on a stop string.
         """
         request = self.live.get(key)
         if request is None:
             return False
         slot = self._slot_of.get(key)
         if slot is not None:
-            slot.finish(FinishReason.CANCELLED, message)
+            slot.finish(reason, message)
         else:
             self.waiting.remove(request)
             del self.live[key]
             self._drop_saved_state(request)
-            self._cancelled_waiting.append((request, message))
+            self._cancelled_waiting.append((request, message, reason))
         return True
 
     def cancel_all(self, message: str = "") -> None:
@@ -378,8 +381,8 @@ class Scheduler:
         end drops its cells (Release.drop_sequence).
         """
         releases = [
-            Release(request, request.finished(FinishReason.CANCELLED, message, now), None)
-            for request, message in self._cancelled_waiting
+            Release(request, request.finished(reason, message, now), None)
+            for request, message, reason in self._cancelled_waiting
         ]
         self._cancelled_waiting.clear()
         for slot in self.slots:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 import time
+from typing import NoReturn
 
 # llama.cpp's libraries are loaded before pyzmq's on purpose: with a CUDA build of llama.cpp a
 # process that had imported zmq first died with SIGSEGV in llama_model_load_from_file, and
@@ -36,6 +38,9 @@ log = structlog.get_logger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 LARGE_BLOCK = 1 << 20  # blocks this large come from mmap and go back to the system on free
 EXIT_ENGINE_DEAD = 3  # the status of a worker that gave up on its engine: restart it
+# A worker whose settings or model cannot work (a --strategy typo, a key file, a model
+# llama.cpp cannot load): `serve`'s supervisor does not restart it (sysexits' EX_CONFIG).
+EXIT_CONFIG = os.EX_CONFIG
 DEAD_NOTICE_SECONDS = 0.5
 
 
@@ -47,21 +52,27 @@ def run_worker(config: WorkerConfig) -> None:
     try:
         load_strategy(config.strategy)
         keys = _server_keys(config)
+    except (ValueError, OSError) as exc:
+        _cannot_start(exc, EXIT_CONFIG)
+    try:
         endpoint_lock = claim_endpoint(config.bind)
-    except (ValueError, OSError, EndpointInUse) as exc:
-        log.error("worker cannot start", error=str(exc))
-        raise SystemExit(1) from exc
+    except (OSError, EndpointInUse) as exc:
+        _cannot_start(exc, 1)  # the worker holding it may be on its way out: try again
     try:
         engine = Engine(config)
     except (ValueError, EngineError) as exc:
-        log.error("worker cannot start", error=str(exc))
-        raise SystemExit(1) from exc
+        _cannot_start(exc, EXIT_CONFIG)
     try:
         _serve(config, engine, keys)
     finally:
         engine.close()
         if endpoint_lock is not None:
             endpoint_lock.release()
+
+
+def _cannot_start(error: Exception, status: int) -> NoReturn:
+    log.error("worker cannot start", error=str(error))
+    raise SystemExit(status) from error
 
 
 def _return_large_blocks() -> None:

@@ -30,7 +30,7 @@ from loomserve.gateway.workers.client import RequestHandle, WorkerClient
 from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
 from loomserve.gateway.workers.pool import WorkerPool
 from loomserve.gateway.workers.retries import Tries
-from loomserve.protocol.messages import Finish, TokenChunk
+from loomserve.protocol.messages import Finish, FinishReason, TokenChunk
 
 # After a stop string matched, how long to wait for the worker's Finish (for its usage).
 FINISH_GRACE_SECONDS = 2.0
@@ -168,7 +168,7 @@ class Generation:
         still_running = self.client.is_open(self.handle)
         self.finished = True
         if still_running:
-            self.client.cancel(self.handle)
+            self.client.cancel(self.handle, FinishReason.STOP)  # not the client's doing
         if finish is not None or not still_running:
             return finish
         try:

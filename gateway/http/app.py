@@ -42,6 +42,7 @@ from loomserve.gateway.generate.streaming import (
     event_stream,
     until_disconnect,
 )
+from loomserve.gateway.http.docs_pages import install_docs_pages
 from loomserve.gateway.http.drain import Drain
 from loomserve.gateway.http.embeddings import create_embeddings
 from loomserve.gateway.http.json_route import OffLoopJSONRoute
@@ -184,7 +185,10 @@ def create_app(
         summary="OpenAI-compatible completions over a continuous-batching llama.cpp worker.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # FastAPI's pages load their scripts from a CDN; docs_pages.py's do not
+        redoc_url=None,
     )
+    install_docs_pages(app)
     app.state.gateway = gateway
     install_handlers(app)
     app.include_router(_open_routes(gateway))
@@ -246,6 +250,7 @@ def _open_routes(gateway: Gateway) -> APIRouter:
         The slot counts are those of every worker in rotation, summed.
         503 also while the gateway drains on its way down.
         """
+        gateway.pool.note_rotation()
         reason = gateway.pool.unavailable_reason()
         if gateway.drain.draining:
             reason = "the gateway is shutting down"

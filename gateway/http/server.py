@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import NoReturn
 
 # Before anything imports zmq: see the note on this import in worker/server.py.
 import llama_cpp  # noqa: F401
@@ -25,14 +26,25 @@ from loomserve.gateway.workers.pool import WorkerPool
 
 log = structlog.get_logger(__name__)
 
+EXIT_CONFIG = os.EX_CONFIG  # 78: the settings or the model are at fault; a restart cannot help
+
 
 def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = None) -> None:
-    """Serve on config.host:config.port, or on pre-bound sockets (several gateways, one port)."""
-    vocab = Vocab(config.model_path)
+    """Serve on config.host:config.port, or on pre-bound sockets (several gateways, one port).
+
+    A model whose vocabulary or chat template cannot be loaded ends the process with
+    EXIT_CONFIG after one log line, which tells `serve`'s supervisor not to restart it."""
+    try:
+        vocab = Vocab(config.model_path)
+    except ValueError as exc:
+        _cannot_start(exc)
     try:
         metrics = GatewayMetrics()
         pool = WorkerPool(config, vocab.n_tokens, vocab.fingerprint(), metrics)
-        app = create_app(config, vocab, pool, metrics)
+        try:
+            app = create_app(config, vocab, pool, metrics)
+        except ValueError as exc:  # the model's own chat template does not compile
+            _cannot_start(exc)
         if sockets:
             listen = [_address(s) for s in sockets]
         else:
@@ -66,6 +78,11 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
     finally:
         mark_dead(os.getpid())
         vocab.close()
+
+
+def _cannot_start(error: ValueError) -> NoReturn:
+    log.error("gateway cannot start", error=str(error))
+    raise SystemExit(EXIT_CONFIG) from error
 
 
 class DrainingServer(uvicorn.Server):

@@ -8,6 +8,7 @@ import ctypes
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
@@ -89,6 +90,43 @@ def builtin_templates() -> list[str]:
     names = (ctypes.c_char_p * count)()
     llama_cpp.llama_chat_builtin_templates(names, count)
     return [name.decode() for name in names]
+
+
+def load_override(value: str) -> str:
+    """What --chat-template gives the gateway: a built-in name as it is, a file's text, or
+    Jinja text; the Jinja compiled once here, so a mistake fails at start-up.
+
+    Raises ValueError, naming the built-in templates, for a value that is none of these (a
+    mistyped name, a file that does not exist): taken as text, it would become every chat's
+    literal prompt."""
+    names = builtin_templates()
+    if value in names:
+        return value
+    if _is_file(value):
+        try:
+            text = Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value}: cannot read it ({exc})") from exc
+        where = f"--chat-template {value}"
+    elif "{{" in value or "{%" in value:
+        text, where = value, "--chat-template"
+    else:
+        raise ValueError(
+            f"--chat-template {value!r} is not a llama.cpp built-in template, a file or Jinja "
+            f"text ({{{{ or {{%); the built-in names: {', '.join(sorted(names))}"
+        )
+    try:
+        ChatTemplate(text, "", "")
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return text
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # template text too long for a file name, or with a NUL
+        return False
 
 
 class BuiltinChatTemplate:

@@ -11,13 +11,26 @@ from pathlib import Path
 from typing import Protocol
 
 import llama_cpp
-import llama_cpp._logger
+import structlog
 
 from loomserve.protocol.limits import grammar_problem
 from loomserve.protocol.vocab import vocab_fingerprint
 
-# The vocabulary load is chatty at INFO; the gateway only wants llama.cpp's errors.
-llama_cpp._logger.set_verbose(False)
+GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml's levels; 1-3 are debug, info and warn
+_llama_log = structlog.get_logger("llama.cpp")
+_last_level = [0]  # a CONT piece belongs to the line before it
+
+
+@llama_cpp.llama_log_callback
+def _forward_llama_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    """llama.cpp's lines through structlog: its errors as errors, the rest at debug. The
+    vocabulary load repeats what the worker's load of the same file says (a model's token
+    type warnings, say), where the worker logs it at its proper level."""
+    if level != GGML_LOG_CONT:
+        _last_level[0] = level
+    message = text.decode(errors="replace").strip()
+    if message:
+        (_llama_log.error if _last_level[0] == GGML_LOG_ERROR else _llama_log.debug)(message)
 
 
 class Vocab:
@@ -25,6 +38,8 @@ class Vocab:
 
     def __init__(self, model_path: Path) -> None:
         llama_cpp.llama_backend_init()
+        # Not llama-cpp-python's own callback, which prints raw lines on stderr.
+        llama_cpp.llama_log_set(_forward_llama_log, ctypes.c_void_p(0))
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
         model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), params)

@@ -48,6 +48,7 @@ from loomserve.protocol.messages import (
     Embeddings,
     ErrorCode,
     Finish,
+    FinishReason,
     Generate,
     Heartbeat,
     Hello,
@@ -295,12 +296,13 @@ class WorkerClient:
             raise WorkerRejected(reply.code, reply.message)
         return handle
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """Ask the worker to stop a request; its Finish still arrives and is routed as usual."""
+    def cancel(self, handle: RequestHandle, reason: str = FinishReason.CANCELLED) -> None:
+        """Ask the worker to stop a request; its Finish still arrives and is routed as usual.
+        reason: the finish the worker records, "stop" when the gateway ended the reply."""
         if handle.cancelled or handle.request_id not in self._requests:
             return
         handle.cancelled = True
-        self._send(Cancel(handle.request_id))
+        self._send(Cancel(handle.request_id, reason))
 
     def is_open(self, handle: RequestHandle) -> bool:
         """Whether the worker may still send for this request (no Finish yet)."""

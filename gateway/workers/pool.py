@@ -42,6 +42,7 @@ from loomserve.gateway.workers.routing import (
     preferred_worker,
 )
 from loomserve.protocol.messages import (
+    Heartbeat,
     ModelInfo,
 )
 
@@ -308,12 +309,12 @@ class WorkerPool:
                 log.exception("watching the workers failed")
             await asyncio.sleep(WATCH_SECONDS)
 
-    async def watch(self) -> None:
-        """Log workers entering and leaving rotation, refresh their metrics, close retired ones."""
-        for endpoint, member in list(self.members.items()):
-            client = member.client
+    def note_rotation(self) -> None:
+        """Log workers entering and leaving rotation. The watch does it every WATCH_SECONDS;
+        /health too, before it answers, so a 200 never precedes its `worker in rotation`."""
+        for endpoint, member in self.members.items():
             reason = "its address no longer resolves" if member.retiring else None
-            reason = reason or client.unavailable_reason()
+            reason = reason or member.client.unavailable_reason()
             up = reason is None
             if up != member.up:
                 member.up = up
@@ -323,6 +324,12 @@ class WorkerPool:
                     # Its cache is gone or going: a restarted worker starts empty.
                     self.affinity.forget_worker(endpoint)
                     log.warning("worker out of rotation", worker=endpoint, reason=reason)
+
+    async def watch(self) -> None:
+        """Log workers entering and leaving rotation, refresh their metrics, close retired ones."""
+        self.note_rotation()
+        for endpoint, member in list(self.members.items()):
+            client = member.client
             if member.retiring and client.open_requests == 0:
                 del self.members[endpoint]
                 await client.close()
@@ -332,8 +339,19 @@ class WorkerPool:
                 log.info("worker connection closed", worker=endpoint)
                 continue
             if self.metrics is not None:
-                self.metrics.worker_up.labels(endpoint).set(1 if up else 0)
+                self.metrics.worker_up.labels(endpoint).set(1 if member.up else 0)
                 self.metrics.worker_requests_in_flight.labels(endpoint).set(client.open_requests)
+                _export_load(self.metrics, endpoint, client.heartbeat)
+
+
+def _export_load(metrics: GatewayMetrics, endpoint: str, beat: Heartbeat | None) -> None:
+    """The worker's load gauges from its latest heartbeat; zeros without one (it is down,
+    or has not spoken yet: nothing runs there, nothing can start, its cache is gone)."""
+    if beat is None:
+        metrics.set_worker_load(endpoint, 0, 0, 0, 0.0)
+        return
+    usage = beat.kv_cells_used / beat.kv_cells_total if beat.kv_cells_total else 0.0
+    metrics.set_worker_load(endpoint, beat.running, beat.queue_depth, beat.free_slots, usage)
 
 
 def _latest_load(client: WorkerClient) -> SlotLoad:

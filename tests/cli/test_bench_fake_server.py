@@ -67,31 +67,41 @@ def run(
     return asyncio.run(go())
 
 
-def within(measured: float, nominal: float) -> bool:
-    """A timing the fake server's sleeps set: no less than nominal, at most twice it."""
-    return 0.9 * nominal <= measured <= 2.0 * nominal
+def at_least(measured: float | None, nominal: float) -> bool:
+    """A timing the fake server's sleeps set: no less than nominal (less a clock's rounding).
+
+    There is no upper bound in milliseconds: a loaded machine delays every figure by any
+    amount (a 100 ms TTFT read 267 ms at load 15). What catches a wrong unit or a wrong count
+    instead is that the figures fit together and fit the run's own clock, which no delay
+    changes."""
+    return measured is not None and measured >= 0.9 * nominal
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_metrics_match_the_servers_timetable(server, endpoint: str) -> None:
     fake, url = server
+    started = time.perf_counter()
     result = run(url, n=6, output_len=6, shape=LoadShape(max_concurrency=3), endpoint=endpoint)
+    wall_s = time.perf_counter() - started
     m = compute_metrics(result.records, result.duration_s)
     assert (m.completed, m.failed) == (6, 0)
     assert m.total_output == 36 and m.usage_missing == 0 and m.short_outputs == 0
     assert m.total_input == 6 * 3  # from usage.prompt_tokens
-    # The server sleeps its timetable, so each figure is at least the nominal one (less a
-    # clock's rounding); a busy shared machine only adds, so the upper bounds are loose: they
-    # catch a wrong unit or a wrong count, not scheduling delays.
-    assert within(m.ttft.mean_ms, 100.0)
-    assert m.ttft.percentiles_ms[99.0] < 2 * 160.0
+    assert fake.max_in_flight == 3  # two waves of three
+    # Each figure is at least the timetable's: the server sleeps it.
+    assert at_least(m.ttft.mean_ms, 100.0)
+    assert at_least(m.ttft.percentiles_ms[99.0], 100.0)
     assert m.itl.count == 6 * 5
-    assert within(m.itl.mean_ms, 20.0)
-    assert within(m.itl.median_ms, 20.0)
-    assert within(m.tpot.mean_ms, 20.0)
-    assert within(m.e2el.mean_ms, 200.0)
-    # Two waves of three: about 2 × 200 ms in all.
-    assert within(result.duration_s, 0.4)
+    assert at_least(m.itl.mean_ms, 20.0) and at_least(m.itl.median_ms, 20.0)
+    assert at_least(m.tpot.mean_ms, 20.0)
+    assert at_least(m.e2el.mean_ms, 200.0)
+    assert at_least(result.duration_s, 2 * 0.2)  # two waves of 200 ms, one after the other
+    # And the figures fit together and fit the run, however late each came.
+    assert m.ttft.mean_ms is not None and m.tpot.mean_ms is not None
+    assert m.e2el.mean_ms == pytest.approx(m.ttft.mean_ms + 5 * m.tpot.mean_ms)
+    assert m.itl.mean_ms <= m.tpot.mean_ms + 1e-6  # the gaps lie within each request
+    assert m.ttft.percentiles_ms[99.0] < m.e2el.percentiles_ms[99.0]
+    assert m.e2el.percentiles_ms[99.0] <= 1000 * result.duration_s <= 1000 * wall_s
     assert m.request_throughput == pytest.approx(6 / result.duration_s)
     assert m.output_throughput == pytest.approx(36 / result.duration_s)
     assert fake.bodies[0]["stream_options"] == {"include_usage": True}

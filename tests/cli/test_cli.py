@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from loomserve.cli.main import build_gateway_config, main
 from loomserve.gateway.config import unnamed_key_tenant
 from tests.procs import free_port
+from tests.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cli", "gateway", "protocol", "worker")
@@ -387,6 +388,12 @@ def test_sigterm_stops_serve_and_all_its_children(served: Served) -> None:
     assert not workdir.exists(), "serve left its temp dir behind"
     stopped = [e["child"] for e in served.events() if e.get("event") == "stopped"]
     assert sorted(stopped[:2]) == ["gateway-1", "gateway-2"] and stopped[2] == "worker"
+    # A clean stop is quiet: the gateways leave with nothing open, which the worker (when it
+    # notices before its own stop) logs at info, "gateway gone", not as a lost gateway.
+    events = served.events()
+    since = max(i for i, e in enumerate(events) if e.get("event") == "stopping")
+    loud = [e for e in events[since:] if e.get("level") in ("warning", "error", "critical")]
+    assert not loud, loud
 
 
 def test_serve_refuses_a_port_in_use(tiny_model_path: Path) -> None:
@@ -411,6 +418,77 @@ def test_serve_rejects_a_missing_model(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "no model file" in result.stderr
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "loomserve.cli.main", "serve", "--log-json", *args]
+    return subprocess.run(
+        [*argv, "--port", str(free_port())],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def started_children(result: subprocess.CompletedProcess[str]) -> list[str]:
+    lines = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    return [line["child"] for line in lines if line.get("event") == "started"]
+
+
+def test_serve_rejects_a_model_that_is_not_gguf(tmp_path: Path) -> None:
+    """`--model /etc/hostname` crash-looped five workers and four gateways; now one line."""
+    text = tmp_path / "hostname"
+    text.write_text("build-box\n")
+    result = run_serve("--model", str(text))
+    assert result.returncode == 2, result.stderr
+    assert f"{text} is not a GGUF model file" in result.stderr
+    assert started_children(result) == [] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("chatgpt", "is not a llama.cpp built-in template, a file or Jinja text"),
+        ("{% for m in messages %}{{ m }}", "the chat template does not compile"),
+    ],
+)
+def test_serve_rejects_a_chat_template_before_starting_anything(
+    tiny_model_path: Path, template: str, says: str
+) -> None:
+    result = run_serve("--model", str(tiny_model_path), "--chat-template", template)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr and "Traceback" not in result.stderr
+    assert started_children(result) == []
+
+
+def test_a_child_failing_on_its_configuration_is_not_restarted(tiny_model_path: Path) -> None:
+    """A --strategy that does not load fails in the worker (serve cannot check it without
+    the worker's imports): it exits with EX_CONFIG once, and serve gives up with it."""
+    result = run_serve(
+        "--model", str(tiny_model_path), "--strategy", "no_such_module:Strategy", "--threads", "1"
+    )
+    assert result.returncode == os.EX_CONFIG, result.stderr
+    assert started_children(result).count("worker") == 1
+    assert "worker cannot start" in result.stderr
+    assert "giving up: child failed on its configuration" in result.stderr
+    assert "restarting" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_gateway_whose_model_template_does_not_compile_exits_as_misconfigured(
+    tmp_path: Path,
+) -> None:
+    """Its model's own template is compiled when the gateway starts, past what serve checks:
+    one line and EX_CONFIG, which serve's supervisor does not restart."""
+    model = write_tiny_model(tmp_path / "broken.gguf", chat_template="{% for m in messages %}")
+    argv = [sys.executable, "-m", "loomserve.cli.main", "gateway", "--model", str(model)]
+    argv += ["--worker", f"tcp://127.0.0.1:{free_port()}", "--port", str(free_port())]
+    result = subprocess.run(
+        [*argv, "--log-json"], cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == os.EX_CONFIG, result.stderr
+    (line,) = [json.loads(text) for text in result.stderr.splitlines() if "cannot start" in text]
+    assert line["event"] == "gateway cannot start"
+    assert "the chat template does not compile" in line["error"]
+    assert "Traceback" not in result.stderr
 
 
 def test_worker_health_fails_without_a_worker() -> None:

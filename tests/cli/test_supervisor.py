@@ -21,7 +21,13 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from loomserve.cli.supervisor import MAX_QUICK_EXITS, ChildSpec, Supervisor, describe_returncode
+from loomserve.cli.supervisor import (
+    EXIT_CONFIG,
+    MAX_QUICK_EXITS,
+    ChildSpec,
+    Supervisor,
+    describe_returncode,
+)
 from tests.cli.test_cli import ROOT, Served, children_of, clean_env, role, wait_until
 from tests.procs import free_port
 
@@ -125,6 +131,22 @@ def test_a_child_crashing_at_start_makes_the_supervisor_give_up(tmp_path: Path) 
     )
     assert supervisor.run() == 1
     assert len(events(tmp_path, "broken")) == MAX_QUICK_EXITS
+
+
+def test_a_child_failing_on_its_configuration_is_never_restarted(tmp_path: Path) -> None:
+    """Status 78 (EX_CONFIG) says a restart would fail the same way: not even a came-up child
+    is restarted, and the supervisor ends with that status, stopping the others."""
+    broken = f"note('start')\nsys.exit({EXIT_CONFIG})\n"
+    supervisor = Supervisor(
+        [python_child("broken", broken, tmp_path), python_child("steady", SLEEPER, tmp_path)],
+        restart_delay=0.01,
+        ready_probe=lambda: True,
+    )
+    with capture_logs() as logs:
+        assert supervisor.run() == EXIT_CONFIG == os.EX_CONFIG
+    assert len(events(tmp_path, "broken")) == 1
+    assert all(child.process is None for child in supervisor.children)  # steady was stopped
+    assert not any(entry["event"] == "restarting" for entry in logs)
 
 
 def test_a_child_that_came_up_is_restarted_for_ever_with_a_capped_backoff(tmp_path: Path) -> None:

@@ -269,7 +269,12 @@ def test_a_client_that_does_not_read_loses_its_slot_not_the_gateways_memory(
 ) -> None:
     """The client sends a long streaming request and reads nothing: once its connection is
     full, at most --stream-buffer-tokens wait in the gateway, then the request is cancelled
-    in the worker (long before it would end). A reader that keeps up gets every token."""
+    in the worker (before it would end). A reader that keeps up gets every token.
+
+    What is measured does not depend on the machine's load: the tokens the gateway held when
+    it gave up (its memory), and that the request was cut. How many more the worker made
+    before the Cancel reached it does (a starved gateway is slow to send it), and so does
+    every wait: those are generous, to catch a hang, not to time anything."""
     with ExitStack() as stack:
         worker = stack.enter_context(start_worker(long_model_path, slots=1, ctx_size=CTX))
         gateway = stack.enter_context(
@@ -293,13 +298,17 @@ def test_a_client_that_does_not_read_loses_its_slot_not_the_gateways_memory(
             lines = worker.logs().splitlines()
             return [json.loads(line) for line in lines if "request finished" in line]
 
-        seconds = wait_until(lambda: len(finished()) == 1, 30, "the request to end")
+        seconds = wait_until(lambda: len(finished()) == 1, 300, "the request to end")
         (record,) = finished()
         print(f"cancelled after {seconds:.2f}s and {record['completion_tokens']} tokens")
         assert record["reason"] == "cancelled"
-        assert record["completion_tokens"] < LONG["max_tokens"] / 2, record
-        assert "client reads too slowly; request cancelled" in gateway.logs()
-        wait_until(lambda: idle_slots(gateway) == 1, 5, "the slot free")
+        assert record["completion_tokens"] < LONG["max_tokens"], record
+        event = "client reads too slowly; request cancelled"
+        lines = [json.loads(line) for line in gateway.logs().splitlines() if event in line]
+        (gave_up,) = lines
+        # One tick's tokens over the limit at most (one, or a verified draft's few).
+        assert 1024 < gave_up["buffered_tokens"] <= 1024 + 17, gave_up
+        wait_until(lambda: idle_slots(gateway) == 1, 60, "the slot free")
 
         # What the client reads at last: the tokens it was owed, then the error event. A
         # bigger buffer now, and acks at once: through the 4 KiB window the connection was
@@ -307,8 +316,8 @@ def test_a_client_that_does_not_read_loses_its_slot_not_the_gateways_memory(
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
         if hasattr(socket, "TCP_QUICKACK"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-        sock.settimeout(10)
-        received, deadline = bytearray(), time.monotonic() + 120
+        sock.settimeout(60)
+        received, deadline = bytearray(), time.monotonic() + 300
         while (chunk := sock.recv(1 << 20)) and time.monotonic() < deadline:
             tail = bytes(received[-32:]) + chunk  # a marker may straddle two reads
             received += chunk

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -102,6 +103,37 @@ def test_models_health_and_openapi(gateways: tuple[Proc, Proc]) -> None:
     assert health["status"] == "ok"
     spec = httpx.get(gateway.url + "/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= spec["paths"].keys()
+
+
+@pytest.mark.parametrize(
+    ("page", "assets"),
+    [
+        ("/docs", ["swagger-ui-bundle.js", "swagger-ui.css", "favicon.png"]),
+        ("/redoc", ["redoc.standalone.js", "favicon.png"]),
+    ],
+)
+def test_the_api_pages_load_nothing_from_elsewhere(
+    gateways: tuple[Proc, Proc], page: str, assets: list[str]
+) -> None:
+    """FastAPI's own /docs and /redoc load their scripts from a CDN: blank pages offline."""
+    html = httpx.get(gateways[0].url + page, timeout=10)
+    assert html.status_code == 200, html.text
+    sources = re.findall(r'(?:src|href)="([^"]+)"', html.text)
+    assert sources and all(source.startswith("/") for source in sources), sources
+    assert "/openapi.json" in html.text
+    for asset in assets:
+        assert f"/docs-assets/{asset}" in sources
+        served = httpx.get(f"{gateways[0].url}/docs-assets/{asset}", timeout=10)
+        assert served.status_code == 200 and len(served.content) > 1000
+
+
+def test_every_log_line_is_structured(gateways: tuple[Proc, Proc], worker: Proc) -> None:
+    """llama.cpp's own lines (the gateway's vocabulary load printed them raw on stderr) go
+    through structlog too: one JSON object a line, with a level."""
+    for proc in (*gateways, worker):
+        lines = [line for line in proc.logs().splitlines() if line.strip()]
+        assert lines and all(line.startswith("{") for line in lines), proc.log_tail()
+        assert all("level" in json.loads(line) for line in lines)
 
 
 def test_completion(gateways: tuple[Proc, Proc]) -> None:
@@ -401,9 +433,37 @@ def test_metrics_move_by_what_was_served(
     assert moved(gateway_before, gateway_after, latency) == 8
     assert gateway_after["loomserve:requests_in_flight", ()] == 0
     finished = "loomserve:requests_finished_total"
-    assert moved(worker_before, worker_after, finished, reason="length") == 8
+    assert moved(worker_before, worker_after, finished, finished_reason="length") == 8
     # Bad input never reached the worker.
     assert moved(worker_before, worker_after, "loomserve:requests_rejected_total") == 0
+
+
+def test_the_gateways_metrics_carry_the_workers_load(
+    gateways: tuple[Proc, Proc], worker: Proc, worker_metrics_url: str
+) -> None:
+    """Under `serve` the worker has no metrics port unless given one: each gateway's /metrics
+    shows its slots, queue and KV cache, labelled by worker, from its heartbeats."""
+    gateway = gateways[0]
+    greedy(gateway, "the worker's load", max_tokens=8)
+    wait_all_slots_free(gateway)
+    labels = (("worker", worker.endpoint),)
+    own = scrape_metrics(worker_metrics_url)  # idle now: nothing changes it
+    expected = {
+        "num_requests_running": 0.0,
+        "num_requests_waiting": 0.0,
+        "free_slots": float(SLOTS),
+        "kv_cache_usage_perc": own[("loomserve:kv_cache_usage_perc", ())],
+    }
+    assert 0 < expected["kv_cache_usage_perc"] < 1  # the cells kept for prefix reuse
+
+    def seen() -> dict[str, float | None]:
+        samples = scrape_metrics(gateway.url + "/metrics")
+        return {name: samples.get((f"loomserve:worker_{name}", labels)) for name in expected}
+
+    deadline = time.monotonic() + 30  # a heartbeat a second; generous for a loaded machine
+    while (found := seen()) != expected:
+        assert time.monotonic() < deadline, f"{found} != {expected}"
+        time.sleep(0.2)
 
 
 def test_the_metrics_doc_lists_every_metric(

@@ -366,3 +366,4 @@ def test_model_info_metric(gateway: Proc, worker_metrics_url: str) -> None:
     worker = scrape_metrics(worker_metrics_url)
     (labels,) = [dict(key) for name, key in worker if name == "loomserve:worker_info"]
     assert labels["slots"] == str(SLOTS) and labels["architecture"] == "llama"
+    assert labels["model_name"] == MODEL  # the name the gateways serve it under

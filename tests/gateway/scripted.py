@@ -67,6 +67,7 @@ class ScriptedClient:
     endpoint: str = "inproc://scripted"
     running: set[str] = field(default_factory=set)
     cancelled: list[str] = field(default_factory=list)
+    cancel_reasons: list[str] = field(default_factory=list)  # the reason of each Cancel
     submitted: list[Generate] = field(default_factory=list)
 
     async def submit(self, generate: Generate, deadline: float) -> RequestHandle:
@@ -83,8 +84,9 @@ class ScriptedClient:
     def is_open(self, handle: RequestHandle) -> bool:
         return handle.request_id in self.running
 
-    def cancel(self, handle: RequestHandle) -> None:
+    def cancel(self, handle: RequestHandle, reason: str = FinishReason.CANCELLED) -> None:
         self.cancelled.append(handle.request_id)
+        self.cancel_reasons.append(reason)
 
     def forget(self, handle: RequestHandle) -> None:
         self.running.discard(handle.request_id)

@@ -63,6 +63,8 @@ def test_a_stop_string_across_tokens_cancels_the_sequence_in_the_worker() -> Non
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "Hello "
     assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"
     assert pool.client.cancelled == ["cmpl-t"]
+    # The worker is told why, and counts it as the client is told: stop, not cancelled.
+    assert pool.client.cancel_reasons == ["stop"]
 
 
 async def _collect(generation: Generation) -> list[TextDelta | Done]:

@@ -67,3 +67,4 @@ def test_one_failing_choice_fails_the_request_and_cancels_the_others() -> None:
     with pytest.raises(WorkerFailed):
         asyncio.run(scenario())
     assert pool.client.cancelled == ["cmpl-t-0"]  # the one still running in the worker
+    assert pool.client.cancel_reasons == ["cancelled"]  # the gateway gave up on it

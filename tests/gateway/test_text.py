@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from llama_cpp import llama_vocab_get_text
+from structlog.testing import capture_logs
 
 from loomserve.gateway.api.errors import APIError
 from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -18,6 +19,7 @@ from loomserve.gateway.text.chat_template import (
     ChatTemplateError,
     builtin_templates,
     choose_template,
+    load_override,
 )
 from loomserve.gateway.text.stop import StopMatcher
 from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Vocab
@@ -51,6 +53,22 @@ def test_vocab_basics(vocab: Vocab) -> None:
     # EOS renders as nothing in generated text, and as itself in /detokenize.
     assert vocab.piece(vocab.eos_id) == b""
     assert vocab.text_of(vocab.eos_id) == "</s>"
+
+
+def test_llama_cpps_lines_go_through_structlog_not_raw_to_stderr(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """llama-cpp-python's own log callback prints llama.cpp's warnings and errors raw on
+    stderr (each start printed the default model's token-type warnings so); the gateway's
+    goes through structlog: errors as errors, the rest at debug (the worker reports the same
+    file's load at its proper levels)."""
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    with capture_logs() as logs, pytest.raises(ValueError, match="cannot load the vocabulary"):
+        Vocab(broken)
+    assert capfd.readouterr().err == ""
+    llama = [log for log in logs if log["log_level"] == "error"]
+    assert llama and all(log["event"] and "\n" not in log["event"] for log in llama)
 
 
 def test_long_text_tokenizes(vocab: Vocab) -> None:
@@ -181,6 +199,34 @@ def test_builtin_template_by_name() -> None:
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     with pytest.raises(ValueError, match="no built-in"):
         BuiltinChatTemplate("no-such-template")
+
+
+def test_chat_template_override_is_a_name_a_file_or_jinja(tmp_path: Path) -> None:
+    assert load_override("chatml") == "chatml"
+    jinja = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert load_override(jinja) == jinja
+    saved = tmp_path / "template.jinja"
+    saved.write_text(jinja)
+    assert load_override(str(saved)) == jinja
+
+
+@pytest.mark.parametrize("value", ["chatgpt", "templates/missing.jinja", "Gemma"])
+def test_a_mistyped_chat_template_is_refused_with_the_builtin_names(value: str) -> None:
+    """Taken as text, each of these would have become every chat's whole prompt."""
+    with pytest.raises(ValueError) as refused:
+        load_override(value)
+    message = str(refused.value)
+    assert repr(value) in message and "\n" not in message
+    assert all(name in message for name in builtin_templates())
+
+
+def test_a_chat_template_that_does_not_compile_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not compile"):
+        load_override("{% for m in messages %}{{ m }}")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ messages[0]['content'] }")
+    with pytest.raises(ValueError, match=f"{broken}: the chat template does not compile"):
+        load_override(str(broken))
 
 
 def test_template_sandbox_blocks_python_internals() -> None:

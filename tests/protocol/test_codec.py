@@ -50,6 +50,7 @@ EVERY_MESSAGE = [
     ),
     Embed(request_id="e1", inputs=[[1, 2], [3]]),
     Cancel(request_id="r1"),
+    Cancel(request_id="r2", reason="stop"),
     Ping(sent_at=12.5),
     ModelInfo(
         protocol_version=1,
@@ -83,6 +84,17 @@ EVERY_MESSAGE = [
         finishes=[Finish("r2", "length", 3, 5, 1, 0.25)],
     ),
     Heartbeat(sent_at=1.0, ping_sent_at=0.5, ready=True, queue_depth=0, free_slots=4, running=0),
+    Heartbeat(
+        sent_at=1.0,
+        ping_sent_at=0.0,
+        ready=True,
+        queue_depth=2,
+        free_slots=0,
+        running=4,
+        prefixes=[7, 9],
+        kv_cells_used=300,
+        kv_cells_total=1024,
+    ),
     WorkerError(code="decode_failed", message="boom"),
     Embeddings(request_id="e1", size=2, vectors=b"\x00\x00\x80?" * 4, prompt_tokens=3),
 ]
@@ -101,7 +113,8 @@ def test_every_message_round_trips(message):
         [b"\x02"],  # no body
         [b"\x7f", msgpack.packb([])],  # unknown type
         [b"\x03", b"\xc1"],  # msgpack's never-used byte
-        [b"\x03", msgpack.packb(["r1", "extra"])],  # too many fields
+        [b"\x03", msgpack.packb(["r1", "cancelled", "extra"])],  # too many fields
+        [b"\x03", msgpack.packb(["r1", "length"])],  # not a reason a gateway gives
         [b"\x03", msgpack.packb([5])],  # wrong type
         [b"\x02", msgpack.packb(["r1", "not a list", []])],
         [b"\x02", msgpack.packb(["r1", [1, True], list(SamplingParams().__slots__)])],

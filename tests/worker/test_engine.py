@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from loomserve.protocol import (
     Accepted,
@@ -23,7 +24,17 @@ from loomserve.protocol import (
     SamplingParams,
 )
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine, EngineError
+from loomserve.worker.engine import (
+    GGML_LOG_CONT,
+    GGML_LOG_ERROR,
+    GGML_LOG_INFO,
+    GGML_LOG_WARN,
+    PROGRESS_EVERY_S,
+    Engine,
+    EngineError,
+    LlamaLogLines,
+    LoadProgress,
+)
 from loomserve.worker.loop import TickLoop
 from loomserve.worker.prefix_cache import usable_prefix
 from loomserve.worker.strategies import BatchPlan
@@ -563,3 +574,47 @@ def test_a_failing_tick_fails_its_requests_alone(engine, config, monkeypatch):
 def test_a_quantized_kv_cache_needs_flash_attention(config):
     with pytest.raises(EngineError, match="needs --flash-attn"):
         Engine(replace(config, kv_cache_type="q8_0", flash_attn="off"))
+
+
+def test_llama_cpps_log_reaches_structlog_as_whole_lines_at_its_level() -> None:
+    """Its warnings and errors at their level, a line cut across CONT calls joined, its info
+    chatter and the warnings with nothing to act on (a model's token types) at debug."""
+    lines = LlamaLogLines()
+    with capture_logs() as logs:
+        lines.feed(GGML_LOG_INFO, "llama_model_loader: loaded meta data\n")
+        lines.feed(
+            GGML_LOG_WARN,
+            "load: control-looking token:    106 '<end_of_turn>' was not control-type; this is "
+            "probably a bug in the model. its type will be overridden\n",
+        )
+        lines.feed(GGML_LOG_WARN, "llama_kv_cache_iswa: using full-size SWA cache (ref: x)\n")
+        lines.feed(GGML_LOG_WARN, "something ")
+        lines.feed(GGML_LOG_CONT, "to look at\n")
+        lines.feed(GGML_LOG_ERROR, "failed to read\n")
+        lines.feed(GGML_LOG_WARN, "n_ctx_seq exceeds: possible training context overflow\n")
+    assert [(log["log_level"], log["event"]) for log in logs] == [
+        ("debug", "llama_model_loader: loaded meta data"),
+        ("debug", logs[1]["event"]),
+        ("debug", "llama_kv_cache_iswa: using full-size SWA cache (ref: x)"),
+        ("warning", "something to look at"),
+        ("error", "failed to read"),
+    ]
+    assert "control-looking token" in logs[1]["event"]
+
+
+def test_a_quick_model_load_logs_its_start_only_and_a_slow_one_its_progress(
+    tiny_model_path: Path,
+) -> None:
+    with capture_logs() as logs:
+        quick = LoadProgress(tiny_model_path)
+        for quarter in range(5):
+            quick._on_progress(quarter / 4, None)
+        slow = LoadProgress(tiny_model_path)
+        slow.logged_at -= PROGRESS_EVERY_S  # as if the load had been running that long
+        slow._on_progress(0.5, None)
+        slow._on_progress(0.75, None)  # within PROGRESS_EVERY_S of the last line
+    assert [log.get("percent") for log in logs if log["event"] == "loading model"] == [
+        None,
+        None,
+        50,
+    ]

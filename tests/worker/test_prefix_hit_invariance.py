@@ -21,6 +21,8 @@ from loomserve.worker.engine import Engine
 from loomserve.worker.prefix_cache import usable_prefix
 from tests.worker.test_engine import GW, drain, greedy, new_loop
 
+pytestmark = pytest.mark.slow  # a few minutes of prompts: the quick subset leaves them out
+
 SCRIPTS = {
     "latin": "The old market by the river sold bread, figs and copper pots to travellers. ",
     "arabic": "مرحبا بكم في هذا النص الطويل الذي يتحدث عن تاريخ المدينة القديمة وأسواقها وناسها ",

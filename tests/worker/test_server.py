@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -158,7 +159,9 @@ def test_hello_answers_model_info(gateway: Gateway, worker: Proc, tiny_model_pat
         ready=True,
     )
     log = worker.log_path.read_text()
-    assert '"event": "loading model"' in log and '"percent": 100' in log
+    assert '"event": "loading model"' in log and '"event": "model loaded"' in log
+    # Its raw lines go through structlog: no line of llama.cpp's own on stderr.
+    assert all(line.startswith("{") for line in log.splitlines() if line.strip()), log
 
 
 def test_another_protocol_version_is_refused(gateway: Gateway):
@@ -295,6 +298,66 @@ def test_queue_full_duplicates_and_cancellation(gateway: Gateway):
     assert beat.free_slots == 2 and beat.queue_depth == 0
 
 
+def test_a_request_the_gateway_ended_finishes_with_its_reason(
+    gateway: Gateway, metrics_port: int
+) -> None:
+    """A gateway that matched a stop string cancels with reason stop: the worker's Finish
+    and metrics say stop, as the client was told, and not cancelled (a client gone)."""
+    gateway.hello()
+    gateway.run(greedy("kept", [1, 30, 31], 5))  # its cells stay, for prefix reuse
+    before = scrape(metrics_port)
+    # Sent at once, not after a token came: on a busy machine the request could otherwise
+    # reach max_tokens first. Queued or running when the Cancel comes, it ends with "stop".
+    gateway.send(greedy("ended", [1, 40, 41], 400, ignore_eos=True))
+    gateway.send(Cancel("ended", reason="stop"))
+    finish = finish_of(gateway.wait_for(is_finish_of("ended")), "ended")
+    assert finish.reason == "stop" and finish.completion_tokens < 400
+    after = scrape(metrics_port)
+    stopped = ("loomserve:requests_finished_total", (("finished_reason", "stop"),))
+    assert after[stopped] - before.get(stopped, 0.0) == 1
+    cancelled = ("loomserve:requests_cancelled_total", ())
+    assert after[cancelled] == before.get(cancelled, 0.0)
+    # Heartbeats carry the KV cache's cells, for the gateways' per-worker gauges (the first
+    # request's cells, at least, are kept for prefix reuse): what the worker's gauge says.
+    gateway.send(Ping(sent_at=2.0))
+    beat = gateway.wait_for(lambda m: isinstance(m, Heartbeat) and m.ping_sent_at == 2.0)
+    assert beat.kv_cells_total == 2 * 512
+    assert 0 < beat.kv_cells_used == after[("loomserve:kv_cache_cells_used", ())]
+
+
+def test_a_gateway_leaving_with_nothing_open_is_not_a_warning(worker: Proc) -> None:
+    """A clean stop drains a gateway's streams before it goes: the worker notes it at info.
+    One that leaves a request running is a warning, as it costs that request."""
+    quiet = Gateway(worker.endpoint, f"gw-quiet-{os.getpid()}")
+    quiet.hello()
+    quiet.close()
+    busy = Gateway(worker.endpoint, f"gw-busy-{os.getpid()}")
+    busy.hello()
+    busy.send(greedy("left-behind", [1, 50, 51], 500, ignore_eos=True))
+    busy.wait_for(lambda m: isinstance(m, Outputs) and any(c.token_ids for c in m.tokens))
+    busy.close()
+
+    def lines_about(gateway: Gateway) -> list[dict]:
+        """What the worker logged of the gateway leaving."""
+        logged = [json.loads(line) for line in worker.logs().splitlines() if line.startswith("{")]
+        return [
+            line
+            for line in logged
+            if line.get("gateway") == gateway.identity
+            and line["event"].startswith("gateway ")
+            and line["event"] != "gateway connected"
+        ]
+
+    deadline = time.monotonic() + 30  # a heartbeat a second finds the quiet one gone
+    while not (lines_about(quiet) and lines_about(busy)):
+        assert time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.1)
+    ((gone,), (lost,)) = lines_about(quiet), lines_about(busy)
+    assert (gone["event"], gone["level"]) == ("gateway gone", "info")
+    assert (lost["event"], lost["level"]) == ("gateway lost; cancelling its requests", "warning")
+    assert lost["requests"] == 1
+
+
 @contextmanager
 def worker_process(model: Path, **config) -> Iterator[tuple[subprocess.Popen, str]]:
     """run_worker in a process of its own, with settings the CLI does not expose."""
@@ -416,7 +479,7 @@ def test_metrics_count_what_the_worker_did(gateway: Gateway, metrics_port: int):
 
     assert delta("loomserve:generation_tokens_total") == 7
     assert delta("loomserve:prompt_tokens_total") == 5
-    assert delta("loomserve:requests_finished_total", reason="length") == 1
+    assert delta("loomserve:requests_finished_total", finished_reason="length") == 1
     assert delta("loomserve:requests_rejected_total", reason="prompt_too_long") == 1
     assert delta("loomserve:prefix_cache_queries_total") == 5
     assert delta("loomserve:batch_tokens_total", kind="prefill") == 5

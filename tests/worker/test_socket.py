@@ -196,6 +196,7 @@ def flooded_worker(tiny_model_path) -> Iterator[tuple[Proc, Pinger]]:
         pinger.join(5)
 
 
+@pytest.mark.slow
 def test_floods_are_dropped_cheaply_and_liveness_holds(flooded_worker):
     worker, pinger = flooded_worker
     flood = dealer(worker.endpoint, "flooder", hwm=100_000)
