@@ -58,7 +58,7 @@ from loomserve.worker.records import (
     log_tick,
     tick_record,
 )
-from loomserve.worker.sampling import InvalidSampling, sample_rows
+from loomserve.worker.sampling import InvalidSampling, SamplingThreads, sample_rows
 from loomserve.worker.scheduler import Scheduler
 from loomserve.worker.scoring import score_prompts, slot_logprobs
 from loomserve.worker.slots import Release, Step
@@ -115,6 +115,8 @@ class TickLoop:
         self.outputs = PendingOutputs()  # this tick's, sent at its end
         self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
         self.kv_moves = KvMoves(engine, self.scheduler)
+        # The forward pass is over when rows are sampled: its threads draw them.
+        self.sampling_threads = SamplingThreads(config.n_threads)
         self.speculator = make_speculator(config, engine.split_rules)
         # Drafts ride in the tick's pass and are verified as it samples (drafting.py).
         self.drafting = Drafting(
@@ -159,6 +161,7 @@ class TickLoop:
         self.scheduler.cancel_all("the worker is shutting down")
         self._release_finished()
         self._send_outputs()
+        self.sampling_threads.close()
 
     def _drained(self) -> bool:
         """After a STOP: whether every request has finished, or the time for them is up."""
@@ -331,7 +334,8 @@ class TickLoop:
         # scored: then its rows are picked out.
         logits = self.engine.output_logits(len(sampled)) if scored is None else scored
         samplers = [slot.occupant.chain for slot, _ in sampled]
-        tokens = sample_rows(samplers, [index for _, index in sampled], logits)
+        indices = [index for _, index in sampled]
+        tokens = sample_rows(samplers, indices, logits, self.sampling_threads)
         for row, ((slot, _), token) in enumerate(zip(sampled, tokens, strict=True)):
             request = slot.occupant
             sampler = request.chain

@@ -24,6 +24,7 @@ Penalties see the generated tokens only, not the prompt, as in llama-server.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import llama_cpp as llama
 import numpy as np
@@ -36,6 +37,8 @@ from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, gram
 from loomserve.worker.logprobs import adjusted_logits
 from loomserve.worker.slots import TokenSampler
 
+# Fewer rows than this to draw on the host: threads would cost more than they save.
+PARALLEL_ROWS = 8
 # A greedy pick the grammar refused: this many of the next best are checked one at a time
 # before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
 GREEDY_SCAN = 32
@@ -178,27 +181,58 @@ class HostSampler:
         """Nothing to free: its state is Python's."""
 
 
+class SamplingThreads:
+    """n threads that draw a tick's host-sampled rows: the tick's own and n - 1 helpers."""
+
+    def __init__(self, n: int) -> None:
+        self.n = max(1, n)
+        self.pool = (
+            ThreadPoolExecutor(self.n - 1, thread_name_prefix="sampling") if self.n > 1 else None
+        )
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+
 def sample_rows(
-    samplers: Sequence[TokenSampler], batch_indices: list[int], logits: np.ndarray
+    samplers: Sequence[TokenSampler],
+    batch_indices: list[int],
+    logits: np.ndarray,
+    threads: SamplingThreads | None = None,
 ) -> list[int]:
     """Each sampler's token from its row of `logits` (one row per sampler, in order), whose
     batch indices in the last decode are `batch_indices`.
 
     When at least half the rows are plain greedy, one argmax over all rows serves them (the
     rest is wasted work, cheaper than copying the greedy rows out); the others, and every
-    row otherwise, go through their own sampler.
+    row otherwise, go through their own sampler. With threads, the host sampler's rows are
+    shared out among them: numpy lets go of the GIL while it reads a row, and each row's
+    sampler is its own (no two threads touch one).
     """
     n_greedy = sum(sampler.plain_greedy for sampler in samplers)
     if 2 * n_greedy < len(samplers):
-        return [
-            sampler.sample(index, logits[row])
-            for row, (sampler, index) in enumerate(zip(samplers, batch_indices, strict=True))
-        ]
-    tokens = logits.argmax(axis=1).tolist()
-    if n_greedy < len(samplers):
-        for row, sampler in enumerate(samplers):
-            if not sampler.plain_greedy:
-                tokens[row] = sampler.sample(batch_indices[row], logits[row])
+        tokens = [0] * len(samplers)
+        rest = range(len(samplers))
+    else:
+        tokens = logits.argmax(axis=1).tolist()
+        rest = [row for row, sampler in enumerate(samplers) if not sampler.plain_greedy]
+
+    def sample(rows: Sequence[int]) -> None:
+        for row in rows:
+            tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
+
+    if threads is None or threads.pool is None or len(rest) < PARALLEL_ROWS:
+        sample(rest)
+        return tokens
+    host = [row for row in rest if isinstance(samplers[row], HostSampler)]
+    parts = [host[i :: threads.n] for i in range(threads.n)]
+    futures = [threads.pool.submit(sample, part) for part in parts[1:] if part]
+    sample(parts[0])
+    sample([row for row in rest if not isinstance(samplers[row], HostSampler)])
+    for future in futures:
+        future.result()
     return tokens
 
 

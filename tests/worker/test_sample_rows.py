@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loomserve.worker.sampling import Sampler, sample_rows
+from loomserve.protocol import SamplingParams
+from loomserve.worker.sampling import HostSampler, Sampler, SamplingThreads, sample_rows
 
 
 class Chained:
@@ -37,3 +38,31 @@ def test_greedy_rows_take_the_first_maximum_and_the_others_their_sampler(n_chain
             assert token == int(np.argmax(logits[row]))
     if n_chained == 0:
         assert tokens[0] == 7
+
+
+def test_threads_draw_the_same_tokens_as_one_thread():
+    """Host-sampled rows shared out among threads: each row's sampler is its own, so the
+    tokens are those of one thread, row for row (seeded), beside greedy and chained rows."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((24, 5000)).astype(np.float32) * 3
+
+    def samplers() -> list:
+        out: list = []
+        for row in range(24):
+            if row % 6 == 0:
+                out.append(Chained(7))
+            elif row % 6 == 1:
+                out.append(HostSampler(SamplingParams(temperature=0.0), 256))
+            else:
+                params = SamplingParams(temperature=1.0, top_p=0.9, seed=row)
+                out.append(HostSampler(params, 256))
+        return out
+
+    indices = list(range(24))
+    alone = sample_rows(samplers(), indices, logits)
+    threads = SamplingThreads(3)
+    try:
+        assert sample_rows(samplers(), indices, logits, threads) == alone
+    finally:
+        threads.close()
+    assert alone[0] == 7 and alone[1] == int(np.argmax(logits[1]))
