@@ -214,7 +214,7 @@ def sample_rows(
     n_greedy = sum(sampler.plain_greedy for sampler in samplers)
     if 2 * n_greedy < len(samplers):
         tokens = [0] * len(samplers)
-        rest = range(len(samplers))
+        rest: Sequence[int] = range(len(samplers))
     else:
         tokens = logits.argmax(axis=1).tolist()
         rest = [row for row, sampler in enumerate(samplers) if not sampler.plain_greedy]
