@@ -1,23 +1,21 @@
 """Speculation in the tick: generating slots draft tokens (speculation.py proposes them, purely)
 that ride in the tick's one forward pass, and the samplers verify them as they sample.
 
-The loop calls speculate(step) after planning and sample_verified() when the step carries
-drafts; the scheduler shapes the drafts into the batch (shaping.py) and accepts the kept ones.
+The loop calls speculate(step) after planning, sample_verified() when the step carries drafts
+and settle() after the scheduler's update; the scheduler shapes the drafts into the batch
+(shaping.py) and keeps, in its update, the ones the samplers agreed with.
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
-from loomserve.worker.outputs import PendingOutputs
 from loomserve.worker.records import SpecCounts
 from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.scoring import slot_logprobs
-from loomserve.worker.slots import Run, Slot, Step
+from loomserve.worker.scoring import sampled
+from loomserve.worker.slots import Run, Sampled, Slot, Step
 from loomserve.worker.speculation import Proposal, SpecSettings, Speculator
 from loomserve.worker.strategies import SlotPhase
 from loomserve.worker.tick_cost import WARM_UP_TICKS, TickCostModel
@@ -44,15 +42,14 @@ class Drafting:
         speculator: Speculator | None,
         tick_cost: TickCostModel,
         config: WorkerConfig,
-        outputs: PendingOutputs,
     ) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.speculator = speculator
         self.tick_cost = tick_cost
         self.batch_tokens = config.batch_tokens
-        self.outputs = outputs
         self.counts = SpecCounts()  # this tick's
+        self._settling: list[Run] = []  # verified runs whose cells settle() trims
 
     def take_counts(self) -> SpecCounts:
         """This tick's counts, for its TickRecord; the next tick starts from zero."""
@@ -116,56 +113,57 @@ class Drafting:
             drafts = {p.slot: p.tokens[:length] for p in proposals if p.tokens}
             self.scheduler.add_drafts(step, drafts, length)
 
-    def sample_verified(self, sampled: list[tuple[Slot, int]], verified: dict[int, Run]) -> int:
+    def sample_verified(
+        self, sampling: list[tuple[Slot, int]], verified: dict[int, Run]
+    ) -> list[Sampled]:
         """Sampling in a tick with drafts: a slot with drafts samples at its token and at
-        each draft in turn, keeping drafts while they equal what it samples; then the cells
-        of the tokens it did not keep are dropped. Return the tokens produced."""
+        each draft in turn while the drafts equal what it samples. The scheduler's update
+        keeps them; settle() then drops the cells of the rest."""
         n_rows = sum(
-            1 + verified[slot.index].draft if slot.index in verified else 1 for slot, _ in sampled
+            1 + verified[slot.index].draft if slot.index in verified else 1 for slot, _ in sampling
         )
         logits = self.engine.output_logits(n_rows)
-        now, row, produced = time.monotonic(), 0, 0
-        for slot, index in sampled:
+        row, out = 0, []
+        for slot, index in sampling:
             run = verified.get(slot.index)
             n_draft = run.draft if run is not None else 0
             block = logits[row : row + 1 + n_draft]
             row += 1 + n_draft
             drafts = run.tokens[1 : 1 + n_draft] if run is not None else []
-            produced += self._verify(slot, index, block, drafts, now)
-        for run in verified.values():
-            # The slot's sequence is its cached tokens; the rest of the run's cells go.
-            self.engine.keep_prefix(run.slot.index, run.slot.n_in_cache)
-        return produced
+            out.append(self._verify(slot, index, block, drafts))
+        self._settling = list(verified.values())
+        return out
 
-    def _verify(
-        self, slot: Slot, index: int, rows: np.ndarray, drafts: list[int], now: float
-    ) -> int:
+    def settle(self) -> None:
+        """After the scheduler's update: each verified slot's sequence is its cached
+        tokens; the rest of its run's cells go."""
+        for run in self._settling:
+            self.engine.keep_prefix(run.slot.index, run.slot.n_in_cache)
+        self._settling = []
+
+    def _verify(self, slot: Slot, index: int, rows: np.ndarray, drafts: list[int]) -> Sampled:
         """Sample row by row (the row for the token at `index`, then one per draft) while
-        each sampled token equals the next draft; record the tokens; return how many."""
+        each sampled token equals the next draft and the request can take more."""
         request = slot.occupant
         sampler = request.chain
         greedy = rows.argmax(axis=1).tolist() if sampler.plain_greedy else None
-        asked, context = request.params.logprobs is not None, self.engine.slot_context
-        outputs = self.outputs.to(request.gateway)
-        n_recorded = matched = 0
+        room, ignore_eos = self.scheduler.room(slot), request.params.ignore_eos
+        tokens: list[int] = []
+        matched = 0
         for position in range(len(rows)):
-            logits = rows[position]
             token = (
-                greedy[position] if greedy is not None else sampler.sample(index + position, logits)
+                greedy[position]
+                if greedy is not None
+                else sampler.sample(index + position, rows[position])
             )
-            logprobs = slot_logprobs(slot, logits, token, context) if asked else None
-            chunk = self.scheduler.record_token(slot, token, self.engine.is_eog(token), now)
-            n_recorded += 1
-            if chunk is not None:
-                chunk.logprobs = logprobs
-                outputs.tokens.append(chunk)
+            tokens.append(token)
             agrees = position < len(drafts) and token == drafts[position]
             matched += agrees
-            if not agrees or slot.finish_reason is not None:
+            ends = len(tokens) >= room or (self.engine.is_eog(token) and not ignore_eos)
+            if not agrees or ends:
                 break
-        # Every recorded token but the last was a draft whose cell now holds.
-        self.scheduler.accept_drafts(slot, n_recorded - 1)
         if drafts and self.speculator is not None:
             self.speculator.verified(slot.index, request, len(drafts), matched)
             self.counts.add(len(drafts), matched)
-        return n_recorded
+        context = self.engine.slot_context
+        return sampled(slot, rows[: len(tokens)], tokens, self.engine.is_eog, context)

@@ -26,7 +26,6 @@ from loomserve.protocol import (
     Accepted,
     Embed,
     ErrorCode,
-    FinishReason,
     Generate,
     Rejected,
 )
@@ -60,8 +59,8 @@ from loomserve.worker.records import (
 )
 from loomserve.worker.sampling import InvalidSampling, SamplingThreads, sample_rows
 from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.scoring import score_prompts, slot_logprobs
-from loomserve.worker.slots import Release, Step
+from loomserve.worker.scoring import sampled, score_prompts
+from loomserve.worker.slots import Release, Sampled, Step
 from loomserve.worker.strategies import load_strategy
 from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
 
@@ -119,9 +118,7 @@ class TickLoop:
         self.sampling_threads = SamplingThreads(config.n_threads)
         self.speculator = make_speculator(config, engine.split_rules)
         # Drafts ride in the tick's pass and are verified as it samples (drafting.py).
-        self.drafting = Drafting(
-            engine, self.scheduler, self.speculator, self.tick_cost, config, self.outputs
-        )
+        self.drafting = Drafting(engine, self.scheduler, self.speculator, self.tick_cost, config)
         engine.clear_cache()  # the scheduler starts with empty slots; so must the cache
 
     def _latency_target(self, config: WorkerConfig) -> LatencyTarget | None:
@@ -195,9 +192,11 @@ class TickLoop:
         self.drafting.speculate(step)
         filled = fill_batch(self.engine.batch, step)
         # 4. One forward pass; the scheduler advances each slot's cache.
-        # 5. Each slot samples at its own batch index; the scheduler records the token.
-        n_sampled = self._sample(filled) if self._forward(step) else 0
-        # 6. Requests that just ended free their slots; each gateway gets one Outputs.
+        # 5. Each slot samples at its own batch index (and verifies its drafts).
+        sampled_now = self._sample(filled) if self._forward(step) else []
+        # 6. The scheduler records every sampled token and ends the requests that must end.
+        n_sampled = self._update(sampled_now)
+        # 7. Requests that just ended free their slots; each gateway gets one Outputs.
         self._release_finished()
         self._send_outputs()
         self._after_tick(step, n_sampled, started)
@@ -317,42 +316,36 @@ class TickLoop:
 
     # --- 5: sample ----------------------------------------------------------------------
 
-    def _sample(self, filled: Filled) -> int:
-        """Sample each slot's new token and hand it to the scheduler; return how many."""
-        scored, sampled = None, filled.sampled
+    def _sample(self, filled: Filled) -> list[Sampled]:
+        """Each sampling slot's new tokens, for the scheduler's update."""
+        scored, sampling = None, filled.sampled
         if filled.scoring is not None:
             scored = score_prompts(filled.scoring, self.engine.output_logits, self.outputs)
-        if not sampled:  # only prompt chunks that end mid-prompt: no logits were asked for
-            return 0
+        if not sampling:  # only prompt chunks that end mid-prompt: no logits were asked for
+            return []
         if filled.verified:
-            return self.drafting.sample_verified(sampled, filled.verified)
-        now = time.monotonic()
-        is_eog, record_token = self.engine.is_eog, self.scheduler.record_token
-        context = self.engine.slot_context
+            return self.drafting.sample_verified(sampling, filled.verified)
         # Logits were asked for exactly where a token is sampled, so output row i belongs to
-        # sampled[i]: one view of them all instead of one per slot. Unless a prompt was
+        # sampling[i]: one view of them all instead of one per slot. Unless a prompt was
         # scored: then its rows are picked out.
-        logits = self.engine.output_logits(len(sampled)) if scored is None else scored
-        samplers = [slot.occupant.chain for slot, _ in sampled]
-        indices = [index for _, index in sampled]
+        logits = self.engine.output_logits(len(sampling)) if scored is None else scored
+        samplers = [slot.occupant.chain for slot, _ in sampling]
+        indices = [index for _, index in sampling]
         tokens = sample_rows(samplers, indices, logits, self.sampling_threads)
-        for row, ((slot, _), token) in enumerate(zip(sampled, tokens, strict=True)):
-            request = slot.occupant
-            sampler = request.chain
-            if sampler.failure is not None:  # its grammar grew too complex (grammar_state.py)
-                slot.finish(FinishReason.ERROR, sampler.failure)
-                continue
-            if sampler.grammar_complete:  # the token ends it: before max_tokens can
-                slot.finish(FinishReason.STOP)
-            asked = request.params.logprobs is not None
-            logprobs = slot_logprobs(slot, logits[row], token, context) if asked else None
-            chunk = record_token(slot, token, is_eog(token), now)
-            if chunk is not None:
-                chunk.logprobs = logprobs
-                self.outputs.to(request.gateway).tokens.append(chunk)
-        return len(sampled)
+        is_eog, context = self.engine.is_eog, self.engine.slot_context
+        return [
+            sampled(slot, logits[row : row + 1], [token], is_eog, context)
+            for row, ((slot, _), token) in enumerate(zip(sampling, tokens, strict=True))
+        ]
 
-    # --- 6: emit -----------------------------------------------------------------------
+    def _update(self, sampled_now: list[Sampled]) -> int:
+        """The scheduler records what was sampled; its chunks go out; return the tokens."""
+        for gateway, chunk in self.scheduler.update(sampled_now, time.monotonic()):
+            self.outputs.to(gateway).tokens.append(chunk)
+        self.drafting.settle()
+        return sum(len(entry.tokens) for entry in sampled_now if entry.failure is None)
+
+    # --- 7: emit -----------------------------------------------------------------------
 
     def _send_outputs(self) -> None:
         # The load first: a heartbeat that follows these Outputs must not predate them.

@@ -21,6 +21,8 @@ decides where a request goes and whose cache it starts from.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 
 from loomserve.protocol import FinishReason, TokenChunk
@@ -37,6 +39,7 @@ from loomserve.worker.slots import (
     Request,
     RequestKey,
     Run,
+    Sampled,
     Slot,
     Step,
     set_phase,
@@ -324,18 +327,13 @@ class Scheduler:
         """Put the drafted tokens after each generating slot's last token (shaping.py)."""
         add_drafts(step, drafts, length, self._budget, self.split_rules)
 
-    def accept_drafts(self, slot: Slot, accepted: int) -> None:
-        """`accepted` drafted tokens of the slot's last run are now its sequence's: their
-        cells hold. The loop drops the rest of the run's cells."""
-        slot.n_in_cache += accepted
-
     # --- after the forward pass ---------------------------------------------------------
 
     def advance(self, step: Step) -> None:
         """The forward pass put every run's tokens in the cache."""
         for run in step.runs:
             if not run.pad:
-                # Drafted tokens join the cache as the sampler accepts them (accept_drafts).
+                # Drafted tokens join the cache as the sampler agrees with them (update).
                 run.slot.n_in_cache += len(run.tokens) - run.draft - run.filler
 
     def fail(self, step: Step, message: str) -> None:
@@ -349,6 +347,41 @@ class Scheduler:
         for slot in self.slots:
             if slot.request is not None:
                 slot.finish(FinishReason.ERROR, message)
+
+    def room(self, slot: Slot) -> int:
+        """Tokens the slot's request may still generate (max_tokens, the slot's context)."""
+        request = slot.occupant
+        left = request.params.max_tokens - request.completion_tokens
+        return max(0, min(left, self.slot_context - len(slot.tokens)))
+
+    def update(self, sampled: Sequence[Sampled], now: float) -> list[tuple[bytes, TokenChunk]]:
+        """Apply what the samplers gave after a forward pass, the one place sampled tokens
+        change a slot: record each slot's tokens until its request ends, keep the cells of
+        the drafts it agreed with, end the requests that must end. Return the chunks to send,
+        with their gateways."""
+        chunks: list[tuple[bytes, TokenChunk]] = []
+        for entry in sampled:
+            slot = entry.slot
+            request = slot.occupant
+            if entry.failure is not None:
+                slot.finish(FinishReason.ERROR, entry.failure)
+                continue
+            if entry.grammar_complete:  # the token ends it: before max_tokens can
+                slot.finish(FinishReason.STOP)
+            recorded = 0
+            for position, token in enumerate(entry.tokens):
+                chunk = self.record_token(slot, token, entry.end_of_generation[position], now)
+                recorded += 1
+                if chunk is not None:
+                    if entry.logprobs is not None:
+                        chunk.logprobs = [entry.logprobs[position]]
+                    chunks.append((request.gateway, chunk))
+                if slot.finish_reason is not None:
+                    break
+            # Every recorded token but the last was a draft whose cell now holds; the loop
+            # drops the cells of the rest of the run.
+            slot.n_in_cache += recorded - 1
+        return chunks
 
     def record_token(
         self, slot: Slot, token: int, end_of_generation: bool, now: float

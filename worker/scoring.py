@@ -1,6 +1,7 @@
-"""Log-probabilities in the tick: a sampled token's (SamplingParams.logprobs) and, for a request
-that scores its prompt (SamplingParams.prompt_logprobs), its prompt tokens' from the logits on
-every prompt token. logprobs.py computes them; this reads the rows of a step's output logits.
+"""After the forward pass, what the scheduler's update takes: each slot's sampled tokens with
+their log-probabilities (SamplingParams.logprobs) as a Sampled; and, for a request that scores
+its prompt (SamplingParams.prompt_logprobs), its prompt tokens' from the logits on every prompt
+token. logprobs.py computes them; this reads the rows of a step's output logits.
 """
 
 from __future__ import annotations
@@ -9,18 +10,35 @@ from collections.abc import Callable
 
 import numpy as np
 
-from loomserve.protocol import PromptLogprobs, TokenChunk, TokenLogprobs
+from loomserve.protocol import PromptLogprobs, TokenChunk
 from loomserve.worker.logprobs import prompt_logprobs, token_logprobs
 from loomserve.worker.outputs import PendingOutputs
-from loomserve.worker.slots import Run, Slot, Step
+from loomserve.worker.slots import Run, Sampled, Slot, Step
 
 
-def slot_logprobs(slot: Slot, logits: np.ndarray, token: int, context: int) -> list[TokenLogprobs]:
-    """The new token's logprobs, before the scheduler records it (its penalty history is
-    what the slot generated so far)."""
+def sampled(
+    slot: Slot, rows: np.ndarray, tokens: list[int], is_eog: Callable[[int], bool], context: int
+) -> Sampled:
+    """A slot's new tokens (sampled from `rows`, one row each) as the scheduler's update takes
+    them, with their logprobs when the request asked and what its grammar said."""
     request = slot.occupant
-    generated = slot.tokens[len(request.prompt) :]  # resumed ones too
-    return [token_logprobs(logits, token, request.params, generated, context)]
+    sampler = request.chain
+    logprobs = None
+    if request.params.logprobs is not None:
+        # Each token's penalty history is what the slot generated before it.
+        history = slot.tokens[len(request.prompt) :]  # resumed ones too
+        logprobs = []
+        for row, token in zip(rows, tokens, strict=False):
+            logprobs.append(token_logprobs(row, token, request.params, history, context))
+            history = [*history, token]
+    return Sampled(
+        slot,
+        tokens,
+        [is_eog(token) for token in tokens],
+        logprobs,
+        sampler.failure,
+        sampler.grammar_complete,
+    )
 
 
 def score_prompts(

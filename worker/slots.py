@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from loomserve.protocol import Finish, FinishReason, SamplingParams
+from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenLogprobs
 from loomserve.worker.queueing import DEFAULT_TENANT
 from loomserve.worker.ram_cache import RamEntry, SavedState
 from loomserve.worker.strategies import BatchPlan, SlotPhase, SlotView
@@ -140,6 +140,19 @@ class Slot:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.finish_message = message
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What one slot's sampler gave after a forward pass, for Scheduler.update: its new
+    tokens in order (with drafts: the drafts it agreed with, then its own next token)."""
+
+    slot: Slot
+    tokens: list[int]
+    end_of_generation: list[bool]  # per token: an end-of-generation token of the model
+    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked
+    failure: str | None = None  # its grammar failed: the request ends with an error
+    grammar_complete: bool = False  # its grammar allows nothing more after these tokens
 
 
 @dataclass(slots=True)

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from loomserve.protocol import SamplingParams
+from loomserve.protocol import FinishReason, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request
+from loomserve.worker.slots import Request, Sampled
 from loomserve.worker.speculation import (
     EXPLORE_INTERVAL,
     Acceptance,
@@ -243,10 +243,26 @@ def test_drafts_join_the_cache_only_as_far_as_they_are_accepted():
     assert step.n_extra == 3 and step.n_tokens == 4
     scheduler.advance(step)
     assert slot.n_in_cache == 5  # the slot's own token; drafts wait for the sampler
-    for token in (6, 7, 9):  # two drafts agreed, then the sampler's own token
-        scheduler.record_token(slot, token, False, 0.0)
-    scheduler.accept_drafts(slot, 2)
+    # Two drafts agreed, then the sampler's own token.
+    chunks = scheduler.update([Sampled(slot, [6, 7, 9], [False] * 3)], 0.0)
+    assert [chunk.token_ids for _, chunk in chunks] == [[6], [7], [9]]
     assert slot.n_in_cache == 7 == len(slot.tokens) - 1
+
+
+def test_an_end_inside_agreed_drafts_cuts_there():
+    """max_tokens reached at the first agreed draft: the rest is not recorded, and only the
+    cells of what was recorded hold."""
+    scheduler = generating_scheduler(1, per_slot_streams=False)
+    slot = scheduler.slots[0]
+    slot.occupant.params = SamplingParams(max_tokens=2, temperature=0.0)
+    step = scheduler.schedule(64, 64)
+    scheduler.add_drafts(step, {0: [6, 7, 8]}, 3)
+    scheduler.advance(step)
+    assert scheduler.room(slot) == 1
+    chunks = scheduler.update([Sampled(slot, [6, 7, 9], [False] * 3)], 0.0)
+    assert [chunk.token_ids for _, chunk in chunks] == [[6]]
+    assert slot.finish_reason is FinishReason.LENGTH and slot.tokens[-2:] == [5, 6]
+    assert slot.n_in_cache == 5 == len(slot.tokens) - 1
 
 
 def test_with_a_stream_per_slot_every_decode_run_gets_the_same_length():
