@@ -41,3 +41,25 @@ def test_the_console_renderer_prints_the_traceback(capsys: pytest.CaptureFixture
         structlog.get_logger("loop").exception("tick failed")
     err = capsys.readouterr().err
     assert "tick failed" in err and "ValueError: the tick's own words" in err
+
+
+def fail_holding_a_secret() -> None:
+    api_key = "sk-the-secret-in-a-local"  # noqa: F841 - the local the log must not show
+    raise ValueError("failed with a secret in scope")
+
+
+@pytest.mark.parametrize("json_lines", [True, False])
+def test_tracebacks_leave_frame_locals_out(
+    json_lines: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging(json=json_lines)
+    try:
+        fail_holding_a_secret()
+    except ValueError:
+        structlog.get_logger("gateway").exception("request failed")
+    err = capsys.readouterr().err
+    assert "failed with a secret in scope" in err
+    assert "sk-the-secret-in-a-local" not in err
+    if json_lines:
+        (raised,) = json.loads(err.strip().splitlines()[-1])["exception"]
+        assert all("locals" not in frame for frame in raised["frames"])
