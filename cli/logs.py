@@ -6,7 +6,7 @@ import logging
 import sys
 
 import structlog
-from structlog.typing import Processor
+from structlog.typing import ExceptionRenderer, Processor
 
 
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
@@ -17,7 +17,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         structlog.processors.JSONRenderer()
         if json
         else structlog.dev.ConsoleRenderer(
-            colors=sys.stderr.isatty(), exception_formatter=_console_traceback()
+            colors=sys.stderr.isatty(), exception_formatter=_console_traceback(sys.stderr.isatty())
         )
     )
     shared: list[Processor] = [
@@ -52,8 +52,10 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     root.setLevel(level.upper())
 
 
-def _console_traceback() -> structlog.dev.ExceptionRenderer:
-    """Tracebacks on a terminal, without frame locals (rich shows them by default)."""
-    if structlog.dev.rich is not None:
-        return structlog.dev.RichTracebackFormatter(show_locals=False)
-    return structlog.dev.plain_traceback
+def _console_traceback(colors: bool) -> ExceptionRenderer:
+    """Tracebacks for the console, without frame locals (rich shows them by default)."""
+    if structlog.dev.rich is None:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(
+        color_system="truecolor" if colors else None, show_locals=False
+    )
