@@ -1,18 +1,49 @@
-"""uvicorn's h11 protocol with a deadline on each request's headers (slowloris).
+"""uvicorn's h11 protocol with a deadline on each request's headers (slowloris), and a small
+send buffer for streams.
 
 uvicorn times out idle keep-alive connections, but not a connection that sends its request
 line and headers a byte at a time, or nothing at all: a thousand of those held a thousand
 file descriptors for ever. Here a connection gets `header_timeout` seconds from its first
 byte (or from its opening) to complete the headers of each request, or it is closed.
+
+A stream's client that stops reading is cut once --stream-buffer-tokens wait in the gateway
+(client.py); but the kernel's send buffer grows to megabytes first (4 MiB on loopback),
+seven thousand plain-text tokens. limit_send_buffer caps it on a connection that streams, so
+that the gateway's bound starts counting after STREAM_SEND_BUFFER bytes, not megabytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# Bytes the kernel may hold for a streaming connection (Linux doubles it for its own use):
+# a few hundred SSE events, enough to keep a reader that keeps up always fed.
+STREAM_SEND_BUFFER = 16 * 1024
+
+# This process's open connections by their client address (ASGI scope's "client"), so that
+# a route can reach its connection's socket, which ASGI does not hand it.
+_connections: dict[tuple[str, int], asyncio.Transport] = {}
+
+
+def limit_send_buffer(client: tuple[str, int] | list[Any] | None) -> bool:
+    """Cap the kernel send buffer of the connection from this client address; whether it
+    could (a connection of another server type, or already gone, is left as it is)."""
+    if not client:
+        return False
+    transport = _connections.get((str(client[0]), int(client[1])))
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+    except OSError:
+        return False
+    return True
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -31,6 +62,8 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.client:
+            _connections[(str(self.client[0]), int(self.client[1]))] = transport
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -42,6 +75,8 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.client:
+            _connections.pop((str(self.client[0]), int(self.client[1])), None)
         super().connection_lost(exc)
 
     def _arm(self) -> None:
