@@ -8,8 +8,9 @@ byte (or from its opening) to complete the headers of each request, or it is clo
 
 A stream's client that stops reading is cut once --stream-buffer-tokens wait in the gateway
 (client.py); but the kernel's send buffer grows to megabytes first (4 MiB on loopback),
-seven thousand plain-text tokens. limit_send_buffer caps it on a connection that streams, so
-that the gateway's bound starts counting after STREAM_SEND_BUFFER bytes, not megabytes.
+seven thousand plain-text tokens. limit_send_buffer caps it, and asyncio's write buffer
+above it, on a connection that streams, so that the gateway's bound starts counting after
+some tens of KiB, not megabytes.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def limit_send_buffer(client: tuple[str, int] | list[Any] | None) -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
     except OSError:
         return False
+    # And asyncio's own buffer above the kernel's (64 KiB before uvicorn waits for it to drain).
+    transport.set_write_buffer_limits(high=STREAM_SEND_BUFFER)
     return True
 
 

@@ -24,8 +24,9 @@ from loomserve.gateway.tools.template import TemplateTools
 
 OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
 # Requests prepared at once (templates, tools' grammars, tokenizing). Python work holds the
-# GIL, so more threads would not prepare faster, only delay the event loop's turns.
-PREPARE_THREADS = 4
+# GIL, so more threads would not prepare faster, only delay the event loop's turns: with four
+# busy ones /health took 0.3 s, each of the loop's GIL hand-offs waiting behind all four.
+PREPARE_THREADS = 2
 T = TypeVar("T")
 
 _limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (

@@ -53,11 +53,11 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 
 def test_big_requests_do_not_stall_a_live_stream(long_model_path: Path) -> None:
-    """Requests that are heavy to prepare (128 tools with a grammar to force them) or far over
-    the caps (5,000 tools, 20,000 messages, megabytes of text) go to the gateway beside a live
-    stream. The worker gives a gateway up after 1 s of silence: a held event loop would end
-    the stream with an error. The stream goes on to its end, /health answers all along, and
-    the requests over the caps are refused with a 400 naming the cap."""
+    """Requests that are heavy to prepare (128 tools with a grammar to force them, several at
+    once) or far over the caps (5,000 tools, 20,000 messages, megabytes of text) go to the
+    gateway beside a live stream. The worker gives a gateway up after 1 s of silence: an
+    event loop held that long would end the stream with an error. The stream goes on, /health
+    answers, and the requests over the caps are refused with a 400 naming the cap."""
     with ExitStack() as stack:
         worker = stack.enter_context(
             start_worker(long_model_path, slots=2, ctx_size=CTX, gateway_timeout=1.0)
@@ -66,8 +66,9 @@ def test_big_requests_do_not_stall_a_live_stream(long_model_path: Path) -> None:
             start_gateway(long_model_path, worker.endpoint, stream_buffer_tokens=CTX)
         )
         url = gateway.url
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         events: list[str] = []
-        started = threading.Event()
+        started, stop = threading.Event(), threading.Event()
 
         def stream() -> None:
             body = {**LONG, "stream": True}
@@ -76,38 +77,28 @@ def test_big_requests_do_not_stall_a_live_stream(long_model_path: Path) -> None:
                     if line.startswith("data: "):
                         events.append(line[len("data: ") :])
                         started.set()
+                    if stop.is_set():
+                        return
 
-        with ThreadPoolExecutor(1) as pool:
+        def heavy() -> int:
+            body = chat(tools=tools(128, 8), tool_choice="required")
+            return httpx.post(url + "/v1/chat/completions", json=body, timeout=120).status_code
+
+        huge_text = [{"role": "user", "content": "x " * 3_000_000}]
+        refusals = [
+            ("/v1/chat/completions", chat(tools=tools(5000, 1)), "tools"),
+            (
+                "/v1/chat/completions",
+                chat(messages=[{"role": "user", "content": "hi"}] * 20_000),
+                "messages",
+            ),
+            ("/v1/chat/completions", chat(messages=huge_text), "messages"),
+            ("/v1/messages", {"model": model, "max_tokens": 8, "messages": huge_text}, None),
+        ]
+        with ThreadPoolExecutor(7) as pool:
             streaming = pool.submit(stream)
             assert started.wait(30), "the stream did not start"
-            heavy = httpx.post(
-                url + "/v1/chat/completions",
-                json=chat(tools=tools(128, 24), tool_choice="required"),
-                timeout=120,
-            )
-            assert heavy.status_code in (200, 400), heavy.text
-            refusals = [
-                ("/v1/chat/completions", chat(tools=tools(5000, 1)), "tools"),
-                (
-                    "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": "hi"}] * 20_000},
-                    "messages",
-                ),
-                (
-                    "/v1/chat/completions",
-                    chat(messages=[{"role": "user", "content": "x " * 3_000_000}]),
-                    "messages",
-                ),
-                (
-                    "/v1/messages",
-                    {
-                        "model": "tiny",
-                        "max_tokens": 8,
-                        "messages": [{"role": "user", "content": "x " * 3_000_000}],
-                    },
-                    None,
-                ),
-            ]
+            heavies = [pool.submit(heavy) for _ in range(6)]
             for path, body, param in refusals:
                 sent = time.monotonic()
                 response = httpx.post(url + path, json=body, timeout=60)
@@ -115,10 +106,17 @@ def test_big_requests_do_not_stall_a_live_stream(long_model_path: Path) -> None:
                 if param is not None:
                     assert response.json()["error"]["param"] == param
                 print(f"{path} {param}: 400 in {time.monotonic() - sent:.2f}s")
-            health = httpx.get(url + "/health", timeout=5)
-            assert health.status_code == 200
-            streaming.result(timeout=120)
-        assert events[-1] == "[DONE]", events[-1]
+            sent = time.monotonic()
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            print(f"/health in {time.monotonic() - sent:.3f}s")
+            # Too long a prompt once rendered (400) on this model; never a 5xx.
+            statuses = [h.result(timeout=120) for h in heavies]
+            print("heavy:", statuses)
+            assert set(statuses) <= {200, 400}, statuses
+            assert not streaming.done(), events[-3:]  # still streaming, no error
+            stop.set()
+            streaming.result(timeout=60)
+        assert events and not any('"error"' in event for event in events), events[-3:]
         assert "it was silent for" not in worker.logs()  # the worker never gave the gateway up
 
 
