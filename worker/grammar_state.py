@@ -19,8 +19,10 @@ A grammar can also be slow without being ambiguous: 500 alternatives to check ag
 token of a 262k vocabulary cost seconds per mask, and four such requests held every stream
 of the worker for half a minute, until its watchdog replaced it. So the time a grammar takes
 is bounded too: TOKEN_BUDGET_S of grammar work (checks, masks, accepts) per token, measured
-on the tick thread; a request over it fails at its next accept with GrammarTooComplex, once
-that work is done, and the other requests go on.
+on the tick thread; a request over it fails at its next accept with GrammarTooComplex, and
+the other requests go on. A mask that would surely break the budget (stacks x vocabulary x
+SECONDS_PER_CHECK) is not done at all: the grammar then lets the sampler's token through, and
+the accept that follows fails the request, as sampling.py handles it.
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ log = structlog.get_logger(__name__)
 
 MAX_STACKS = 1024  # parse stacks a request's grammar may keep; JSON schemas keep a few dozen
 # Seconds of grammar work one token of one request may take on the tick thread. A JSON
-# schema's mask over a 262k vocabulary takes milliseconds; a slot's whole tick is meant to.
-TOKEN_BUDGET_S = 0.5
+# schema's mask over Gemma's 262k vocabulary took 110-150 ms on a loaded 2-core machine, a
+# character-class grammar's 390 ms: room for a slower machine, and a bound on a tick.
+TOKEN_BUDGET_S = 1.0
+# A mask checks every token against every parse stack: at least this long per pair (measured
+# 40 ns over Gemma's 262k vocabulary on a shared CPU; a floor below it, so that a mask is
+# refused beforehand only when it would surely be slow). 500 alternatives: 500 stacks, 5.3 s
+# a mask (2.1 s by this floor), refused before it starts; over that vocabulary a mask may
+# start from up to 238 stacks (128 tools to choose from: 0.54 s by the floor).
+SECONDS_PER_CHECK = 16e-9
 # Growth is learnt from tokens that start with this many stacks or more: below, a token that
 # opens a few alternatives says nothing about the grammar doubling per character.
 GROWTH_FROM = 16
@@ -208,7 +217,16 @@ def _layout_checks_out(vocab) -> bool:
 class GrammarState:
     """One request's grammar sampler (owned: freed by close) and the bound on its stacks."""
 
-    __slots__ = ("_growth", "_one", "_one_pointer", "_spent", "budget", "sampler", "shared")
+    __slots__ = (
+        "_growth",
+        "_one",
+        "_one_pointer",
+        "_refused",
+        "_spent",
+        "budget",
+        "sampler",
+        "shared",
+    )
 
     def __init__(self, sampler, shared: GrammarVocab) -> None:
         self.sampler = sampler
@@ -218,11 +236,16 @@ class GrammarState:
         self._one_pointer = ctypes.pointer(self._one)
         self._growth = 1.0  # the most the stacks have multiplied per byte of a token (from 16)
         self._spent = 0.0  # seconds of grammar work on the token being sampled
+        self._refused = 0.0  # the predicted seconds of a mask not done (over the budget)
         # The test switch that lets a grammar freeze a tick lifts the time bound too.
         self.budget = math.inf if os.environ.get(UNBOUNDED_ENV) else TOKEN_BUDGET_S
 
     def allows(self, token: int) -> bool:
-        """Whether the grammar lets this token come next (one candidate, not the vocabulary)."""
+        """Whether the grammar lets this token come next (one candidate, not the vocabulary).
+
+        After a mask refused for its cost, any token: the accept that follows fails."""
+        if self._refused:
+            return True
         started = time.perf_counter()
         one = self._one
         one.data[0] = llama.llama_token_data(token, 1.0, 0.0)
@@ -232,7 +255,14 @@ class GrammarState:
         return one.data[0].logit != -math.inf
 
     def mask(self, candidates: Candidates) -> None:
-        """Set every token the grammar refuses to -inf."""
+        """Set every token the grammar refuses to -inf; or, when that would surely take more
+        than the token's budget, nothing (the next accept fails the request)."""
+        if self.shared.bounded:
+            stacks = _stacks(self.sampler)[1]
+            predicted = stacks * candidates.array.size * SECONDS_PER_CHECK
+            if self._spent + predicted > self.budget:
+                self._refused = predicted
+                return
         started = time.perf_counter()
         llama.llama_sampler_apply(self.sampler, candidates.pointer)
         self._spent += time.perf_counter() - started
@@ -241,9 +271,10 @@ class GrammarState:
         """Advance the grammar by a token it allows; GrammarTooComplex when the token would,
         by the growth seen so far, or did take it past MAX_STACKS, or when the grammar's work
         on this token took more than its time budget."""
-        spent, self._spent = self._spent, 0.0
+        spent, self._spent = self._spent + self._refused, 0.0
+        estimated, self._refused = bool(self._refused), 0.0
         if spent > self.budget:
-            raise GrammarTooComplex(self._too_slow(spent))
+            raise GrammarTooComplex(self._too_slow(spent, estimated))
         started = time.perf_counter()
         self._accept(token)
         spent += time.perf_counter() - started
@@ -265,11 +296,13 @@ class GrammarState:
         if after > before >= GROWTH_FROM:
             self._growth = max(self._growth, (after / before) ** (1 / length))
 
-    def _too_slow(self, spent: float) -> str:
+    def _too_slow(self, spent: float, estimated: bool = False) -> str:
+        took = "would take at least" if estimated else "took"
         return (
-            f"the grammar is too slow: checking one token against it took {spent * 1000:.0f} ms "
-            f"of the worker's time, more than the {self.budget * 1000:.0f} ms allowed; use a "
-            "grammar with fewer alternatives (or fewer tools)"
+            f"the grammar is too slow: checking one token against it {took} "
+            f"{spent * 1000:.0f} ms of the worker's time, more than the "
+            f"{self.budget * 1000:.0f} ms allowed; use a grammar with fewer alternatives "
+            "(or fewer tools)"
         )
 
     @staticmethod
