@@ -438,7 +438,7 @@ async def _stream(gateway: Gateway, http: Request, request: GenerationRequest) -
         return Response(status_code=499)
     # A client that stops reading must fill a small buffer, not megabytes of the kernel's,
     # before the gateway's own bound on its tokens (--stream-buffer-tokens) starts counting.
-    limit_send_buffer(http.scope.get("client"))
+    limit_send_buffer(http.scope.get("state", {}))
     chunks = StreamChunks(request)
     return EventStreamResponse(
         event_stream(group, chunks), on_close=lambda: _close_group(gateway, group)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 import h11
@@ -26,18 +27,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 # a few hundred SSE events, enough to keep a reader that keeps up always fed.
 STREAM_SEND_BUFFER = 16 * 1024
 
-# This process's open connections by their client address (ASGI scope's "client"), so that
-# a route can reach its connection's socket, which ASGI does not hand it.
-_connections: dict[tuple[str, int], asyncio.Transport] = {}
+# Where each request finds its connection's transport, which ASGI does not hand a route: in
+# its scope's "state" (uvicorn copies the protocol's app_state into it for every request).
+TRANSPORT_STATE = "loomserve.transport"
 
 
-def limit_send_buffer(client: tuple[str, int] | list[Any] | None) -> bool:
-    """Cap the kernel send buffer of the connection from this client address; whether it
-    could (a connection of another server type, or already gone, is left as it is)."""
-    if not client:
+def limit_send_buffer(state: Mapping[str, Any]) -> bool:
+    """Cap the send buffers of the connection a request's scope["state"] names; whether it
+    could (a server other than ours, or a connection without a socket, is left as it is)."""
+    transport = state.get(TRANSPORT_STATE)
+    if not isinstance(transport, asyncio.Transport):
         return False
-    transport = _connections.get((str(client[0]), int(client[1])))
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    sock = transport.get_extra_info("socket")
     if sock is None:
         return False
     try:
@@ -65,8 +66,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if self.client:
-            _connections[(str(self.client[0]), int(self.client[1]))] = transport
+        self.app_state = {**self.app_state, TRANSPORT_STATE: transport}
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -78,8 +78,6 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self.client:
-            _connections.pop((str(self.client[0]), int(self.client[1])), None)
         super().connection_lost(exc)
 
     def _arm(self) -> None:
