@@ -168,9 +168,21 @@ class GenerationFields(RequestModel):
         json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
     )
     n: JsonInt | None = Field(
-        default=None, description="Choices per prompt.", json_schema_extra={"minimum": 1}
+        default=None,
+        description="Choices per prompt (at most 128 choices, prompts x n, in all).",
+        json_schema_extra={"minimum": 1, "maximum": 128},
     )
-    stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
+    stop: str | list[str] | None = Field(
+        default=None,
+        description="Up to 4 stop strings of at most 512 characters.",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", "maxLength": 512},
+                {"type": "array", "items": {"type": "string", "maxLength": 512}, "maxItems": 4},
+                {"type": "null"},
+            ]
+        },
+    )
     seed: JsonInt | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -192,7 +204,8 @@ class GenerationFields(RequestModel):
     priority: JsonInt | None = Field(
         default=None,
         description="Lower is served first under --scheduling-policy priority (as vLLM). "
-        "Default 0.",
+        "Default 0. Clamped into the range the API key may claim (--api-key-file).",
+        json_schema_extra=_range(-(2**31) + 1, 2**31 - 1),
     )
     logprobs: bool | JsonInt | None = Field(
         default=None,

@@ -17,7 +17,7 @@ import anyio.to_thread
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from loomserve.gateway.request.limits import check_counts
+from loomserve.gateway.request.limits import TURNS, check_counts
 
 OFF_LOOP_BYTES = 64 * 1024
 
@@ -34,16 +34,16 @@ class OffLoopJSONRequest(Request):
                 self._json = json.loads(body)
         return self._json
 
-    async def check_counts(self) -> None:
-        """400 (an APIError) for a body over the caps; a body that is not JSON is left to
-        FastAPI, which answers it in its own words."""
+    async def check_counts(self, turns: tuple[str, ...]) -> None:
+        """400 (an APIError) for a body over the caps (of tools, and of the `turns` fields'
+        items); a body that is not JSON is left to FastAPI, which answers it in its own words."""
         if not await self.body():
             return
         try:
             parsed = await self.json()
         except (ValueError, RecursionError):
             return
-        check_counts(parsed)
+        check_counts(parsed, turns)
 
 
 class OffLoopJSONRoute(APIRoute):
@@ -51,11 +51,13 @@ class OffLoopJSONRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        # The embeddings' `input` is a list of inputs, capped by its own route.
+        turns = () if self.path == "/v1/embeddings" else TURNS
 
         async def offloading_handler(request: Request) -> Response:
             offloaded = OffLoopJSONRequest(request.scope, request.receive)
             # Here, not in json(): FastAPI turns any error raised there into its own 400.
-            await offloaded.check_counts()
+            await offloaded.check_counts(turns)
             return await handler(offloaded)
 
         return offloading_handler

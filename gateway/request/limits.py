@@ -13,8 +13,12 @@ from typing import Any
 from loomserve.gateway.api.errors import APIError, invalid_request
 from loomserve.gateway.api.schemas import MAX_MESSAGES, MAX_TOOLS, ChatMessage
 
+# The body fields that hold a conversation's turns: chat's and the Messages API's `messages`,
+# the Responses API's `input` (the embeddings' `input`, inputs not turns, has its own cap).
+TURNS = ("messages", "input")
 
-def check_counts(body: Any) -> None:
+
+def check_counts(body: Any, turns: tuple[str, ...] = TURNS) -> None:
     """400 for a JSON body with more tools or messages than a request may have.
 
     Checked on the parsed JSON, before it is validated into a request object: validating
@@ -25,7 +29,7 @@ def check_counts(body: Any) -> None:
     tools = body.get("tools")
     if isinstance(tools, list) and len(tools) > MAX_TOOLS:
         raise invalid_request(f"at most {MAX_TOOLS} tools per request (got {len(tools)})", "tools")
-    for name in ("messages", "input"):
+    for name in turns:
         items = body.get(name)
         if isinstance(items, list) and len(items) > MAX_MESSAGES:
             raise invalid_request(
