@@ -170,7 +170,7 @@ class GenerationFields(RequestModel):
     n: JsonInt | None = Field(
         default=None,
         description="Choices per prompt (at most 128 choices, prompts x n, in all).",
-        json_schema_extra={"minimum": 1, "maximum": 128},
+        json_schema_extra={"minimum": 1},
     )
     stop: str | list[str] | None = Field(
         default=None,

@@ -352,8 +352,8 @@ def _api_routes(gateway: Gateway) -> APIRouter:
 async def _prompt_tokens(gateway: Gateway, body: ChatCompletionRequest) -> int:
     """The prompt's token count of a chat request: template, tools and all."""
     _check_model(gateway, body.model)
-    _check_text(gateway, body)
 
+    # No text cap here: counting is the question, even for a prompt no context holds.
     def count() -> int:
         tools = tool_request(body, gateway.template_tools, gateway.vocab)
         definitions = tools.definitions if tools else None
