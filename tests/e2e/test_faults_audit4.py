@@ -189,6 +189,8 @@ def test_a_client_that_never_reads_plain_text_is_cut_near_the_bound(long_model_p
         (record,) = finished()
         print(f"cancelled after {record['completion_tokens']} tokens")
         assert record["reason"] == "cancelled"
-        # 256 tokens in the gateway, ~32 KiB of ~190-byte events in the kernel, a few ticks.
-        assert record["completion_tokens"] < 2000, record
+        # 256 tokens in the gateway, tens of KiB of ~150-byte events in the kernel and
+        # asyncio, the backlog the stream took last and the ticks until the cancel landed:
+        # 600-2,300 tokens on a loaded machine; all 16k (the kernel's 4 MiB) without the cap.
+        assert record["completion_tokens"] < CTX // 4, record
         assert "client reads too slowly; request cancelled" in gateway.logs()
