@@ -6,7 +6,7 @@ import logging
 import sys
 
 import structlog
-from structlog.typing import Processor
+from structlog.typing import ExceptionRenderer, Processor
 
 
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
@@ -16,7 +16,9 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     renderer = (
         structlog.processors.JSONRenderer()
         if json
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        else structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=_console_traceback(sys.stderr.isatty())
+        )
     )
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -29,9 +31,11 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
         cache_logger_on_first_use=True,
     )
-    # JSON lines carry an exception as a structured traceback (frames, locals left out): the
-    # console renderer prints exc_info itself, but JSONRenderer would drop it.
-    exceptions = [structlog.processors.dict_tracebacks] if json else []
+    # JSON lines carry an exception as a structured traceback: the console renderer prints
+    # exc_info itself, but JSONRenderer would drop it. structlog's dict_tracebacks shows
+    # every frame's locals, where prompts, keys and request bodies live: leave them out.
+    without_locals = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+    exceptions = [structlog.processors.ExceptionRenderer(without_locals)] if json else []
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
@@ -46,3 +50,12 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def _console_traceback(colors: bool) -> ExceptionRenderer:
+    """Tracebacks for the console, without frame locals (rich shows them by default)."""
+    if structlog.dev.rich is None:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(
+        color_system="truecolor" if colors else None, show_locals=False
+    )

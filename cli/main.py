@@ -13,7 +13,12 @@ from typing import Any
 import click
 
 from loomserve.cli.default_model import resolve_model
-from loomserve.gateway.config import GatewayConfig, parse_key_line, unnamed_key_tenant
+from loomserve.gateway.config import (
+    GatewayConfig,
+    check_api_key,
+    parse_key_file,
+    unnamed_key_tenant,
+)
 from loomserve.worker.config import (
     FLASH_ATTN_MODES,
     KV_CACHE_TYPES,
@@ -36,6 +41,25 @@ def default_of(config: type, name: str) -> Any:
     if callable(setting.default_factory):  # MISSING, when there is none, is not callable
         return setting.default_factory()
     raise ValueError(f"{config.__name__}.{name} has no default")
+
+
+class ApiKey(click.ParamType):
+    """An API key: no whitespace, so that the flag, LOOMSERVE_API_KEY and a key file agree.
+
+    The environment variable holds one key a line (click would split it on any whitespace,
+    turning `open sesame` into two keys).
+    """
+
+    name = "key"
+
+    def split_envvar_value(self, rv: str) -> list[str]:
+        return [line.strip() for line in rv.splitlines() if line.strip()]
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            return check_api_key(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def worker_options(func):
@@ -134,7 +158,8 @@ def worker_options(func):
             help="MiB of host memory for prompt caches: a slot's KV state is saved there when "
             "the slot is taken for another request, and restored for a prompt that starts "
             "with it (apart from --swap-space); 0: off. Default: 8192 (as llama-server), at "
-            "most a quarter of the memory the worker may use (its cgroup limit or the RAM).",
+            "most a quarter of the memory the worker may use (its cgroup limit or the RAM); "
+            "more than that memory is clamped to it, with a warning.",
         ),
         click.option(
             "--tenant-weight",
@@ -249,15 +274,19 @@ def gateway_options(func):
         ),
         click.option(
             "--api-key",
+            type=ApiKey(),
             multiple=True,
-            help="Accepted API key (repeatable). Without any, no key is needed.",
+            help="Accepted API key (repeatable; no whitespace; the environment variable takes "
+            "one a line). Without any, no key is needed.",
         ),
         click.option(
             "--api-key-file",
             type=click.Path(exists=True, dir_okay=False),
             default=None,
             help="File of accepted API keys, one per line: `name:key` names the key's tenant "
-            "(for fair shares and metrics), a bare key is a tenant of its own.",
+            "(for fair shares and metrics), a bare key is a tenant of its own; "
+            "`priority=MIN..MAX` after a key bounds its requests' priority; `#` starts a "
+            "comment line.",
         ),
         click.option(
             "--chat-template",
@@ -378,13 +407,15 @@ def build_worker_config(bind: str, **opts) -> WorkerConfig:
 def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfig:
     """A GatewayConfig from the command's options and the worker endpoints."""
     keys = {key: unnamed_key_tenant(key) for key in opts["api_key"]}
+    priorities = {}
     if opts["api_key_file"]:
-        lines = Path(opts["api_key_file"]).read_text().splitlines()
-        keys.update(
-            parse_key_line(line.strip())
-            for line in lines
-            if line.strip() and not line.startswith("#")
-        )
+        path = opts["api_key_file"]
+        try:
+            key_file = parse_key_file(Path(path).read_text())
+        except ValueError as exc:
+            raise click.BadParameter(f"{path}: {exc}", param_hint="--api-key-file") from None
+        keys.update(key_file.tenants)
+        priorities = key_file.priorities
     template = opts["chat_template"]
     if template:
         from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
@@ -397,6 +428,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         port=opts["port"],
         model_name=opts["served_model_name"],
         api_keys=keys,
+        key_priorities=priorities,
         chat_template=template,
         allowed_origins=tuple(opts["allowed_origins"]),
         max_body_bytes=opts["max_body_bytes"],

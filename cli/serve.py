@@ -202,7 +202,8 @@ def child_env(
     """The supervisor's environment (children import loomserve as it does), plus secrets."""
     env = {key: value for key, value in os.environ.items() if key not in drop}
     for name in SECRET_OPTIONS & values.keys():
-        env[f"LOOMSERVE_{name.upper()}"] = " ".join(values[name] or ())
+        # One a line: a key has no whitespace (ApiKey), so no key can be split.
+        env[f"LOOMSERVE_{name.upper()}"] = "\n".join(values[name] or ())
     env.update(extra or {})
     return env
 

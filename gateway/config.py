@@ -18,12 +18,101 @@ def unnamed_key_tenant(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
+_PRIORITY_RANGE = re.compile(r"(-?\d+)?\.\.(-?\d+)?|(-?\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityRange:
+    """The priorities one API key's requests may claim (lower is served first); None: open."""
+
+    best: int | None = None  # the most urgent (lowest) priority the key may claim
+    worst: int | None = None  # the least urgent (highest)
+
+    def clamp(self, priority: int) -> int:
+        """The priority, moved into the range (a request beyond it gets the nearest bound)."""
+        if self.best is not None and priority < self.best:
+            return self.best
+        if self.worst is not None and priority > self.worst:
+            return self.worst
+        return priority
+
+
+def check_api_key(key: str) -> str:
+    """The key as given; ValueError for an empty one or one with whitespace in it.
+
+    A key means the same from --api-key, LOOMSERVE_API_KEY and a key file only if none of
+    them can split it: whitespace separates keys (and their settings) there, so no key has it.
+    """
+    if not key:
+        raise ValueError("an API key cannot be empty")
+    if any(char.isspace() for char in key):
+        raise ValueError(
+            "API keys cannot contain whitespace; give each key on its own "
+            "(LOOMSERVE_API_KEY takes several one per line)"
+        )
+    if not key.isprintable():
+        raise ValueError("API keys must be printable characters (they travel in a header)")
+    return key
+
+
 def parse_key_line(line: str) -> tuple[str, str]:
-    """(key, tenant) from an --api-key-file line: `name:key`, or a bare key."""
+    """(key, tenant) from an --api-key-file line's first word: `name:key`, or a bare key."""
     name, sep, key = line.partition(":")
     if sep and key and _KEY_NAME.fullmatch(name):
-        return key, name
-    return line, unnamed_key_tenant(line)
+        return check_api_key(key), name
+    return check_api_key(line), unnamed_key_tenant(line)
+
+
+def parse_priority_range(text: str) -> PriorityRange:
+    """`MIN..MAX`, `MIN..`, `..MAX` or `N` (exactly N); ValueError otherwise."""
+    match = _PRIORITY_RANGE.fullmatch(text)
+    if match is None or text == "..":
+        raise ValueError(f"priority={text!r}: write MIN..MAX, MIN.., ..MAX or one integer")
+    low, high, exact = match.groups()
+    if exact is not None:
+        low = high = exact
+    best, worst = (int(low) if low else None), (int(high) if high else None)
+    if any(bound is not None and abs(bound) >= 2**31 for bound in (best, worst)):
+        raise ValueError(f"priority={text!r}: priorities are 32-bit integers")
+    if best is not None and worst is not None and best > worst:
+        raise ValueError(f"priority={text!r}: MIN is more than MAX")
+    return PriorityRange(best, worst)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyFile:
+    """An --api-key-file's keys: each key's tenant, and the priorities bounded per key."""
+
+    tenants: dict[str, str]  # key -> its tenant
+    priorities: dict[str, PriorityRange]  # key -> its bounds, for the keys that have some
+
+
+def parse_key_file(text: str) -> KeyFile:
+    """The keys of an --api-key-file; ValueError naming the line for a bad one.
+
+    One key a line, `name:key` or a bare key, optionally followed by `priority=MIN..MAX`;
+    blank lines and lines whose first non-blank character is `#` are skipped.
+    """
+    tenants: dict[str, str] = {}
+    priorities: dict[str, PriorityRange] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        try:
+            key, tenant = parse_key_line(words[0])
+            for setting in words[1:]:
+                name, sep, value = setting.partition("=")
+                if name != "priority" or not sep:
+                    raise ValueError(
+                        f"unknown setting {setting!r}: API keys cannot contain whitespace, "
+                        "and after the key only priority=MIN..MAX may follow"
+                    )
+                priorities[key] = parse_priority_range(value)
+        except ValueError as exc:
+            raise ValueError(f"line {number}: {exc}") from None
+        tenants[key] = tenant
+    return KeyFile(tenants, priorities)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +126,8 @@ class GatewayConfig:
     port: int = 8000
     model_name: str | None = None  # served name in /v1/models; default: the file's stem
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> its tenant; empty: no auth
+    # key -> the priorities its requests may claim (clamped into); keys not here: any
+    key_priorities: dict[str, PriorityRange] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template overriding the model's own
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API
     max_body_bytes: int = 8 * 1024 * 1024

@@ -154,10 +154,17 @@ class WorkerConfig:
 
     @property
     def ram_cache_bytes(self) -> int:
-        """The RAM prompt cache's budget in bytes: --cache-ram, or its default."""
+        """The RAM prompt cache's budget in bytes: --cache-ram (at most the memory the worker
+        may use: a budget beyond it is a typo, and would be spent until the OOM killer
+        came), or its default."""
         if self.cache_ram is not None:
-            return self.cache_ram * MIB
+            return min(self.cache_ram * MIB, memory_limit_bytes())
         return min(DEFAULT_CACHE_RAM_MIB * MIB, memory_limit_bytes() // 4)
+
+    @property
+    def cache_ram_clamped(self) -> bool:
+        """Whether --cache-ram asked for more than the memory the worker may use."""
+        return self.cache_ram is not None and self.cache_ram * MIB > self.ram_cache_bytes
 
     @property
     def speculates(self) -> bool:

@@ -14,6 +14,15 @@ stacks would pass MAX_STACKS fails with GrammarTooComplex instead. Where the lay
 check out, the bound is off (a warning says so) and the worker's watchdog is what is left.
 The same read tells when the grammar is complete: when every stack is empty, nothing but an
 end-of-generation token can follow.
+
+A grammar can also be slow without being ambiguous: 500 alternatives to check against every
+token of a 262k vocabulary cost seconds per mask, and four such requests held every stream
+of the worker for half a minute, until its watchdog replaced it. So the time a grammar takes
+is bounded too: TOKEN_BUDGET_S of grammar work (checks, masks, accepts) per token, measured
+on the tick thread; a request over it fails at its next accept with GrammarTooComplex, and
+the other requests go on. A mask that would surely break the budget (stacks x vocabulary x
+SECONDS_PER_CHECK) is not done at all: the grammar then lets the sampler's token through, and
+the accept that follows fails the request, as sampling.py handles it.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import llama_cpp as llama
@@ -30,6 +40,16 @@ import structlog
 log = structlog.get_logger(__name__)
 
 MAX_STACKS = 1024  # parse stacks a request's grammar may keep; JSON schemas keep a few dozen
+# Seconds of grammar work one token of one request may take on the tick thread. A JSON
+# schema's mask over Gemma's 262k vocabulary took 110-150 ms on a loaded 2-core machine, a
+# character-class grammar's 390 ms: room for a slower machine, and a bound on a tick.
+TOKEN_BUDGET_S = 1.0
+# A mask checks every token against every parse stack: at least this long per pair (measured
+# 40 ns over Gemma's 262k vocabulary on a shared CPU; a floor below it, so that a mask is
+# refused beforehand only when it would surely be slow). 500 alternatives: 500 stacks, 5.3 s
+# a mask (2.1 s by this floor), refused before it starts; over that vocabulary a mask may
+# start from up to 238 stacks (128 tools to choose from: 0.54 s by the floor).
+SECONDS_PER_CHECK = 16e-9
 # Growth is learnt from tokens that start with this many stacks or more: below, a token that
 # opens a few alternatives says nothing about the grammar doubling per character.
 GROWTH_FROM = 16
@@ -45,14 +65,15 @@ _LAYOUT_CHECKS = (  # grammar -> the element count of each of its first stacks
     ('root ::= x "z"\nx ::= "a" | "b"', [2, 2]),
     ('root ::= "ab"', [1]),
 )
-# Tests only: the stack bound off, so that a grammar can freeze a tick for real and the
+# Tests only: the stack and time bounds off, so that a grammar can freeze a tick for real and the
 # watchdog be tested on it (tests/test_grammar_faults.py). Never set it on a server.
 UNBOUNDED_ENV = "LOOMSERVE_TEST_UNBOUNDED_GRAMMAR"
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
 class GrammarTooComplex(RuntimeError):
-    """The request's grammar would keep more parse stacks than MAX_STACKS."""
+    """The request's grammar would keep more parse stacks than MAX_STACKS, or took more than
+    TOKEN_BUDGET_S for one token."""
 
 
 class Candidates:
@@ -196,7 +217,16 @@ def _layout_checks_out(vocab) -> bool:
 class GrammarState:
     """One request's grammar sampler (owned: freed by close) and the bound on its stacks."""
 
-    __slots__ = ("_growth", "_one", "_one_pointer", "sampler", "shared")
+    __slots__ = (
+        "_growth",
+        "_one",
+        "_one_pointer",
+        "_refused",
+        "_spent",
+        "budget",
+        "sampler",
+        "shared",
+    )
 
     def __init__(self, sampler, shared: GrammarVocab) -> None:
         self.sampler = sampler
@@ -205,22 +235,53 @@ class GrammarState:
         self._one.data = (llama.llama_token_data * 1)()
         self._one_pointer = ctypes.pointer(self._one)
         self._growth = 1.0  # the most the stacks have multiplied per byte of a token (from 16)
+        self._spent = 0.0  # seconds of grammar work on the token being sampled
+        self._refused = 0.0  # the predicted seconds of a mask not done (over the budget)
+        # The test switch that lets a grammar freeze a tick lifts the time bound too.
+        self.budget = math.inf if os.environ.get(UNBOUNDED_ENV) else TOKEN_BUDGET_S
 
     def allows(self, token: int) -> bool:
-        """Whether the grammar lets this token come next (one candidate, not the vocabulary)."""
+        """Whether the grammar lets this token come next (one candidate, not the vocabulary).
+
+        After a mask refused for its cost, any token: the accept that follows fails."""
+        if self._refused:
+            return True
+        started = time.perf_counter()
         one = self._one
         one.data[0] = llama.llama_token_data(token, 1.0, 0.0)
         one.size, one.selected, one.sorted = 1, -1, False
         llama.llama_sampler_apply(self.sampler, self._one_pointer)
+        self._spent += time.perf_counter() - started
         return one.data[0].logit != -math.inf
 
     def mask(self, candidates: Candidates) -> None:
-        """Set every token the grammar refuses to -inf."""
+        """Set every token the grammar refuses to -inf; or, when that would surely take more
+        than the token's budget, nothing (the next accept fails the request)."""
+        if self.shared.bounded:
+            stacks = _stacks(self.sampler)[1]
+            predicted = stacks * candidates.array.size * SECONDS_PER_CHECK
+            if self._spent + predicted > self.budget:
+                self._refused = predicted
+                return
+        started = time.perf_counter()
         llama.llama_sampler_apply(self.sampler, candidates.pointer)
+        self._spent += time.perf_counter() - started
 
     def accept(self, token: int) -> None:
         """Advance the grammar by a token it allows; GrammarTooComplex when the token would,
-        by the growth seen so far, or did take it past MAX_STACKS."""
+        by the growth seen so far, or did take it past MAX_STACKS, or when the grammar's work
+        on this token took more than its time budget."""
+        spent, self._spent = self._spent + self._refused, 0.0
+        estimated, self._refused = bool(self._refused), 0.0
+        if spent > self.budget:
+            raise GrammarTooComplex(self._too_slow(spent, estimated))
+        started = time.perf_counter()
+        self._accept(token)
+        spent += time.perf_counter() - started
+        if spent > self.budget:
+            raise GrammarTooComplex(self._too_slow(spent))
+
+    def _accept(self, token: int) -> None:
         if not self.shared.bounded:
             llama.llama_sampler_accept(self.sampler, token)
             return
@@ -234,6 +295,15 @@ class GrammarState:
             raise GrammarTooComplex(self._too_complex(after))
         if after > before >= GROWTH_FROM:
             self._growth = max(self._growth, (after / before) ** (1 / length))
+
+    def _too_slow(self, spent: float, estimated: bool = False) -> str:
+        took = "would take at least" if estimated else "took"
+        return (
+            f"the grammar is too slow: checking one token against it {took} "
+            f"{spent * 1000:.0f} ms of the worker's time, more than the "
+            f"{self.budget * 1000:.0f} ms allowed; use a grammar with fewer alternatives "
+            "(or fewer tools)"
+        )
 
     @staticmethod
     def _too_complex(stacks: int) -> str:

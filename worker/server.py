@@ -30,6 +30,7 @@ from loomserve.worker.io import WorkerIO
 from loomserve.worker.ipc_lock import EndpointInUse, claim_endpoint
 from loomserve.worker.loop import TickLoop
 from loomserve.worker.metrics import WorkerMetrics
+from loomserve.worker.ram_cache import MIB
 from loomserve.worker.strategies import load_strategy
 from loomserve.worker.watchdog import Watchdog, exit_now
 
@@ -236,6 +237,13 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
             "ctx_size capped at the model's training context",
             ctx_size=config.ctx_size,
             slot_context=engine.slot_context,
+        )
+    if config.cache_ram_clamped:
+        log.warning(
+            "--cache-ram is more than the memory this worker may use (its cgroup limit or "
+            "the RAM); clamped to it",
+            cache_ram_mib=config.cache_ram,
+            clamped_mib=config.ram_cache_bytes // MIB,
         )
     if config.batch_invariant and config.flash_attn == "off":
         # Without flash attention the softmax sums a row over the whole padded KV window.

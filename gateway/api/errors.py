@@ -122,7 +122,15 @@ def worker_error(error: WorkerClientError) -> APIError:
         case WorkerFailed():
             return server_error(f"the engine failed the request: {error.message}")
         case WorkerTimeout():
-            return APIError(504, error.message, code="timeout")
+            # Not the client's fault: a timeout type, and when to try again (a busy server
+            # runs requests longer; the retry may find it freer).
+            return APIError(
+                504,
+                error.message,
+                type="timeout_error",
+                code="timeout",
+                headers={"Retry-After": "1"},
+            )
         case ReaderTooSlow():
             return APIError(408, error.message, code="reader_too_slow")
         case WorkerBadOutput():

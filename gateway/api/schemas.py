@@ -27,6 +27,16 @@ from loomserve.protocol.limits import MAX_LOGIT_BIAS
 # --- requests ------------------------------------------------------------------
 
 INT32_MAX = 2**31 - 1  # llama.cpp's integer settings; beyond it a value is a 400, never a 500
+MAX_TOOLS = 128  # OpenAI's limit on `tools` (request/limits.py checks it before validation)
+# Messages in one chat (or input items of a Responses request): far more than any context
+# holds turns of, and few enough to check each of them in a millisecond.
+MAX_MESSAGES = 4096
+
+
+def streamed_responses(description: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI for a route that answers JSON, or server-sent events when `stream` is true."""
+    events = {"type": "string", "description": "server-sent events: `data: <JSON>` lines"}
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": events}}}}
 
 
 def _range(low: float, high: float) -> dict[str, Any]:
@@ -158,9 +168,21 @@ class GenerationFields(RequestModel):
         json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
     )
     n: JsonInt | None = Field(
-        default=None, description="Choices per prompt.", json_schema_extra={"minimum": 1}
+        default=None,
+        description="Choices per prompt (at most 128 choices, prompts x n, in all).",
+        json_schema_extra={"minimum": 1},
     )
-    stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
+    stop: str | list[str] | None = Field(
+        default=None,
+        description="Up to 4 stop strings of at most 512 characters.",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", "maxLength": 512},
+                {"type": "array", "items": {"type": "string", "maxLength": 512}, "maxItems": 4},
+                {"type": "null"},
+            ]
+        },
+    )
     seed: JsonInt | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -182,7 +204,8 @@ class GenerationFields(RequestModel):
     priority: JsonInt | None = Field(
         default=None,
         description="Lower is served first under --scheduling-policy priority (as vLLM). "
-        "Default 0.",
+        "Default 0. Clamped into the range the API key may claim (--api-key-file).",
+        json_schema_extra=_range(-(2**31) + 1, 2**31 - 1),
     )
     logprobs: bool | JsonInt | None = Field(
         default=None,
@@ -297,7 +320,7 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: JsonInt | None = Field(
         default=None,
         le=INT32_MAX,
@@ -310,7 +333,9 @@ class ChatCompletionRequest(GenerationFields):
         description="Default: the rest of the slot's context, as vLLM; more is a 400.",
         json_schema_extra={"minimum": 1},
     )
-    tools: list[ToolDefinition] | None = Field(default=None, description="Functions to call.")
+    tools: list[ToolDefinition] | None = Field(
+        default=None, max_length=MAX_TOOLS, description="Functions to call."
+    )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None, description="Default: auto with tools, none without."
     )

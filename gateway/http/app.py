@@ -32,8 +32,10 @@ from loomserve.gateway.api.schemas import (
     TokenizeRequest,
     TokenizeResponse,
     TokenPiece,
+    streamed_responses,
 )
-from loomserve.gateway.config import DEFAULT_TENANT, GatewayConfig
+from loomserve.gateway.config import DEFAULT_TENANT, GatewayConfig, PriorityRange
+from loomserve.gateway.generate.assembly import Done, TokenLogprob
 from loomserve.gateway.generate.group import GenerationGroup
 from loomserve.gateway.generate.render import StreamChunks, response_body
 from loomserve.gateway.generate.streaming import (
@@ -45,10 +47,11 @@ from loomserve.gateway.generate.streaming import (
 from loomserve.gateway.http.docs_pages import install_docs_pages
 from loomserve.gateway.http.drain import Drain
 from loomserve.gateway.http.embeddings import create_embeddings
+from loomserve.gateway.http.http_protocol import limit_send_buffer
 from loomserve.gateway.http.json_route import OffLoopJSONRoute
 from loomserve.gateway.http.middleware import AccessMiddleware, BodyLimitMiddleware
 from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.request import prompts
+from loomserve.gateway.request import limits, prompts
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
 from loomserve.gateway.request.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -64,10 +67,11 @@ from loomserve.gateway.request.params import (
 )
 from loomserve.gateway.text.chat_template import Renderer, choose_template
 from loomserve.gateway.text.tokenizer import Pieces, Vocab
-from loomserve.gateway.tools.checks import MarkerPieces, tool_request
+from loomserve.gateway.tools.checks import MarkerPieces, ToolRequest, tool_request
 from loomserve.gateway.tools.template import TemplateTools
 from loomserve.gateway.translate.messages import messages_router
 from loomserve.gateway.translate.responses import responses_router
+from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
 from loomserve.gateway.workers.pool import WorkerPool
 from loomserve.protocol.messages import ModelInfo, SamplingParams
 
@@ -77,7 +81,12 @@ log = structlog.get_logger(__name__)
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in [
-        (400, "Invalid request, or prompt too long for the context"),
+        (
+            400,
+            "Invalid request: a field the server cannot honour, more than 128 tools or 4096 "
+            "messages, a prompt or max_tokens too long for the context, a grammar or tools' "
+            "schemas that give no usable grammar",
+        ),
         (401, "Missing or invalid API key"),
         (404, "Unknown model"),
         (408, "The request's headers or body came too slowly"),
@@ -150,6 +159,7 @@ def create_app(
         )
     template = chosen.renderer
     template_tools = TemplateTools.probe(template)
+    log.debug("longest token", bytes=vocab.longest_token)  # at start-up, not in a request
     tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
     log.debug("chat template", tool_format=template_tools.format.name)
     gateway = Gateway(
@@ -211,7 +221,7 @@ def create_app(
 
 
 def _api_key_checker(config: GatewayConfig) -> Callable[[Request], None]:
-    keys = [(key.encode(), tenant) for key, tenant in config.api_keys.items()]
+    keys = [(key.encode(), key) for key in config.api_keys]
 
     def check_api_key(request: Request) -> None:
         if not keys:
@@ -221,9 +231,10 @@ def _api_key_checker(config: GatewayConfig) -> Callable[[Request], None]:
             scheme, token = "bearer", request.headers["x-api-key"]
         given = token.strip().encode()
         # Every key is compared, so the time taken says nothing about which one matched.
-        matched = [tenant for key, tenant in keys if hmac.compare_digest(given, key)]
+        matched = [key for encoded, key in keys if hmac.compare_digest(given, encoded)]
         if scheme.lower() == "bearer" and matched:
-            request.state.tenant = matched[0]  # the key's tenant: fair shares, metrics
+            request.state.tenant = config.api_keys[matched[0]]  # fair shares, metrics
+            request.state.priorities = config.key_priorities.get(matched[0])
         else:
             raise APIError(
                 401,
@@ -307,12 +318,26 @@ def _api_routes(gateway: Gateway) -> APIRouter:
         _check_model(gateway, model)
         return model_card()
 
-    @router.post("/v1/completions", tags=["openai"], response_model=Completion)
+    @router.post(
+        "/v1/completions",
+        tags=["openai"],
+        response_model=Completion,
+        responses=streamed_responses(
+            "A completion; with `stream`, its chunks as server-sent events"
+        ),
+    )
     async def completions(body: CompletionRequest, http: Request) -> Response:
         """Text completion; streams server-sent events when `stream` is true."""
         return await _generate(gateway, http, body)
 
-    @router.post("/v1/chat/completions", tags=["openai"], response_model=ChatCompletion)
+    @router.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        response_model=ChatCompletion,
+        responses=streamed_responses(
+            "A chat completion; with `stream`, its chunks as server-sent events"
+        ),
+    )
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         """Chat completion through the model's chat template; streams when `stream` is true."""
         return await _generate(gateway, http, body)
@@ -362,15 +387,17 @@ def _api_routes(gateway: Gateway) -> APIRouter:
 async def _prompt_tokens(gateway: Gateway, body: ChatCompletionRequest) -> int:
     """The prompt's token count of a chat request: template, tools and all."""
     _check_model(gateway, body.model)
-    tools = tool_request(body, gateway.template_tools, gateway.vocab)
-    tokens = await prompts.chat_prompt(
-        gateway.vocab,
-        gateway.template,
-        body.messages,
-        gateway.template_tools,
-        tools.definitions if tools else None,
-    )
-    return len(tokens)
+
+    # No text cap here: counting is the question, even for a prompt no context holds.
+    def count() -> int:
+        tools = tool_request(body, gateway.template_tools, gateway.vocab)
+        definitions = tools.definitions if tools else None
+        tokens = prompts.chat_prompt(
+            gateway.vocab, gateway.template, body.messages, gateway.template_tools, definitions
+        )
+        return len(tokens)
+
+    return await prompts.in_thread(count)
 
 
 def _check_model(gateway: Gateway, model: str | None) -> None:
@@ -389,11 +416,14 @@ def _check_model(gateway: Gateway, model: str | None) -> None:
 
 async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     """Check the request, run it in the worker, answer as one body or as a stream."""
-    drain = gateway.drain
-    if drain.draining:
+    if gateway.drain.draining:
         raise _shutting_down()
     request = await _prepare(
-        gateway, body, http.state.request_id, getattr(http.state, "tenant", None)
+        gateway,
+        body,
+        http.state.request_id,
+        getattr(http.state, "tenant", None),
+        getattr(http.state, "priorities", None),
     )
     log.debug(
         "request",
@@ -402,35 +432,122 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
         prompt_tokens=[len(p.tokens) for p in request.prompts],
         max_tokens=[p.params.max_tokens for p in request.prompts],
     )
-    pieces = gateway.tool_pieces if request.tools else gateway.vocab
-    group = await GenerationGroup.start(gateway.pool, pieces, request, gateway.metrics)
-    drain.track(group)
-
-    def close() -> None:
-        group.close()
-        drain.untrack(group)
-
     if request.stream:
-        # The 200 goes out with the first output: an error before it gets its own status.
-        try:
-            waited = await until_disconnect(http, group.first_outputs())
-        except BaseException:
-            close()
-            raise
-        if not waited:  # the client left while it waited
-            close()
-            return Response(status_code=499)
-        chunks = StreamChunks(request)
-        return EventStreamResponse(event_stream(group, chunks), on_close=close)
+        return await _stream(gateway, http, request)
+    running = await _NonStreamed.start(gateway, request)
     try:
-        outcome = await until_disconnect(http, collect(group))
+        outcome = await until_disconnect(http, running.collect())
     finally:
-        close()
+        running.close()
     if outcome is None:
         return Response(status_code=499)  # nobody is listening any more
     texts, dones, logprobs = outcome
-    answer = response_body(request, texts, dones, logprobs, group.usage())
+    answer = response_body(request, texts, dones, logprobs, running.group.usage())
     return JSONResponse(answer.model_dump())
+
+
+async def _start_group(gateway: Gateway, request: GenerationRequest) -> GenerationGroup:
+    """Every choice of the request submitted, and tracked for draining."""
+    pieces = gateway.tool_pieces if request.tools else gateway.vocab
+    group = await GenerationGroup.start(gateway.pool, pieces, request, gateway.metrics)
+    gateway.drain.track(group)
+    return group
+
+
+def _close_group(gateway: Gateway, group: GenerationGroup) -> None:
+    group.close()
+    gateway.drain.untrack(group)
+
+
+async def _stream(gateway: Gateway, http: Request, request: GenerationRequest) -> Response:
+    """The request as server-sent events; the 200 goes out with the first output, so an
+    error before it gets its own status."""
+    group = await _start_group(gateway, request)
+    try:
+        waited = await until_disconnect(http, group.first_outputs())
+    except BaseException:
+        _close_group(gateway, group)
+        raise
+    if not waited:  # the client left while it waited
+        _close_group(gateway, group)
+        return Response(status_code=499)
+    # A client that stops reading must fill a small buffer, not megabytes of the kernel's,
+    # before the gateway's own bound on its tokens (--stream-buffer-tokens) starts counting.
+    limit_send_buffer(http.scope.get("state", {}))
+    chunks = StreamChunks(request)
+    return EventStreamResponse(
+        event_stream(group, chunks), on_close=lambda: _close_group(gateway, group)
+    )
+
+
+@dataclass(slots=True)
+class _NonStreamed:
+    """A request answered as one body: its client has seen nothing until the end, so when a
+    worker is lost mid-way the whole request runs once more, on another worker, within its
+    deadline (a stream is re-sent only before its first token: see generation.py)."""
+
+    gateway: Gateway
+    request: GenerationRequest
+    group: GenerationGroup
+
+    @classmethod
+    async def start(cls, gateway: Gateway, request: GenerationRequest) -> _NonStreamed:
+        return cls(gateway, request, await _start_group(gateway, request))
+
+    async def collect(self) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
+        try:
+            return await collect(self.group)
+        except WorkerLost as lost:
+            deadline = self.request.arrived_at + self.gateway.config.request_timeout
+            if self.gateway.drain.draining or time.monotonic() >= deadline:
+                raise
+            log.info("worker lost mid-way; request run again", reason=lost.message)
+            _close_group(self.gateway, self.group)
+            self.gateway.pool.count_reroute("lost")
+            try:
+                self.group = await _start_group(self.gateway, self.request)
+            except WorkerClientError:
+                raise lost from None  # the client hears why its request ended
+            return await collect(self.group)
+
+    def close(self) -> None:
+        _close_group(self.gateway, self.group)
+
+
+def _check_text(gateway: Gateway, body: ApiBody) -> None:
+    """400 at once for text no context can hold, before a thread renders and tokenizes it."""
+    info = gateway.pool.info
+    if info is None:
+        return  # worker_info() answers 503 soon enough
+    if isinstance(body, ChatCompletionRequest):
+        chars, param = limits.chat_chars(body.messages), "messages"
+    else:
+        chars, param = limits.prompt_chars(body.prompt), "prompt"
+    limits.check_text(chars, info.slot_context, gateway.vocab.longest_token, param)
+
+
+def _build(
+    gateway: Gateway, body: ApiBody
+) -> tuple[SamplingParams, ToolRequest | None, list[tuple[list[int], str]]]:
+    """The request's sampling parameters, tools and prompts (token ids, echo text).
+
+    Runs in a thread: a JSON schema's grammar, the tools' grammar, the chat template and
+    the tokenizer are where a big request spends its time."""
+    vocab = gateway.vocab
+    params = sampling_params(body, 1, vocab, gateway.sampling_defaults)
+    if not isinstance(body, ChatCompletionRequest):
+        return params, None, prompts.completion_prompts(vocab, body.prompt, bool(body.echo))
+    tools = tool_request(body, gateway.template_tools, vocab)
+    if tools is not None and tools.grammar:
+        params.grammar = tools.grammar
+    tokens = prompts.chat_prompt(
+        vocab,
+        gateway.template,
+        body.messages,
+        gateway.template_tools,
+        tools.definitions if tools else None,
+    )
+    return params, tools, [(tokens, "")]
 
 
 def _shutting_down() -> APIError:
@@ -440,37 +557,31 @@ def _shutting_down() -> APIError:
 
 
 async def _prepare(
-    gateway: Gateway, body: ApiBody, request_id: str, key_tenant: str | None = None
+    gateway: Gateway,
+    body: ApiBody,
+    request_id: str,
+    key_tenant: str | None = None,
+    key_priorities: PriorityRange | None = None,
 ) -> GenerationRequest:
     """The GenerationRequest of a body; every 4xx the gateway can tell by itself comes here.
 
     The tenant is the authorising API key's, else the body's `user`, else the shared one.
+    The priority is the body's, clamped into what the key may claim.
     """
     arrived = time.monotonic()
-    vocab = gateway.vocab
     _check_model(gateway, body.model)
     reject_unsupported(body)
     stops = stop_strings(body.stop)
-    params = sampling_params(body, 1, vocab, gateway.sampling_defaults)
-    tools = None
+    _check_text(gateway, body)
+    # Grammars, the template and the tokenizer: seconds for a big request, in a thread.
+    built = await prompts.in_thread(functools.partial(_build, gateway, body))
+    params, tools, texts = built
     if isinstance(body, ChatCompletionRequest):
-        tools = tool_request(body, gateway.template_tools, vocab)
-        if tools is not None and tools.grammar:
-            params.grammar = tools.grammar
-        tokens = await prompts.chat_prompt(
-            vocab,
-            gateway.template,
-            body.messages,
-            gateway.template_tools,
-            tools.definitions if tools else None,
-        )
-        texts = [(tokens, "")]
         requested = body.max_completion_tokens
         if requested is None:
             requested = body.max_tokens
         default, id_prefix = None, "chatcmpl"
     else:
-        texts = await prompts.completion_prompts(vocab, body.prompt, bool(body.echo))
         requested, default, id_prefix = body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "cmpl"
         if score_only(body):  # the worker generates at least one token: the gateway drops it
             requested = 1
@@ -483,6 +594,9 @@ async def _prepare(
         limit = max_new_tokens(requested, default, len(tokens), info.slot_context)
         own = dataclasses.replace(params, max_tokens=limit)
         request_prompts.append(Prompt(tokens=tokens, params=own, text=text))
+    priority = request_priority(body.priority)
+    if key_priorities is not None:
+        priority = key_priorities.clamp(priority)
     response_id = f"{id_prefix}-{request_id}"
     if gateway.pool.in_use(response_id) or gateway.pool.in_use(f"{response_id}-0"):
         raise APIError(
@@ -501,6 +615,6 @@ async def _prepare(
         created=int(time.time()),
         tools=tools,
         score_only=score_only(body),
-        priority=request_priority(body.priority),
+        priority=priority,
         tenant=key_tenant or user_tenant(body.user) or DEFAULT_TENANT,
     )

@@ -1,16 +1,20 @@
 """Prompts to token ids: completion prompts, chat messages through the template, checks.
 
-Long texts are tokenized in a thread, so that one huge prompt does not stall every other
-stream of this gateway.
+Rendering and tokenizing are plain functions that the HTTP layer runs in a thread
+(in_thread), so that one huge prompt does not stall every other stream of this gateway and
+its heartbeats to the workers. At most PREPARE_THREADS requests are prepared at once; the
+rest wait for a thread without holding the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import weakref
 from collections.abc import Callable
-from functools import partial
 from typing import Any, TypeVar
+
+import anyio.to_thread
 
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import ChatMessage, ToolCall
@@ -19,7 +23,24 @@ from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.template import TemplateTools
 
 OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
+# Requests prepared at once (templates, tools' grammars, tokenizing). Python work holds the
+# GIL, so more threads would not prepare faster, only delay the event loop's turns: with four
+# busy ones /health took 0.3 s, each of the loop's GIL hand-offs waiting behind all four.
+PREPARE_THREADS = 2
 T = TypeVar("T")
+
+_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def in_thread(work: Callable[[], T]) -> T:
+    """work() in one of PREPARE_THREADS threads, the event loop free meanwhile."""
+    loop = asyncio.get_running_loop()
+    limiter = _limiters.get(loop)
+    if limiter is None:  # one per event loop: a limiter belongs to the loop it waits on
+        limiter = _limiters[loop] = anyio.CapacityLimiter(PREPARE_THREADS)
+    return await anyio.to_thread.run_sync(work, limiter=limiter)
 
 
 async def tokenize(vocab: Vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
@@ -30,7 +51,7 @@ async def tokenize(vocab: Vocab, text: str, add_special: bool, parse_special: bo
 async def off_loop(size: int, work: Callable[[], T]) -> T:
     """work(), in a thread when size says it is big enough to stall the other streams."""
     if size > OFF_LOOP_SIZE:
-        return await asyncio.to_thread(work)
+        return await in_thread(work)
     return work()
 
 
@@ -42,20 +63,20 @@ def check_token_ids(vocab: Vocab, tokens: list[int], param: str) -> None:
         raise invalid_request(f"token id {bad} is not in the vocabulary (0..{last})", param)
 
 
-async def completion_prompts(vocab: Vocab, prompt: Any, echo: bool) -> list[tuple[list[int], str]]:
+def completion_prompts(vocab: Vocab, prompt: Any, echo: bool) -> list[tuple[list[int], str]]:
     """Each prompt's token ids, and its text when echo wants it ("" otherwise), from a
-    string, token ids, or a list of either."""
+    string, token ids, or a list of either. Long work: call it in a thread."""
     many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
     result = []
     for one in prompt if many else [prompt]:
         if isinstance(one, str):
-            tokens = await tokenize(vocab, one, add_special=True, parse_special=True)
+            tokens = vocab.tokenize(one, add_special=True, parse_special=True)
             text = one
         else:
-            await off_loop(len(one), partial(check_token_ids, vocab, one, "prompt"))
+            check_token_ids(vocab, one, "prompt")
             tokens, text = one, ""
             if echo:
-                text = await off_loop(len(one), partial(vocab.detokenize, one))
+                text = vocab.detokenize(one)
         if not tokens:
             raise invalid_request("the prompt is empty", "prompt")
         result.append((tokens, text))
@@ -64,20 +85,22 @@ async def completion_prompts(vocab: Vocab, prompt: Any, echo: bool) -> list[tupl
     return result
 
 
-async def chat_prompt(
+def chat_prompt(
     vocab: Vocab,
     template: Renderer,
     messages: list[ChatMessage],
     template_tools: TemplateTools,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of the chat template rendered over the messages (and tools), with BOS once."""
+    """Token ids of the chat template rendered over the messages (and tools), with BOS once.
+
+    Long work (Jinja, tokenizing): call it in a thread."""
     dicts, tools = template_tools.prepare([_message_dict(m) for m in messages], tools)
     try:
         text = template.render(dicts, tools=tools)
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from exc
-    tokens = await tokenize(vocab, text, add_special=False, parse_special=True)
+    tokens = vocab.tokenize(text, add_special=False, parse_special=True)
     # Templates usually write the BOS text themselves; add it only where they did not.
     if vocab.add_bos and vocab.bos_id >= 0 and (not tokens or tokens[0] != vocab.bos_id):
         tokens.insert(0, vocab.bos_id)

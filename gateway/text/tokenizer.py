@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import functools
+import threading
 from pathlib import Path
 from typing import Protocol
 
@@ -57,7 +59,8 @@ class Vocab:
         self.chat_template: str | None = template.decode() if template else None
         self.architecture = self.meta("general.architecture")
         self._pieces: dict[int, bytes] = {}
-        self._piece_buffer = ctypes.create_string_buffer(256)
+        # One buffer per thread: requests are prepared (and detokenized) in threads too.
+        self._local = threading.local()
 
     def close(self) -> None:
         """Free the llama.cpp model; the Vocab is unusable afterwards."""
@@ -85,6 +88,15 @@ class Vocab:
             if n >= 0:
                 return buffer[:n]
             capacity = -n
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Bytes of the longest token's text: no token stands for more text than this.
+
+        (A token's text spells a space as `▁` or `Ġ` and a byte as `<0x0A>`: never shorter
+        than the bytes it stands for.)"""
+        get_text = llama_cpp.llama_vocab_get_text
+        return max(len(get_text(self.vocab, token) or b"") for token in range(self.n_tokens))
 
     def piece(self, token_id: int) -> bytes:
         """The bytes a generated token stands for; control tokens (BOS, EOS) render as nothing."""
@@ -129,7 +141,9 @@ class Vocab:
         return llama_cpp.llama_vocab_get_text(self.vocab, token_id).decode(errors="replace")
 
     def _to_piece(self, token_id: int, special: bool) -> bytes:
-        buffer = self._piece_buffer
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None:
+            buffer = self._local.buffer = ctypes.create_string_buffer(256)
         n = llama_cpp.llama_token_to_piece(self.vocab, token_id, buffer, len(buffer), 0, special)
         if n < 0:
             buffer = ctypes.create_string_buffer(-n)

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from loomserve.gateway.api.errors import invalid_request, validation_error
-from loomserve.gateway.api.schemas import ChatCompletionRequest
+from loomserve.gateway.api.schemas import ChatCompletionRequest, streamed_responses
 from loomserve.gateway.translate.bridge import (
     ChatCount,
     ChatRun,
@@ -371,7 +371,7 @@ def messages_router(run: ChatRun, count: ChatCount, model: str, **router_options
     @router.post(
         "/v1/messages",
         tags=["anthropic"],
-        responses={200: {"description": ANSWER}},
+        responses=streamed_responses(ANSWER),
     )
     async def create_message(body: MessagesRequest, http: Request) -> Response:
         """A message (Anthropic's Messages API): text and tool use; streams when `stream`."""

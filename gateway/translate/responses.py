@@ -23,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from loomserve.gateway.api.errors import APIError, invalid_request, validation_error
-from loomserve.gateway.api.schemas import ChatCompletionRequest
+from loomserve.gateway.api.schemas import ChatCompletionRequest, streamed_responses
 from loomserve.gateway.translate.bridge import (
     ChatCount,
     ChatRun,
@@ -483,7 +483,7 @@ def responses_router(
     @router.post(
         "/v1/responses",
         tags=["openai"],
-        responses={200: {"description": ANSWER}},
+        responses=streamed_responses(ANSWER),
     )
     async def create_response(body: ResponsesRequest, http: Request) -> Response:
         """A response (Responses API): text, function calls, JSON; streams when `stream`.

@@ -5,8 +5,10 @@ MAX_WORKERS_PER_REQUEST workers at most. It goes to another worker when the one 
 could not take it (not connected or not ready, queue full, lost before it confirmed: it
 never ran there), or when its worker was lost before the sequence produced any output
 (the client has seen nothing of it, so sending it again cannot repeat a token). Any other
-outcome is final. The pool picks the worker (routing policy) and this object keeps the
-count: which workers the request went to, and whether it may go to one more.
+outcome is final here; a non-streamed request whose worker is lost later, its client still
+waiting for the whole body, runs again whole once (http/app.py, _NonStreamed). The pool
+picks the worker (routing policy) and this object keeps the count: which workers the
+request went to, and whether it may go to one more.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
     monkeypatch.setenv("LOOMSERVE_GATEWAY_TIMEOUT", "2.5")
     monkeypatch.setenv("LOOMSERVE_FLASH_ATTN", "off")
     monkeypatch.setenv("LOOMSERVE_BATCH_INVARIANT", "false")
-    monkeypatch.setenv("LOOMSERVE_API_KEY", "first second")
+    monkeypatch.setenv("LOOMSERVE_API_KEY", "first\nsecond\n")
     monkeypatch.setenv("LOOMSERVE_WORKER_ENDPOINT", "tcp://10.0.0.7:5555 tcp://workers:5555")
     worker_params = parse("worker", [])
     worker = build_worker_config(worker_params.pop("bind"), **worker_params)
@@ -155,7 +155,10 @@ def test_gateway_and_worker_configs_are_built_from_environment_variables(
 
 def test_api_key_file_names_the_keys_tenants(tmp_path: Path, tiny_model_path: Path) -> None:
     keys = tmp_path / "keys"
-    keys.write_text("# team keys\nalice:sk-alice\nbob:sk-bob:with-colon\nsk-bare\n:sk-odd\n")
+    keys.write_text(
+        "# team keys\n  # rotate these monthly\n\talice:sk-alice\nbob:sk-bob:with-colon\n"
+        "sk-bare\n:sk-odd\n\n"
+    )
     params = parse("gateway", ["--model", str(tiny_model_path), "--api-key-file", str(keys)])
     gateway = build_gateway_config(params.pop("worker_endpoint"), **params)
     assert gateway.api_keys == {
@@ -164,6 +167,75 @@ def test_api_key_file_names_the_keys_tenants(tmp_path: Path, tiny_model_path: Pa
         "sk-bare": unnamed_key_tenant("sk-bare"),
         ":sk-odd": unnamed_key_tenant(":sk-odd"),
     }
+    assert gateway.key_priorities == {}
+
+
+def test_a_key_with_whitespace_is_refused_from_every_source(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`open sesame` once meant the keys `open` (flag), `open` and `sesame` (environment),
+    and a key file's indented comment was a key: now each source refuses it, saying why."""
+    model = ["--model", str(tiny_model_path)]
+    flag = CliRunner().invoke(main, ["gateway", *model, "--api-key", "open sesame"])
+    assert flag.exit_code == 2 and "cannot contain whitespace" in flag.output
+    env = CliRunner().invoke(main, ["gateway", *model], env={"LOOMSERVE_API_KEY": "open sesame"})
+    assert env.exit_code == 2 and "cannot contain whitespace" in env.output
+    assert "sesame" not in flag.output + env.output  # the secret is not echoed
+    keys = tmp_path / "keys"
+    keys.write_text("# ok\nalice:open sesame\n")
+    params = parse("gateway", [*model, "--api-key-file", str(keys)])
+    with pytest.raises(click.BadParameter, match=r"line 2: .*whitespace"):
+        build_gateway_config(params.pop("worker_endpoint"), **params)
+
+
+def test_a_key_means_the_same_from_the_flag_the_environment_and_a_file(
+    tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loomserve.cli.serve import child_env
+
+    model = ["--model", str(tiny_model_path)]
+    secret = "sk-Ab3.x/y+z=="
+    flag = parse("gateway", [*model, "--api-key", secret])
+    # serve hands its keys to the gateways through the environment: one a line.
+    monkeypatch.setenv(
+        "LOOMSERVE_API_KEY", child_env({"api_key": (secret, "sk-2")})["LOOMSERVE_API_KEY"]
+    )
+    env = parse("gateway", model)
+    monkeypatch.delenv("LOOMSERVE_API_KEY")
+    keys = tmp_path / "keys"
+    keys.write_text(f"{secret}\n")
+    file = parse("gateway", [*model, "--api-key-file", str(keys)])
+    configs = [build_gateway_config(p.pop("worker_endpoint"), **p) for p in (flag, env, file)]
+    assert secret in configs[0].api_keys and set(configs[1].api_keys) == {secret, "sk-2"}
+    assert configs[0].api_keys[secret] == configs[1].api_keys[secret] == configs[2].api_keys[secret]
+    assert set(configs[2].api_keys) == {secret}
+
+
+def test_a_key_file_bounds_each_keys_priorities(tmp_path: Path, tiny_model_path: Path) -> None:
+    from loomserve.gateway.config import PriorityRange
+
+    keys = tmp_path / "keys"
+    keys.write_text(
+        "batch:sk-batch priority=5..100\nchat:sk-chat priority=0..\n"
+        "fixed:sk-fixed priority=3\nsk-any\nneg:sk-neg priority=-10..-1\n"
+    )
+    params = parse("gateway", ["--model", str(tiny_model_path), "--api-key-file", str(keys)])
+    gateway = build_gateway_config(params.pop("worker_endpoint"), **params)
+    assert gateway.key_priorities == {
+        "sk-batch": PriorityRange(5, 100),
+        "sk-chat": PriorityRange(0, None),
+        "sk-fixed": PriorityRange(3, 3),
+        "sk-neg": PriorityRange(-10, -1),
+    }
+    chat = gateway.key_priorities["sk-chat"]
+    assert (chat.clamp(-1000), chat.clamp(0), chat.clamp(7)) == (0, 0, 7)
+    batch = gateway.key_priorities["sk-batch"]
+    assert (batch.clamp(0), batch.clamp(50), batch.clamp(10**6)) == (5, 50, 100)
+    for bad in ("priority=9..1", "priority=high", "priority=..", "prio=1", "x"):
+        keys.write_text(f"sk-key {bad}\n")
+        params = parse("gateway", ["--model", str(tiny_model_path), "--api-key-file", str(keys)])
+        with pytest.raises(click.BadParameter, match="line 1"):
+            build_gateway_config(params.pop("worker_endpoint"), **params)
 
 
 # --- packaging ---------------------------------------------------------------------------

@@ -41,3 +41,26 @@ def test_the_console_renderer_prints_the_traceback(capsys: pytest.CaptureFixture
         structlog.get_logger("loop").exception("tick failed")
     err = capsys.readouterr().err
     assert "tick failed" in err and "ValueError: the tick's own words" in err
+
+
+def fail_holding_a_secret() -> None:
+    # Made at run time: the traceback's source lines show this line as written, not its value.
+    api_key = "-".join(["sk", "the", "secret", str(40 + 2)])  # noqa: F841 - not in the log
+    raise ValueError("failed with a secret in scope")
+
+
+@pytest.mark.parametrize("json_lines", [True, False])
+def test_tracebacks_leave_frame_locals_out(
+    json_lines: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure_logging(json=json_lines)
+    try:
+        fail_holding_a_secret()
+    except ValueError:
+        structlog.get_logger("gateway").exception("request failed")
+    err = capsys.readouterr().err
+    assert "failed with a secret in scope" in err
+    assert "sk-the-secret-42" not in err
+    if json_lines:
+        (raised,) = json.loads(err.strip().splitlines()[-1])["exception"]
+        assert all("locals" not in frame for frame in raised["frames"])

@@ -29,6 +29,7 @@ GATEWAY_DERIVED = {
     "worker_endpoints": "worker_endpoint",
     "model_name": "served_model_name",
     "api_keys": "api_key",
+    "key_priorities": "api_key_file",  # `priority=` on a key file's lines
 }
 MIB = 1024 * 1024
 

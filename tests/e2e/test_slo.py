@@ -22,7 +22,11 @@ def servers(
     tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Proc, Proc, str]]:
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text("batch:sk-batch-key\ninteractive:sk-interactive-key\n")
+    keys.write_text(
+        "batch:sk-batch-key\ninteractive:sk-interactive-key\n"
+        "  # a tenant that may not jump ahead of anyone at priority 0\n"
+        "capped:sk-capped-key priority=0..\n"
+    )
     metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
     port = int(metrics_url.split(":")[-1].split("/")[0])
     with (
@@ -105,3 +109,38 @@ def test_priority_out_of_range_is_a_400(servers) -> None:
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "priority"
+
+
+def test_a_key_cannot_claim_more_priority_than_its_file_allows(servers) -> None:
+    """A request of a key bounded to `priority=0..` that asks for -1000 runs at 0: it does not
+    preempt another tenant's stream at 0 (equal priorities never preempt), it waits."""
+    _, gateway, metrics_url = servers
+    batch, capped = client(gateway, "sk-batch-key"), client(gateway, "sk-capped-key")
+    settings = {"model": "tiny-llama", "temperature": 0, "prompt": "once upon a time"}
+    preemptions = scrape_metrics(metrics_url)[("loomserve:num_preemptions_total", ())]
+    first_chunk = threading.Event()
+    ends: dict[str, float] = {}
+
+    def stream_at_zero() -> None:
+        stream = batch.completions.create(
+            max_tokens=LONG, stream=True, extra_body={"ignore_eos": True}, **settings
+        )
+        for chunk in stream:
+            if chunk.choices:
+                first_chunk.set()
+        ends["stream"] = time.monotonic()
+
+    thread = threading.Thread(target=stream_at_zero)
+    thread.start()
+    assert first_chunk.wait(30)
+    claimed = capped.completions.create(
+        max_tokens=4, extra_body={"ignore_eos": True, "priority": -1000}, **settings
+    )
+    ends["capped"] = time.monotonic()
+    thread.join(60)
+    assert claimed.usage.completion_tokens == 4
+    assert ends["stream"] < ends["capped"]  # it waited for the slot: no preemption
+    metrics = scrape_metrics(metrics_url)
+    assert metrics[("loomserve:num_preemptions_total", ())] == preemptions
+    by_priority = "loomserve:request_queue_time_by_priority_seconds_count"
+    assert (by_priority, (("priority", "-1000"),)) not in metrics

@@ -202,8 +202,10 @@ def test_worker_errors_become_http_statuses(error: Exception, status: int, code:
     api_error = worker_error(error)
     assert (api_error.status, api_error.code) == (status, code)
     assert api_error.body()["error"]["message"].endswith(error.message)
-    if status == 503:
+    if status in (503, 504):
         assert api_error.headers == {"Retry-After": "1"}
+    if status == 504:  # not the client's request that was wrong
+        assert api_error.type == "timeout_error"
 
 
 def test_a_handle_hands_out_tokens_before_the_loss_that_followed_them() -> None:

@@ -36,3 +36,12 @@ def test_the_default_budget_is_8_gib_at_most_a_quarter_of_the_limit(tmp_path: Pa
     assert config.ram_cache_bytes == expected > 0
     assert WorkerConfig(model_path=tmp_path / "m.gguf", cache_ram=0).ram_cache_bytes == 0
     assert WorkerConfig(model_path=tmp_path / "m.gguf", cache_ram=64).ram_cache_bytes == 64 * MIB
+
+
+def test_a_cache_ram_beyond_the_machine_is_clamped_to_it(tmp_path: Path):
+    # --cache-ram 10000000 (10 TB) once became a 10 TB budget, spent until the OOM killer came.
+    huge = WorkerConfig(model_path=tmp_path / "m.gguf", cache_ram=10_000_000)
+    assert huge.ram_cache_bytes == memory_limit_bytes() and huge.cache_ram_clamped
+    small = WorkerConfig(model_path=tmp_path / "m.gguf", cache_ram=64)
+    assert not small.cache_ram_clamped
+    assert not WorkerConfig(model_path=tmp_path / "m.gguf").cache_ram_clamped

@@ -18,6 +18,7 @@ import pytest
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from loomserve.protocol import FinishReason, Generate, SamplingParams
+from loomserve.worker import grammar_state
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
 from loomserve.worker.grammar_state import MAX_STACKS, grammar_vocab
@@ -290,6 +291,52 @@ def test_an_ambiguous_grammar_fails_its_request_alone(engine, config):
     alone.inbox.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
     drain(alone)
     assert tokens["beside"] == alone_collector.tokens()["beside"]
+
+
+def test_a_grammar_over_its_time_budget_fails_its_request_alone(
+    engine, config, monkeypatch: pytest.MonkeyPatch
+):
+    """Grammar work past the per-token budget (here a budget nothing meets: 500 alternatives
+    cost seconds a token on a 262k vocabulary) ends that request with an error saying so;
+    the request beside it runs to the end as alone."""
+    monkeypatch.setattr(grammar_state, "TOKEN_BUDGET_S", 1e-9)
+    alternatives = " | ".join(f'"word{i} "' for i in range(500))
+    loop = TickLoop(engine, config, collector := Collector())
+    slow = SamplingParams(max_tokens=16, temperature=0.0, grammar=f"root ::= ({alternatives})+")
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    loop.inbox.submit(GW, Generate("slow", [1, 40, 41], slow))
+    loop.inbox.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
+    drain(loop)
+    finishes, tokens = collector.finishes(), collector.tokens()
+    assert finishes["slow"].reason == FinishReason.ERROR
+    assert "the grammar is too slow" in finishes["slow"].message
+    assert len(tokens.get("slow", [])) <= 1
+    assert finishes["beside"].reason == FinishReason.LENGTH
+    assert len(tokens["beside"]) == 24
+
+
+def test_a_mask_that_would_break_the_budget_is_not_done(
+    engine, config, monkeypatch: pytest.MonkeyPatch
+):
+    """Stacks x vocabulary x the floor of a check's cost over the budget: the request fails
+    before the mask starts (on Gemma's vocabulary 500 alternatives took 5.3 s a mask); the
+    same grammar with a budget that holds runs to its end."""
+    alternatives = " | ".join(f'"w{i} "' for i in range(500))
+    grammar = f"root ::= ({alternatives}){{2}}"
+    # As if each check took a second: 500 stacks cannot be masked within any budget.
+    monkeypatch.setattr(grammar_state, "SECONDS_PER_CHECK", 1.0)
+    loop = TickLoop(engine, config, collector := Collector())
+    params = SamplingParams(max_tokens=16, temperature=0.0, grammar=grammar)
+    loop.inbox.submit(GW, Generate("refused", [1, 40, 41], params))
+    drain(loop)
+    finish = collector.finishes()["refused"]
+    assert finish.reason == FinishReason.ERROR
+    assert "would take at least" in finish.message
+    monkeypatch.setattr(grammar_state, "SECONDS_PER_CHECK", 0.0)
+    loop = TickLoop(engine, config, collector := Collector())
+    loop.inbox.submit(GW, Generate("masked", [1, 40, 41], params))
+    drain(loop)
+    assert collector.finishes()["masked"].reason == FinishReason.STOP
 
 
 @pytest.mark.parametrize("name", sorted(GRAMMARS))
