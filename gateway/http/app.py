@@ -196,7 +196,9 @@ def create_app(
     app.include_router(status_router())  # a static page: its data comes from /slots
     checked = [Depends(_api_key_checker(config))]
     app.include_router(_api_routes(gateway), dependencies=checked)
-    app.include_router(slots_router(pool), dependencies=checked)
+    app.include_router(
+        slots_router(pool), dependencies=checked, responses={401: ERROR_RESPONSES[401]}
+    )
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout
     )

@@ -93,3 +93,30 @@ def test_status_page_shows_live_slots(browser, long_model_path: Path, tmp_path: 
     outside = [u for u in requests if urlsplit(u).netloc != origin]
     assert outside == [], f"the page fetched from elsewhere: {outside}"
     assert {urlsplit(u).path for u in requests} == {"/status", "/health", "/slots"}
+
+
+def test_status_page_asks_for_the_api_key(browser, long_model_path: Path) -> None:
+    """With API keys set the page is still served, and /slots answers it once given a key."""
+    with ExitStack() as stack:
+        worker = stack.enter_context(start_worker(long_model_path, slots=2, ctx_size=CTX))
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, worker.endpoint, api_key="sk-status")
+        )
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(gateway.url + "/status")
+        page.wait_for_selector("#keyform", state="visible", timeout=15_000)
+        assert "needs the API key" in page.inner_text("#problem")
+        assert page.locator("#slots tbody tr").count() == 0
+        page.fill("#key", "sk-status")
+        page.click("#keyform button")
+        page.wait_for_function(
+            "document.querySelectorAll('#slots tbody tr').length === 2", timeout=15_000
+        )
+        page.wait_for_function("document.querySelector('#problem').textContent === ''")
+        assert page.is_hidden("#keyform")
+        page.close()
+    # Only the browser's own line for each refused /slots, before the key was given.
+    assert errors and all("401" in error for error in errors), errors
