@@ -29,6 +29,7 @@ _TYPE_BY_TAG: dict[int, type] = {
     0x03: m.Cancel,
     0x04: m.Ping,
     0x05: m.Embed,
+    0x06: m.SlotsQuery,
     0x81: m.ModelInfo,
     0x82: m.Accepted,
     0x83: m.Rejected,
@@ -36,6 +37,7 @@ _TYPE_BY_TAG: dict[int, type] = {
     0x85: m.Heartbeat,
     0x86: m.WorkerError,
     0x87: m.Embeddings,
+    0x88: m.SlotsReport,
 }
 _TAG_BY_TYPE = {cls: bytes([tag]) for tag, cls in _TYPE_BY_TAG.items()}
 

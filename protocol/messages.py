@@ -1,7 +1,8 @@
 """The wire messages between gateways and the worker: plain dataclasses, nothing else.
 
-Gateway -> worker: Hello, Generate, Embed, Cancel, Ping.
-Worker -> gateway: ModelInfo, Accepted, Rejected, Outputs, Embeddings, Heartbeat, WorkerError.
+Gateway -> worker: Hello, Generate, Embed, Cancel, Ping, SlotsQuery.
+Worker -> gateway: ModelInfo, Accepted, Rejected, Outputs, Embeddings, Heartbeat, WorkerError,
+SlotsReport.
 
 The worker speaks token ids only; text is the gateway's business.
 """
@@ -17,8 +18,8 @@ DEFAULT_TENANT = "default"
 
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
 # and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes; 8: Cancel.reason,
-# Heartbeat.kv_cells_used and kv_cells_total
-PROTOCOL_VERSION = 8
+# Heartbeat.kv_cells_used and kv_cells_total; 9: SlotsQuery, SlotsReport
+PROTOCOL_VERSION = 9
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -178,6 +179,13 @@ class Ping:
     sent_at: float
 
 
+@dataclass(slots=True)
+class SlotsQuery:
+    """Ask for the worker's slots (GET /slots); it answers with a SlotsReport of the same id."""
+
+    query_id: str
+
+
 # --- worker -> gateway -------------------------------------------------------
 
 
@@ -295,6 +303,44 @@ class Heartbeat:
 
 
 @dataclass(slots=True)
+class SlotState:
+    """One slot as the loop last published it: who runs there and how far it got. Never any
+    prompt or output text (the worker has none), nor token ids."""
+
+    index: int
+    state: str  # "idle", "prefilling" or "generating"
+    request_id: str = ""  # "" when idle
+    gateway: str = ""  # the gateway's identity: request ids are unique per gateway only
+    tenant: str = ""
+    priority: int = 0
+    prompt_tokens: int = 0  # the prompt's length
+    cached_tokens: int = 0  # prompt tokens whose KV was reused
+    computed_tokens: int = 0  # prompt tokens evaluated so far (besides the cached ones)
+    generated_tokens: int = 0
+    age_seconds: float = 0.0  # since the worker accepted the request
+    tokens_per_second: float = 0.0  # generated tokens per second since the first one
+
+
+@dataclass(slots=True)
+class TenantQueue:
+    """One tenant's requests in a worker: in slots and waiting for one."""
+
+    tenant: str
+    running: int
+    waiting: int
+
+
+@dataclass(slots=True)
+class SlotsReport:
+    """The answer to a SlotsQuery: every slot of the worker and its queue, per tenant."""
+
+    query_id: str
+    queue_depth: int
+    slots: list[SlotState]
+    tenants: list[TenantQueue]
+
+
+@dataclass(slots=True)
 class WorkerError:
     """An error not tied to one request: protocol mismatch, engine failure."""
 
@@ -308,6 +354,7 @@ Message = (
     | Embed
     | Cancel
     | Ping
+    | SlotsQuery
     | ModelInfo
     | Accepted
     | Rejected
@@ -315,4 +362,5 @@ Message = (
     | Embeddings
     | Heartbeat
     | WorkerError
+    | SlotsReport
 )

@@ -4,10 +4,11 @@ Like vLLM's engine core, the tick loop never waits on the network, and neither s
 other: they share channels made first (channels.py). Inbound frames are decoded here and put
 on the loop's Inbox; what the loop says is appended to the Outbox (outbox.py) and a wake-up
 byte goes over an inproc PAIR, after which this thread encodes and sends (while the loop is
-inside llama_decode, which releases the GIL); heartbeats read the loop's LoadBoard. Sends
+inside llama_decode, which releases the GIL); heartbeats and SlotsReports read the loop's
+LoadBoard, a frozen snapshot of its latest tick. Sends
 never block: a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN)
 loses that message, counted. This thread also answers Hello and Ping and heartbeats every
-gateway, so liveness never waits for a tick either.
+gateway, and answers SlotsQuery, so liveness and /slots never wait for a tick either.
 
 Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
 connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
@@ -42,6 +43,8 @@ from loomserve.protocol import (
     Outputs,
     Ping,
     Rejected,
+    SlotsQuery,
+    SlotsReport,
     WorkerError,
     decode,
     encode,
@@ -277,6 +280,10 @@ class WorkerIO:
                 ),
             )
             return
+        if isinstance(message, SlotsQuery):
+            # Read-only, from a gateway or from any probe: it opens nothing, admits nobody.
+            self._send_now(gateway, self._slots_report(message.query_id))
+            return
         if isinstance(message, Ping) and gateway not in gateways:
             # A probe that never said Hello (`loomserve worker-health`, a readiness wait):
             # answer it, but it is no gateway, so its silence later means nothing.
@@ -380,6 +387,15 @@ class WorkerIO:
             prefixes=list(load.prefixes),
             kv_cells_used=load.kv_cells_used,
             kv_cells_total=self.model_info.slots * self.model_info.slot_context,
+        )
+
+    def _slots_report(self, query_id: str) -> SlotsReport:
+        load = self.loads.latest
+        return SlotsReport(
+            query_id=query_id,
+            queue_depth=load.queue_depth,
+            slots=load.slot_states(time.monotonic()),
+            tenants=load.tenant_queues(),
         )
 
     def _lose(self, gateway: bytes, why: str) -> None:

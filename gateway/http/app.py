@@ -50,6 +50,7 @@ from loomserve.gateway.http.embeddings import create_embeddings
 from loomserve.gateway.http.http_protocol import limit_send_buffer
 from loomserve.gateway.http.json_route import OffLoopJSONRoute
 from loomserve.gateway.http.middleware import AccessMiddleware, BodyLimitMiddleware
+from loomserve.gateway.http.ops import slots_router, status_router
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.request import limits, prompts
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
@@ -202,7 +203,12 @@ def create_app(
     app.state.gateway = gateway
     install_handlers(app)
     app.include_router(_open_routes(gateway))
-    app.include_router(_api_routes(gateway), dependencies=[Depends(_api_key_checker(config))])
+    app.include_router(status_router())  # a static page: its data comes from /slots
+    checked = [Depends(_api_key_checker(config))]
+    app.include_router(_api_routes(gateway), dependencies=checked)
+    app.include_router(
+        slots_router(pool), dependencies=checked, responses={401: ERROR_RESPONSES[401]}
+    )
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout
     )

@@ -15,7 +15,8 @@ from loomserve.gateway.metrics import GatewayMetrics
 
 log = structlog.get_logger(__name__)
 
-QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
+# Polled (by probes, Prometheus, the /status page): logged only when they fail.
+QUIET_PATHS = frozenset({"/health", "/live", "/metrics", "/slots", "/status"})
 # A client's X-Request-Id is taken as the request's id when it looks like one.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 

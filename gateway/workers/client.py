@@ -57,6 +57,8 @@ from loomserve.protocol.messages import (
     Outputs,
     Ping,
     Rejected,
+    SlotsQuery,
+    SlotsReport,
     TokenChunk,
     WorkerError,
 )
@@ -157,6 +159,7 @@ class WorkerClient:
         self._lost_because = f"not connected to the worker at {self.endpoint}"
         self._handshake_failure: str | None = None  # the latest, until a handshake succeeds
         self._requests: dict[str, RequestHandle] = {}
+        self._slot_queries: dict[str, asyncio.Future[SlotsReport]] = {}  # by query id
         self._last_seen = -float("inf")
         self._last_ping = -float("inf")
         self._owns_context = context is None
@@ -316,6 +319,26 @@ class WorkerClient:
         """Stop routing a request's messages (after cancelling it)."""
         self._requests.pop(handle.request_id, None)
 
+    async def slots(self, timeout: float) -> SlotsReport:
+        """The worker's slots and queue as its loop last published them (GET /slots).
+
+        Raises WorkerUnavailable when not connected, WorkerTimeout past `timeout`, WorkerLost.
+        """
+        if self.info is None:
+            raise WorkerUnavailable(self._lost_because)
+        query_id = secrets.token_hex(8)
+        reply: asyncio.Future[SlotsReport] = asyncio.get_running_loop().create_future()
+        self._slot_queries[query_id] = reply
+        try:
+            if not self._send(SlotsQuery(query_id)):
+                raise WorkerUnavailable(f"not connected to the worker at {self.endpoint}")
+            async with asyncio.timeout(timeout):
+                return await reply
+        except TimeoutError:
+            raise WorkerTimeout(f"the worker did not report its slots in {timeout:g}s") from None
+        finally:
+            self._slot_queries.pop(query_id, None)
+
     # --- loops -----------------------------------------------------------------
 
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
@@ -416,6 +439,10 @@ class WorkerClient:
                 handle = self._requests.pop(message.request_id, None)
                 if handle is not None and not handle.accepted.done():
                     handle.accepted.set_result(message)
+            case SlotsReport():
+                query = self._slot_queries.get(message.query_id)
+                if query is not None and not query.done():
+                    query.set_result(message)
             case ModelInfo():
                 self._on_model_info(message)
             case WorkerError():
@@ -526,6 +553,9 @@ class WorkerClient:
         self._fail_all(WorkerLost(self._lost_because))
 
     def _fail_all(self, error: WorkerClientError) -> None:
+        for query in self._slot_queries.values():
+            if not query.done():
+                query.set_exception(error)
         requests, self._requests = self._requests, {}
         for handle in requests.values():
             if not handle.accepted.done():

@@ -34,6 +34,7 @@ from loomserve.gateway.workers.client import (
     gateway_identity,
     stop_tasks,
 )
+from loomserve.gateway.workers.errors import WorkerClientError
 from loomserve.gateway.workers.routing import (
     Choice,
     PrefixAffinity,
@@ -44,6 +45,7 @@ from loomserve.gateway.workers.routing import (
 from loomserve.protocol.messages import (
     Heartbeat,
     ModelInfo,
+    SlotsReport,
 )
 
 log = structlog.get_logger(__name__)
@@ -59,6 +61,18 @@ class SlotLoad:
     queue_depth: int
     free_slots: int
     running: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlots:
+    """One worker's answer to GET /slots, or why there is none."""
+
+    endpoint: str
+    info: ModelInfo | None  # its latest ModelInfo; None while it has not answered Hello
+    heartbeat: Heartbeat | None  # its latest load report
+    unavailable: str | None  # why it is out of rotation; None while in it
+    report: SlotsReport | None  # None when it could not be asked or did not answer
+    error: str | None = None  # why there is no report
 
 
 @dataclass(slots=True)
@@ -178,6 +192,31 @@ class WorkerPool:
             free_slots=sum(load.free_slots for load in loads),
             running=sum(load.running for load in loads),
         )
+
+    async def slots(self, timeout: float) -> list[WorkerSlots]:
+        """Every known worker's slots, asked of all at once; each answers or says why not."""
+        members = [(e, m.client) for e, m in self.members.items() if not m.retiring]
+        reports = await asyncio.gather(*(self._slots_of(client, timeout) for _, client in members))
+        return [
+            WorkerSlots(
+                endpoint,
+                client.info,
+                client.heartbeat,
+                client.unavailable_reason(),
+                report,
+                error,
+            )
+            for (endpoint, client), (report, error) in zip(members, reports, strict=True)
+        ]
+
+    @staticmethod
+    async def _slots_of(
+        client: WorkerClient, timeout: float
+    ) -> tuple[SlotsReport | None, str | None]:
+        try:
+            return await client.slots(timeout), None
+        except WorkerClientError as exc:
+            return None, exc.message
 
     # --- requests ------------------------------------------------------------------
 

@@ -6,26 +6,37 @@ oldest and newest Kubernetes it ships, strictly (an unknown field fails). Both a
 .ci/run. The checks after that are the ones schemas cannot make: Services select the pods they
 serve, the gateways' worker endpoint names the headless Service, and every LOOMSERVE_* variable
 and probe is one the CLI and the gateway really have.
+
+The workers' autoscaling (off by default) is checked the same way: its HPA against Kubernetes'
+schemas, its KEDA ScaledObject against KEDA's own CRD schema (vendored under schemas/, since
+kubernetes-validate ships none for custom resources), and its PromQL against the metrics the
+worker really exports.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 from kubernetes_validate.utils import all_versions, latest_version
 
 from loomserve.gateway.http.app import _open_routes
+from loomserve.worker.metrics import WorkerMetrics
 from tests.deploy.test_compose import envvars, parse
 
 CHART = Path(__file__).resolve().parents[2] / "deploy/helm/loomserve"
 KUBERNETES = sorted({min(all_versions(), key=lambda v: tuple(map(int, v.split(".")))),
                      latest_version()})  # fmt: skip
 RELEASE, NAMESPACE = "loomserve", "serving"
+KEDA_SCHEMA = Path(__file__).parent / "schemas/keda-scaledobject-v1alpha1.json"
+DEPLOYMENT_DOC = Path(__file__).resolve().parents[2] / "docs/deployment.md"
 
 # Everything switched on or away from its default.
 CUSTOM: dict[str, Any] = {
@@ -89,9 +100,22 @@ def one(objects: list[dict[str, Any]], kind: str, component: str) -> dict[str, A
     return found[0]
 
 
-@pytest.fixture(scope="module", params=["default", "custom"])
+def scaled(provider: str, **more: Any) -> dict[str, Any]:
+    """Values with the workers autoscaled by `provider` (keda or hpa)."""
+    return {"worker": {"autoscaling": {"enabled": True, "provider": provider, **more}}}
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "custom": CUSTOM,
+    "keda": scaled("keda", minReplicas=2, maxReplicas=6, targetRequestsPerWorker=20),
+    "hpa": scaled("hpa", job="kubernetes-pods"),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    values = {} if request.param == "default" else CUSTOM
+    values = CASES[request.param]
     return values, render(values)
 
 
@@ -110,6 +134,9 @@ def test_every_object_is_valid_kubernetes(case: tuple[dict, list[dict[str, Any]]
         if obj["apiVersion"] == "monitoring.coreos.com/v1":
             check_service_monitor(obj, objects)  # a CRD: no schema ships for it
             continue
+        if obj["apiVersion"] == "keda.sh/v1alpha1":
+            check_scaled_object(obj)
+            continue
         for version in KUBERNETES:
             kubernetes_validate.validate(obj, version, strict=True)
 
@@ -126,6 +153,13 @@ def check_service_monitor(monitor: dict[str, Any], objects: list[dict[str, Any]]
     for endpoint in spec["endpoints"]:
         assert set(endpoint) <= {"port", "path", "interval"}
         assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+
+
+def check_scaled_object(scaled_object: dict[str, Any]) -> None:
+    """Valid against KEDA's CRD schema, as strictly as the rest (an unknown field fails)."""
+    assert scaled_object["kind"] == "ScaledObject"
+    schema = json.loads(KEDA_SCHEMA.read_text())
+    jsonschema.Draft7Validator(schema).validate(scaled_object)
 
 
 def selects(selector: dict[str, Any], obj: dict[str, Any]) -> bool:
@@ -273,3 +307,114 @@ def test_wiring_wins_over_settings_and_unknown_variables_are_refused() -> None:
     assert env_of(one(objects, "StatefulSet", "worker"))["LOOMSERVE_BIND"] == "tcp://0.0.0.0:5555"
     with pytest.raises(helm.HelmError, match="no loomserve setting"):
         render({"gateway": {"env": {"SLOTS": "4"}}})
+
+
+# --- the workers' autoscaling ------------------------------------------------------------
+
+
+def worker_scalers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        o
+        for o in objects
+        if o["kind"] in ("ScaledObject", "HorizontalPodAutoscaler")
+        and o["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"
+    ]
+
+
+def worker_metric_names() -> set[str]:
+    return {family.name for family in WorkerMetrics().registry.collect()}
+
+
+def test_worker_autoscaling_is_off_by_default() -> None:
+    for values in ({}, CUSTOM):
+        objects = render(values)
+        assert worker_scalers(objects) == []
+        assert one(objects, "StatefulSet", "worker")["spec"]["replicas"] >= 1
+
+
+def test_keda_scales_the_workers_on_their_queue_depth() -> None:
+    objects = render(CASES["keda"])
+    (scaled_object,) = worker_scalers(objects)
+    check_scaled_object(scaled_object)
+    statefulset = one(objects, "StatefulSet", "worker")
+    assert "replicas" not in statefulset["spec"], "the autoscaler owns the replica count"
+    spec = scaled_object["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": statefulset["metadata"]["name"],
+    }
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (2, 6)
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "20"
+    query = trigger["metadata"]["query"]
+    # Waiting requests and busy slots (not free), of this release's workers only: the job the
+    # ServiceMonitor gives them is the worker Service's name.
+    used = set(re.findall(r"loomserve:[a-z_]+", query))
+    assert used == {"loomserve:num_requests_waiting", "loomserve:num_requests_running"}
+    assert used <= worker_metric_names()
+    service = one(objects, "Service", "worker")["metadata"]["name"]
+    assert query.count(f'namespace="{NAMESPACE}",job="{service}"') == 2
+    scale_down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+    assert scale_down["stabilizationWindowSeconds"] == 300
+
+
+def prometheus_adapter_rule() -> dict[str, Any]:
+    """The prometheus-adapter values docs/deployment.md tells operators to install."""
+    text = DEPLOYMENT_DOC.read_text()
+    block = re.search(r"```yaml\n(# prometheus-adapter.*?)```", text, re.DOTALL)
+    assert block, "docs/deployment.md lost its prometheus-adapter rule"
+    (rule,) = yaml.safe_load(block.group(1))["rules"]["external"]
+    return rule
+
+
+def test_the_hpa_alternative_asks_for_the_metric_the_documented_adapter_rule_serves() -> None:
+    objects = render(CASES["hpa"])
+    (hpa,) = worker_scalers(objects)
+    assert hpa["kind"] == "HorizontalPodAutoscaler"  # validated against Kubernetes' schemas above
+    statefulset = one(objects, "StatefulSet", "worker")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == statefulset["metadata"]["name"]
+    assert "replicas" not in statefulset["spec"]
+    (metric,) = hpa["spec"]["metrics"]
+    external = metric["external"]
+    assert external["metric"]["selector"] == {"matchLabels": {"job": "kubernetes-pods"}}
+    assert external["target"] == {"type": "AverageValue", "averageValue": "8"}
+
+    rule = prometheus_adapter_rule()
+    assert rule["name"]["as"] == external["metric"]["name"]
+    assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+    query = rule["metricsQuery"]
+    used = set(re.findall(r"loomserve:[a-z_]+", query + rule["seriesQuery"]))
+    assert used == {"loomserve:num_requests_waiting", "loomserve:num_requests_running"}
+    assert used <= worker_metric_names()
+    # The HPA's selector and namespace reach both halves of the sum.
+    assert query.count("<<.LabelMatchers>>") == 2
+
+
+def test_scale_in_must_leave_the_worker_time_to_drain() -> None:
+    """Scale-in is SIGTERM: the worker's drain must end before the kubelet's SIGKILL."""
+    slow = {"LOOMSERVE_SHUTDOWN_TIMEOUT": "120"}
+    with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
+        render({"worker": {**scaled("keda")["worker"], "env": slow}})
+    fits = scaled("keda")
+    fits["worker"] |= {"env": slow, "terminationGracePeriodSeconds": 150}
+    statefulset = one(render(fits), "StatefulSet", "worker")
+    assert statefulset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 150
+    # Without autoscaling the chart does not second-guess a long drain.
+    render({"worker": {"env": slow}})
+
+
+@pytest.mark.parametrize(
+    ("more", "error"),
+    [
+        ({"provider": "cpu"}, "keda or hpa"),
+        ({"minReplicas": 0}, "at least 1"),
+        ({"minReplicas": 3, "maxReplicas": 2}, "at least minReplicas"),
+    ],
+)
+def test_bad_autoscaling_values_are_refused(more: dict[str, Any], error: str) -> None:
+    values = scaled("keda")
+    values["worker"]["autoscaling"].update(more)
+    with pytest.raises(helm.HelmError, match=error):
+        render(values)

@@ -21,6 +21,10 @@ from loomserve.protocol import (
     PromptLogprobs,
     Rejected,
     SamplingParams,
+    SlotsQuery,
+    SlotsReport,
+    SlotState,
+    TenantQueue,
     TokenChunk,
     TokenLogprobs,
     WorkerError,
@@ -97,6 +101,29 @@ EVERY_MESSAGE = [
     ),
     WorkerError(code="decode_failed", message="boom"),
     Embeddings(request_id="e1", size=2, vectors=b"\x00\x00\x80?" * 4, prompt_tokens=3),
+    SlotsQuery(query_id="q1"),
+    SlotsReport(
+        query_id="q1",
+        queue_depth=2,
+        slots=[
+            SlotState(index=0, state="idle"),
+            SlotState(
+                index=1,
+                state="generating",
+                request_id="cmpl-abc",
+                gateway="gw-host-1-ab12-1",
+                tenant="team-a",
+                priority=-1,
+                prompt_tokens=40,
+                cached_tokens=32,
+                computed_tokens=8,
+                generated_tokens=17,
+                age_seconds=1.5,
+                tokens_per_second=42.0,
+            ),
+        ],
+        tenants=[TenantQueue("team-a", running=1, waiting=2)],
+    ),
 ]
 
 

@@ -49,3 +49,52 @@ def test_the_load_board_publishes_the_scheduler_and_its_prefixes_at_most_once_pe
     assert board.latest.prefixes == first.prefixes and board.latest is not first
     board.publish(scheduler, prefixes_every=0.0)
     assert board.latest.prefixes == ()
+
+
+def test_the_slots_snapshot_is_a_copy_that_the_loop_moves_on_from() -> None:
+    """Other threads read the published Load only: a later tick's changes to the live slots
+    never show in a snapshot already published, and a slot's figures come out of its copy."""
+    scheduler = Scheduler(n_slots=3, max_queue=4, slot_context=1024)
+    board = LoadBoard(slots=3)
+    assert [s.state for s in board.latest.slot_states(now=0.0)] == ["idle"] * 3
+    request = Request(
+        (GW, "r1"), [5, 6, 7, 8], SamplingParams(), arrived_at=10.0, priority=2, tenant="team"
+    )
+    scheduler.enqueue(request)
+    scheduler.enqueue(Request((GW, "r2"), [5], SamplingParams(), arrived_at=10.5))
+    (admission, second) = scheduler.admit(tick=1, now=11.0)
+    slot = admission.slot
+    slot.n_in_cache = 4  # the prompt evaluated
+    scheduler.record_token(slot, 42, end_of_generation=False, now=12.0)
+    board.publish(scheduler, prefixes_every=3600.0)
+    published = board.latest
+
+    for token in range(9):  # the loop goes on: nine more tokens, one second apart
+        scheduler.record_token(slot, token, end_of_generation=False, now=13.0 + token)
+    assert request.completion_tokens == 10
+
+    states = published.slot_states(now=14.0)
+    busy = next(s for s in states if s.request_id == "r1")
+    assert (busy.index, busy.state, busy.gateway, busy.tenant) == (
+        slot.index,
+        "generating",
+        "gw",
+        "team",
+    )
+    assert (busy.priority, busy.prompt_tokens, busy.generated_tokens) == (2, 4, 1)
+    assert busy.cached_tokens + busy.computed_tokens == 4
+    assert busy.age_seconds == 4.0 and busy.tokens_per_second == 0.0  # one token: no rate yet
+    assert next(s for s in states if s.request_id == "r2").state == "prefilling"
+    assert [s.state for s in states if not s.request_id] == ["idle"]
+    assert [s.index for s in states] == [0, 1, 2]
+    assert second.slot.index != slot.index
+
+    board.publish(scheduler, prefixes_every=3600.0)
+    now = board.latest.slot_states(now=22.0)
+    busy = next(s for s in now if s.request_id == "r1")
+    # Nine tokens after the first, over the ten seconds since it came.
+    assert busy.generated_tokens == 10 and busy.tokens_per_second == 0.9
+    assert [(t.tenant, t.running, t.waiting) for t in board.latest.tenant_queues()] == [
+        ("default", 1, 0),
+        ("team", 1, 0),
+    ]

@@ -1,0 +1,168 @@
+"""GET /slots on the real engine: a slot busy with a long request shows its id, tenant and
+tokens as they grow, the API key guards it, and no prompt text appears anywhere in it.
+
+The generation is long (ignore_eos over a 16k context, seconds on the tiny model), so it is
+still running while the slots are read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import LONG_CTX
+from tests.procs import Proc, start_gateway, start_worker
+
+CTX = LONG_CTX
+# Words the slots view must never echo: the prompt's text.
+PROMPT = "zebra quokka marmalade"
+KEY = "sk-slots-test"
+
+
+def long_request(user: str) -> dict[str, Any]:
+    return {
+        "prompt": PROMPT,
+        "max_tokens": CTX - 64,
+        "ignore_eos": True,
+        "stream": True,
+        "user": user,
+        "priority": 3,
+    }
+
+
+@contextmanager
+def streaming(gateway: Proc, request_id: str, user: str, key: str | None = None) -> Iterator[None]:
+    """A long generation under way (its first tokens read) for the `with` block."""
+    headers = {"X-Request-Id": request_id}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    body = long_request(user)
+    url = gateway.url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as stream:
+        lines = stream.iter_lines()  # kept: a collected iterator closes the stream
+        assert next(lines).startswith("data: ")
+        yield
+
+
+def wait_for(get: Callable[[], Any], check: Callable[[Any], bool], timeout: float, what: str):
+    """get()'s first value that passes check, within timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = get()
+        if check(value):
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {value}"
+        time.sleep(0.05)
+
+
+def busy_slot(body: dict, request_id: str) -> dict | None:
+    for worker in body["workers"]:
+        for slot in worker.get("slots", []):
+            if slot["request_id"] and request_id in slot["request_id"]:
+                return slot
+    return None
+
+
+def test_slots_show_a_busy_slot_and_no_prompt_text(long_model_path: Path) -> None:
+    with ExitStack() as stack:
+        worker = stack.enter_context(start_worker(long_model_path, slots=2, ctx_size=CTX))
+        gateway = stack.enter_context(start_gateway(long_model_path, worker.endpoint, api_key=KEY))
+        auth = {"Authorization": f"Bearer {KEY}"}
+
+        denied = httpx.get(gateway.url + "/slots", timeout=10)
+        assert denied.status_code == 401, denied.text
+        assert denied.json()["error"]["code"] == "invalid_api_key"
+
+        def slots() -> httpx.Response:
+            response = httpx.get(gateway.url + "/slots", headers=auth, timeout=10)
+            assert response.status_code == 200, response.text
+            return response
+
+        idle = slots().json()
+        (only,) = idle["workers"]
+        assert only["status"] == "ok" and only["endpoint"] == worker.endpoint
+        assert only["model"] and only["slots_total"] == 2 and only["error"] is None
+        assert [s["state"] for s in only["slots"]] == ["idle", "idle"]
+        assert all(s["request_id"] is None for s in only["slots"])
+
+        with streaming(gateway, "slots-probe-1", user="tenant-a", key=KEY):
+            first = wait_for(
+                lambda: slots().json(),
+                lambda body: (
+                    (busy_slot(body, "slots-probe-1") or {}).get("generated_tokens", 0) > 0
+                ),
+                10,
+                "the busy slot's first tokens",
+            )
+            slot = busy_slot(first, "slots-probe-1")
+            assert slot is not None
+            assert slot["state"] == "generating" and slot["is_processing"] is True
+            # The key's tenant wins over `user` (the key names none: its own hash-like name).
+            assert slot["tenant"] and slot["priority"] == 3
+            assert slot["prompt_tokens"] > 0
+            assert slot["cached_tokens"] + slot["computed_tokens"] == slot["prompt_tokens"]
+            assert slot["age_seconds"] > 0
+            others = [s for s in first["workers"][0]["slots"] if s is not slot]
+            assert [s["state"] for s in others] == ["idle"]
+            tenants = first["workers"][0]["tenants"]
+            assert [(t["tenant"], t["running"]) for t in tenants] == [(slot["tenant"], 1)]
+
+            later = wait_for(
+                lambda: slots().json(),
+                lambda body: (
+                    (busy_slot(body, "slots-probe-1") or {}).get("generated_tokens", 0)
+                    > slot["generated_tokens"]
+                ),
+                10,
+                "more generated tokens",
+            )
+            grown = busy_slot(later, "slots-probe-1")
+            assert grown is not None and grown["tokens_per_second"] > 0
+            assert grown["age_seconds"] >= slot["age_seconds"]
+            assert later["workers"][0]["tokens_per_second"] > 0
+            raw = slots().text
+            for word in PROMPT.split():
+                assert word not in raw, f"prompt text {word!r} in /slots"
+            print(f"busy slot: {grown}")
+
+        # The client left: its slot is freed and shows idle again.
+        wait_for(
+            lambda: slots().json(),
+            lambda body: busy_slot(body, "slots-probe-1") is None,
+            10,
+            "the slot freed",
+        )
+
+
+def test_slots_name_a_worker_that_is_down(long_model_path: Path) -> None:
+    """A worker that is gone is listed with why, beside the one that answers."""
+    with ExitStack() as stack:
+        worker = stack.enter_context(start_worker(long_model_path, slots=1, ctx_size=CTX))
+        doomed = stack.enter_context(start_worker(long_model_path, slots=1, ctx_size=CTX))
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, [worker.endpoint, doomed.endpoint])
+        )
+        wait_for(
+            lambda: httpx.get(gateway.url + "/health", timeout=10).json(),
+            lambda body: body.get("workers_ready") == 2,
+            20,
+            "both workers ready",
+        )
+        doomed.kill()
+        body = wait_for(
+            lambda: httpx.get(gateway.url + "/slots", timeout=10).json(),
+            lambda body: any(w["status"] != "ok" for w in body["workers"]),
+            20,
+            "the dead worker out of rotation",
+        )
+        by_endpoint = {w["endpoint"]: w for w in body["workers"]}
+        assert by_endpoint[worker.endpoint]["status"] == "ok"
+        assert len(by_endpoint[worker.endpoint]["slots"]) == 1
+        down = by_endpoint[doomed.endpoint]
+        assert down["status"] == "unavailable" and down["reason"]
+        assert "slots" not in down and down["error"]

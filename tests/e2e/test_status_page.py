@@ -1,0 +1,122 @@
+"""The gateway's /status page in a real browser (Debian's Chromium, driven by Playwright) over
+a worker on the real engine: it shows the live figures of /slots and /health (a busy slot's
+request id, tokens/s), fetches nothing from anywhere else, and logs no console error.
+
+The screenshot is kept under the test's tmp_path; its path is printed. Without Chromium
+(`apt-get install chromium`) or Playwright the test skips and says which is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.conftest import LONG_CTX
+from tests.procs import start_gateway, start_worker
+
+CHROMIUM = os.environ.get("LOOMSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CTX = LONG_CTX
+LONG = {"prompt": "once upon a time", "max_tokens": CTX - 64, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """A headless Chromium from the system's package, for this module."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with sync_api.sync_playwright() as playwright:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start; a container's
+        # small /dev/shm would crash it without --disable-dev-shm-usage.
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
+        yield launched
+        launched.close()
+
+
+def test_status_page_shows_live_slots(browser, long_model_path: Path, tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        worker = stack.enter_context(start_worker(long_model_path, slots=2, ctx_size=CTX))
+        gateway = stack.enter_context(start_gateway(long_model_path, worker.endpoint))
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors: list[str] = []
+        requests: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("request", lambda r: requests.append(r.url))
+
+        page.goto(gateway.url + "/status")
+        page.wait_for_selector("#health.ok", timeout=15_000)
+        page.wait_for_function(
+            "document.querySelectorAll('#slots tbody tr').length === 2", timeout=15_000
+        )
+        assert worker.endpoint in page.inner_text("#workers")
+
+        url = gateway.url + "/v1/completions"
+        headers = {"X-Request-Id": "status-probe-7"}
+        with httpx.stream("POST", url, json=LONG, headers=headers, timeout=30) as stream:
+            lines = stream.iter_lines()  # kept: a collected iterator closes the stream
+            assert next(lines).startswith("data: ")
+            # The page polls by itself: the busy slot appears without a reload.
+            page.wait_for_function(
+                "document.querySelector('#slots').innerText.includes('cmpl-status-probe-7')",
+                timeout=15_000,
+            )
+            page.wait_for_function(
+                "parseFloat(document.querySelector('#tps').firstChild.textContent) > 0",
+                timeout=15_000,
+            )
+            slots_text = page.inner_text("#slots")
+            assert "generating" in slots_text
+            assert page.inner_text("#busy").startswith("1 / 2")
+            assert "default" in page.inner_text("#tenants")  # the request's tenant
+            screenshot = tmp_path / "status.png"
+            page.screenshot(path=str(screenshot), full_page=True)
+            print(f"status page screenshot: {screenshot}")
+        page.wait_for_function(
+            "!document.querySelector('#slots').innerText.includes('cmpl-status-probe-7')",
+            timeout=15_000,
+        )
+        page.close()
+
+    assert screenshot.stat().st_size > 0
+    assert errors == []
+    origin = urlsplit(gateway.url).netloc
+    outside = [u for u in requests if urlsplit(u).netloc != origin]
+    assert outside == [], f"the page fetched from elsewhere: {outside}"
+    assert {urlsplit(u).path for u in requests} == {"/status", "/health", "/slots"}
+
+
+def test_status_page_asks_for_the_api_key(browser, long_model_path: Path) -> None:
+    """With API keys set the page is still served, and /slots answers it once given a key."""
+    with ExitStack() as stack:
+        worker = stack.enter_context(start_worker(long_model_path, slots=2, ctx_size=CTX))
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, worker.endpoint, api_key="sk-status")
+        )
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(gateway.url + "/status")
+        page.wait_for_selector("#keyform", state="visible", timeout=15_000)
+        assert "needs the API key" in page.inner_text("#problem")
+        assert page.locator("#slots tbody tr").count() == 0
+        page.fill("#key", "sk-status")
+        page.click("#keyform button")
+        page.wait_for_function(
+            "document.querySelectorAll('#slots tbody tr').length === 2", timeout=15_000
+        )
+        page.wait_for_function("document.querySelector('#problem').textContent === ''")
+        assert page.is_hidden("#keyform")
+        page.close()
+    # Only the browser's own line for each refused /slots, before the key was given.
+    assert errors and all("401" in error for error in errors), errors
