@@ -19,7 +19,7 @@ DEFAULT_TENANT = "default"
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
 # and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes; 8: Cancel.reason,
 # Heartbeat.kv_cells_used and kv_cells_total; 9: SlotsQuery, SlotsReport
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -263,6 +263,9 @@ class Finish:
     cached_tokens: int
     queue_seconds: float
     message: str = ""  # why, when reason is error
+    # An ErrorCode value when the request's own settings failed it (its grammar grew too
+    # complex or too slow): its gateway answers as to a bad request, not a server fault.
+    code: str = ""
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from loomserve.protocol import FinishReason, TokenChunk
+from loomserve.protocol import ErrorCode, FinishReason, TokenChunk
 from loomserve.worker.preemption import SwapSpace, victim_slot
 from loomserve.worker.prefix_cache import can_place, place
 from loomserve.worker.queueing import Policy, WaitingQueue
@@ -218,6 +218,7 @@ class Scheduler:
         slot.admitted_tick = tick
         slot.finish_reason = None
         slot.finish_message = ""
+        slot.finish_code = ""
         set_phase(slot)
         if not request.admitted_at:  # its first admission: the queue time and cache hits
             request.admitted_at = now
@@ -364,7 +365,8 @@ class Scheduler:
             slot = entry.slot
             request = slot.occupant
             if entry.failure is not None:
-                slot.finish(FinishReason.ERROR, entry.failure)
+                # Its own grammar failed it: a bad request, not the engine's fault.
+                slot.finish(FinishReason.ERROR, entry.failure, ErrorCode.INVALID_REQUEST.value)
                 continue
             if entry.grammar_complete:  # the token ends it: before max_tokens can
                 slot.finish(FinishReason.STOP)
@@ -423,7 +425,7 @@ class Scheduler:
             if request is None or reason is None:
                 continue
             keep = reason in KEEPS_CACHE
-            finish = request.finished(reason, slot.finish_message, now)
+            finish = request.finished(reason, slot.finish_message, now, slot.finish_code)
             self._vacate(slot, tick, keep)
             del self.live[request.key]
             releases.append(Release(request, finish, None if keep else slot.index))

@@ -81,7 +81,7 @@ class Request:
             raise RuntimeError(f"request {self.request_id!r} has no sampler")
         return self.sampler
 
-    def finished(self, reason: FinishReason, message: str, now: float) -> Finish:
+    def finished(self, reason: FinishReason, message: str, now: float, code: str = "") -> Finish:
         """The Finish that ends it, for its gateway."""
         started = self.admitted_at or now
         return Finish(
@@ -92,6 +92,7 @@ class Request:
             cached_tokens=self.cached_tokens,
             queue_seconds=started - self.arrived_at,
             message=message,
+            code=code,
         )
 
 
@@ -109,6 +110,7 @@ class Slot:
     last_used_tick: int = -1  # idle slots are reused least recently used first
     finish_reason: FinishReason | None = None  # set when the request ends; released next
     finish_message: str = ""
+    finish_code: str = ""  # an ErrorCode value: the request's own settings failed it
 
     @property
     def prompt_remaining(self) -> int:
@@ -135,11 +137,12 @@ class Slot:
             admitted_tick=self.admitted_tick,
         )
 
-    def finish(self, reason: FinishReason, message: str = "") -> None:
+    def finish(self, reason: FinishReason, message: str = "", code: str = "") -> None:
         """Mark the request over (the first reason wins); release_finished frees the slot."""
         if self.finish_reason is None:
             self.finish_reason = reason
             self.finish_message = message
+            self.finish_code = code
 
 
 @dataclass(slots=True)

@@ -119,6 +119,8 @@ def worker_error(error: WorkerClientError) -> APIError:
             return unavailable(f"the worker is not ready: {error.message}")
         case WorkerRejected(code=code):
             return server_error(f"the worker refused the request ({code}): {error.message}")
+        case WorkerFailed(code=ErrorCode.INVALID_REQUEST):
+            return invalid_request(error.message)
         case WorkerFailed():
             return server_error(f"the engine failed the request: {error.message}")
         case WorkerTimeout():

@@ -65,7 +65,7 @@ class Done:
 def finish_failure(finish: Finish) -> WorkerFailed | WorkerLost | None:
     """The error a Finish means for its client, or None when the request simply ended."""
     if finish.reason == FinishReason.ERROR:
-        return WorkerFailed(finish.message)
+        return WorkerFailed(finish.message, finish.code)
     if finish.reason == FinishReason.CANCELLED and finish.message:
         # The worker cancelled it on its own (shutting down, or it lost this gateway): the
         # text is cut short, which the client must not take for an ending.

@@ -44,6 +44,10 @@ class WorkerLost(WorkerClientError):
 class WorkerFailed(WorkerClientError):
     """The engine failed the request after it started (a Finish with reason error)."""
 
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code  # an ErrorCode value when the request's own settings failed it
+
 
 class WorkerBadOutput(WorkerClientError):
     """The worker's output for the request broke the protocol (a token repeated, skipped, after

@@ -194,6 +194,11 @@ def test_usage_shape() -> None:
         (WorkerRejected(ErrorCode.INVALID_REQUEST, "bad"), 400, "invalid_request"),
         (WorkerRejected(ErrorCode.DUPLICATE_REQUEST, "twice"), 500, "internal_error"),
         (WorkerFailed("decode failed"), 500, "internal_error"),
+        (
+            WorkerFailed("the grammar is too slow", ErrorCode.INVALID_REQUEST),
+            400,
+            "invalid_request",
+        ),
         (WorkerTimeout("too slow"), 504, "timeout"),
         (WorkerBadOutput("a token twice"), 502, "bad_worker_output"),
     ],

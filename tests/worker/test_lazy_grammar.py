@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from loomserve.protocol import FinishReason, Generate, SamplingParams
+from loomserve.protocol import ErrorCode, FinishReason, Generate, SamplingParams
 from loomserve.worker import grammar_state
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import Engine
@@ -310,6 +310,7 @@ def test_a_grammar_over_its_time_budget_fails_its_request_alone(
     finishes, tokens = collector.finishes(), collector.tokens()
     assert finishes["slow"].reason == FinishReason.ERROR
     assert "the grammar is too slow" in finishes["slow"].message
+    assert finishes["slow"].code == ErrorCode.INVALID_REQUEST  # the gateway answers 400
     assert len(tokens.get("slow", [])) <= 1
     assert finishes["beside"].reason == FinishReason.LENGTH
     assert len(tokens["beside"]) == 24
