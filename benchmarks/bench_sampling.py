@@ -159,7 +159,7 @@ def main(model: str | None, threads: int, slots: int, reps: int, ticks: int) -> 
         slots=slots,
         ctx_size=256,
         threads=threads,
-        batch_tokens=max(512, slots),
+        batch_tokens=max(512, slots * 24),  # every prompt in one pass
         max_queue=slots,
     )
     engine = Engine(config)

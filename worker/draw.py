@@ -29,14 +29,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The head's span: the tail's envelope holds at most e^-TAIL_MARGIN of the best token's weight,
-# so a draw looks at the tail about once in five (cheaply: one or two random numbers).
-TAIL_MARGIN = 1.6
-# A top-p cut without a top-k needs the probability mass under the head bounded tightly
-# enough to place the cut: a wider head, with at most e^-6 of the best token's weight below.
-NUCLEUS_MARGIN = 6.0
-# top-p sorts only the best tokens of the head, this many first, then eight times more.
-NUCLEUS_FIRST = 64
+# The head's span is chosen so that the tail's envelope weighs about e^-TAIL_MARGIN of the
+# row's whole (estimated) mass: a draw goes to the tail now and then, for a few random numbers.
+TAIL_MARGIN = 0.5
+# With no hint of the row's mass (a request's first token), the span assumes the least mass
+# (the best token's alone): a wide head, the tail's envelope at most e^-TAIL_MARGIN of it.
+# A request's later rows take the mass of its last head as the hint; a bad hint costs draws,
+# never exactness (the envelope is checked against the head's mass).
+# A head whose envelope still outweighs it this many times over is widened once.
+ENVELOPE_LIMIT = 4.0
+# top-p without top-k: the nucleus is looked for among the tokens this far under the best
+# (in logits), then twice as far, and so on.
+NUCLEUS_SPAN = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,11 @@ class Candidates:
     envelope: float = 0.0  # more than any tail token's tempered weight
     tail_least: float = -math.inf  # the least logit min-p lets a tail token have
 
+    @property
+    def head_mass(self) -> float:
+        """The head's tempered weight, in units of the best token's: a hint for the next row."""
+        return float(self.cumulative[-1])
+
     def pick(self, rng: np.random.Generator) -> int:
         head_mass = float(self.cumulative[-1])
         if self.row is None:
@@ -90,90 +99,107 @@ def draw(
     return candidates(row, cut, margin).pick(rng)
 
 
-def candidates(row: np.ndarray, cut: Truncation, margin: float | None = None) -> Candidates:
+def candidates(
+    row: np.ndarray, cut: Truncation, margin: float | None = None, mass_hint: float = 1.0
+) -> Candidates:
     """What the filters keep of the row, and with what weight.
 
-    `margin` sets the head's span; any span gives the same distribution (tests narrow it so
-    that the tail is drawn often); the default keeps the tail's work rare.
+    The head's span follows `mass_hint`, the row's likely mass in units of the best
+    token's weight (a request's last head_mass): narrow for a flat row, wide for a peaked
+    one. `margin` fixes it instead (ln(n_vocab) + margin tempered nats: the tail's envelope
+    weighs at most e^-margin of the best token). Any span gives the same distribution;
+    tests narrow it so that the tail is drawn often.
     """
     n_vocab = row.shape[0]
     peak = float(row.max())
     if not math.isfinite(peak):  # a broken forward pass (NaN) or every token biased away
         return Candidates(np.array([int(row.argmax())]), np.ones(1), 0.0, cut.temperature)
-    if margin is None:
-        top_p_alone = cut.top_p < 1.0 and not 0 < cut.top_k < n_vocab
-        margin = NUCLEUS_MARGIN if top_p_alone else TAIL_MARGIN
-    # Tail tokens score under the floor: each weighs under e^-span untempered and under
-    # e^-(span / temperature) tempered, both at most e^-margin / n_vocab of the peak's.
-    span = max(math.log(n_vocab) + margin, 1e-3) * max(cut.temperature, 1.0)
-    floor = np.float32(peak - span)  # compared in float32, as the row is
-    ids = np.flatnonzero(row >= floor)
-    values = row[ids].astype(np.float64)
-    n_tail = n_vocab - len(ids)
-    # Whether every token under the floor is still a candidate, and the least logit min-p
-    # lets such a token have.
-    with_tail, tail_least = n_tail > 0, -math.inf
-
-    if 0 < cut.top_k < n_vocab:
-        if len(ids) < cut.top_k:
+    temperature = cut.temperature
+    top_k = cut.top_k if 0 < cut.top_k < n_vocab else 0
+    least = peak + math.log(cut.min_p) if cut.min_p > 0.0 else -math.inf  # min-p's bar
+    if cut.top_p < 1.0 and not top_k:
+        return _nucleus_candidates(row, cut, peak, least)
+    if margin is not None:
+        span = max(math.log(n_vocab) + margin, 1e-3)
+    else:
+        mass = min(max(mass_hint, 1.0), float(n_vocab))  # the best token alone weighs 1
+        span = math.log(n_vocab / mass) + TAIL_MARGIN
+    for widened in (False, True):
+        # Tail tokens score under the floor: each weighs under e^-span, tempered.
+        floor = np.float32(peak - span * temperature)  # compared in float32, as the row is
+        barred = cut.top_p == 1.0 and least > float(floor)
+        if barred:
+            # min-p keeps nothing under its bar, so no tail at all: the float32 nearest the
+            # bar leaves out no float32 logit at or over it.
+            floor = np.float32(least)
+        ids = np.flatnonzero(row >= floor)
+        n_tail = n_vocab - len(ids)
+        if top_k and len(ids) < top_k and (cut.top_p < 1.0 or not barred):
             return exact_candidates(row, cut)  # top-k reaches under the head
-        if cut.top_k < len(ids):
-            best = np.argpartition(values, -cut.top_k)[-cut.top_k :]
-            ids, values = ids[best], values[best]
-        with_tail = False
+        values = row[ids].astype(np.float64)
+        # Whether every token under the floor is still a candidate (min-p may refuse some).
+        with_tail = n_tail > 0 and not top_k and not barred
+        envelope = math.exp((float(floor) - peak) / temperature)  # > any tail token's weight
+        if not with_tail:
+            break
+        # Every head token is kept (nothing cuts with a tail): their weights, once.
+        weights = np.exp((values - peak) / temperature)
+        cumulative = np.cumsum(weights)
+        head = float(cumulative[-1])
+        if widened or margin is not None or n_tail * envelope <= ENVELOPE_LIMIT * head:
+            found = Candidates(ids, cumulative, peak, temperature, row, float(floor), n_tail)
+            found.envelope, found.tail_least = envelope, least
+            return found
+        span += math.log(n_tail * envelope / head)  # the hint was far off: once more
 
-    if cut.top_p < 1.0:
-        tail_bound = n_tail * math.exp(float(floor) - peak) if with_tail else 0.0
-        nucleus = _nucleus(values, peak, cut.top_p, tail_bound)
-        if nucleus is None:  # the cut depends on the tail's exact mass (top_p near 1)
-            nucleus = _nucleus(values, peak, cut.top_p, _tail_mass(row, floor, peak), exact=True)
-            if nucleus is None:
-                return exact_candidates(row, cut)  # the nucleus reaches under the head
-        ids, values = ids[nucleus], values[nucleus]
-        with_tail = False
-
-    if cut.min_p > 0.0:
-        least = peak + math.log(cut.min_p)
+    if top_k and top_k < len(ids):
+        best = np.argpartition(values, -top_k)[-top_k:]
+        ids, values = ids[best], values[best]
+    if cut.top_p < 1.0:  # after top-k: its k tokens hold the whole mass
+        ids, values = _cut_nucleus(ids, values, peak, cut.top_p, float(np.exp(values - peak).sum()))
+    if least > -math.inf:
         keep = values >= least
         if not keep.all():
             ids, values = ids[keep], values[keep]
-        if least >= float(floor):
-            with_tail = False
-        tail_least = least
 
-    cumulative = np.cumsum(np.exp((values - peak) / cut.temperature))
-    found = Candidates(ids, cumulative, peak, cut.temperature)
-    if with_tail:
-        found.row, found.floor, found.n_tail = row, float(floor), n_tail
-        found.envelope = math.exp((float(floor) - peak) / cut.temperature)
-        found.tail_least = tail_least
-    return found
+    cumulative = np.cumsum(np.exp((values - peak) / temperature))
+    return Candidates(ids, cumulative, peak, temperature)
 
 
-def _nucleus(
-    values: np.ndarray, peak: float, top_p: float, tail: float, exact: bool = False
-) -> np.ndarray | None:
-    """The positions in `values` of top-p's nucleus, best first, when the head decides it:
-    `tail` bounds the untempered mass under the head (is that mass, when `exact`). None when
-    the cut lies at different tokens for the two bounds, or under the head."""
-    weights = np.exp(values - peak)
-    head = float(weights.sum())
-    low, high = top_p * (head if not exact else head + tail), top_p * (head + tail)
-    size = NUCLEUS_FIRST
+def _nucleus_candidates(row: np.ndarray, cut: Truncation, peak: float, least: float) -> Candidates:
+    """top-p without top-k: the nucleus needs the row's whole mass, summed over every token
+    (the one pass over the whole vocabulary that an exact top-p costs), then the best
+    tokens, found among those NUCLEUS_SPAN under the best, then twice as far, ..."""
+    weights = np.exp(row - np.float32(peak))  # float32: the row's own precision
+    total = float(weights.sum(dtype=np.float64))
+    span = NUCLEUS_SPAN
     while True:
-        if size < len(weights):
-            best = np.argpartition(weights, -size)[-size:]
-        else:
-            best = np.arange(len(weights))
-        best = best[np.argsort(-weights[best], kind="stable")]
-        mass = np.cumsum(weights[best])
-        if mass[-1] >= high or size >= len(weights):
+        ids = np.flatnonzero(row >= np.float32(peak - span))
+        order = np.argsort(-row[ids], kind="stable")
+        ids = ids[order]
+        mass = np.cumsum(weights[ids], dtype=np.float64)
+        if mass[-1] >= cut.top_p * total or len(ids) == len(row):
             break
-        size *= 8
-    first, last = int(np.searchsorted(mass, low)), int(np.searchsorted(mass, high))
-    if last >= len(mass) or first != last:
-        return None
-    return best[: last + 1]
+        span *= 2
+    last = min(int(np.searchsorted(mass, cut.top_p * total)), len(ids) - 1)
+    ids = ids[: last + 1]
+    values = row[ids].astype(np.float64)
+    if least > -math.inf:
+        keep = values >= least
+        ids, values = ids[keep], values[keep]
+    cumulative = np.cumsum(np.exp((values - peak) / cut.temperature))
+    return Candidates(ids, cumulative, peak, cut.temperature)
+
+
+def _cut_nucleus(
+    ids: np.ndarray, values: np.ndarray, peak: float, top_p: float, total: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest set of the best of `ids` whose mass reaches top_p of `total`."""
+    order = np.argsort(-values, kind="stable")
+    ids, values = ids[order], values[order]
+    mass = np.cumsum(np.exp(values - peak))
+    last = min(int(np.searchsorted(mass, top_p * total)), len(mass) - 1)
+    return ids[: last + 1], values[: last + 1]
 
 
 def exact_candidates(row: np.ndarray, cut: Truncation) -> Candidates:
@@ -211,9 +237,3 @@ def _tail_token(row: np.ndarray, floor: float, rng: np.random.Generator) -> int:
         token = int(rng.integers(n_vocab))
         if row[token] < floor:
             return token
-
-
-def _tail_mass(row: np.ndarray, floor: np.float32, peak: float) -> float:
-    """The untempered weight of every token under the floor, summed (a pass over the row)."""
-    tail = row[row < floor].astype(np.float64)
-    return float(np.exp(tail - peak).sum())

@@ -32,7 +32,7 @@ import numpy as np
 from loomserve.protocol import SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
-from loomserve.worker.draw import Truncation, draw
+from loomserve.worker.draw import Truncation, candidates
 from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
 from loomserve.worker.logprobs import adjusted_logits
 from loomserve.worker.slots import TokenSampler
@@ -145,7 +145,16 @@ class HostSampler:
     """A request without a grammar: each token drawn on the host from its row of logits
     (draw.py), with the request's own random generator."""
 
-    __slots__ = ("_adjusts", "_context", "_cut", "_generated", "_params", "_rng", "failure")
+    __slots__ = (
+        "_adjusts",
+        "_context",
+        "_cut",
+        "_generated",
+        "_mass",
+        "_params",
+        "_rng",
+        "failure",
+    )
 
     grammar_complete = False  # no grammar
 
@@ -161,6 +170,7 @@ class HostSampler:
         self._rng = np.random.default_rng(params.seed)
         self._adjusts = bool(params.logit_bias) or _has_penalties(params)
         self._generated: list[int] = []  # the penalties' history, when they apply
+        self._mass = 1.0  # its last row's head mass: how wide the next head should be
         self.failure: str | None = None
 
     @property
@@ -172,7 +182,12 @@ class HostSampler:
         scores = logits
         if self._adjusts:
             scores = adjusted_logits(logits, self._params, self._generated, self._context)
-        token = int(scores.argmax()) if self._cut is None else draw(scores, self._cut, self._rng)
+        if self._cut is None:
+            token = int(scores.argmax())
+        else:
+            found = candidates(scores, self._cut, mass_hint=self._mass)
+            self._mass = found.head_mass
+            token = found.pick(self._rng)
         if self._adjusts:
             self._generated.append(token)
         return token
