@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from loomserve.protocol import (
@@ -23,6 +24,7 @@ from loomserve.protocol import (
     Rejected,
     SamplingParams,
 )
+from loomserve.worker import engine as engine_module
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import (
     GGML_LOG_CONT,
@@ -576,9 +578,21 @@ def test_a_quantized_kv_cache_needs_flash_attention(config):
         Engine(replace(config, kv_cache_type="q8_0", flash_attn="off"))
 
 
-def test_llama_cpps_log_reaches_structlog_as_whole_lines_at_its_level() -> None:
+def test_llama_cpps_log_reaches_structlog_as_whole_lines_at_its_level(monkeypatch) -> None:
     """Its warnings and errors at their level, a line cut across CONT calls joined, its info
     chatter and the warnings with nothing to act on (a model's token types) at debug."""
+    # A test before this one may have configured structlog at info and cached the module's
+    # logger with that filter: a fresh logger under the default configuration sees debug.
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        _llama_lines_at_their_levels(monkeypatch)
+    finally:
+        structlog.configure(**saved)
+
+
+def _llama_lines_at_their_levels(monkeypatch) -> None:
+    monkeypatch.setattr(engine_module, "_llama_log", structlog.get_logger("llama.cpp"))
     lines = LlamaLogLines()
     with capture_logs() as logs:
         lines.feed(GGML_LOG_INFO, "llama_model_loader: loaded meta data\n")
