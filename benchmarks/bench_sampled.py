@@ -31,9 +31,8 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import bench_spec as spec
 from benchmarks.bench_spec import free_port, start, stop
-from loomserve.cli.bench.runner import LoadShape
-from loomserve.cli.bench.session import BenchConfig, run_session
 from loomserve.cli.default_model import resolve_model
 
 LLAMA_SERVER = Path("/work/llama-server/build/bin/llama-server")
@@ -83,23 +82,17 @@ def run_load(base_url: str, load: Load, seed: int) -> float:
     body: dict = {"ignore_eos": True}
     if load.top_p is not None:
         body["top_p"] = load.top_p
-    config = BenchConfig(
-        base_url=base_url,
-        endpoint="completions",
-        dataset="random",
-        input_len=INPUT_TOKENS,
-        output_len=OUTPUT_TOKENS,
-        num_prompts=2 * load.concurrency,
-        shape=LoadShape(max_concurrency=load.concurrency),
-        seed=seed,
-        temperature=load.temperature,
-        extra_body=body,
-        progress=False,
-        num_warmups=0,
-        duration_s=600.0,
+    shape = spec.Load(
+        load.name,
+        "random",
+        load.concurrency,
+        2 * load.concurrency,
+        "completions",
+        INPUT_TOKENS,
+        OUTPUT_TOKENS,
+        load.temperature,
     )
-    result = run_session(config, echo=lambda *a, **k: None, warn=lambda *a: None)
-    return result["summary"]["output_throughput"]
+    return spec.run_load(base_url, shape, seed, body)
 
 
 @click.command()

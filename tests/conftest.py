@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,8 @@ import pytest
 from tests.tiny_model import ModelShape, write_tiny_model
 
 LONG_CTX = 16384  # an ignore_eos generation this long keeps a slot busy for seconds
+# Debian's Chromium (or LOOMSERVE_CHROMIUM): the browser the `browser` fixture drives.
+CHROMIUM = os.environ.get("LOOMSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +27,20 @@ def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a 16k context: same vocabulary, much longer generations."""
     path = tmp_path_factory.mktemp("long") / "tiny-long.gguf"
     return write_tiny_model(path, shape=ModelShape(context_length=LONG_CTX))
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """A headless Chromium from the system's package (Playwright's own download is out of
+    reach), for pages people look at: the bench's report, the status page."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium (CI's .ci/run does)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    with sync_api.sync_playwright() as playwright:
+        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start; a container's
+        # small /dev/shm would crash it without --disable-dev-shm-usage.
+        launched = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
+        yield launched
+        launched.close()

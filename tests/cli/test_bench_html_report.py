@@ -8,8 +8,6 @@ Playwright the browser tests skip and say which is missing.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,24 +19,6 @@ from loomserve.cli.bench.command import bench
 from loomserve.cli.bench.html_report import fmt, render
 from loomserve.cli.bench.search import ProbeOutcome, SearchResult, search_dict
 from tests.cli.fake_openai import FakeOpenAI, serve_fake
-
-CHROMIUM = os.environ.get("LOOMSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    """A headless Chromium from the system's package, for this module."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium (CI's .ci/run does)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with sync_api.sync_playwright() as playwright:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start; a container's
-        # small /dev/shm would crash it without --disable-dev-shm-usage.
-        launched = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
-        )
-        yield launched
-        launched.close()
 
 
 @pytest.fixture(scope="module")

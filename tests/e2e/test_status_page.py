@@ -8,38 +8,17 @@ The screenshot is kept under the test's tmp_path; its path is printed. Without C
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-import pytest
 
 from tests.conftest import LONG_CTX
 from tests.procs import start_gateway, start_worker
 
-CHROMIUM = os.environ.get("LOOMSERVE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CTX = LONG_CTX
 LONG = {"prompt": "once upon a time", "max_tokens": CTX - 64, "ignore_eos": True, "stream": True}
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    """A headless Chromium from the system's package, for this module."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}: apt-get install chromium")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with sync_api.sync_playwright() as playwright:
-        # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start; a container's
-        # small /dev/shm would crash it without --disable-dev-shm-usage.
-        launched = playwright.chromium.launch(
-            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
-        )
-        yield launched
-        launched.close()
 
 
 def test_status_page_shows_live_slots(browser, long_model_path: Path, tmp_path: Path) -> None:
