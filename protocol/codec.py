@@ -30,6 +30,10 @@ _TYPE_BY_TAG: dict[int, type] = {
     0x04: m.Ping,
     0x05: m.Embed,
     0x06: m.SlotsQuery,
+    0x07: m.VocabQuery,
+    0x08: m.LoadModel,
+    0x09: m.UnloadModel,
+    0x0A: m.ModelsQuery,
     0x81: m.ModelInfo,
     0x82: m.Accepted,
     0x83: m.Rejected,
@@ -38,6 +42,8 @@ _TYPE_BY_TAG: dict[int, type] = {
     0x86: m.WorkerError,
     0x87: m.Embeddings,
     0x88: m.SlotsReport,
+    0x89: m.VocabFile,
+    0x8A: m.ModelStates,
 }
 _TAG_BY_TYPE = {cls: bytes([tag]) for tag, cls in _TYPE_BY_TAG.items()}
 

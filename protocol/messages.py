@@ -18,8 +18,9 @@ DEFAULT_TENANT = "default"
 
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
 # and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes; 8: Cancel.reason,
-# Heartbeat.kv_cells_used and kv_cells_total; 9: SlotsQuery, SlotsReport
-PROTOCOL_VERSION = 10
+# Heartbeat.kv_cells_used and kv_cells_total; 9: SlotsQuery, SlotsReport; 10: Finish.code;
+# 11: VocabQuery, VocabFile, Heartbeat.idle_seconds, the models control messages
+PROTOCOL_VERSION = 11
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -186,7 +187,25 @@ class SlotsQuery:
     query_id: str
 
 
+@dataclass(slots=True)
+class VocabQuery:
+    """Ask for the worker's vocabulary (a gateway that has not got it); it answers VocabFile."""
+
+    vocab_fingerprint: str  # the one its ModelInfo gave, so an answer is never mismatched
+
+
 # --- worker -> gateway -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class VocabFile:
+    """The worker's model without its weights: a GGUF of its metadata only (vocabulary, chat
+    template, sampling defaults), zlib-compressed. A gateway loads it vocab-only, so it
+    tokenizes exactly as the worker does without the model file on its own disk."""
+
+    vocab_fingerprint: str
+    gguf_zlib: bytes  # empty when the worker cannot send it (see `error`)
+    error: str = ""
 
 
 @dataclass(slots=True)
@@ -303,6 +322,9 @@ class Heartbeat:
     # export them per worker, so one /metrics shows the worker's cache.
     kv_cells_used: int = 0
     kv_cells_total: int = 0
+    # Seconds since the worker last had a request queued or running (0 while it has one):
+    # what `serve` reads to unload an idle model.
+    idle_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -351,6 +373,54 @@ class WorkerError:
     message: str
 
 
+# --- gateway <-> serve's model manager ------------------------------------------
+# `loomserve serve` with several models owns their workers; its gateways ask it for a model
+# that is not loaded, and operators unload one, through these (answered by ModelStates).
+
+
+class ModelPhase(StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"  # its worker is starting
+    LOADED = "loaded"
+    UNLOADING = "unloading"  # its worker drains and exits
+
+
+@dataclass(slots=True)
+class LoadModel:
+    """Start the model's worker (evicting the least recently used idle one past the cap)."""
+
+    name: str
+
+
+@dataclass(slots=True)
+class UnloadModel:
+    """Stop the model's worker (its requests in flight finish first)."""
+
+    name: str
+
+
+@dataclass(slots=True)
+class ModelsQuery:
+    """What models the manager has, and their phases."""
+
+
+@dataclass(slots=True)
+class ModelState:
+    name: str
+    phase: str  # a ModelPhase value
+    endpoint: str  # its worker's address
+    since: float  # time.time() it entered this phase
+
+
+@dataclass(slots=True)
+class ModelStates:
+    """The manager's models; `error` says why a LoadModel or UnloadModel was refused."""
+
+    models: list[ModelState]
+    error: str = ""
+    code: str = ""  # "model_not_found", "models_busy" (no room: every loaded one is busy)
+
+
 Message = (
     Hello
     | Generate
@@ -358,6 +428,7 @@ Message = (
     | Cancel
     | Ping
     | SlotsQuery
+    | VocabQuery
     | ModelInfo
     | Accepted
     | Rejected
@@ -366,4 +437,9 @@ Message = (
     | Heartbeat
     | WorkerError
     | SlotsReport
+    | VocabFile
+    | LoadModel
+    | UnloadModel
+    | ModelsQuery
+    | ModelStates
 )

@@ -45,6 +45,8 @@ from loomserve.protocol import (
     Rejected,
     SlotsQuery,
     SlotsReport,
+    VocabFile,
+    VocabQuery,
     WorkerError,
     decode,
     encode,
@@ -101,13 +103,16 @@ class WorkerIO:
         on_gateways: Callable[[int], None] | None = None,
         keys: ServerKeys | None = None,
         on_reject: Callable[[str], None] | None = None,
+        vocab_file: bytes = b"",
     ) -> None:
         self.config = config
+        self.vocab_file = vocab_file  # vocab_file.compressed_metadata, for VocabQuery
         self.inbox = inbox  # where inbound work goes, for the loop
         self.loads = loads  # what the loop last published, for heartbeats
         self.model_info = model_info
         self.counters = IOCounters()
         self.ready = True
+        self._busy_at = time.monotonic()  # when work was last queued or running here
         self._on_gateways = on_gateways
         self._on_reject = on_reject  # the loop's rejections are counted by the loop
         # No array or map a gateway sends can be longer than a prompt that fits a slot or a
@@ -284,6 +289,9 @@ class WorkerIO:
             # Read-only, from a gateway or from any probe: it opens nothing, admits nobody.
             self._send_now(gateway, self._slots_report(message.query_id))
             return
+        if isinstance(message, VocabQuery):  # read-only too
+            self._send_now(gateway, self._vocab_answer(message.vocab_fingerprint))
+            return
         if isinstance(message, Ping) and gateway not in gateways:
             # A probe that never said Hello (`loomserve worker-health`, a readiness wait):
             # answer it, but it is no gateway, so its silence later means nothing.
@@ -294,6 +302,7 @@ class WorkerIO:
             return
         self._admit(gateway, now)
         if isinstance(message, (Generate, Embed)):  # the loop tells which work it is
+            self._busy_at = now
             refusal = gateways.open(gateway, message.request_id)
             if refusal is None:
                 self.inbox.submit(gateway, message)
@@ -377,6 +386,9 @@ class WorkerIO:
 
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
         load = self.loads.latest
+        now = time.monotonic()
+        if load.running or load.queue_depth:
+            self._busy_at = now
         return Heartbeat(
             sent_at=time.time(),
             ping_sent_at=ping_sent_at,
@@ -387,7 +399,23 @@ class WorkerIO:
             prefixes=list(load.prefixes),
             kv_cells_used=load.kv_cells_used,
             kv_cells_total=self.model_info.slots * self.model_info.slot_context,
+            idle_seconds=now - self._busy_at,
         )
+
+    def _vocab_answer(self, fingerprint: str) -> VocabFile:
+        own = self.model_info.vocab_fingerprint
+        if fingerprint != own:
+            return VocabFile(fingerprint, b"", f"this worker's vocabulary is {own}")
+        if not self.vocab_file:
+            return VocabFile(own, b"", "this worker cannot send its vocabulary")
+        if len(self.vocab_file) > MAX_FRAME_BYTES - 1024:
+            return VocabFile(
+                own,
+                b"",
+                f"the vocabulary ({len(self.vocab_file)} bytes compressed) is larger than a "
+                "message may be; give the gateway the model file (--model)",
+            )
+        return VocabFile(own, self.vocab_file)
 
     def _slots_report(self, query_id: str) -> SlotsReport:
         load = self.loads.latest

@@ -32,6 +32,7 @@ from loomserve.worker.loop import TickLoop
 from loomserve.worker.metrics import WorkerMetrics
 from loomserve.worker.ram_cache import MIB
 from loomserve.worker.strategies import load_strategy
+from loomserve.worker.vocab_file import compressed_metadata
 from loomserve.worker.watchdog import Watchdog, exit_now
 
 log = structlog.get_logger(__name__)
@@ -114,6 +115,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             on_gateways=metrics.on_gateways if metrics else None,
             keys=keys,
             on_reject=metrics.on_reject if metrics else None,
+            vocab_file=compressed_metadata(config.model_path),
         )
     except zmq.ZMQError as exc:
         log.error("cannot bind", bind=config.bind, error=str(exc))
