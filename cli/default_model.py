@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -57,3 +60,47 @@ def resolve_model(path: str | Path | None) -> Path:
             f"{resolved} is not a GGUF model file (it does not start with {GGUF_MAGIC!r})"
         )
     return resolved
+
+
+MODELS_MAX = 4  # models `serve` keeps loaded at once, by default: as llama-server's --models-max
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}")
+
+
+def named_models(specs: Sequence[str], models_dir: str | Path | None = None) -> list[NamedModel]:
+    """The models of --model (PATH, or NAME=PATH) and --models-dir (every *.gguf in it, named
+    by its stem), each file checked; ModelFileError for a bad file, a bad or a repeated name.
+    A path that exists as given is a path, even with an `=` in it."""
+    found: list[NamedModel] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or Path(spec).expanduser().is_file():
+            name, path = "", spec
+        resolved = resolve_model(path)
+        found.append(NamedModel(name or resolved.stem, resolved, bool(sep and name)))
+    if models_dir is not None:
+        folder = Path(models_dir).expanduser()
+        if not folder.is_dir():
+            raise ModelFileError(f"--models-dir {folder} is not a folder")
+        files = sorted(folder.glob("*.gguf"))
+        if not files:
+            raise ModelFileError(f"--models-dir {folder} holds no .gguf file")
+        found += [NamedModel(file.stem, resolve_model(file), False) for file in files]
+    seen: set[str] = set()
+    for model in found:
+        if not _NAME.fullmatch(model.name):
+            raise ModelFileError(
+                f"{model.name!r} cannot name a model: letters, digits and _.:@/- only"
+            )
+        if model.name in seen:
+            raise ModelFileError(f"two models are named {model.name!r}; name them NAME=PATH")
+        seen.add(model.name)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class NamedModel:
+    """A model file and the name it is served under."""
+
+    name: str
+    path: Path
+    named: bool  # the name was given (NAME=PATH), not taken from the file

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from loomserve.cli.default_model import resolve_model
+from loomserve.cli.default_model import MODELS_MAX, named_models, resolve_model
 from loomserve.gateway.config import (
     GatewayConfig,
     check_api_key,
@@ -65,12 +65,6 @@ class ApiKey(click.ParamType):
 def worker_options(func):
     """The options that configure the worker; shared by `worker` and `serve`."""
     options = [
-        click.option(
-            "--model",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="GGUF model file. Default: Gemma 3 270M from its PyPI package.",
-        ),
         click.option(
             "--gpu-layers",
             type=int,
@@ -270,7 +264,7 @@ def gateway_options(func):
         click.option(
             "--served-model-name",
             default=default_of(GatewayConfig, "model_name"),
-            help="Model name in the API. Default: the model file's name.",
+            help="Model name in the API, for a single --model. Default: the model file's name.",
         ),
         click.option(
             "--api-key",
@@ -352,6 +346,13 @@ def gateway_options(func):
             "request is cancelled.",
         ),
         click.option(
+            "--model-load-timeout",
+            type=click.FloatRange(min=0.1),
+            default=default_of(GatewayConfig, "model_load_timeout"),
+            help="Seconds a request for a model that is not loaded waits for `serve` to load "
+            "it; then 503 with Retry-After.",
+        ),
+        click.option(
             "--model-sampling-defaults/--no-model-sampling-defaults",
             default=default_of(GatewayConfig, "model_sampling_defaults"),
             help="Let the GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat "
@@ -421,8 +422,13 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
 
         template = load_override(template)
+    files = named_models(opts["model"])
+    one = len(files) == 1 and not files[0].named
     return GatewayConfig(
-        model_path=resolve_model(opts["model"]),
+        model_path=files[0].path if one else None,
+        models=() if one else tuple((model.name, model.path) for model in files),
+        models_control=opts.get("models_control"),
+        model_load_timeout=opts["model_load_timeout"],
         worker_endpoints=(workers,) if isinstance(workers, str) else tuple(workers),
         host=opts["host"],
         port=opts["port"],
@@ -452,6 +458,12 @@ def main() -> None:
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
+@click.option(
+    "--model",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="GGUF model file. Default: Gemma 3 270M from its PyPI package.",
+)
 @worker_options
 @click.option(
     "--bind", default=default_of(WorkerConfig, "bind"), help="ZeroMQ endpoint gateways connect to."
@@ -507,9 +519,18 @@ def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
 @curve_client_options
 @click.option(
     "--model",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="The worker's GGUF model; the gateway loads its vocabulary only.",
+    multiple=True,
+    help="A model's GGUF file, whose vocabulary the gateway loads (never its weights). One "
+    "PATH: every worker serves that model (with the same vocabulary), under "
+    "--served-model-name. NAME=PATH (repeatable): a worker named NAME (its "
+    "--served-model-name) serves it. Without any, the gateway learns each worker's model, "
+    "vocabulary and chat template from the worker: add a model by adding its workers.",
+)
+@click.option(
+    "--models-control",
+    default=default_of(GatewayConfig, "models_control"),
+    help="ZeroMQ endpoint of `serve`'s model manager, which loads models on demand "
+    "(`serve` sets it).",
 )
 @click.option(
     "--worker",
@@ -547,6 +568,33 @@ def gateway(
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
+@click.option(
+    "--model",
+    multiple=True,
+    help="GGUF model file: PATH, or NAME=PATH to serve it as NAME (repeatable: several "
+    "models behind one endpoint, picked by each request's `model`). Default: Gemma 3 270M "
+    "from its PyPI package.",
+)
+@click.option(
+    "--models-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Serve every *.gguf in this folder, each named by its file name without .gguf.",
+)
+@click.option(
+    "--models-max",
+    type=click.IntRange(min=1),
+    default=MODELS_MAX,
+    help="With several models: most loaded at once. A request for another loads it, "
+    "first unloading the least recently used idle one.",
+)
+@click.option(
+    "--idle-unload",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="With several models: unload a model idle this many seconds (its memory is freed; "
+    "the next request for it loads it again). Default: never.",
+)
 @worker_options
 @gateway_options
 @click.option(
@@ -580,11 +628,15 @@ def serve(
     max_restart_delay: float,
     workers: int | None,
     gpus: str | None,
+    models_dir: str | None,
+    models_max: int,
+    idle_unload: float | None,
     log_level: str,
     log_json: bool | None,
     **opts,
 ) -> None:
-    """Run everything on this machine: --workers workers and --gateways gateways, supervised."""
+    """Run everything on this machine: --workers workers and --gateways gateways, supervised;
+    with several models, each model's workers, loaded on demand."""
     from loomserve.cli import serve as serving
     from loomserve.cli.logs import configure_logging
     from loomserve.cli.supervisor import check_port_free
@@ -593,17 +645,12 @@ def serve(
     try:
         devices = serving.parse_gpus(gpus)
         replicas = serving.worker_count(workers, devices)
-        model = resolve_model(opts["model"])
+        models = named_models(opts["model"], models_dir) or named_models([""])
         threads = serving.threads_per_worker(opts["threads"], replicas)
-        options = {
-            **opts,
-            "model": str(model),
-            "threads": threads,
-            "log_level": log_level,
-            "log_json": log_json,
-        }
-        build_worker_config("ipc://check", **options)  # bad settings fail here, not in a child
-        build_gateway_config("ipc://check", **options)
+        options = {**opts, "threads": threads, "log_level": log_level, "log_json": log_json}
+        # Bad settings fail here, not in a child.
+        build_worker_config("ipc://check", **{**options, "model": str(models[0].path)})
+        build_gateway_config("ipc://check", **{**options, "model": serving.gateway_models(models)})
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     try:
@@ -613,7 +660,9 @@ def serve(
             f"cannot listen on {opts['host']}:{opts['port']}: {exc}"
         ) from exc
     plan = serving.ServePlan(
-        model=model,
+        models=tuple(models),
+        models_max=models_max,
+        idle_unload=idle_unload,
         host=opts["host"],
         port=opts["port"],
         gateways=gateways,

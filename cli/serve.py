@@ -2,6 +2,8 @@
 
 Each worker listens on an ipc:// socket in a private temp dir and every gateway connects to
 all of them (pool.py routes between them); with --gpus each worker sees only its own GPU.
+With several models, each model has its workers, started and stopped on demand by the model
+manager (models.py), which the gateways ask over a control socket in the same temp dir.
 Each gateway binds the HTTP port itself with SO_REUSEPORT, so the kernel spreads connections
 across them. The gateways share a Prometheus multiprocess dir in the same temp dir, so any
 gateway's /metrics counts them all.
@@ -22,6 +24,8 @@ from typing import Any
 import click
 import structlog
 
+from loomserve.cli.default_model import MODELS_MAX, NamedModel
+from loomserve.cli.models import ManagedModel, ModelManager
 from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -34,14 +38,33 @@ SECRET_OPTIONS = frozenset({"api_key"})
 class ServePlan:
     """What serve starts: the children's settings, fixed before the first one runs."""
 
-    model: Path
+    models: tuple[NamedModel, ...]  # one: served as ever; several: loaded on demand
     host: str
     port: int
     gateways: int
     options: Mapping[str, Any]  # option values by name, for the worker's and gateways' commands
     max_restart_delay: float = 30.0  # the cap on the doubling delay before a restart
-    workers: int = 1
+    workers: int = 1  # per model
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of each worker, when given
+    models_max: int = MODELS_MAX
+    idle_unload: float | None = None  # seconds
+
+    @property
+    def managed(self) -> bool:
+        """Whether a model manager runs: several models, a named one, or idle unloading."""
+        return len(self.models) > 1 or self.models[0].named or self.idle_unload is not None
+
+    @property
+    def model(self) -> Path:
+        return self.models[0].path
+
+
+def gateway_models(models: list[NamedModel] | tuple[NamedModel, ...]) -> tuple[str, ...]:
+    """The gateways' --model values: the file alone for one unnamed model (every worker
+    serves it), NAME=PATH for each of several (a worker serves the one it is named for)."""
+    if len(models) == 1 and not models[0].named:
+        return (str(models[0].path),)
+    return tuple(f"{model.name}={model.path}" for model in models)
 
 
 def parse_gpus(text: str | None) -> tuple[str, ...]:
@@ -80,20 +103,25 @@ def _cores() -> int:
 def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click.Command) -> int:
     """Run the plan under a supervisor until SIGINT/SIGTERM; the exit status."""
     workdir = Path(tempfile.mkdtemp(prefix="loomserve-"))
+    manager: ModelManager | None = None
     try:
-        endpoints = worker_endpoints(workdir, plan.workers)
+        endpoints = model_endpoints(workdir, plan)
+        control = f"ipc://{workdir / 'models.ipc'}" if plan.managed else None
         metrics_dir = workdir / "prometheus"
         metrics_dir.mkdir()
-        children = child_specs(plan, endpoints, metrics_dir, worker_command, gateway_command)
+        children = child_specs(
+            plan, endpoints, metrics_dir, worker_command, gateway_command, control
+        )
         url = f"http://{_url_host(plan.host)}:{plan.port}"
         log.info(
             "starting",
             url=url,
             gateways=plan.gateways,
-            workers=endpoints,
+            workers=[e for each in endpoints for e in each],
             gpus=list(plan.gpus) or None,
             threads=plan.options.get("threads"),
-            model=str(plan.model),
+            models={model.name: str(model.path) for model in plan.models},
+            models_max=plan.models_max if plan.managed else None,
         )
 
         def on_exit(child: Child, pid: int) -> None:
@@ -109,47 +137,88 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
             # Each stage drains for shutdown_timeout first; SIGKILL only after that.
             stop_timeout=float(plan.options.get("shutdown_timeout", 5.0)) + 10.0,
         )
+        if control is not None:
+            manager = _manager(plan, supervisor, endpoints, control)
+            supervisor.on_poll = manager.poll
         return supervisor.run()
     finally:
+        if manager is not None:
+            manager.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def worker_endpoints(workdir: Path, count: int) -> list[str]:
+def _manager(
+    plan: ServePlan, supervisor: Supervisor, endpoints: list[list[str]], control: str
+) -> ModelManager:
+    """The model manager over the supervisor's worker children; it loads the first model."""
+    managed, first = [], 0
+    for model, own in zip(plan.models, endpoints, strict=True):
+        # child_specs lists each model's workers in turn, before the gateways.
+        workers = supervisor.children[first : first + len(own)]
+        first += len(own)
+        managed.append(ManagedModel(model.name, model.path, workers, own))
+    manager = ModelManager(supervisor, managed, control, plan.models_max, plan.idle_unload)
+    manager.load(plan.models[0].name)  # the default model: requests that name none get it
+    return manager
+
+
+def model_endpoints(workdir: Path, plan: ServePlan) -> list[list[str]]:
+    """Each model's workers' ipc:// endpoints, in the private temp dir."""
+    if len(plan.models) == 1:
+        return [worker_endpoints(workdir, plan.workers)]
+    return [
+        worker_endpoints(workdir, plan.workers, prefix=f"model-{index}-")
+        for index in range(1, len(plan.models) + 1)
+    ]
+
+
+def worker_endpoints(workdir: Path, count: int, prefix: str = "") -> list[str]:
     """The ipc:// endpoint of each worker, in the private temp dir."""
     if count == 1:
-        return [f"ipc://{workdir / 'worker.ipc'}"]
-    return [f"ipc://{workdir / f'worker-{index}.ipc'}" for index in range(1, count + 1)]
+        return [f"ipc://{workdir / f'{prefix}worker.ipc'}"]
+    return [f"ipc://{workdir / f'{prefix}worker-{index}.ipc'}" for index in range(1, count + 1)]
 
 
 def child_specs(
     plan: ServePlan,
-    endpoints: list[str],
+    endpoints: list[list[str]],
     metrics_dir: Path,
     worker_command: click.Command,
     gateway_command: click.Command,
+    control: str | None = None,
 ) -> list[ChildSpec]:
-    """The workers, then the gateways; on the way down, the gateways stop first."""
+    """The workers, then the gateways; on the way down, the gateways stop first. Under a
+    model manager the workers start on demand."""
     workers = []
-    for index, endpoint in enumerate(endpoints):
-        values = {**plan.options, "model": str(plan.model), "bind": endpoint}
-        if values.get("metrics_port") is not None:
-            values["metrics_port"] += index  # one port each: the given one, then the next
-        extra = {"CUDA_VISIBLE_DEVICES": plan.gpus[index]} if plan.gpus else None
-        name = "worker" if len(endpoints) == 1 else f"worker-{index + 1}"
-        workers.append(
-            ChildSpec(
-                name=name,
-                argv=child_argv(worker_command, values),
-                env=child_env(plan.options, drop=("PROMETHEUS_MULTIPROC_DIR",), extra=extra),
+    numbered = 0
+    for model, own in zip(plan.models, endpoints, strict=True):
+        for index, endpoint in enumerate(own):
+            values = {**plan.options, "model": str(model.path), "bind": endpoint}
+            if len(plan.models) > 1 or model.named:
+                values["served_model_name"] = model.name  # the gateways place it by name
+            if values.get("metrics_port") is not None:
+                values["metrics_port"] += numbered  # one port each: the given one, the next...
+            numbered += 1
+            extra = {"CUDA_VISIBLE_DEVICES": plan.gpus[index]} if plan.gpus else None
+            name = "worker" if len(own) == 1 else f"worker-{index + 1}"
+            if len(plan.models) > 1:
+                name = f"worker-{model.name}" + ("" if len(own) == 1 else f"-{index + 1}")
+            workers.append(
+                ChildSpec(
+                    name=name,
+                    argv=child_argv(worker_command, values),
+                    env=child_env(plan.options, drop=("PROMETHEUS_MULTIPROC_DIR",), extra=extra),
+                    on_demand=control is not None,
+                )
             )
-        )
     gateway_values = {
         **plan.options,
-        "model": str(plan.model),
-        "worker_endpoint": tuple(endpoints),
+        "model": gateway_models(plan.models),
+        "worker_endpoint": tuple(e for own in endpoints for e in own),
         "host": plan.host,
         "port": plan.port,
         "reuse_port": True,
+        "models_control": control,
     }
     gateway_env = child_env(plan.options, extra={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)})
     gateways = [

@@ -7,6 +7,10 @@ kinds of child make the supervisor give up, so start-up fails fast: one that exi
 EXIT_CONFIG (it found its settings or its model unusable, and says why in its log), and one
 that has never come up (it died within seconds of every start before serve was ever ready).
 
+Children started on demand (a model's workers, started and stopped by cli/models.py) are not
+started with the rest; stopping one on purpose is not a crash, and one that fails on its
+configuration fails its model only, not the whole of serve.
+
 Each child runs in its own session, so a Ctrl-C at the terminal reaches the supervisor only and
 the shutdown happens in stages: the gateways first, together, then the worker (so in-flight
 requests can finish), each stage with SIGTERM and a grace period before SIGKILL.
@@ -47,6 +51,7 @@ class ChildSpec:
     argv: Sequence[str]
     env: Mapping[str, str]
     stop_stage: int = 0  # higher stages stop first; children in one stage stop together
+    on_demand: bool = False  # started by start_child() only, not with the rest
 
 
 @dataclass(slots=True)
@@ -62,6 +67,11 @@ class Child:
     # Ran QUICK_EXIT_SECONDS, or was running when serve was ready: it can start, so a crash
     # later is retried for ever rather than taken for bad configuration.
     ever_up: bool = False
+    # Whether it should be running: False for an on-demand child not started yet, and for
+    # one being stopped on purpose (its exit is then no crash and it is not restarted).
+    wanted: bool = True
+    failed: str | None = None  # why an on-demand child was given up on (its configuration)
+    stop_deadline: float = 0.0  # when a child stopped on purpose gets SIGKILL
 
     @property
     def pid(self) -> int | None:
@@ -90,14 +100,16 @@ class Supervisor:
         ready_probe: Callable[[], bool] | None = None,
         on_ready: Callable[[], None] | None = None,
         on_exit: Callable[[Child, int], None] | None = None,
+        on_poll: Callable[[float], None] | None = None,
     ) -> None:
-        self.children = [Child(spec) for spec in specs]
+        self.children = [Child(spec, wanted=not spec.on_demand) for spec in specs]
         self.stop_timeout = stop_timeout
         self.restart_delay = restart_delay  # doubles with each quick death
         self.max_restart_delay = max_restart_delay
         self.ready_probe = ready_probe
         self.on_ready = on_ready
         self.on_exit = on_exit
+        self.on_poll = on_poll  # called every loop round with time.monotonic()
         self._signals = _Signals()
         self._ready = False
         self._next_probe = 0.0
@@ -109,7 +121,8 @@ class Supervisor:
         }
         try:
             for child in self.children:
-                self._start(child)
+                if child.wanted:
+                    self._start(child)
             status = self._supervise()
         finally:
             self._stop_all()
@@ -130,12 +143,36 @@ class Supervisor:
                 if returncode is None:
                     if now - child.started_at >= QUICK_EXIT_SECONDS:
                         child.ever_up = True
+                    if not child.wanted and now >= child.stop_deadline:
+                        log.warning("killing", child=child.spec.name, pid=child.process.pid)
+                        _signal_group(child.process, signal.SIGKILL)
+                        child.stop_deadline = float("inf")
+                elif not child.wanted:
+                    self._stopped(child, returncode)
                 elif (status := self._handle_exit(child, returncode, now)) is not None:
                     return status
             self._probe_readiness(now)
+            if self.on_poll is not None:
+                self.on_poll(now)
             time.sleep(POLL_SECONDS)
         log.info("stopping", signal=signal.Signals(self._signals.received[0]).name)
         return 0
+
+    def start_child(self, child: Child) -> None:
+        """Start an on-demand child (or keep it running, if it is being stopped)."""
+        child.wanted, child.failed = True, None
+        child.quick_exits, child.ever_up = 0, False
+        if child.process is None:
+            self._start(child)
+
+    def stop_child(self, child: Child) -> None:
+        """Ask a child to stop (SIGTERM: it drains); it is not restarted. stopping(child)
+        is False once it has exited; SIGKILL after stop_timeout."""
+        child.wanted = False
+        child.restart_at = None
+        if child.process is not None:
+            _signal_group(child.process, signal.SIGTERM)
+            child.stop_deadline = time.monotonic() + self.stop_timeout
 
     def _start(self, child: Child) -> None:
         child.process = subprocess.Popen(
@@ -146,6 +183,14 @@ class Supervisor:
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started", child=child.spec.name, pid=child.process.pid)
+
+    def _stopped(self, child: Child, returncode: int) -> None:
+        """A child stopped on purpose has exited."""
+        pid = child.process.pid if child.process else None
+        child.process = None
+        log.info("stopped", child=child.spec.name, pid=pid, status=describe_returncode(returncode))
+        if self.on_exit and pid is not None:
+            self.on_exit(child, pid)
 
     def _handle_exit(self, child: Child, returncode: int, now: float) -> int | None:
         """Report a child's death and schedule its restart; or the status to give up with,
@@ -163,12 +208,21 @@ class Supervisor:
         )
         if self.on_exit and pid is not None:
             self.on_exit(child, pid)
+        if returncode == EXIT_CONFIG and child.spec.on_demand:
+            # One model's worker: its model is unusable, the others serve on.
+            log.error("child failed on its configuration; not restarted", child=child.spec.name)
+            child.wanted, child.failed = False, "its worker failed on its configuration"
+            return None
         if returncode == EXIT_CONFIG:
             log.error("giving up: child failed on its configuration", child=child.spec.name)
             return EXIT_CONFIG
         if self._ready:
             log.warning("not ready: a child is down", child=child.spec.name)
         self._ready = False
+        if child.quick_exits >= MAX_QUICK_EXITS and not child.ever_up and child.spec.on_demand:
+            log.error("child never came up; not restarted", child=child.spec.name)
+            child.wanted, child.failed = False, f"its worker crashed {MAX_QUICK_EXITS} times"
+            return None
         if child.quick_exits >= MAX_QUICK_EXITS and not child.ever_up:
             log.error(
                 "giving up: child never came up", child=child.spec.name, crashes=MAX_QUICK_EXITS
@@ -189,10 +243,11 @@ class Supervisor:
         if self._ready or self.ready_probe is None or now < self._next_probe:
             return
         self._next_probe = now + READY_PROBE_SECONDS
-        if all(child.process is not None for child in self.children) and self.ready_probe():
+        running = all(child.process is not None for child in self.children if child.wanted)
+        if running and self.ready_probe():
             self._ready = True
             for child in self.children:
-                child.ever_up = True
+                child.ever_up = child.ever_up or child.process is not None
             if self.on_ready:
                 self.on_ready()
 

@@ -4,6 +4,9 @@ Subpackages by job, each importing only those below it (pyproject's import contr
 
     http/      the edge: app.py's routes, middleware, server.py, draining, /v1/embeddings
     translate/ /v1/responses and /v1/messages, translated into the chat path and back
+    models/    the models served: each one's vocabulary, template and tools (catalogue.py),
+               which a request's `model` names and loading it on demand (registry.py)
+               through `serve`'s manager (manager.py)
     generate/  group.py submits each choice (generation.py) and merges their output;
                assembly.py turns tokens into text; render.py shapes OpenAI's bodies and
                chunks; streaming.py delivers them as one body or server-sent events

@@ -119,7 +119,14 @@ def parse_key_file(text: str) -> KeyFile:
 class GatewayConfig:
     """Everything one gateway process needs: where the workers are, and how to speak HTTP."""
 
-    model_path: Path  # the gateway loads the vocabulary only, to own the text
+    # The one-model gateway's file (--model PATH): every worker serves it, under
+    # served_model_name, if its vocabulary is the same. The gateway loads the vocabulary only.
+    model_path: Path | None = None
+    # Models by name (--model NAME=PATH): a worker named NAME serves that one. Workers of
+    # other names serve models the gateway learns from them (gateway/models/catalogue.py).
+    models: tuple[tuple[str, Path], ...] = ()
+    # `serve`'s model manager (its ROUTER endpoint): asked to load a model no worker serves.
+    models_control: str | None = None
     # The workers' ROUTER endpoints; a tcp:// host name stands for each address it resolves to.
     worker_endpoints: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
     host: str = "127.0.0.1"
@@ -147,8 +154,17 @@ class GatewayConfig:
     # The GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat penalty) fill
     # the fields a request leaves out, as vLLM's --generation-config auto; False: neutral.
     model_sampling_defaults: bool = True
+    # A request for a model no worker serves waits this long for `serve` to load it (503
+    # after), and at most this many requests wait at once (503 beyond).
+    model_load_timeout: float = 120.0
+    max_waiting_for_load: int = 256
 
     def __post_init__(self) -> None:
+        if self.model_path is not None and self.models:
+            raise ValueError("give one model file (--model PATH) or named ones (NAME=PATH)")
+        names = [name for name, _ in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError("two models have one name")
         if not self.worker_endpoints:
             raise ValueError("at least one worker endpoint is needed")
         for endpoint in self.worker_endpoints:
@@ -163,9 +179,22 @@ class GatewayConfig:
             raise ValueError("header_timeout and body_timeout must be positive")
         if self.stream_buffer_tokens < 1:
             raise ValueError("stream_buffer_tokens must be at least 1")
+        if self.model_load_timeout <= 0 or self.max_waiting_for_load < 0:
+            raise ValueError(
+                "model_load_timeout must be positive, max_waiting_for_load not negative"
+            )
         if self.max_body_bytes < 1 or self.request_timeout <= 0 or self.shutdown_timeout < 0:
             raise ValueError("body size and timeouts must be positive")
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or self.model_path.stem
+        """The one-model gateway's name for its model: --served-model-name, else the stem."""
+        if self.model_name:
+            return self.model_name
+        return self.model_path.stem if self.model_path is not None else ""
+
+    def model_files(self) -> list[tuple[str, Path]]:
+        """The gateway's own model files, by served name."""
+        if self.model_path is not None:
+            return [(self.served_model_name, self.model_path)]
+        return list(self.models)

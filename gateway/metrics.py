@@ -55,30 +55,35 @@ class GatewayMetrics:
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "From the request's arrival to its first generated token.",
+            ["model_name"],
             buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.inter_token_latency = Histogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between two generated tokens of one request.",
+            ["model_name"],
             buckets=ITL_BUCKETS,
             registry=r,
         )
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "From the request's arrival to its last token.",
+            ["model_name"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.request_queue_time = Histogram(
             PREFIX + "request_queue_time_seconds",
             "Time requests waited in the worker's queue for a slot.",
+            ["model_name"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.requests_in_flight = Gauge(
             PREFIX + "requests_in_flight",
             "Generation requests (streaming or not) this host's gateways are serving.",
+            ["model_name"],
             multiprocess_mode="livesum",
             registry=r,
         )
@@ -91,28 +96,41 @@ class GatewayMetrics:
         self.client_disconnects = Counter(
             PREFIX + "client_disconnects",
             "Requests whose client went away before the end; each was cancelled in the worker.",
+            ["model_name"],
             registry=r,
         )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens",
             "Prompt tokens of finished requests, cached ones included (each choice counts).",
+            ["model_name"],
             registry=r,
         )
         self.generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Tokens generated for clients.", registry=r
+            PREFIX + "generation_tokens",
+            "Tokens generated for clients.",
+            ["model_name"],
+            registry=r,
         )
         self.request_success = Counter(
             PREFIX + "request_success",
-            "Requests that finished, by finish reason.",
-            ["finished_reason"],
+            "Requests that finished, by model and finish reason.",
+            ["model_name", "finished_reason"],
             registry=r,
         )
 
         self.model_info = Gauge(
             PREFIX + "model_info",
-            "The model the API serves, by its served name; the value is 1.",
+            "The models the API serves, by served name; the value is 1.",
             ["model_name"],
             multiprocess_mode="max",
+            registry=r,
+        )
+        self.model_state = Gauge(
+            PREFIX + "model_state",
+            "1 for each model's state now (loaded, loading, unloading, unloaded, unavailable), "
+            "0 for the others.",
+            ["model_name", "state"],
+            multiprocess_mode="livemostrecent",  # every gateway sees the same states
             registry=r,
         )
 

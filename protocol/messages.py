@@ -410,6 +410,7 @@ class ModelState:
     phase: str  # a ModelPhase value
     endpoint: str  # its worker's address
     since: float  # time.time() it entered this phase
+    error: str = ""  # why its latest load failed
 
 
 @dataclass(slots=True)

@@ -367,12 +367,14 @@ class TokenizeRequest(RequestModel):
     add_special: bool = False
     parse_special: bool = True
     with_pieces: bool = False
+    model: str | None = None  # which model's vocabulary, when the server has several
 
 
 class DetokenizeRequest(RequestModel):
     """llama-server's /detokenize."""
 
     tokens: Annotated[TokenIds, WrapValidator(_integral_ids)]
+    model: str | None = None
 
 
 # --- responses -----------------------------------------------------------------
@@ -466,12 +468,32 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ModelStatus(BaseModel):
+    """Where a model is, as llama-server's router mode says: loaded, loading, unloading,
+    unloaded (loads on demand) or unavailable (no worker serves it, none can be started)."""
+
+    value: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "loomserve"
     max_model_len: int | None = None
+    status: ModelStatus | None = None
+
+
+class ModelAction(RequestModel):
+    """POST /models/load and /models/unload, as llama-server's router mode."""
+
+    model: str
+
+
+class ModelActionResult(BaseModel):
+    success: bool = True
+    model: str
+    status: ModelStatus
 
 
 class ModelList(BaseModel):

@@ -28,7 +28,7 @@ from loomserve.gateway.request.generation_request import GenerationRequest
 from loomserve.gateway.text.tokenizer import Pieces
 from loomserve.gateway.workers.client import RequestHandle, WorkerClient
 from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
-from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.gateway.workers.pool import ModelWorkers
 from loomserve.gateway.workers.retries import Tries
 from loomserve.protocol.messages import Finish, FinishReason, TokenChunk
 
@@ -57,7 +57,7 @@ class Generation:
     @classmethod
     async def start(
         cls,
-        pool: WorkerPool,
+        pool: ModelWorkers,
         vocab: Pieces,
         request: GenerationRequest,
         index: int,
@@ -185,11 +185,12 @@ class Generation:
         m = self.metrics
         if m is None:
             return
+        model = self.request.model
         if finish is not None:
-            m.request_queue_time.observe(finish.queue_seconds)
-        m.prompt_tokens.inc(done.usage.prompt_tokens)
-        m.generation_tokens.inc(done.usage.completion_tokens)
-        m.request_success.labels(done.finish_reason).inc()
+            m.request_queue_time.labels(model).observe(finish.queue_seconds)
+        m.prompt_tokens.labels(model).inc(done.usage.prompt_tokens)
+        m.generation_tokens.labels(model).inc(done.usage.completion_tokens)
+        m.request_success.labels(model, done.finish_reason).inc()
 
     def _observe_tokens(self, batch: list[TokenChunk | Finish]) -> None:
         count = sum(len(e.token_ids) for e in batch if isinstance(e, TokenChunk))
@@ -199,9 +200,12 @@ class Generation:
         m = self.metrics
         if m is not None:
             if self._first_token_at is None:
-                m.time_to_first_token.observe(now - self.request.arrived_at)
+                m.time_to_first_token.labels(self.request.model).observe(
+                    now - self.request.arrived_at
+                )
             else:
-                m.inter_token_latency.observe((now - self._last_token_at) / count)
+                gap = (now - self._last_token_at) / count
+                m.inter_token_latency.labels(self.request.model).observe(gap)
         if self._first_token_at is None:
             self._first_token_at = now
         self._last_token_at = now

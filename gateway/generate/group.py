@@ -24,7 +24,7 @@ from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.request.generation_request import GenerationRequest
 from loomserve.gateway.text.tokenizer import Pieces
 from loomserve.gateway.workers.errors import WorkerClientError
-from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.gateway.workers.pool import ModelWorkers
 
 log = structlog.get_logger(__name__)
 
@@ -47,12 +47,12 @@ class GenerationGroup:
         self._outcome: str | None = None  # "done" or "failed"; None while being read
         self._closed = False
         if metrics is not None:
-            metrics.requests_in_flight.inc()
+            metrics.requests_in_flight.labels(request.model).inc()
 
     @classmethod
     async def start(
         cls,
-        pool: WorkerPool,
+        pool: ModelWorkers,
         vocab: Pieces,
         request: GenerationRequest,
         metrics: GatewayMetrics | None,
@@ -126,13 +126,15 @@ class GenerationGroup:
         for generation in self.generations:
             generation.close()
         if self.metrics is not None:
-            self.metrics.requests_in_flight.dec()
+            model = self.request.model
+            self.metrics.requests_in_flight.labels(model).dec()
             if self._outcome == "done":
-                self.metrics.e2e_request_latency.observe(time.monotonic() - self.request.arrived_at)
+                latency = time.monotonic() - self.request.arrived_at
+                self.metrics.e2e_request_latency.labels(model).observe(latency)
         if self._outcome is None and any(g.cut_short for g in self.generations):
             log.info("client went away; request cancelled")
             if self.metrics is not None:
-                self.metrics.client_disconnects.inc()
+                self.metrics.client_disconnects.labels(self.request.model).inc()
 
     def _note(self, index: int, event: PromptScores | TextDelta | Done) -> None:
         if isinstance(event, Done):
@@ -168,7 +170,7 @@ class GenerationGroup:
 
 
 async def _start_all(
-    pool: WorkerPool,
+    pool: ModelWorkers,
     vocab: Pieces,
     request: GenerationRequest,
     indices: Iterable[int],

@@ -29,6 +29,7 @@ from loomserve.gateway.api.schemas import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ModelStatus,
     TokenizeRequest,
     TokenizeResponse,
     TokenPiece,
@@ -50,15 +51,17 @@ from loomserve.gateway.http.embeddings import create_embeddings
 from loomserve.gateway.http.http_protocol import limit_send_buffer
 from loomserve.gateway.http.json_route import OffLoopJSONRoute
 from loomserve.gateway.http.middleware import AccessMiddleware, BodyLimitMiddleware
-from loomserve.gateway.http.ops import slots_router, status_router
+from loomserve.gateway.http.ops import models_router, slots_router, status_router
 from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.models.catalogue import Catalogue, ServedModel
+from loomserve.gateway.models.manager import ManagerClient
+from loomserve.gateway.models.registry import ModelEntry, Models
 from loomserve.gateway.request import limits, prompts
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
 from loomserve.gateway.request.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
     max_new_tokens,
-    model_sampling_defaults,
     reject_unsupported,
     request_priority,
     sampling_params,
@@ -66,14 +69,11 @@ from loomserve.gateway.request.params import (
     stop_strings,
     user_tenant,
 )
-from loomserve.gateway.text.chat_template import Renderer, choose_template
-from loomserve.gateway.text.tokenizer import Pieces, Vocab
-from loomserve.gateway.tools.checks import MarkerPieces, ToolRequest, tool_request
-from loomserve.gateway.tools.template import TemplateTools
+from loomserve.gateway.tools.checks import ToolRequest, tool_request
 from loomserve.gateway.translate.messages import messages_router
 from loomserve.gateway.translate.responses import responses_router
 from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
-from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.gateway.workers.pool import ModelWorkers, WorkerPool
 from loomserve.protocol.messages import ModelInfo, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -91,6 +91,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "Missing or invalid API key"),
         (404, "Unknown model"),
         (408, "The request's headers or body came too slowly"),
+        (409, "A request with this X-Request-Id is running; a busy model cannot be unloaded"),
         (413, "Request body too large"),
         (500, "The engine failed the request"),
         (502, "The worker's output for the request broke the protocol"),
@@ -102,86 +103,53 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 @dataclass(slots=True)
 class Gateway:
-    """What the routes share: settings, the vocabulary, the chat template, the workers."""
+    """What the routes share: settings, the models, the workers."""
 
     config: GatewayConfig
-    vocab: Vocab
-    template: Renderer
-    template_tools: TemplateTools  # what the template renders of tools; the call syntax
-    tool_pieces: Pieces  # the vocabulary's pieces, with control-token call markers as text
-    pool: WorkerPool  # every worker; it looks like one that is ready while any is
+    models: Models  # which model a request names, and whether it can run now
+    pool: WorkerPool  # every worker, of every model
     metrics: GatewayMetrics
     started_at: int
-    # What a request's unset sampling fields become: the model's defaults or neutral ones.
-    sampling_defaults: SamplingParams = field(default_factory=SamplingParams)
     drain: Drain = field(default_factory=Drain)  # SIGTERM: stop admitting, finish, exit
 
-    def worker_info(self) -> ModelInfo:
-        """The worker's ModelInfo when it can take requests; 503 otherwise."""
-        reason = self.pool.unavailable_reason()
-        if reason or self.pool.info is None:
+    def worker_info(self, model: str) -> ModelInfo:
+        """The ModelInfo of the model's workers when one can take requests; 503 otherwise."""
+        workers = self.workers(model)
+        reason = workers.unavailable_reason()
+        info = workers.info
+        if reason or info is None:
             raise unavailable(reason or "not connected to the worker")
-        return self.pool.info
+        return info
 
-
-def _sampling_defaults(config: GatewayConfig, vocab: Vocab) -> SamplingParams:
-    """The defaults for a request's unset sampling fields, logged once at start-up."""
-    found = model_sampling_defaults(vocab.meta) if config.model_sampling_defaults else {}
-    defaults = dataclasses.replace(SamplingParams(), **found)
-    source = "the model (general.sampling.*)" if found else "neutral"
-    if not config.model_sampling_defaults:
-        source = "neutral (--no-model-sampling-defaults)"
-    log.info(
-        "sampling defaults",
-        source=source,
-        temperature=defaults.temperature,
-        top_k=defaults.top_k,
-        top_p=defaults.top_p,
-        min_p=defaults.min_p,
-        repeat_penalty=defaults.repeat_penalty,
-    )
-    return defaults
+    def workers(self, model: str) -> ModelWorkers:
+        """The workers a request for `model` may go to (every one, for the one-model gateway)."""
+        if self.models.catalogue.only is not None:
+            return self.pool.for_any()
+        return self.pool.for_model(model)
 
 
 def create_app(
-    config: GatewayConfig, vocab: Vocab, pool: WorkerPool, metrics: GatewayMetrics
+    config: GatewayConfig,
+    catalogue: Catalogue,
+    pool: WorkerPool,
+    metrics: GatewayMetrics,
+    manager: ManagerClient | None = None,
 ) -> FastAPI:
     """The ASGI app; its lifespan connects the WorkerPool to the workers."""
-    own = vocab.chat_template
-    chosen = choose_template(
-        config.chat_template, own, vocab.architecture, vocab.bos_text, vocab.eos_text
-    )
-    if chosen.fallback:
-        log.warning(
-            "the model ships no chat template; chats use a stand-in",
-            template=chosen.origin,
-            architecture=vocab.architecture or "unknown",
-            override="--chat-template (a llama.cpp built-in name, Jinja text or a file)",
-        )
-    template = chosen.renderer
-    template_tools = TemplateTools.probe(template)
-    log.debug("longest token", bytes=vocab.longest_token)  # at start-up, not in a request
-    tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
-    log.debug("chat template", tool_format=template_tools.format.name)
-    gateway = Gateway(
-        config,
-        vocab,
-        template,
-        template_tools,
-        tool_pieces,
-        pool,
-        metrics,
-        int(time.time()),
-        _sampling_defaults(config, vocab),
-    )
-    metrics.model_info.labels(model_name=config.served_model_name).set(1)
+    models = Models(config, catalogue, pool, manager, metrics)
+    gateway = Gateway(config, models, pool, metrics, int(time.time()))
+    for name in catalogue.names():
+        metrics.model_info.labels(model_name=name).set(1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.start()
+        if manager is not None:
+            await manager.start()
         # Several gateways may share one port: do not take connections (and answer them
-        # 503) before a worker has answered, unless they are slow to come.
-        if not await pool.wait_for_worker(config.worker_timeout):
+        # 503) before a worker has answered, unless they are slow to come. Under a model
+        # manager no worker may be running at all: the models load on demand.
+        if manager is None and not await pool.wait_for_worker(config.worker_timeout):
             log.warning(
                 "no answer from the worker yet; answering 503 until it comes",
                 reason=pool.unavailable_reason(),
@@ -189,6 +157,8 @@ def create_app(
         try:
             yield
         finally:
+            if manager is not None:
+                await manager.close()
             await pool.close()
 
     app = FastAPI(
@@ -208,6 +178,11 @@ def create_app(
     app.include_router(_api_routes(gateway), dependencies=checked)
     app.include_router(
         slots_router(pool), dependencies=checked, responses={401: ERROR_RESPONSES[401]}
+    )
+    app.include_router(
+        models_router(models),
+        dependencies=checked,
+        responses={status: ERROR_RESPONSES[status] for status in (400, 401, 404, 409, 503)},
     )
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout
@@ -268,7 +243,7 @@ def _open_routes(gateway: Gateway) -> APIRouter:
         503 also while the gateway drains on its way down.
         """
         gateway.pool.note_rotation()
-        reason = gateway.pool.unavailable_reason()
+        reason = gateway.models.can_serve()
         if gateway.drain.draining:
             reason = "the gateway is shutting down"
         if reason:
@@ -282,6 +257,9 @@ def _open_routes(gateway: Gateway) -> APIRouter:
                 "slots_processing": load.running,
                 "queue_depth": load.queue_depth,
             }
+        entries = gateway.models.entries()
+        if len(entries) > 1 or gateway.models.manager is not None:
+            body["models"] = {entry.name: entry.state for entry in entries}
         return JSONResponse(body)
 
     @router.get("/live", tags=["probes"])
@@ -292,6 +270,7 @@ def _open_routes(gateway: Gateway) -> APIRouter:
     @router.get("/metrics", tags=["probes"], response_class=Response)
     async def metrics() -> Response:
         """Prometheus metrics (of every gateway on this host in multiprocess mode)."""
+        gateway.models.export_metrics()
         content, content_type = gateway.metrics.render()
         return Response(content, media_type=content_type)
 
@@ -303,26 +282,25 @@ def _open_routes(gateway: Gateway) -> APIRouter:
 
 def _api_routes(gateway: Gateway) -> APIRouter:
     router = APIRouter(responses=ERROR_RESPONSES, route_class=OffLoopJSONRoute)
-    vocab = gateway.vocab
+    models = gateway.models
 
-    def model_card() -> ModelCard:
-        info = gateway.pool.info
+    def model_card(entry: ModelEntry) -> ModelCard:
         return ModelCard(
-            id=gateway.config.served_model_name,
+            id=entry.name,
             created=gateway.started_at,
-            max_model_len=info.slot_context if info is not None else None,
+            max_model_len=entry.info.slot_context if entry.info is not None else None,
+            status=ModelStatus(value=entry.state),
         )
 
     @router.get("/v1/models", tags=["openai"])
-    async def models() -> ModelList:
-        """The one model this server runs."""
-        return ModelList(data=[model_card()])
+    async def list_models() -> ModelList:
+        """Every model this server serves, loaded or not, with its state."""
+        return ModelList(data=[model_card(entry) for entry in models.entries()])
 
     @router.get("/v1/models/{model:path}", tags=["openai"])
     async def model(model: str) -> ModelCard:
         """The model by its name; 404 for any other name."""
-        _check_model(gateway, model)
-        return model_card()
+        return model_card(models.entry(models.name_of(model)))
 
     @router.post(
         "/v1/completions",
@@ -351,9 +329,9 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     @router.post("/v1/embeddings", tags=["openai"], response_model=EmbeddingList)
     async def embeddings(body: EmbeddingRequest, http: Request) -> Response:
         """Embeddings of the inputs: for a model with a pooling head, or with `--embeddings`."""
-        _check_model(gateway, body.model)
-        name = gateway.config.served_model_name
-        work = create_embeddings(gateway.pool, body, vocab, name)
+        served = await models.get(body.model)
+        workers = gateway.workers(served.name)
+        work = create_embeddings(workers, body, served.vocab, served.name)
         result = await until_disconnect(http, work)
         if result is None:
             return Response(status_code=499)  # nobody is listening any more
@@ -362,6 +340,7 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     @router.post("/tokenize", tags=["llama.cpp"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of `content` (with their pieces when `with_pieces`), as llama-server."""
+        vocab = (await models.get(body.model, worker=False)).vocab
         tokens = await prompts.tokenize(vocab, body.content, body.add_special, body.parse_special)
         if body.with_pieces:
             pieces = await prompts.off_loop(len(tokens), lambda: [vocab.text_of(t) for t in tokens])
@@ -373,6 +352,7 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     @router.post("/detokenize", tags=["llama.cpp"])
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         """The text of token ids, as llama-server."""
+        vocab = (await models.get(body.model, worker=False)).vocab
         await prompts.off_loop(
             len(body.tokens), lambda: prompts.check_token_ids(vocab, body.tokens, "tokens")
         )
@@ -382,39 +362,33 @@ def _api_routes(gateway: Gateway) -> APIRouter:
     # The Responses and Messages APIs: translations at the edge into the chat path.
     run = functools.partial(_generate, gateway)
     count = functools.partial(_prompt_tokens, gateway)
-    name = gateway.config.served_model_name
     for extra in (responses_router, messages_router):
         router.include_router(
-            extra(run, count, name, responses=ERROR_RESPONSES, route_class=OffLoopJSONRoute)
+            extra(
+                run,
+                count,
+                models.name_of,
+                responses=ERROR_RESPONSES,
+                route_class=OffLoopJSONRoute,
+            )
         )
     return router
 
 
 async def _prompt_tokens(gateway: Gateway, body: ChatCompletionRequest) -> int:
     """The prompt's token count of a chat request: template, tools and all."""
-    _check_model(gateway, body.model)
+    served = await gateway.models.get(body.model, worker=False)
 
     # No text cap here: counting is the question, even for a prompt no context holds.
     def count() -> int:
-        tools = tool_request(body, gateway.template_tools, gateway.vocab)
+        tools = tool_request(body, served.template_tools, served.vocab)
         definitions = tools.definitions if tools else None
         tokens = prompts.chat_prompt(
-            gateway.vocab, gateway.template, body.messages, gateway.template_tools, definitions
+            served.vocab, served.template, body.messages, served.template_tools, definitions
         )
         return len(tokens)
 
     return await prompts.in_thread(count)
-
-
-def _check_model(gateway: Gateway, model: str | None) -> None:
-    name = gateway.config.served_model_name
-    if model is not None and model != name:
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist; this server runs `{name}`.",
-            param="model",
-            code="model_not_found",
-        )
 
 
 # --- running a request ------------------------------------------------------------
@@ -424,9 +398,13 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     """Check the request, run it in the worker, answer as one body or as a stream."""
     if gateway.drain.draining:
         raise _shutting_down()
+    arrived = time.monotonic()  # a request that waits for its model to load counts that
+    served = await gateway.models.get(body.model)
     request = await _prepare(
         gateway,
+        served,
         body,
+        arrived,
         http.state.request_id,
         getattr(http.state, "tenant", None),
         getattr(http.state, "priorities", None),
@@ -439,8 +417,8 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
         max_tokens=[p.params.max_tokens for p in request.prompts],
     )
     if request.stream:
-        return await _stream(gateway, http, request)
-    running = await _NonStreamed.start(gateway, request)
+        return await _stream(gateway, served, http, request)
+    running = await _NonStreamed.start(gateway, served, request)
     try:
         outcome = await until_disconnect(http, running.collect())
     finally:
@@ -452,10 +430,13 @@ async def _generate(gateway: Gateway, http: Request, body: ApiBody) -> Response:
     return JSONResponse(answer.model_dump())
 
 
-async def _start_group(gateway: Gateway, request: GenerationRequest) -> GenerationGroup:
+async def _start_group(
+    gateway: Gateway, served: ServedModel, request: GenerationRequest
+) -> GenerationGroup:
     """Every choice of the request submitted, and tracked for draining."""
-    pieces = gateway.tool_pieces if request.tools else gateway.vocab
-    group = await GenerationGroup.start(gateway.pool, pieces, request, gateway.metrics)
+    pieces = served.tool_pieces if request.tools else served.vocab
+    workers = gateway.workers(served.name)
+    group = await GenerationGroup.start(workers, pieces, request, gateway.metrics)
     gateway.drain.track(group)
     return group
 
@@ -465,10 +446,12 @@ def _close_group(gateway: Gateway, group: GenerationGroup) -> None:
     gateway.drain.untrack(group)
 
 
-async def _stream(gateway: Gateway, http: Request, request: GenerationRequest) -> Response:
+async def _stream(
+    gateway: Gateway, served: ServedModel, http: Request, request: GenerationRequest
+) -> Response:
     """The request as server-sent events; the 200 goes out with the first output, so an
     error before it gets its own status."""
-    group = await _start_group(gateway, request)
+    group = await _start_group(gateway, served, request)
     try:
         waited = await until_disconnect(http, group.first_outputs())
     except BaseException:
@@ -493,12 +476,15 @@ class _NonStreamed:
     deadline (a stream is re-sent only before its first token: see generation.py)."""
 
     gateway: Gateway
+    served: ServedModel
     request: GenerationRequest
     group: GenerationGroup
 
     @classmethod
-    async def start(cls, gateway: Gateway, request: GenerationRequest) -> _NonStreamed:
-        return cls(gateway, request, await _start_group(gateway, request))
+    async def start(
+        cls, gateway: Gateway, served: ServedModel, request: GenerationRequest
+    ) -> _NonStreamed:
+        return cls(gateway, served, request, await _start_group(gateway, served, request))
 
     async def collect(self) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
         try:
@@ -511,7 +497,7 @@ class _NonStreamed:
             _close_group(self.gateway, self.group)
             self.gateway.pool.count_reroute("lost")
             try:
-                self.group = await _start_group(self.gateway, self.request)
+                self.group = await _start_group(self.gateway, self.served, self.request)
             except WorkerClientError:
                 raise lost from None  # the client hears why its request ended
             return await collect(self.group)
@@ -520,37 +506,37 @@ class _NonStreamed:
         _close_group(self.gateway, self.group)
 
 
-def _check_text(gateway: Gateway, body: ApiBody) -> None:
+def _check_text(gateway: Gateway, served: ServedModel, body: ApiBody) -> None:
     """400 at once for text no context can hold, before a thread renders and tokenizes it."""
-    info = gateway.pool.info
+    info = gateway.workers(served.name).info
     if info is None:
         return  # worker_info() answers 503 soon enough
     if isinstance(body, ChatCompletionRequest):
         chars, param = limits.chat_chars(body.messages), "messages"
     else:
         chars, param = limits.prompt_chars(body.prompt), "prompt"
-    limits.check_text(chars, info.slot_context, gateway.vocab.longest_token, param)
+    limits.check_text(chars, info.slot_context, served.vocab.longest_token, param)
 
 
 def _build(
-    gateway: Gateway, body: ApiBody
+    served: ServedModel, body: ApiBody
 ) -> tuple[SamplingParams, ToolRequest | None, list[tuple[list[int], str]]]:
     """The request's sampling parameters, tools and prompts (token ids, echo text).
 
     Runs in a thread: a JSON schema's grammar, the tools' grammar, the chat template and
     the tokenizer are where a big request spends its time."""
-    vocab = gateway.vocab
-    params = sampling_params(body, 1, vocab, gateway.sampling_defaults)
+    vocab = served.vocab
+    params = sampling_params(body, 1, vocab, served.sampling_defaults)
     if not isinstance(body, ChatCompletionRequest):
         return params, None, prompts.completion_prompts(vocab, body.prompt, bool(body.echo))
-    tools = tool_request(body, gateway.template_tools, vocab)
+    tools = tool_request(body, served.template_tools, vocab)
     if tools is not None and tools.grammar:
         params.grammar = tools.grammar
     tokens = prompts.chat_prompt(
         vocab,
-        gateway.template,
+        served.template,
         body.messages,
-        gateway.template_tools,
+        served.template_tools,
         tools.definitions if tools else None,
     )
     return params, tools, [(tokens, "")]
@@ -564,7 +550,9 @@ def _shutting_down() -> APIError:
 
 async def _prepare(
     gateway: Gateway,
+    served: ServedModel,
     body: ApiBody,
+    arrived: float,
     request_id: str,
     key_tenant: str | None = None,
     key_priorities: PriorityRange | None = None,
@@ -574,13 +562,11 @@ async def _prepare(
     The tenant is the authorising API key's, else the body's `user`, else the shared one.
     The priority is the body's, clamped into what the key may claim.
     """
-    arrived = time.monotonic()
-    _check_model(gateway, body.model)
     reject_unsupported(body)
     stops = stop_strings(body.stop)
-    _check_text(gateway, body)
+    _check_text(gateway, served, body)
     # Grammars, the template and the tokenizer: seconds for a big request, in a thread.
-    built = await prompts.in_thread(functools.partial(_build, gateway, body))
+    built = await prompts.in_thread(functools.partial(_build, served, body))
     params, tools, texts = built
     if isinstance(body, ChatCompletionRequest):
         requested = body.max_completion_tokens
@@ -594,7 +580,7 @@ async def _prepare(
     n = body.n or 1
     if len(texts) * n > MAX_CHOICES:
         raise invalid_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", "n")
-    info = gateway.worker_info()
+    info = gateway.worker_info(served.name)
     request_prompts = []
     for tokens, text in texts:
         limit = max_new_tokens(requested, default, len(tokens), info.slot_context)
@@ -616,7 +602,7 @@ async def _prepare(
         prompts=request_prompts,
         n=n,
         stops=stops,
-        model=gateway.config.served_model_name,
+        model=served.name,
         arrived_at=arrived,
         created=int(time.time()),
         tools=tools,

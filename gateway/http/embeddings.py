@@ -17,7 +17,7 @@ from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import EmbeddingRequest
 from loomserve.gateway.request import prompts
 from loomserve.gateway.text.tokenizer import Vocab
-from loomserve.gateway.workers.pool import WorkerPool
+from loomserve.gateway.workers.pool import ModelWorkers
 from loomserve.gateway.workers.retries import Tries
 from loomserve.protocol import Embed, Embeddings
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
@@ -61,7 +61,7 @@ async def embed_request(body: EmbeddingRequest, vocab: Vocab) -> Embed:
 
 
 async def create_embeddings(
-    pool: WorkerPool, body: EmbeddingRequest, vocab: Vocab, model: str
+    pool: ModelWorkers, body: EmbeddingRequest, vocab: Vocab, model: str
 ) -> dict[str, Any]:
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)

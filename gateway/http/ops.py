@@ -1,5 +1,6 @@
-"""Operators' views: GET /slots (every worker's slots, as llama-server's /slots, never any
-prompt text) and GET /status (a live page over /slots and /health, shipped as status.html)."""
+"""Operators' views and levers: GET /slots (every worker's slots, as llama-server's /slots,
+never any prompt text), GET /status (a live page over /slots and /health, shipped as
+status.html), POST /models/load and /models/unload (as llama-server's router mode)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from loomserve.gateway.api.schemas import ModelAction, ModelActionResult, ModelStatus
+from loomserve.gateway.models.registry import ModelEntry, Models
 from loomserve.gateway.workers.pool import WorkerPool, WorkerSlots
 from loomserve.protocol.messages import SlotsReport, SlotState
 
@@ -23,12 +26,38 @@ def slots_router(pool: WorkerPool) -> APIRouter:
     router = APIRouter()
 
     @router.get("/slots", tags=["llama.cpp"])
-    async def slots() -> JSONResponse:
-        """Every worker's slots, gathered now: per slot its state, request id, tenant,
-        priority, prompt tokens (cached and computed), tokens generated, age and tokens/s;
-        per worker its model, health, queue per tenant. Never prompt text."""
+    async def slots(model: str | None = None) -> JSONResponse:
+        """Every worker's slots (of `model` only, when given), gathered now: per slot its
+        state, request id, tenant, priority, prompt tokens (cached and computed), tokens
+        generated, age and tokens/s; per worker its model, health, queue per tenant. Never
+        prompt text."""
         workers = await pool.slots(SLOTS_TIMEOUT_SECONDS)
+        if model is not None:
+            workers = [worker for worker in workers if worker.model == model]
         return JSONResponse({"workers": [worker_body(worker) for worker in workers]})
+
+    return router
+
+
+def models_router(models: Models) -> APIRouter:
+    """POST /models/load and /models/unload, for `serve`'s models; behind the API key."""
+    router = APIRouter()
+
+    def result(entry: ModelEntry) -> ModelActionResult:
+        return ModelActionResult(model=entry.name, status=ModelStatus(value=entry.state))
+
+    @router.post("/models/load", tags=["models"])
+    async def load(body: ModelAction) -> ModelActionResult:
+        """Load the model now (evicting the least recently used idle one past
+        --models-max); answers once it serves. 400 when the server does not manage its
+        workers (a gateway on its own), 503 with Retry-After when it cannot load in time."""
+        return result(await models.load(body.model))
+
+    @router.post("/models/unload", tags=["models"])
+    async def unload(body: ModelAction) -> ModelActionResult:
+        """Unload the model: its worker stops taking requests, finishes those it runs, and
+        exits. The next request for it loads it again."""
+        return result(await models.unload(body.model))
 
     return router
 
@@ -51,7 +80,7 @@ def worker_body(worker: WorkerSlots) -> dict[str, Any]:
     info, beat, report = worker.info, worker.heartbeat, worker.report
     body: dict[str, Any] = {
         "endpoint": worker.endpoint,
-        "model": info.model_name if info is not None else None,
+        "model": worker.model or (info.model_name if info is not None else None),
         "status": "ok" if worker.unavailable is None else "unavailable",
         "reason": worker.unavailable,
         "slots_total": info.slots if info is not None else None,

@@ -21,7 +21,8 @@ from loomserve.gateway.http.app import create_app
 from loomserve.gateway.http.drain import Drain
 from loomserve.gateway.http.http_protocol import HeaderTimeoutProtocol
 from loomserve.gateway.metrics import GatewayMetrics, mark_dead
-from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.models.catalogue import Catalogue
+from loomserve.gateway.models.manager import ManagerClient
 from loomserve.gateway.workers.pool import WorkerPool
 
 log = structlog.get_logger(__name__)
@@ -34,17 +35,15 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
 
     A model whose vocabulary or chat template cannot be loaded ends the process with
     EXIT_CONFIG after one log line, which tells `serve`'s supervisor not to restart it."""
-    try:
-        vocab = Vocab(config.model_path)
+    try:  # a model file's vocabulary or chat template
+        catalogue = Catalogue(config)
     except ValueError as exc:
         _cannot_start(exc)
     try:
         metrics = GatewayMetrics()
-        pool = WorkerPool(config, vocab.n_tokens, vocab.fingerprint(), metrics)
-        try:
-            app = create_app(config, vocab, pool, metrics)
-        except ValueError as exc:  # the model's own chat template does not compile
-            _cannot_start(exc)
+        pool = WorkerPool(config, catalogue, metrics)
+        manager = ManagerClient(config.models_control) if config.models_control else None
+        app = create_app(config, catalogue, pool, metrics, manager)
         if sockets:
             listen = [_address(s) for s in sockets]
         else:
@@ -53,7 +52,7 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
             "gateway starting",
             listen=listen,
             workers=list(config.worker_endpoints),
-            model=config.served_model_name,
+            models=catalogue.names() or "learned from the workers",
             gateway_id=pool.identity,
             auth=bool(config.api_keys),
         )
@@ -77,7 +76,7 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
         log.info("gateway stopped")
     finally:
         mark_dead(os.getpid())
-        vocab.close()
+        catalogue.close()
 
 
 def _cannot_start(error: ValueError) -> NoReturn:

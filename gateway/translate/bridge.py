@@ -24,6 +24,8 @@ from loomserve.gateway.generate.streaming import EventStreamResponse
 ChatRun = Callable[[Request, ChatCompletionRequest], Awaitable[Response]]
 # The prompt's token count of a chat request, through the same template and tools.
 ChatCount = Callable[[ChatCompletionRequest], Awaitable[int]]
+# The served name of a request's `model` (None: the default model's); 404 for an unknown one.
+ModelName = Callable[[str | None], str]
 
 
 def named_event(name: str, payload: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from loomserve.gateway.api.schemas import ChatCompletionRequest, streamed_respon
 from loomserve.gateway.translate.bridge import (
     ChatCount,
     ChatRun,
+    ModelName,
     named_event,
     renamed,
     run_translated,
@@ -364,8 +365,11 @@ class MessageEvents:
         return [named_event("content_block_stop", body)]
 
 
-def messages_router(run: ChatRun, count: ChatCount, model: str, **router_options: Any) -> APIRouter:
-    """The routes of the Messages API, over the chat path `run`."""
+def messages_router(
+    run: ChatRun, count: ChatCount, model_name: ModelName, **router_options: Any
+) -> APIRouter:
+    """The routes of the Messages API, over the chat path `run`; `model_name` gives the
+    served name of a request's `model`."""
     router = APIRouter(**router_options)
 
     @router.post(
@@ -377,6 +381,7 @@ def messages_router(run: ChatRun, count: ChatCount, model: str, **router_options
         """A message (Anthropic's Messages API): text and tool use; streams when `stream`."""
         chat = chat_request(body)
         message_id = f"msg_{uuid.uuid4().hex}"
+        model = model_name(body.model)
         stream = MessageEvents(message_id, model)
         return await run_translated(
             run,

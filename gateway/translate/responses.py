@@ -27,6 +27,7 @@ from loomserve.gateway.api.schemas import ChatCompletionRequest, streamed_respon
 from loomserve.gateway.translate.bridge import (
     ChatCount,
     ChatRun,
+    ModelName,
     named_event,
     renamed,
     run_translated,
@@ -475,9 +476,10 @@ class ResponseEvents:
 
 
 def responses_router(
-    run: ChatRun, count: ChatCount, model: str, **router_options: Any
+    run: ChatRun, count: ChatCount, model_name: ModelName, **router_options: Any
 ) -> APIRouter:
-    """The routes of the Responses API, over the chat path `run`."""
+    """The routes of the Responses API, over the chat path `run`; `model_name` gives the
+    served name of a request's `model`."""
     router = APIRouter(**router_options)
 
     @router.post(
@@ -491,7 +493,7 @@ def responses_router(
         Stateless: `store` must be false or absent, `previous_response_id` is not taken.
         """
         chat = chat_request(body)
-        head = ResponseHead(body, model)
+        head = ResponseHead(body, model_name(body.model))
         stream = ResponseEvents(head)
         return await run_translated(
             run, http, chat, lambda whole: whole_response(head, whole), stream.translate, PARAMS

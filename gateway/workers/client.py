@@ -30,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.workers.curve import set_curve_client
+from loomserve.gateway.workers.directory import ModelDirectory
 from loomserve.gateway.workers.errors import (
     ReaderTooSlow,
     WorkerClientError,
@@ -60,6 +61,8 @@ from loomserve.protocol.messages import (
     SlotsQuery,
     SlotsReport,
     TokenChunk,
+    VocabFile,
+    VocabQuery,
     WorkerError,
 )
 
@@ -138,8 +141,7 @@ class WorkerClient:
     def __init__(
         self,
         config: GatewayConfig,
-        vocab_size: int,
-        vocab_fingerprint: str,
+        directory: ModelDirectory,
         metrics: GatewayMetrics | None = None,
         *,
         endpoint: str | None = None,
@@ -149,10 +151,11 @@ class WorkerClient:
         self.config = config
         self.endpoint = endpoint or config.worker_endpoints[0]  # one worker's address
         self.identity = identity or gateway_identity()
-        self.vocab_size = vocab_size
-        self.vocab_fingerprint = vocab_fingerprint
+        self.directory = directory  # which model a worker serves; the vocabularies
         self.metrics = metrics
         self.info: ModelInfo | None = None  # the worker's answer to our latest Hello
+        self.model: str | None = None  # the name its model is served under, once placed
+        self._vocab_wanted: str | None = None  # the fingerprint asked for with VocabQuery
         self.heartbeat: Heartbeat | None = None  # the worker's latest load report
         self._sent_since_heartbeat: list[str] = []  # request ids that report cannot count
         self.incompatible: str | None = None  # why we refuse to serve with this worker
@@ -230,6 +233,8 @@ class WorkerClient:
             return self._lost_because
         if time.monotonic() - self._last_seen > self.config.worker_timeout:
             return "the worker stopped responding"
+        if self._vocab_wanted is not None:
+            return "the gateway is loading the worker's vocabulary and chat template"
         ready = self.heartbeat.ready if self.heartbeat is not None else self.info.ready
         return None if ready else "the worker is not ready yet"
 
@@ -445,6 +450,8 @@ class WorkerClient:
                     query.set_result(message)
             case ModelInfo():
                 self._on_model_info(message)
+            case VocabFile():
+                self._on_vocab_file(message)
             case WorkerError():
                 self._on_worker_error(message)
             case _:
@@ -465,22 +472,23 @@ class WorkerClient:
                 handle.events.put_nowait(finish)
 
     def _on_model_info(self, info: ModelInfo) -> None:
-        problem = None
+        problem, placement = None, None
         if info.protocol_version != PROTOCOL_VERSION:
             problem = (
                 f"the worker speaks protocol {info.protocol_version}, this gateway "
                 f"{PROTOCOL_VERSION}; run matching versions"
             )
-        elif info.vocab_size != self.vocab_size or info.vocab_fingerprint != self.vocab_fingerprint:
-            problem = (
-                f"the worker's model {info.model_name!r} has a different vocabulary "
-                f"({info.vocab_size} tokens) from this gateway's {self.config.model_path.name!r} "
-                f"({self.vocab_size} tokens); start both with the same model file"
-            )
+        else:
+            placement = self.directory.place(info)
+            problem = placement.problem
         self.incompatible = problem
         self.info = info
+        self.model = placement.name if placement else None
         self.heartbeat = None
         self._sent_since_heartbeat.clear()
+        self._vocab_wanted = None
+        if problem is None and self.model is not None:
+            self._prepare_model(self.model, info.vocab_fingerprint)
         self._answered.set()
         if problem:
             log.error("refusing to serve with this worker", worker=self.endpoint, reason=problem)
@@ -488,11 +496,50 @@ class WorkerClient:
             log.info(
                 "worker ready",
                 worker=self.endpoint,
-                model=info.model_name,
+                model=self.model,
                 slots=info.slots,
                 slot_context=info.slot_context,
                 ready=info.ready,
             )
+
+    def _prepare_model(self, model: str, fingerprint: str) -> None:
+        """Out of rotation until the gateway has the model's vocabulary and chat template:
+        from its own files, or from the worker (VocabQuery, answered by a VocabFile)."""
+        if self.directory.is_ready(model, fingerprint):
+            return
+        self._vocab_wanted = fingerprint
+        if self.directory.has_vocabulary(fingerprint):
+            self._start_prepare(model, fingerprint, None)
+        else:
+            log.info("fetching the worker's vocabulary", worker=self.endpoint, model=model)
+            self._send(VocabQuery(fingerprint))
+
+    def _on_vocab_file(self, answer: VocabFile) -> None:
+        if answer.vocab_fingerprint != self._vocab_wanted or self.model is None:
+            return  # an answer to an earlier Hello's query
+        if answer.error:
+            self._refuse_vocabulary(answer.vocab_fingerprint, answer.error)
+            return
+        self._start_prepare(self.model, answer.vocab_fingerprint, answer.gguf_zlib)
+
+    def _start_prepare(self, model: str, fingerprint: str, gguf_zlib: bytes | None) -> None:
+        task = asyncio.create_task(self._prepare(model, fingerprint, gguf_zlib), name="prepare")
+        self._tasks = [task, *(other for other in self._tasks if not other.done())]
+
+    async def _prepare(self, model: str, fingerprint: str, gguf_zlib: bytes | None) -> None:
+        problem = await self.directory.prepare(model, fingerprint, gguf_zlib)
+        if self._vocab_wanted != fingerprint:
+            return  # the worker went away, or came back as another, meanwhile
+        if problem is not None:
+            self._refuse_vocabulary(fingerprint, problem)
+            return
+        self._vocab_wanted = None
+        log.info("model ready to serve", worker=self.endpoint, model=model)
+
+    def _refuse_vocabulary(self, fingerprint: str, why: str) -> None:
+        self._vocab_wanted = None
+        self.incompatible = f"cannot use the worker's vocabulary: {why}"
+        log.error("refusing to serve with this worker", worker=self.endpoint, reason=why)
 
     def _on_worker_error(self, error: WorkerError) -> None:
         log.error("worker error", worker=self.endpoint, code=error.code, message=error.message)

@@ -11,8 +11,10 @@ Each request goes where routing.py's policy says (`pick`); whether it goes on to
 worker when that one fails it is decided by its Tries (retries.py), the one owner of a
 request's retries.
 
-To the HTTP app the pool looks like one worker: ready while any worker is, the ModelInfo of
-the ready ones, their load summed.
+Workers may serve different models (the directory, directory.py, says which a worker
+serves). `for_model(name)` is the pool seen through one model: it picks, reports and sums
+among that model's workers only, so to the code that runs a request it looks like one worker
+of that model: ready while any is, the ModelInfo of the ready ones, their load summed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from loomserve.gateway.workers.client import (
     gateway_identity,
     stop_tasks,
 )
+from loomserve.gateway.workers.directory import ModelDirectory
 from loomserve.gateway.workers.errors import WorkerClientError
 from loomserve.gateway.workers.routing import (
     Choice,
@@ -68,6 +71,7 @@ class WorkerSlots:
     """One worker's answer to GET /slots, or why there is none."""
 
     endpoint: str
+    model: str | None  # the name its model is served under, once the gateway placed it
     info: ModelInfo | None  # its latest ModelInfo; None while it has not answered Hello
     heartbeat: Heartbeat | None  # its latest load report
     unavailable: str | None  # why it is out of rotation; None while in it
@@ -90,15 +94,13 @@ class WorkerPool:
     def __init__(
         self,
         config: GatewayConfig,
-        vocab_size: int,
-        vocab_fingerprint: str,
+        directory: ModelDirectory,
         metrics: GatewayMetrics | None = None,
         resolver: Callable[[str], list[str]] = expand,
     ) -> None:
         self.config = config
         self.identity = gateway_identity()  # each worker connection adds a serial number
-        self.vocab_size = vocab_size
-        self.vocab_fingerprint = vocab_fingerprint
+        self.directory = directory
         self.metrics = metrics
         self.members: dict[str, Member] = {}  # by worker address
         self.affinity = PrefixAffinity()
@@ -141,30 +143,54 @@ class WorkerPool:
 
     # --- state -------------------------------------------------------------------
 
-    def in_rotation(self) -> list[WorkerClient]:
-        """The clients of the workers that can take requests now."""
+    def for_model(self, model: str) -> ModelWorkers:
+        """The pool as one model's requests see it: its workers only."""
+        return ModelWorkers(self, model)
+
+    def for_any(self) -> ModelWorkers:
+        """The pool as the one-model gateway's requests see it: every worker."""
+        return ModelWorkers(self, None)
+
+    def _serving(self, model: str | None) -> list[tuple[str, Member]]:
+        """The members not retiring, of one model's workers (None: of any)."""
         return [
-            member.client
-            for member in self.members.values()
-            if not member.retiring and member.client.unavailable_reason() is None
+            (endpoint, member)
+            for endpoint, member in self.members.items()
+            if not member.retiring and (model is None or member.client.model == model)
         ]
 
-    def counts(self) -> tuple[int, int]:
-        """(workers in rotation, workers known)."""
-        known = sum(not member.retiring for member in self.members.values())
-        return len(self.in_rotation()), known
+    def in_rotation(self, model: str | None = None) -> list[WorkerClient]:
+        """The clients of the workers (of `model`) that can take requests now."""
+        return [
+            member.client
+            for _, member in self._serving(model)
+            if member.client.unavailable_reason() is None
+        ]
 
-    def unavailable_reason(self) -> str | None:
-        """Why no request can be served now; None while at least one worker can take one."""
+    def counts(self, model: str | None = None) -> tuple[int, int]:
+        """(workers in rotation, workers known), of `model` or of all."""
+        return len(self.in_rotation(model)), len(self._serving(model))
+
+    def models(self) -> dict[str, int]:
+        """Every model some known worker serves, with how many of its workers are in rotation."""
+        served: dict[str, int] = {}
+        for _, member in self._serving(None):
+            if member.client.model is not None:
+                up = member.client.unavailable_reason() is None
+                served[member.client.model] = served.get(member.client.model, 0) + up
+        return served
+
+    def unavailable_reason(self, model: str | None = None) -> str | None:
+        """Why no request (for `model`) can be served now; None while a worker can take one."""
         reasons: dict[str, str] = {}
-        for endpoint, member in self.members.items():
-            if member.retiring:
-                continue
+        for endpoint, member in self._serving(model):
             reason = member.client.unavailable_reason()
             if reason is None:
                 return None
             reasons[endpoint] = reason
         if not reasons:
+            if model is not None and self._serving(None):
+                return f"no worker serves the model {model!r} now"
             errors = "; ".join(f"{e}: {why}" for e, why in self._resolve_errors.items())
             return f"no worker address resolves ({errors})" if errors else "no worker is known"
         if len(reasons) == 1:
@@ -172,19 +198,21 @@ class WorkerPool:
         listed = "; ".join(f"{endpoint}: {reason}" for endpoint, reason in reasons.items())
         return f"none of the {len(reasons)} workers can take requests ({listed})"
 
-    @property
-    def info(self) -> ModelInfo | None:
+    def info_of(self, model: str | None = None) -> ModelInfo | None:
         """A ready worker's ModelInfo: the one with the smallest slot context, to be safe."""
-        infos = [client.info for client in self.in_rotation() if client.info is not None]
+        infos = [client.info for client in self.in_rotation(model) if client.info is not None]
         return min(infos, key=lambda info: info.slot_context) if infos else None
 
     @property
-    def load(self) -> SlotLoad | None:
-        """The ready workers' latest loads, summed; None while none is ready.
+    def info(self) -> ModelInfo | None:
+        return self.info_of(None)
+
+    def load_of(self, model: str | None = None) -> SlotLoad | None:
+        """The ready workers' latest loads (of `model`), summed; None while none is ready.
 
         A worker that answered Hello but has not heartbeated yet counts as idle, as in routing.
         """
-        loads = [_latest_load(client) for client in self.in_rotation() if client.info]
+        loads = [_latest_load(client) for client in self.in_rotation(model) if client.info]
         if not loads:
             return None
         return SlotLoad(
@@ -193,6 +221,10 @@ class WorkerPool:
             running=sum(load.running for load in loads),
         )
 
+    @property
+    def load(self) -> SlotLoad | None:
+        return self.load_of(None)
+
     async def slots(self, timeout: float) -> list[WorkerSlots]:
         """Every known worker's slots, asked of all at once; each answers or says why not."""
         members = [(e, m.client) for e, m in self.members.items() if not m.retiring]
@@ -200,6 +232,7 @@ class WorkerPool:
         return [
             WorkerSlots(
                 endpoint,
+                client.model,
                 client.info,
                 client.heartbeat,
                 client.unavailable_reason(),
@@ -225,10 +258,15 @@ class WorkerPool:
         return any(member.client.in_use(request_id) for member in self.members.values())
 
     def pick(
-        self, key: int | None, exclude: Collection[str] = (), keys: list[int] | None = None
+        self,
+        key: int | None,
+        exclude: Collection[str] = (),
+        keys: list[int] | None = None,
+        model: str | None = None,
     ) -> tuple[WorkerClient, Choice] | None:
         """The worker routing.py's policy gives a prompt with this affinity key, among those
-        in rotation and not in `exclude`; None when none is left (or the pool is closing).
+        (of `model`) in rotation and not in `exclude`; None when none is left (or the pool is
+        closing). Prefix affinity works among one model's workers: only they cache its prompts.
 
         Which workers a request may still go to is its Tries' business (retries.py).
         """
@@ -239,6 +277,8 @@ class WorkerPool:
         for endpoint, member in self.members.items():
             client = member.client
             if endpoint in exclude or member.retiring or client.info is None:
+                continue
+            if model is not None and client.model != model:
                 continue
             if client.unavailable_reason() is not None:
                 continue
@@ -311,8 +351,7 @@ class WorkerPool:
                 self._serial += 1
                 client = WorkerClient(
                     self.config,
-                    self.vocab_size,
-                    self.vocab_fingerprint,
+                    self.directory,
                     self.metrics,
                     endpoint=endpoint,
                     identity=f"{self.identity}-{self._serial}",
@@ -400,3 +439,40 @@ def _latest_load(client: WorkerClient) -> SlotLoad:
         return SlotLoad(beat.queue_depth, beat.free_slots, beat.running)
     assert client.info is not None
     return SlotLoad(queue_depth=0, free_slots=client.info.slots, running=0)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWorkers:
+    """The pool through one model: what runs a request of that model sees of the workers."""
+
+    pool: WorkerPool
+    model: str | None  # None: every worker's (one model, whatever the workers call it)
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self.pool.config
+
+    @property
+    def info(self) -> ModelInfo | None:
+        return self.pool.info_of(self.model)
+
+    @property
+    def load(self) -> SlotLoad | None:
+        return self.pool.load_of(self.model)
+
+    def unavailable_reason(self) -> str | None:
+        return self.pool.unavailable_reason(self.model)
+
+    def pick(
+        self, key: int | None, exclude: Collection[str] = (), keys: list[int] | None = None
+    ) -> tuple[WorkerClient, Choice] | None:
+        return self.pool.pick(key, exclude, keys, model=self.model)
+
+    def routed(self, choice: Choice, key: int | None, client: WorkerClient) -> None:
+        self.pool.routed(choice, key, client)
+
+    def count_reroute(self, reason: str) -> None:
+        self.pool.count_reroute(reason)
+
+    def in_use(self, request_id: str) -> bool:
+        return self.pool.in_use(request_id)

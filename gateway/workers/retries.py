@@ -30,7 +30,7 @@ from loomserve.protocol.messages import Embed, ErrorCode, Generate
 from loomserve.protocol.prefix_keys import prefix_keys
 
 if TYPE_CHECKING:
-    from loomserve.gateway.workers.pool import WorkerPool
+    from loomserve.gateway.workers.pool import ModelWorkers
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ RETRYABLE_REJECTIONS = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NOT_READY})
 class Tries:
     """The workers one request went to, in order, and the sending that adds to them."""
 
-    pool: WorkerPool
+    pool: ModelWorkers
     limit: int = MAX_WORKERS_PER_REQUEST
     workers: list[str] = field(default_factory=list)  # endpoints, in the order tried
     # Why the latest worker did not serve it: decides the reroute metric's reason.

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from loomserve.cli import serve as serving
+from loomserve.cli.default_model import NamedModel
 from loomserve.cli.main import main
 from tests.cli.test_cli import ROOT, children_of, clean_env, role
 from tests.procs import free_port
@@ -21,7 +22,7 @@ from tests.procs import free_port
 def plan(**overrides: object) -> serving.ServePlan:
     options = {"threads": 3, "metrics_port": None, "slots": 2, "api_key": ()}
     values = {
-        "model": Path("m.gguf"),
+        "models": (NamedModel("m", Path("m.gguf"), False),),
         "host": "127.0.0.1",
         "port": 8000,
         "gateways": 1,
@@ -32,7 +33,7 @@ def plan(**overrides: object) -> serving.ServePlan:
 
 
 def specs(serve_plan: serving.ServePlan, tmp_path: Path) -> list:
-    endpoints = serving.worker_endpoints(tmp_path, serve_plan.workers)
+    endpoints = serving.model_endpoints(tmp_path, serve_plan)
     return serving.child_specs(
         serve_plan, endpoints, tmp_path, main.commands["worker"], main.commands["gateway"]
     )

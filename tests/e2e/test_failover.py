@@ -59,7 +59,7 @@ def test_gone_clients_and_gateways_free_their_slots(long_model_path: Path) -> No
             httpx.post(url, json=LONG, timeout=0.3)
         wait_until(slot_state(observer, 1), 1, "the slot freed after a client gave up")
         metrics = httpx.get(observer.url + "/metrics").text
-        assert "loomserve:client_disconnects_total 2.0" in metrics
+        assert 'loomserve:client_disconnects_total{model_name="tiny-long"} 2.0' in metrics
 
         stream = stack.enter_context(
             httpx.stream("POST", victim.url + "/v1/completions", json={**LONG, "stream": True})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -375,7 +376,8 @@ def test_metrics_move_by_what_was_served(
     wait_all_slots_free(first)
     gateway_before = scrape_metrics(first.url + "/metrics")
     worker_before = scrape_metrics(worker_metrics_url)
-    generated = "loomserve:generation_tokens_total", ()
+    model = (("model_name", "tiny-llama"),)  # the gateway's request metrics are by model
+    generated = "loomserve:generation_tokens_total", model
 
     def request(i: int) -> dict:
         if i % 3 == 0:  # streamed, with usage in the last event
@@ -413,9 +415,12 @@ def test_metrics_move_by_what_was_served(
     assert completion_tokens == sum(40 + i for i in range(8))
     assert during == sorted(during)
     assert all(gateway_before[generated] <= seen <= gateway_after[generated] for seen in during)
-    for before, after in [(gateway_before, gateway_after), (worker_before, worker_after)]:
-        assert moved(before, after, "loomserve:generation_tokens_total") == completion_tokens
-    assert moved(gateway_before, gateway_after, "loomserve:prompt_tokens_total") == prompt_tokens
+    gateway_moved = functools.partial(moved, gateway_before, gateway_after, model_name="tiny-llama")
+    assert gateway_moved("loomserve:generation_tokens_total") == completion_tokens
+    assert moved(worker_before, worker_after, "loomserve:generation_tokens_total") == (
+        completion_tokens
+    )
+    assert gateway_moved("loomserve:prompt_tokens_total") == prompt_tokens
     # Both count every prompt token; the worker evaluated those its prefix cache lacked.
     assert moved(worker_before, worker_after, "loomserve:prompt_tokens_total") == prompt_tokens
     batch = "loomserve:batch_tokens_total"
@@ -430,8 +435,8 @@ def test_metrics_move_by_what_was_served(
     assert moved(gateway_before, gateway_after, http, route=route, status="200") == 8
     assert moved(gateway_before, gateway_after, http, route=route, status="400") == 1
     latency = "loomserve:e2e_request_latency_seconds_count"
-    assert moved(gateway_before, gateway_after, latency) == 8
-    assert gateway_after["loomserve:requests_in_flight", ()] == 0
+    assert gateway_moved(latency) == 8
+    assert gateway_after["loomserve:requests_in_flight", model] == 0
     finished = "loomserve:requests_finished_total"
     assert moved(worker_before, worker_after, finished, finished_reason="length") == 8
     # Bad input never reached the worker.

@@ -13,6 +13,7 @@ import pytest
 
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.endpoints import expand, needs_resolving, split_tcp, tcp_endpoint
+from loomserve.gateway.workers.directory import OneVocabulary
 from loomserve.gateway.workers.pool import WorkerPool
 from loomserve.gateway.workers.routing import (
     AFFINITY_SLACK,
@@ -137,7 +138,7 @@ def test_the_pool_follows_the_resolved_addresses() -> None:
     )
 
     async def scenario() -> None:
-        pool = WorkerPool(config, 100, "fingerprint", resolver=resolver)
+        pool = WorkerPool(config, OneVocabulary("m", 100, "fingerprint"), resolver=resolver)
         answers["tcp://10.9.0.9:5555"] = ["tcp://10.9.0.9:5555"]
         await pool.resolve()
         assert list(pool.members) == ["tcp://10.9.0.1:5555", "tcp://10.9.0.9:5555"]
@@ -176,7 +177,7 @@ def test_a_pool_without_any_address_says_why() -> None:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     async def scenario() -> str | None:
-        pool = WorkerPool(config, 100, "fingerprint", resolver=resolver)
+        pool = WorkerPool(config, OneVocabulary("m", 100, "fingerprint"), resolver=resolver)
         await pool.resolve()
         reason = pool.unavailable_reason()
         assert pool.info is None and pool.load is None
