@@ -42,7 +42,7 @@ log = structlog.get_logger(__name__)
 
 PING_SECONDS = 1.0  # how often each loaded model's workers are asked for their load
 # A model loaded this recently is not evicted: the requests that asked for it are on their way.
-LOAD_GRACE_SECONDS = 10.0
+LOAD_GRACE_SECONDS = 2.0
 
 
 @dataclass(slots=True)
@@ -170,7 +170,7 @@ class ModelManager:
             victim = self._eviction_candidate()
             if victim is None:
                 return self._states(
-                    f"{self.models_max} models are loaded (--models-max) and each is busy; "
+                    f"every loaded model is busy (--models-max {self.models_max}); "
                     f"{name} loads when one is idle",
                     "models_busy",
                 )

@@ -121,7 +121,7 @@ class Supervisor:
         }
         try:
             for child in self.children:
-                if child.wanted:
+                if child.wanted and child.process is None:  # (start_child may have run)
                     self._start(child)
             status = self._supervise()
         finally:

@@ -94,7 +94,7 @@ def _server_keys(config: WorkerConfig) -> ServerKeys | None:
 def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> None:
     info = ModelInfo(
         protocol_version=PROTOCOL_VERSION,
-        model_name=engine.description.name,
+        model_name=config.model_name,  # the name gateways serve it under
         vocab_size=engine.n_vocab,
         context_train=engine.description.context_train,
         slot_context=engine.slot_context,

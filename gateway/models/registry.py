@@ -25,6 +25,7 @@ from loomserve.protocol.messages import ModelInfo, ModelPhase
 log = structlog.get_logger(__name__)
 
 WAIT_POLL_SECONDS = 0.05
+ASK_AGAIN_SECONDS = 0.5  # a load refused (every loaded model busy) is asked for again
 RETRY_AFTER_SECONDS = 5  # what a 503 for a model still loading tells the client
 
 
@@ -104,13 +105,17 @@ class Models:
         return await self._load_and_wait(name)
 
     async def _load_and_wait(self, name: str) -> ServedModel:
+        """Ask the manager to load the model and wait until a worker serves it. While every
+        loaded model is busy (--models-max), the request waits for one to go idle, asking
+        again; 503 with Retry-After at the deadline."""
         assert self.manager is not None
         if self.waiting >= self.config.max_waiting_for_load:
             raise _retry_later(f"too many requests wait for models to load; retry {name!r} soon")
         self.waiting += 1
         try:
-            await self._ask_load(name)
             deadline = time.monotonic() + self.config.model_load_timeout
+            refused = await self._ask_load(name)
+            asked_at = time.monotonic()
             while True:
                 model = self.catalogue.get(name)
                 if model is not None and self.pool.unavailable_reason(name) is None:
@@ -118,16 +123,20 @@ class Models:
                 state = self.manager.states.get(name)
                 if state is not None and state.phase == ModelPhase.UNLOADED and state.error:
                     raise unavailable(f"the model {name!r} failed to load: {state.error}")
-                if time.monotonic() >= deadline:
-                    raise _retry_later(
-                        f"the model {name!r} did not load within "
-                        f"{self.config.model_load_timeout:g} s"
-                    )
+                now = time.monotonic()
+                if now >= deadline:
+                    why = refused or f"it did not load within {self.config.model_load_timeout:g} s"
+                    raise _retry_later(f"the model {name!r} cannot be served now: {why}")
+                if now - asked_at >= ASK_AGAIN_SECONDS and (
+                    refused or state is None or state.phase == ModelPhase.UNLOADED
+                ):
+                    refused, asked_at = await self._ask_load(name), now
                 await asyncio.sleep(WAIT_POLL_SECONDS)
         finally:
             self.waiting -= 1
 
-    async def _ask_load(self, name: str) -> None:
+    async def _ask_load(self, name: str) -> str:
+        """Ask the manager to load the model; why it cannot now ("" when it started to)."""
         assert self.manager is not None
         try:
             answer = await self.manager.load(name)
@@ -135,8 +144,7 @@ class Models:
             raise _retry_later(str(exc)) from None
         if answer.code == "model_not_found":
             raise self._not_found(name)
-        if answer.error:
-            raise _retry_later(answer.error)
+        return answer.error
 
     def _not_found(self, name: str) -> APIError:
         listed = ", ".join(f"`{known}`" for known in self.names()) or "none yet"
@@ -190,19 +198,26 @@ class Models:
         return list(names)
 
     def entry(self, name: str) -> ModelEntry:
-        ready, known = self.pool.counts(name)
+        ready, _ = self.pool.counts(name)
         info = self.pool.info_of(name)
         if self.catalogue.only is not None:
-            ready, known = self.pool.counts()
+            ready, _ = self.pool.counts()
             info = self.pool.info_of(None)
-        if ready and self.catalogue.get(name) is not None:
+        serving = bool(ready) and self.catalogue.get(name) is not None
+        phase = (
+            self.manager.states[name].phase
+            if self.manager and name in self.manager.states
+            else None
+        )
+        if phase in (ModelPhase.UNLOADING, ModelPhase.UNLOADED):
+            state = phase  # what the manager does wins over a worker still draining
+        elif serving:
             state = ModelState.LOADED
-        elif self.manager is not None and name in self.manager.states:
-            phase = self.manager.states[name].phase
-            state = ModelState.LOADING if phase == ModelPhase.LOADED else phase
+        elif phase is not None:
+            state = ModelState.LOADING  # its worker is starting, or is not placed yet
         else:
-            state = ModelState.LOADING if known else ModelState.UNAVAILABLE
-        return ModelEntry(name, state, info, ready)
+            state = ModelState.UNAVAILABLE
+        return ModelEntry(name, state, info if serving else None, ready)
 
     def entries(self) -> list[ModelEntry]:
         return [self.entry(name) for name in self.names()]
