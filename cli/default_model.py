@@ -63,7 +63,7 @@ def resolve_model(path: str | Path | None) -> Path:
 
 
 MODELS_MAX = 4  # models `serve` keeps loaded at once, by default: as llama-server's --models-max
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}")
+_NAME = re.compile(r"[^\s=]\S{0,127}")  # no whitespace, 128 characters at most
 
 
 def named_models(specs: Sequence[str], models_dir: str | Path | None = None) -> list[NamedModel]:
@@ -89,7 +89,7 @@ def named_models(specs: Sequence[str], models_dir: str | Path | None = None) -> 
     for model in found:
         if not _NAME.fullmatch(model.name):
             raise ModelFileError(
-                f"{model.name!r} cannot name a model: letters, digits and _.:@/- only"
+                f"{model.name!r} cannot name a model: no whitespace, at most 128 characters"
             )
         if model.name in seen:
             raise ModelFileError(f"two models are named {model.name!r}; name them NAME=PATH")

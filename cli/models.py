@@ -43,6 +43,8 @@ log = structlog.get_logger(__name__)
 PING_SECONDS = 1.0  # how often each loaded model's workers are asked for their load
 # A model loaded this recently is not evicted: the requests that asked for it are on their way.
 LOAD_GRACE_SECONDS = 2.0
+MIN_IDLE_SECONDS = 0.25  # a model idle for less is not evicted: a request may be arriving
+REFRESH_SECONDS = 0.5  # how long an eviction waits for fresh heartbeats (local sockets)
 
 
 @dataclass(slots=True)
@@ -167,6 +169,8 @@ class ModelManager:
             return self._states(f"{name} is unloading; ask again in a moment", "model_busy")
         loaded = [m for m in self.models.values() if m.phase != ModelPhase.UNLOADED]
         if len(loaded) >= self.models_max:
+            # Decide on heartbeats asked for now: the last round's may predate a request.
+            self._refresh_heartbeats(loaded)
             victim = self._eviction_candidate()
             if victim is None:
                 return self._states(
@@ -210,7 +214,7 @@ class ModelManager:
             for model in self.models.values()
             if model.phase == ModelPhase.LOADED
             and not model.busy
-            and model.idle_seconds > 0
+            and model.idle_seconds >= MIN_IDLE_SECONDS
             and now - model.loaded_at >= LOAD_GRACE_SECONDS
         ]
         return max(idle, key=lambda model: model.idle_seconds, default=None)
@@ -251,14 +255,20 @@ class ModelManager:
         sock.connect(endpoint)
         return sock
 
-    def _ping_all(self) -> None:
-        for sock in self._pings.values():
-            with contextlib.suppress(zmq.Again):  # not connected yet
-                sock.send_multipart(encode(Ping(sent_at=time.time())), flags=zmq.NOBLOCK)
+    def _ping_all(self, endpoints: Sequence[str] | None = None) -> float:
+        """Ping the workers (those at `endpoints`, or all loaded); the Pings' sent_at."""
+        sent_at = time.time()
+        for endpoint in self._pings if endpoints is None else endpoints:
+            sock = self._pings.get(endpoint)
+            if sock is not None:
+                with contextlib.suppress(zmq.Again):  # not connected yet
+                    sock.send_multipart(encode(Ping(sent_at=sent_at)), flags=zmq.NOBLOCK)
+        return sent_at
 
-    def _read_heartbeats(self) -> None:
+    def _read_heartbeats(self, timeout_ms: int = 0) -> None:
         for endpoint, sock in self._pings.items():
-            while sock.poll(0):
+            while sock.poll(timeout_ms):
+                timeout_ms = 0
                 try:
                     message = decode(sock.recv_multipart())
                 except DecodeError:
@@ -267,6 +277,25 @@ class ModelManager:
                     model = self._model_at(endpoint)
                     if model is not None:
                         model.beats[endpoint] = message
+
+    def _refresh_heartbeats(self, models: Sequence[ManagedModel]) -> None:
+        """Ping the models' workers and wait (briefly) for every answer: whether they are
+        idle is then known as of now. A worker that does not answer keeps its old beat."""
+        endpoints = [e for model in models for e in model.endpoints if e in self._pings]
+        sent_at = self._ping_all(endpoints)
+        deadline = time.monotonic() + REFRESH_SECONDS
+        while time.monotonic() < deadline:
+            fresh = all(
+                (beat := self._beat_at(endpoint)) is not None and beat.ping_sent_at >= sent_at
+                for endpoint in endpoints
+            )
+            if fresh:
+                return
+            self._read_heartbeats(timeout_ms=10)
+
+    def _beat_at(self, endpoint: str) -> Heartbeat | None:
+        model = self._model_at(endpoint)
+        return model.beats.get(endpoint) if model is not None else None
 
     def _model_at(self, endpoint: str) -> ManagedModel | None:
         return next((m for m in self.models.values() if endpoint in m.endpoints), None)

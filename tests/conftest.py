@@ -23,6 +23,13 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def other_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny model: other weights, and 64 more pieces, so another vocabulary."""
+    path = tmp_path_factory.mktemp("other") / "tiny-other.gguf"
+    return write_tiny_model(path, seed=77, shape=ModelShape(extra_vocab=64))
+
+
+@pytest.fixture(scope="session")
 def long_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with a 16k context: same vocabulary, much longer generations."""
     path = tmp_path_factory.mktemp("long") / "tiny-long.gguf"

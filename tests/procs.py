@@ -157,7 +157,7 @@ def start_worker(
 
 
 def start_gateway(
-    model: Path,
+    model: Path | None,
     worker_endpoint: str | list[str],
     port: int | None = None,
     wait: bool = True,
@@ -165,14 +165,14 @@ def start_gateway(
     **options: Any,
 ) -> Proc:
     """A gateway on http://127.0.0.1:port (to one worker, or to each of a list of workers);
-    with wait, until /health says 200."""
+    with wait, until /health says 200. model None: no --model, the gateway learns each
+    worker's model from the worker (model=[...] in options gives NAME=PATH ones)."""
     port = port or free_port()
     options = {"worker_timeout": 2.0, "heartbeat_interval": 0.25, **options}
     endpoints = [worker_endpoint] if isinstance(worker_endpoint, str) else worker_endpoint
     args = [
         "gateway",
-        "--model",
-        str(model),
+        *(["--model", str(model)] if model is not None else []),
         *cli_flags({"worker": endpoints}),
         "--host",
         "127.0.0.1",
