@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loomserve.protocol import FinishReason
-from loomserve.worker.io import IOCounters
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.records import FinishRecord, TickRecord
+from loomserve.worker.io.sockets import IOCounters
+from loomserve.worker.sched.records import FinishRecord, TickRecord
+from loomserve.worker.tick.loop import TickLoop
 
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -305,7 +305,7 @@ class _SchedulingCollector:
 
 
 class _RamCacheCollector:
-    """The RAM prompt cache's counters and size (worker/ram_cache.py), read at scrape time."""
+    """The RAM prompt cache's counters and size (worker/cache/ram_cache.py), read at scrape time."""
 
     def __init__(self, loop: TickLoop) -> None:
         self.loop = loop

@@ -21,18 +21,17 @@ import zmq
 
 from loomserve.protocol import PROTOCOL_VERSION, ErrorCode, ModelInfo, WorkerError
 from loomserve.protocol.vocab import vocab_fingerprint
-from loomserve.worker.channels import Inbox, LoadBoard
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.curve import ServerKeys, load_server_keys
-from loomserve.worker.embeddings import POOLING_NAMES, Embedder, model_pooling
-from loomserve.worker.engine import Engine, EngineError
-from loomserve.worker.io import WorkerIO
-from loomserve.worker.ipc_lock import EndpointInUse, claim_endpoint
-from loomserve.worker.loop import TickLoop
+from loomserve.worker.config import MIB, WorkerConfig
+from loomserve.worker.engine.embeddings import POOLING_NAMES, Embedder, model_pooling
+from loomserve.worker.engine.engine import Engine, EngineError
+from loomserve.worker.io.channels import Inbox, LoadBoard
+from loomserve.worker.io.curve import ServerKeys, load_server_keys
+from loomserve.worker.io.ipc_lock import EndpointInUse, claim_endpoint
+from loomserve.worker.io.sockets import WorkerIO
 from loomserve.worker.metrics import WorkerMetrics
-from loomserve.worker.ram_cache import MIB
-from loomserve.worker.strategies import load_strategy
-from loomserve.worker.watchdog import Watchdog, exit_now
+from loomserve.worker.sched.strategies import load_strategy
+from loomserve.worker.tick.loop import TickLoop
+from loomserve.worker.tick.watchdog import Watchdog, exit_now
 
 log = structlog.get_logger(__name__)
 

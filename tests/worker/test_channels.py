@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from loomserve.protocol import Embed, Generate, SamplingParams
 from loomserve.protocol.prefix_keys import prefix_keys
-from loomserve.worker.channels import STOP, Cancel, GatewayGone, Inbox, LoadBoard, Submit
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request
+from loomserve.worker.io.channels import STOP, Cancel, GatewayGone, Inbox, LoadBoard, Submit
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request
 
 GW = b"gw"
 

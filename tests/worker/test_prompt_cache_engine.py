@@ -15,11 +15,11 @@ import zmq
 from loomserve.protocol import Finish, Generate, Hello, ModelInfo, Outputs, SamplingParams
 from loomserve.protocol.codec import decode, encode
 from loomserve.protocol.prefix_keys import PREFIX_KEY_BLOCK
+from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop
+from loomserve.worker.engine.engine import Engine
 from loomserve.worker.metrics import WorkerMetrics
-from loomserve.worker.prefix_cache import usable_prefix
+from loomserve.worker.tick.loop import TickLoop
 from tests.procs import free_port, scrape_metrics, start_worker
 
 GW = b"gw-1"

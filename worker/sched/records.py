@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from loomserve.protocol import Finish
-from loomserve.worker.queueing import DEFAULT_TENANT
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Release, Step
+from loomserve.worker.sched.queueing import DEFAULT_TENANT
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Release, Step
 
-log = structlog.get_logger("loomserve.worker.loop")  # the logger these lines always had
+log = structlog.get_logger("loomserve.worker.tick.loop")  # the logger these lines always had
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ gateway, and answers SlotsQuery, so liveness and /slots never wait for a tick ei
 Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
 connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
 limits, one turn of receiving by time, and what gateways may have open by GatewayTable.
-CURVE (worker/curve.py) decides who may connect at all.
+CURVE (worker/io/curve.py) decides who may connect at all.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from loomserve.protocol import (
 )
 from loomserve.protocol.codec import Frame, TooLong, request_id_of
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
-from loomserve.worker.channels import Inbox, LoadBoard
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.curve import ServerKeys, make_curve_server
-from loomserve.worker.gateways import GatewayTable
-from loomserve.worker.handshake import HandshakeWatch
-from loomserve.worker.outbox import BROADCAST, Outbox
+from loomserve.worker.io.channels import Inbox, LoadBoard
+from loomserve.worker.io.curve import ServerKeys, make_curve_server
+from loomserve.worker.io.gateways import GatewayTable
+from loomserve.worker.io.handshake import HandshakeWatch
+from loomserve.worker.io.outbox import BROADCAST, Outbox
 
 log = structlog.get_logger(__name__)
 

@@ -2,8 +2,9 @@
 shares queues with its input and output threads): the inbox the loop reads and IO writes, and
 the load the loop publishes after each tick and IO reads for heartbeats and /slots (a frozen
 snapshot: no other thread touches the scheduler's live slots). The third channel,
-the outbox the loop writes and IO drains, is a Sink (outputs.py): outbox.py's Outbox, which wakes
-the IO thread's poll. Neither side holds the other. Plain Python.
+the outbox the loop writes and IO drains, is a Sink: outbox.py's Outbox, which wakes the IO
+thread's poll; a tick fills one Outputs per gateway (PendingOutputs) and sends them together at
+its end. Neither side holds the other. Plain Python.
 """
 
 from __future__ import annotations
@@ -11,13 +12,21 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from loomserve.protocol import Embed, FinishReason, Generate, SlotState, TenantQueue
-from loomserve.worker.prefix_cache import advertised_keys
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Slot
-from loomserve.worker.strategies import SlotPhase
+from loomserve.protocol import (
+    Embed,
+    FinishReason,
+    Generate,
+    Message,
+    Outputs,
+    SlotState,
+    TenantQueue,
+)
+from loomserve.worker.cache.prefix_cache import advertised_keys
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Slot
+from loomserve.worker.sched.strategies import SlotPhase
 
 Work = Generate | Embed  # a request for the loop: the tick generates, the embedder embeds
 
@@ -198,3 +207,32 @@ class LoadBoard:
             self._prefixes_at = now
             self._prefixes = tuple(advertised_keys(scheduler.slots, scheduler.ram))
         return self._prefixes
+
+
+class Sink(Protocol):
+    """Where the loop's messages go: the IO thread's outbox, or a list in a test."""
+
+    def send(self, gateway: bytes, message: Message) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class PendingOutputs:
+    """This tick's Outputs, by gateway."""
+
+    def __init__(self) -> None:
+        self._by_gateway: dict[bytes, Outputs] = {}
+
+    def to(self, gateway: bytes) -> Outputs:
+        outputs = self._by_gateway.get(gateway)
+        if outputs is None:
+            outputs = self._by_gateway[gateway] = Outputs(tokens=[], finishes=[])
+        return outputs
+
+    def send(self, sink: Sink) -> None:
+        """Send every gateway its Outputs, if any, and start over."""
+        if self._by_gateway:
+            for gateway, outputs in self._by_gateway.items():
+                sink.send(gateway, outputs)
+            self._by_gateway = {}
+            sink.flush()

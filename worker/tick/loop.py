@@ -3,16 +3,17 @@
 ADR 006 and 008 are summarised in docs/life-of-a-request.md.
 
 A TickLoop owns the engine and the scheduler, and runs on one thread. Other threads hand it
-work through its Inbox (channels.py: a Generate or an Embed, cancellations, a lost gateway,
-stop), which only puts items on a queue; it blocks on that queue whenever it has nothing to
-do. Everything it says goes to a Sink (outputs.py): Accepted and Rejected at once, and per
-tick one Outputs per gateway with that gateway's new tokens and finishes; after each tick it
-publishes its Load on the LoadBoard. No socket here (io.py owns those), so the loop runs and
-is tested in-process. It keeps no slot state: the scheduler decides and records every change
-of a request's state; the loop hands the engine what those decisions need, with helpers for
-the parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells
-moved for admissions), drafting.py (speculation), batching.py (the engine's batch),
-scoring.py (logprobs), records.py (tick and finish records and their log lines).
+work through its Inbox (io/channels.py: a Generate or an Embed, cancellations, a lost
+gateway, stop), which only puts items on a queue; it blocks on that queue whenever it has
+nothing to do. Everything it says goes to a Sink (io/channels.py): Accepted and Rejected at
+once, and per tick one Outputs per gateway with that gateway's new tokens and finishes; after
+each tick it publishes its Load on the LoadBoard. No socket here (io/sockets.py owns those), so
+the loop runs and is tested in-process. It keeps no slot state: the scheduler decides and
+records every change of a request's state; the loop hands the engine what those decisions
+need, with helpers for the parts that are not the tick's order itself: intake.py (refusals),
+kv_moves.py (cells moved for admissions), drafting.py (speculation), engine/batch.py (the
+engine's batch), engine/logprobs.py (logprobs), sched/records.py (tick and finish records and
+their log lines).
 """
 
 from __future__ import annotations
@@ -29,27 +30,26 @@ from loomserve.protocol import (
     Generate,
     Rejected,
 )
-from loomserve.worker.batching import Filled, fill_batch
-from loomserve.worker.channels import (
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine.batch import Filled, fill_batch
+from loomserve.worker.engine.embeddings import Embedder
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.logprobs import sampled, score_prompts
+from loomserve.worker.engine.sampling import InvalidSampling, SamplingThreads, sample_rows
+from loomserve.worker.io.channels import (
     STOP,
     Cancel,
     GatewayGone,
     Inbox,
     Load,
     LoadBoard,
+    PendingOutputs,
+    Sink,
     Submit,
 )
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.drafting import Drafting, make_speculator
-from loomserve.worker.embeddings import Embedder
-from loomserve.worker.engine import Engine
-from loomserve.worker.faults import DecodeFaults
-from loomserve.worker.intake import NO_EMBEDDINGS, new_request, refusal
-from loomserve.worker.kv_moves import KvMoves
-from loomserve.worker.outputs import PendingOutputs, Sink
-from loomserve.worker.preemption import GIB
-from loomserve.worker.queueing import WaitingQueue
-from loomserve.worker.records import (
+from loomserve.worker.sched.preemption import GIB
+from loomserve.worker.sched.queueing import WaitingQueue
+from loomserve.worker.sched.records import (
     FinishRecord,
     TickRecord,
     finish_record,
@@ -57,12 +57,14 @@ from loomserve.worker.records import (
     log_tick,
     tick_record,
 )
-from loomserve.worker.sampling import InvalidSampling, SamplingThreads, sample_rows
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.scoring import sampled, score_prompts
-from loomserve.worker.slots import Release, Sampled, Step
-from loomserve.worker.strategies import load_strategy
-from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Release, Sampled, Step
+from loomserve.worker.sched.strategies import load_strategy
+from loomserve.worker.sched.tick_cost import LatencyTarget, TickCostModel
+from loomserve.worker.tick.drafting import Drafting, make_speculator
+from loomserve.worker.tick.faults import DecodeFaults
+from loomserve.worker.tick.intake import NO_EMBEDDINGS, new_request, refusal
+from loomserve.worker.tick.kv_moves import KvMoves
 
 log = structlog.get_logger(__name__)
 

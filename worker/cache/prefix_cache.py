@@ -24,12 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from loomserve.protocol.prefix_keys import MAX_ADVERTISED_KEYS, prefix_keys
-
-if TYPE_CHECKING:
-    from loomserve.worker.ram_cache import RamCache, RamEntry
+from loomserve.worker.cache.ram_cache import RamCache, RamEntry, common_prefix
 
 
 class CachedSlot(Protocol):
@@ -62,21 +60,6 @@ class Placement:
     def own_cache(self) -> bool:
         """Whether the target starts from its own cells (it keeps its first `reused`)."""
         return self.source is None and self.ram is None
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 # ggml's CPU kernels (llama-cpp-python 0.3.36, batch-invariant engine: no repacked or tiled
