@@ -12,7 +12,6 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.sched.records import TickRecord
 from loomserve.worker.sched.scheduler import Scheduler
 from loomserve.worker.sched.slots import Request, Slot
 from loomserve.worker.sched.ubatches import (
@@ -21,6 +20,7 @@ from loomserve.worker.sched.ubatches import (
     count_ubatches,
     gaps_to_bridge,
 )
+from loomserve.worker.stats import TickRecord
 from loomserve.worker.tick.loop import TickLoop
 from tests.forward_passes import PassCounter
 

@@ -22,6 +22,7 @@ How much of a shared prefix a request may reuse is one rule, usable_prefix().
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -188,6 +189,23 @@ def advertised_keys(
             if len(keys) >= limit:
                 return list(keys)
     return list(keys)
+
+
+class AdvertisedPrefixes:
+    """The cached prompts' keys for heartbeats, recomputed at most once per `every` seconds:
+    routing needs no fresher view, and hashing every cached sequence each tick would cost."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._keys: tuple[int, ...] = ()
+        self._at = -float("inf")
+
+    def keys(self, slots: Sequence[CachedSlot], ram: RamCache | None) -> tuple[int, ...]:
+        now = time.monotonic()
+        if now - self._at >= self.every:
+            self._at = now
+            self._keys = tuple(advertised_keys(slots, ram))
+        return self._keys
 
 
 def _usable_by_slot(slots: Sequence[CachedSlot], tokens: list[int], chunk: int) -> dict[int, int]:

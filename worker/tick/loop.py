@@ -7,13 +7,14 @@ work through its Inbox (io/channels.py: a Generate or an Embed, cancellations, a
 gateway, stop), which only puts items on a queue; it blocks on that queue whenever it has
 nothing to do. Everything it says goes to a Sink (io/channels.py): Accepted and Rejected at
 once, and per tick one Outputs per gateway with that gateway's new tokens and finishes; after
-each tick it publishes its Load on the LoadBoard. No socket here (io/sockets.py owns those), so
-the loop runs and is tested in-process. It keeps no slot state: the scheduler decides and
-records every change of a request's state; the loop hands the engine what those decisions
-need, with helpers for the parts that are not the tick's order itself: intake.py (refusals),
-kv_moves.py (cells moved for admissions), drafting.py (speculation), engine/batch.py (the
-engine's batch), engine/logprobs.py (logprobs), sched/records.py (tick and finish records and
-their log lines).
+each tick it publishes its SchedulerStats on the StatsBoard, the only view other threads have
+of it (stats.py). No socket here (io/sockets.py owns those), so the loop runs and is tested
+in-process. It keeps no slot state: the scheduler decides and records every change of a
+request's state; the loop hands the engine what those decisions need, with helpers for the
+parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells moved for
+admissions), drafting.py (speculation), engine/batch.py (the engine's batch),
+engine/logprobs.py (logprobs), sched/records.py (the stats, tick and finish records and their
+log lines).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from loomserve.protocol import (
     Generate,
     Rejected,
 )
+from loomserve.worker.cache.prefix_cache import AdvertisedPrefixes
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.batch import Filled, fill_batch
 from loomserve.worker.engine.embeddings import Embedder
@@ -41,26 +43,25 @@ from loomserve.worker.io.channels import (
     Cancel,
     GatewayGone,
     Inbox,
-    Load,
-    LoadBoard,
     PendingOutputs,
     Sink,
+    StatsBoard,
     Submit,
 )
 from loomserve.worker.sched.preemption import GIB
 from loomserve.worker.sched.queueing import WaitingQueue
 from loomserve.worker.sched.records import (
-    FinishRecord,
-    TickRecord,
     finish_record,
     log_finish,
     log_tick,
+    scheduler_stats,
     tick_record,
 )
 from loomserve.worker.sched.scheduler import Scheduler
 from loomserve.worker.sched.slots import Release, Sampled, Step
 from loomserve.worker.sched.strategies import load_strategy
 from loomserve.worker.sched.tick_cost import LatencyTarget, TickCostModel
+from loomserve.worker.stats import FinishRecord, SchedulerStats, TickRecord
 from loomserve.worker.tick.drafting import Drafting, make_speculator
 from loomserve.worker.tick.faults import DecodeFaults
 from loomserve.worker.tick.intake import NO_EMBEDDINGS, new_request, refusal
@@ -82,7 +83,7 @@ class TickLoop:
         on_reject: Callable[[str], None] | None = None,
         embedder: Embedder | None = None,
         inbox: Inbox | None = None,
-        loads: LoadBoard | None = None,
+        board: StatsBoard | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -104,7 +105,9 @@ class TickLoop:
         )
         self.inbox = inbox if inbox is not None else Inbox()  # IO (or a test) writes it
         self.tick_count = 0
-        self.loads = loads if loads is not None else LoadBoard(config.slots)  # IO reads it
+        # Other threads read the scheduler only through the stats published here (stats.py).
+        self.board = board if board is not None else StatsBoard(config.slots)
+        self._prefixes = AdvertisedPrefixes(config.heartbeat_interval)
         self._on_tick = on_tick
         self._on_finish = on_finish
         self._on_reject = on_reject
@@ -129,9 +132,9 @@ class TickLoop:
         return LatencyTarget(config.itl_target_ms / 1000, self.tick_cost)
 
     @property
-    def load(self) -> Load:
-        """The load after the latest tick (heartbeats and metrics read it)."""
-        return self.loads.latest
+    def stats(self) -> SchedulerStats:
+        """The scheduler after the latest tick, as heartbeats, /slots and metrics see it."""
+        return self.board.latest
 
     # --- the loop thread -------------------------------------------------------------
 
@@ -350,8 +353,10 @@ class TickLoop:
     # --- 7: emit -----------------------------------------------------------------------
 
     def _send_outputs(self) -> None:
-        # The load first: a heartbeat that follows these Outputs must not predate them.
-        self.loads.publish(self.scheduler, self.config.heartbeat_interval)
+        # The stats first: a heartbeat that follows these Outputs must not predate them.
+        scheduler = self.scheduler
+        prefixes = self._prefixes.keys(scheduler.slots, scheduler.ram)
+        self.board.publish(scheduler_stats(scheduler, self.tick_cost.coefficients(), prefixes))
         self.outputs.send(self.sink)
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
