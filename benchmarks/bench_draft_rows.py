@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loomserve.cli.default_model import resolve_model
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
+from loomserve.worker.engine.engine import Engine
 
 CONTEXT_TOKENS = 300  # a prompt the drafts follow, as an input-grounded request's
 

@@ -7,7 +7,7 @@ the numbers.
 Two figures:
 - per token: one token sampled from one row of logits, by llama.cpp's sampler chain (what
   loomserve ran before, and what grammar requests still run) and by the host sampler
-  (worker/draw.py), for each mix of settings; the rows are those of one forward pass over
+  (worker/engine/draw.py), for each mix of settings; the rows are those of one forward pass over
   `--slots` different prompts, as a tick's are.
 - per tick: a TickLoop with `--slots` generating slots, every tick's time outside
   llama_decode (scheduling, the batch, sampling, bookkeeping, outputs), greedy against each
@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loomserve.cli.default_model import resolve_model
 from loomserve.protocol import Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.sampling import HostSampler, Sampler, llama_chain
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.sampling import HostSampler, Sampler, llama_chain
+from loomserve.worker.tick.loop import TickLoop
 
 MIXES: dict[str, dict] = {
     "greedy": {"temperature": 0.0},

@@ -28,8 +28,8 @@ from loomserve.cli.default_model import resolve_model
 from loomserve.cli.logs import configure_logging
 from loomserve.protocol import Generate, Message, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.tick.loop import TickLoop
 
 BATCH_SIZES = (1, 4, 16)
 PROMPT = "Once upon a time, in a small village by the river, there lived"

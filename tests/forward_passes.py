@@ -6,7 +6,7 @@ import llama_cpp as llama
 from llama_cpp._ggml import libggml
 
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
+from loomserve.worker.engine.engine import Engine
 
 libggml.ggml_get_name.restype = llama.ctypes.c_char_p
 libggml.ggml_get_name.argtypes = [llama.ctypes.c_void_p]

@@ -7,8 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from loomserve.worker.host_memory import memory_limit_bytes
-from loomserve.worker.ram_cache import MIB
+MIB = 1024**2
 
 # llama-server's default --cache-ram; the worker takes less on a smaller machine or container.
 DEFAULT_CACHE_RAM_MIB = 8192
@@ -35,6 +34,34 @@ def is_local_endpoint(endpoint: str) -> bool:
         return False
 
 
+# How much memory this process may use: its cgroup's limit (a container's, a pod's), else the
+# machine's RAM. The RAM prompt cache's default budget is a share of it, so that a default
+# worker never outgrows the container it runs in.
+# cgroup v2, then v1; "max" (v2) or a huge number (v1) means no limit.
+CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_limit_bytes(cgroup_files: tuple[Path, ...] = CGROUP_LIMITS) -> int:
+    """The smaller of the machine's RAM and the cgroup's memory limit, if it has one."""
+    physical = physical_memory_bytes()
+    for path in cgroup_files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            return min(physical, int(text))
+        return physical  # "max": no limit at this level
+    return physical
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """Everything the worker needs to load its model and serve it."""
@@ -56,8 +83,8 @@ class WorkerConfig:
     itl_target_ms: float | None = None
     scheduling_policy: str = "fcfs"  # or "priority": lower Generate.priority first, preempting
     swap_space: float = 4.0  # GiB of host memory for preempted requests' KV; beyond, recompute
-    # MiB of host memory for slots' KV kept after their slots were taken (worker/ram_cache.py),
-    # a budget apart from swap_space; 0: off. None: llama-server's 8192, but at most a quarter
+    # MiB of host memory for slots' KV kept after their slots were taken (cache/ram_cache.py), a
+    # budget apart from swap_space; 0: off. None: llama-server's 8192, but at most a quarter
     # of the memory the worker may use (ram_cache_bytes), so a default worker fits its box.
     cache_ram: int | None = None
     tenant_weight: tuple[str, ...] = ()  # "NAME=W": a tenant's share of slots (default 1)
@@ -87,7 +114,7 @@ class WorkerConfig:
     # own KV stream and use CPU kernels that compute every row alike (see Engine). Off: one
     # KV cache shared by all slots and the fastest kernels.
     batch_invariant: bool = True
-    # Self-speculative n-gram drafting in the tick (worker/speculation.py): each generating
+    # Self-speculative n-gram drafting in the tick (worker/sched/speculation.py): each generating
     # slot may draft up to num_speculative_tokens tokens that followed an earlier occurrence
     # of its last prompt_lookup_min..max tokens, where the tick-cost model says they pay.
     # None: on without batch invariance, off with it. It never lost a measured load, but a
@@ -100,7 +127,7 @@ class WorkerConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # /v1/embeddings for a model without a pooling head, mean-pooled, in a second context
-    # (worker/embeddings.py); a model with a pooling head serves them whatever this says.
+    # (worker/engine/embeddings.py); a model with a pooling head serves them whatever this says.
     embeddings: bool = False
     # CURVE: the worker's certificate (a zmq.auth .key_secret file) and the gateways it lets
     # in (a .key file or a directory of them). Without them anything that reaches bind is

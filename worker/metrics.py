@@ -1,8 +1,10 @@
 """The worker's Prometheus metrics, named `loomserve:*` in the manner of vLLM's `vllm:*`.
 
 The tick loop pays for a few counter increments and one histogram observation per tick,
-and a few more per finished request. Load gauges (queue, slots, KV cells) are read when
-Prometheus scrapes, from the loop's latest snapshot, so keeping them costs the loop nothing.
+and a few more per finished request. Load gauges (queue, slots, KV cells) and the scheduler's
+counters are read when Prometheus scrapes, from the SchedulerStats the loop published after its
+latest tick (stats.py), so keeping them costs the loop nothing and this thread never touches
+the scheduler (a contract in pyproject.toml checks that it does not import it).
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loomserve.protocol import FinishReason
-from loomserve.worker.io import IOCounters
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.records import FinishRecord, TickRecord
+from loomserve.worker.io.channels import StatsBoard
+from loomserve.worker.io.sockets import IOCounters
+from loomserve.worker.stats import FinishRecord, TickRecord
 
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -140,28 +142,32 @@ class WorkerMetrics:
             r.value: self.finished.labels(finished_reason=r.value) for r in FinishReason
         }
 
-    def watch(self, loop: TickLoop, io_counters: IOCounters | None = None) -> None:
-        """Read the load gauges and IO counters from these objects at scrape time."""
-        model = loop.engine.description
+    def watch(
+        self,
+        board: StatsBoard,
+        *,
+        model_name: str,  # the gateways' model_info{model_name}
+        architecture: str,
+        slots: int,
+        slot_context: int,
+        io_counters: IOCounters | None = None,
+    ) -> None:
+        """Read the gauges from the board's latest stats, and the IO counters, at scrape time."""
         self.info.labels(
-            model_name=loop.config.model_name,  # the gateways' model_info{model_name}
-            architecture=model.architecture,
-            slots=str(loop.config.slots),
-            slot_context=str(loop.engine.slot_context),
+            model_name=model_name,
+            architecture=architecture,
+            slots=str(slots),
+            slot_context=str(slot_context),
         ).set(1)
-        cells_total = loop.engine.kv_cells_total()
+        cells_total = slots * slot_context
         self.kv_cells_total.set(cells_total)
-        self.requests_waiting.set_function(lambda: loop.load.queue_depth)
-        self.requests_running.set_function(lambda: loop.load.running)
-        self.free_slots.set_function(lambda: loop.load.free_slots)
-
-        def cells_used() -> int:
-            return sum(slot.n_in_cache for slot in loop.scheduler.slots)
-
-        self.kv_cells_used.set_function(cells_used)
-        self.kv_usage.set_function(lambda: cells_used() / cells_total)
-        self.registry.register(_SchedulingCollector(loop, self._tenant_labels))
-        self.registry.register(_RamCacheCollector(loop))
+        self.requests_waiting.set_function(lambda: board.latest.queue_depth)
+        self.requests_running.set_function(lambda: board.latest.running)
+        self.free_slots.set_function(lambda: board.latest.free_slots)
+        self.kv_cells_used.set_function(lambda: board.latest.kv_cells_used)
+        self.kv_usage.set_function(lambda: board.latest.kv_cells_used / cells_total)
+        self.registry.register(_SchedulingCollector(board, self._tenant_labels))
+        self.registry.register(_RamCacheCollector(board))
         if io_counters is not None:
             self.registry.register(_IOCollector(io_counters))
 
@@ -243,25 +249,25 @@ class _SchedulingCollector:
     """Preemptions, swap space, per-tenant load and the tick-cost model, read at scrape time
     from the loop's snapshots: nothing on the loop's hot path."""
 
-    def __init__(self, loop: TickLoop, labels: TenantLabels) -> None:
-        self.loop = loop
+    def __init__(self, board: StatsBoard, labels: TenantLabels) -> None:
+        self.board = board
         self.labels = labels
 
     def collect(self) -> Iterator[Metric]:
-        scheduler = self.loop.scheduler
+        stats = self.board.latest  # one tick's, whole
         preemptions = CounterMetricFamily(
             "loomserve:num_preemptions",
             "Running requests that gave their slot to a request of better priority.",
         )
-        preemptions.add_metric([], scheduler.preemptions)
+        preemptions.add_metric([], stats.preemptions)
         yield preemptions
         yield GaugeMetricFamily(
             "loomserve:swap_space_used_bytes",
             "Host memory holding preempted requests' KV state.",
-            value=scheduler.swap.used,
+            value=stats.swap_used_bytes,
         )
-        yield from self._tenants()
-        cost = self.loop.tick_cost.coefficients()
+        yield from self._tenants(stats.tenants)
+        cost = stats.tick_cost
         model = GaugeMetricFamily(
             "loomserve:tick_cost_seconds",
             "The learned tick-cost model: seconds per tick (base) and per token of each kind.",
@@ -271,16 +277,14 @@ class _SchedulingCollector:
         model.add_metric(["decode_token"], cost.per_decode_token)
         model.add_metric(["prefill_token"], cost.per_prefill_token)
         yield model
-        latency = scheduler.latency
-        if latency is not None and latency.latest_cap is not None:
+        if stats.prefill_cap is not None:
             yield GaugeMetricFamily(
                 "loomserve:itl_target_prefill_cap",
                 "Prompt tokens the latency target allowed in its latest capped tick.",
-                value=latency.latest_cap,
+                value=stats.prefill_cap,
             )
 
-    def _tenants(self) -> Iterator[Metric]:
-        counts = self.loop.load.tenants
+    def _tenants(self, counts: dict[str, tuple[int, int]]) -> Iterator[Metric]:
         labels = [self.labels.label(tenant) for tenant in counts]
         by_label: dict[str, list[int]] = {tenant: [0, 0] for tenant in list(self.labels.names)}
         for label, (n_running, n_waiting) in zip(labels, counts.values(), strict=True):
@@ -305,14 +309,13 @@ class _SchedulingCollector:
 
 
 class _RamCacheCollector:
-    """The RAM prompt cache's counters and size (worker/ram_cache.py), read at scrape time."""
+    """The RAM prompt cache's counters and size (worker/cache/ram_cache.py), read at scrape time."""
 
-    def __init__(self, loop: TickLoop) -> None:
-        self.loop = loop
+    def __init__(self, board: StatsBoard) -> None:
+        self.board = board
 
     def collect(self) -> Iterator[Metric]:
-        ram = self.loop.scheduler.ram
-        stats = ram.stats
+        stats = self.board.latest.ram_cache
         for name, doc, value in (
             ("hits", "Admissions whose prompt prefix was restored from the RAM cache.", stats.hits),
             (
@@ -327,15 +330,17 @@ class _RamCacheCollector:
             counter.add_metric([], value)
             yield counter
         yield GaugeMetricFamily(
-            "loomserve:ram_cache_used_bytes", "Host memory held by the RAM cache.", value=ram.used
+            "loomserve:ram_cache_used_bytes",
+            "Host memory held by the RAM cache.",
+            value=stats.used_bytes,
         )
         yield GaugeMetricFamily(
             "loomserve:ram_cache_capacity_bytes",
             "The RAM cache's budget (--cache-ram).",
-            value=ram.capacity,
+            value=stats.capacity_bytes,
         )
         yield GaugeMetricFamily(
-            "loomserve:ram_cache_entries", "Sequences held in the RAM cache.", value=len(ram)
+            "loomserve:ram_cache_entries", "Sequences held in the RAM cache.", value=stats.entries
         )
 
 

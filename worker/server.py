@@ -21,19 +21,18 @@ import zmq
 
 from loomserve.protocol import PROTOCOL_VERSION, ErrorCode, ModelInfo, WorkerError
 from loomserve.protocol.vocab import vocab_fingerprint
-from loomserve.worker.channels import Inbox, LoadBoard
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.curve import ServerKeys, load_server_keys
-from loomserve.worker.embeddings import POOLING_NAMES, Embedder, model_pooling
-from loomserve.worker.engine import Engine, EngineError
-from loomserve.worker.io import WorkerIO
-from loomserve.worker.ipc_lock import EndpointInUse, claim_endpoint
-from loomserve.worker.loop import TickLoop
+from loomserve.worker.config import MIB, WorkerConfig
+from loomserve.worker.engine.embeddings import POOLING_NAMES, Embedder, model_pooling
+from loomserve.worker.engine.engine import Engine, EngineError
+from loomserve.worker.engine.vocab_file import compressed_metadata
+from loomserve.worker.io.channels import Inbox, StatsBoard
+from loomserve.worker.io.curve import ServerKeys, load_server_keys
+from loomserve.worker.io.ipc_lock import EndpointInUse, claim_endpoint
+from loomserve.worker.io.sockets import WorkerIO
 from loomserve.worker.metrics import WorkerMetrics
-from loomserve.worker.ram_cache import MIB
-from loomserve.worker.strategies import load_strategy
-from loomserve.worker.vocab_file import compressed_metadata
-from loomserve.worker.watchdog import Watchdog, exit_now
+from loomserve.worker.sched.strategies import load_strategy
+from loomserve.worker.tick.loop import TickLoop
+from loomserve.worker.tick.watchdog import Watchdog, exit_now
 
 log = structlog.get_logger(__name__)
 
@@ -105,13 +104,13 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     _log_start(config, engine, info)
     metrics = WorkerMetrics() if config.metrics_port is not None else None
     # IO and the loop share these and the outbox, never each other (channels.py).
-    inbox, loads = Inbox(), LoadBoard(config.slots)
+    inbox, board = Inbox(), StatsBoard(config.slots)
     try:
         io = WorkerIO(
             config,
             info,
             inbox,
-            loads,
+            board,
             on_gateways=metrics.on_gateways if metrics else None,
             keys=keys,
             on_reject=metrics.on_reject if metrics else None,
@@ -130,10 +129,17 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         on_reject=metrics.on_reject if metrics else None,
         embedder=embedder,
         inbox=inbox,
-        loads=loads,
+        board=board,
     )
     if metrics is not None and config.metrics_port is not None:  # both or neither
-        metrics.watch(loop, io.counters)
+        metrics.watch(
+            board,
+            model_name=config.model_name,
+            architecture=engine.description.architecture,
+            slots=config.slots,
+            slot_context=engine.slot_context,
+            io_counters=io.counters,
+        )
         metrics.serve(config.metrics_host, config.metrics_port)
         log.info("metrics", url=f"http://{config.metrics_host}:{config.metrics_port}/metrics")
 

@@ -1,6 +1,6 @@
 """POST /v1/embeddings: inputs to token ids, one Embed to the worker, OpenAI's response.
 
-The worker computes the vectors in its embedding context (worker/embeddings.py) and sends
+The worker computes the vectors in its embedding context (worker/engine/embeddings.py) and sends
 them L2-normalized as float32; `encoding_format: base64` sends those bytes as they are, which
 is what the `openai` client asks for by default and decodes.
 """

@@ -2,7 +2,7 @@
 must never take the service down, and a shutdown must end every stream with a word.
 
 Real worker and gateway processes on the tiny model; the worker's forward pass fails on demand
-through LOOMSERVE_TEST_FAIL_DECODE (worker/faults.py), and a fake worker on a raw ROUTER
+through LOOMSERVE_TEST_FAIL_DECODE (worker/tick/faults.py), and a fake worker on a raw ROUTER
 socket sends the gateway frames no real worker would.
 """
 

@@ -24,10 +24,10 @@ from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 from loomserve.protocol import ErrorCode, Generate, SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.grammar_state import UNBOUNDED_ENV
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.watchdog import Watchdog
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.grammar_state import UNBOUNDED_ENV
+from loomserve.worker.tick.loop import TickLoop
+from loomserve.worker.tick.watchdog import Watchdog
 from tests.procs import Proc, start_gateway, start_worker
 from tests.worker.test_engine import GW, Collector, drain
 

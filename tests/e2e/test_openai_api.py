@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from loomserve.worker.prefix_cache import usable_prefix
+from loomserve.worker.cache.prefix_cache import usable_prefix
 from tests.procs import Proc, Samples, free_port, scrape_metrics, start_gateway, start_worker
 
 SLOTS = 4

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from loomserve.gateway.workers.routing import PREFIX_BLOCK_TOKENS
-from loomserve.worker.prefix_cache import usable_prefix
+from loomserve.worker.cache.prefix_cache import usable_prefix
 from tests.procs import Proc, Samples, free_port, scrape_metrics, start_gateway, start_worker
 from tests.tiny_model import ModelShape, write_tiny_model
 

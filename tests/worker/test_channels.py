@@ -1,15 +1,24 @@
-"""What IO and the loop share (channels.py): the inbox's order and the published load; pure
-Python, no model."""
+"""What IO and the loop share (io/channels.py): the inbox's order and the published
+SchedulerStats; pure Python, no model."""
 
 from __future__ import annotations
 
 from loomserve.protocol import Embed, Generate, SamplingParams
 from loomserve.protocol.prefix_keys import prefix_keys
-from loomserve.worker.channels import STOP, Cancel, GatewayGone, Inbox, LoadBoard, Submit
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request
+from loomserve.worker.cache.prefix_cache import AdvertisedPrefixes
+from loomserve.worker.io.channels import STOP, Cancel, GatewayGone, Inbox, StatsBoard, Submit
+from loomserve.worker.sched.records import scheduler_stats
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request
+from loomserve.worker.stats import TickCost
 
 GW = b"gw"
+
+
+def publish(board: StatsBoard, scheduler: Scheduler, prefixes: AdvertisedPrefixes) -> None:
+    """What the loop does after each tick."""
+    keys = prefixes.keys(scheduler.slots, scheduler.ram)
+    board.publish(scheduler_stats(scheduler, TickCost(), keys))
 
 
 def test_the_inbox_keeps_the_order_of_every_kind_of_item() -> None:
@@ -33,29 +42,30 @@ def test_the_inbox_keeps_the_order_of_every_kind_of_item() -> None:
     assert inbox.get(block=False) is None
 
 
-def test_the_load_board_publishes_the_scheduler_and_its_prefixes_at_most_once_per_interval():
+def test_the_board_publishes_the_scheduler_and_its_prefixes_at_most_once_per_interval():
     scheduler = Scheduler(n_slots=2, max_queue=4, slot_context=1024)
-    board = LoadBoard(slots=2)
+    board, prefixes = StatsBoard(slots=2), AdvertisedPrefixes(every=3600.0)
     assert (board.latest.free_slots, board.latest.running, board.latest.prefixes) == (2, 0, ())
     slot = scheduler.slots[0]
     slot.tokens, slot.n_in_cache = list(range(1, 129)), 128  # a cached sequence, two blocks
     scheduler.enqueue(Request((GW, "r"), [1, 2], SamplingParams(), arrived_at=0.0))
-    board.publish(scheduler, prefixes_every=3600.0)
+    publish(board, scheduler, prefixes)
     first = board.latest
     assert (first.queue_depth, first.free_slots, first.running) == (1, 2, 0)
     assert set(first.prefixes) == set(prefix_keys(list(range(1, 129))))
     slot.tokens, slot.n_in_cache = [], 0  # the cache changed, but within the interval
-    board.publish(scheduler, prefixes_every=3600.0)
+    publish(board, scheduler, prefixes)
     assert board.latest.prefixes == first.prefixes and board.latest is not first
-    board.publish(scheduler, prefixes_every=0.0)
+    prefixes.every = 0.0
+    publish(board, scheduler, prefixes)
     assert board.latest.prefixes == ()
 
 
 def test_the_slots_snapshot_is_a_copy_that_the_loop_moves_on_from() -> None:
-    """Other threads read the published Load only: a later tick's changes to the live slots
+    """Other threads read the published stats only: a later tick's changes to the live slots
     never show in a snapshot already published, and a slot's figures come out of its copy."""
     scheduler = Scheduler(n_slots=3, max_queue=4, slot_context=1024)
-    board = LoadBoard(slots=3)
+    board, prefixes = StatsBoard(slots=3), AdvertisedPrefixes(every=3600.0)
     assert [s.state for s in board.latest.slot_states(now=0.0)] == ["idle"] * 3
     request = Request(
         (GW, "r1"), [5, 6, 7, 8], SamplingParams(), arrived_at=10.0, priority=2, tenant="team"
@@ -66,7 +76,7 @@ def test_the_slots_snapshot_is_a_copy_that_the_loop_moves_on_from() -> None:
     slot = admission.slot
     slot.n_in_cache = 4  # the prompt evaluated
     scheduler.record_token(slot, 42, end_of_generation=False, now=12.0)
-    board.publish(scheduler, prefixes_every=3600.0)
+    publish(board, scheduler, prefixes)
     published = board.latest
 
     for token in range(9):  # the loop goes on: nine more tokens, one second apart
@@ -89,7 +99,7 @@ def test_the_slots_snapshot_is_a_copy_that_the_loop_moves_on_from() -> None:
     assert [s.index for s in states] == [0, 1, 2]
     assert second.slot.index != slot.index
 
-    board.publish(scheduler, prefixes_every=3600.0)
+    publish(board, scheduler, prefixes)
     now = board.latest.slot_states(now=22.0)
     busy = next(s for s in now if s.request_id == "r1")
     # Nine tokens after the first, over the ten seconds since it came.

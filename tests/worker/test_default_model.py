@@ -2,7 +2,7 @@
 
 The continuous-batching invariant on a real quantized model: with greedy sampling a request's
 tokens are the same alone and batched. It holds because of the worker's batch-invariant
-set-up (one KV stream per slot, per-row K-quant kernels; see worker/engine.py): with one
+set-up (one KV stream per slot, per-row K-quant kernels; see worker/engine/engine.py): with one
 shared KV cache or repacked weights, Gemma's near-ties flip within a few dozen tokens.
 """
 
@@ -16,10 +16,10 @@ import pytest
 
 from loomserve.cli.default_model import default_model_path
 from loomserve.protocol import Generate, Hello, ModelInfo, Outputs, SamplingParams
+from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.prefix_cache import usable_prefix
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.tick.loop import TickLoop
 from tests.procs import start_worker
 from tests.worker.test_engine import Collector, drain, run_alone, run_staggered
 from tests.worker.test_server import Gateway

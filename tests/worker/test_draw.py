@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from loomserve.worker.draw import Candidates, Truncation, candidates, draw, exact_candidates
+from loomserve.worker.engine.draw import Candidates, Truncation, candidates, draw, exact_candidates
 
 DRAWS = 100_000
 N_VOCAB = 300

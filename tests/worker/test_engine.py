@@ -24,9 +24,10 @@ from loomserve.protocol import (
     Rejected,
     SamplingParams,
 )
-from loomserve.worker import engine as engine_module
+from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import (
+from loomserve.worker.engine import engine as engine_module
+from loomserve.worker.engine.engine import (
     GGML_LOG_CONT,
     GGML_LOG_ERROR,
     GGML_LOG_INFO,
@@ -37,9 +38,8 @@ from loomserve.worker.engine import (
     LlamaLogLines,
     LoadProgress,
 )
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.prefix_cache import usable_prefix
-from loomserve.worker.strategies import BatchPlan
+from loomserve.worker.sched.strategies import BatchPlan
+from loomserve.worker.tick.loop import TickLoop
 
 GW = b"gw-1"
 

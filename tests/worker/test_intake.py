@@ -4,9 +4,9 @@ pure Python, no model."""
 from __future__ import annotations
 
 from loomserve.protocol import ErrorCode, Generate, SamplingParams
-from loomserve.worker.intake import new_request, refusal
-from loomserve.worker.queueing import DEFAULT_TENANT
-from loomserve.worker.scheduler import Scheduler
+from loomserve.worker.sched.queueing import DEFAULT_TENANT
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.tick.intake import new_request, refusal
 
 GW = b"gw"
 N_VOCAB, CONTEXT = 100, 16

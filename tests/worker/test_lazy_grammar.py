@@ -18,12 +18,12 @@ import pytest
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from loomserve.protocol import ErrorCode, FinishReason, Generate, SamplingParams
-from loomserve.worker import grammar_state
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.grammar_state import MAX_STACKS, grammar_vocab
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.sampling import build_sampler
+from loomserve.worker.engine import grammar_state
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.grammar_state import MAX_STACKS, grammar_vocab
+from loomserve.worker.engine.sampling import build_sampler
+from loomserve.worker.tick.loop import TickLoop
 from tests.worker.test_engine import GW, Collector, drain
 
 SCHEMA = {

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from loomserve.worker.least_squares import RecursiveLeastSquares
-from loomserve.worker.speculation import DraftCost
+from loomserve.worker.sched.least_squares import RecursiveLeastSquares
+from loomserve.worker.sched.speculation import DraftCost
 
 
 def test_it_finds_known_coefficients_and_stays_symmetric_for_100k_updates():

@@ -1,4 +1,5 @@
-"""Log-probabilities from a logits row, after bias and penalties (worker/logprobs.py): pure."""
+"""Log-probabilities from a logits row, after bias and penalties (worker/engine/logprobs.py):
+pure."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.logprobs import FLOOR, ROWS, prompt_logprobs, token_logprobs
+from loomserve.worker.engine.logprobs import FLOOR, ROWS, prompt_logprobs, token_logprobs
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

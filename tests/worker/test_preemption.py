@@ -9,12 +9,12 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.preemption import choose_victim
-from loomserve.worker.queueing import WaitingQueue
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request, Slot
-from loomserve.worker.strategies import SlotPhase
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.sched.preemption import choose_victim
+from loomserve.worker.sched.queueing import WaitingQueue
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request, Slot
+from loomserve.worker.sched.strategies import SlotPhase
 from tests.worker.test_engine import GW, drain, new_loop
 
 # --- the scheduler's decisions, without a model -------------------------------------------

@@ -12,10 +12,10 @@ import pytest
 from loomserve.gateway.workers.routing import preferred_worker
 from loomserve.protocol import FinishReason, SamplingParams
 from loomserve.protocol.prefix_keys import prefix_keys
-from loomserve.worker.prefix_cache import advertised_keys, can_place, place, usable_prefix
-from loomserve.worker.ram_cache import RamCache
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request
+from loomserve.worker.cache.prefix_cache import advertised_keys, can_place, place, usable_prefix
+from loomserve.worker.cache.ram_cache import RamCache
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request
 
 BLOCK = 4
 

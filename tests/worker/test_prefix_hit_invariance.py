@@ -4,7 +4,7 @@ The second audit found Gemma's greedy answer to a 355-token prompt change once i
 tokens came from the cache: ggml's CPU kernels take other paths by the rows of a ubatch (one
 row; 2 to 63; 64 and up, flash attention's tiles), and the last prompt token evaluated alone
 after the hit summed in another order than inside its whole prompt. usable_prefix
-(worker/prefix_cache.py) now reuses only so much that every token evaluated again takes the
+(worker/cache/prefix_cache.py) now reuses only so much that every token evaluated again takes the
 path it took when the prompt ran whole. These run many prompts, in several scripts and at
 lengths on both sides of those thresholds and of the prompt chunk, once cold and once after
 a hit (whole or partial), on the real engine, and compare tokens and logprobs bit for bit.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.prefix_cache import usable_prefix
+from loomserve.worker.engine.engine import Engine
 from tests.worker.test_engine import GW, drain, greedy, new_loop
 
 pytestmark = pytest.mark.slow  # a few minutes of prompts: the quick subset leaves them out

@@ -15,11 +15,11 @@ import zmq
 from loomserve.protocol import Finish, Generate, Hello, ModelInfo, Outputs, SamplingParams
 from loomserve.protocol.codec import decode, encode
 from loomserve.protocol.prefix_keys import PREFIX_KEY_BLOCK
+from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop
+from loomserve.worker.engine.engine import Engine
 from loomserve.worker.metrics import WorkerMetrics
-from loomserve.worker.prefix_cache import usable_prefix
+from loomserve.worker.tick.loop import TickLoop
 from tests.procs import free_port, scrape_metrics, start_worker
 
 GW = b"gw-1"
@@ -155,7 +155,13 @@ def test_the_ram_cache_never_holds_more_than_its_budget(engine, config):
 def test_the_metrics_report_hits_tokens_and_bytes(engine, config):
     loop = new_loop(engine, config)
     metrics = WorkerMetrics()
-    metrics.watch(loop)
+    metrics.watch(
+        loop.board,
+        model_name="tiny",
+        architecture=engine.description.architecture,
+        slots=config.slots,
+        slot_context=engine.slot_context,
+    )
     converse(loop, 4, 2)
     sample = metrics.registry.get_sample_value
     ram = loop.scheduler.ram
@@ -172,7 +178,7 @@ def test_heartbeats_advertise_the_ram_cached_prompts(engine, config):
     ram = loop.scheduler.ram
     long_enough = [entry for entry in ram if len(entry.tokens) >= PREFIX_KEY_BLOCK]
     assert len(long_enough) >= 2  # four conversations on two slots
-    advertised = set(loop.load.prefixes)
+    advertised = set(loop.stats.prefixes)
     for entry in long_enough:
         assert entry.keys and set(entry.keys) <= advertised
 

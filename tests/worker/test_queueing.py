@@ -8,9 +8,9 @@ from itertools import count
 import pytest
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.queueing import Policy, WaitingQueue
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request
+from loomserve.worker.sched.queueing import Policy, WaitingQueue
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request
 
 _ids = count()
 

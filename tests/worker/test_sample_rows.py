@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.sampling import HostSampler, Sampler, SamplingThreads, sample_rows
+from loomserve.worker.engine.sampling import HostSampler, Sampler, SamplingThreads, sample_rows
 
 
 class Chained:

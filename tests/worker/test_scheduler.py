@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from loomserve.protocol import FinishReason, SamplingParams, TokenChunk
-from loomserve.worker.prefix_cache import common_prefix
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request, Slot
-from loomserve.worker.strategies import BatchPlan, SlotPhase
+from loomserve.worker.cache.ram_cache import common_prefix
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request, Slot
+from loomserve.worker.sched.strategies import BatchPlan, SlotPhase
 
 GW = b"gateway-1"
 EOS = -1  # the test's end-of-generation token

@@ -38,8 +38,8 @@ from loomserve.protocol import (
     encode,
 )
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.tick.loop import TickLoop
 from tests.procs import REPO_ROOT, Proc, Samples, free_port, scrape_metrics, start_worker
 
 TIMEOUT = 20.0

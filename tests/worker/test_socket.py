@@ -34,7 +34,7 @@ from loomserve.protocol import (
 )
 from loomserve.protocol.messages import ErrorCode
 from loomserve.worker.config import WorkerConfig, is_local_endpoint
-from loomserve.worker.gateways import GatewayTable
+from loomserve.worker.io.gateways import GatewayTable
 from tests.procs import Proc, start_worker, wait_worker_ready
 
 MIB = 1024 * 1024

@@ -9,9 +9,9 @@ import pytest
 
 from loomserve.protocol import FinishReason, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request, Sampled
-from loomserve.worker.speculation import (
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request, Sampled
+from loomserve.worker.sched.speculation import (
     EXPLORE_INTERVAL,
     Acceptance,
     DraftCost,
@@ -22,8 +22,8 @@ from loomserve.worker.speculation import (
     expected_accepted,
     plan_length,
 )
-from loomserve.worker.strategies import SlotPhase
-from loomserve.worker.ubatches import SplitRules
+from loomserve.worker.sched.strategies import SlotPhase
+from loomserve.worker.sched.ubatches import SplitRules
 
 
 def reference_proposal(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -13,11 +13,11 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.loop import TickLoop
+from loomserve.worker.engine.engine import Engine
 from loomserve.worker.metrics import WorkerMetrics
-from loomserve.worker.records import TickRecord
-from loomserve.worker.tick_cost import WARM_UP_TICKS
+from loomserve.worker.sched.tick_cost import WARM_UP_TICKS
+from loomserve.worker.stats import TickRecord
+from loomserve.worker.tick.loop import TickLoop
 from tests.worker.test_engine import GW, Collector, drain, run_staggered
 
 

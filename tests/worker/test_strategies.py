@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from loomserve.worker.strategies import (
+from loomserve.worker.sched.strategies import (
     Balanced,
     BatchPlan,
     DecodeMaximal,
@@ -137,8 +137,8 @@ def test_load_strategy_by_name(spec, cls):
     [
         "fastest",
         "no_such_module:Thing",
-        "loomserve.worker.strategies:Nope",
-        "loomserve.worker.strategies:SlotPhase",
+        "loomserve.worker.sched.strategies:Nope",
+        "loomserve.worker.sched.strategies:SlotPhase",
     ],
 )
 def test_load_strategy_refuses_unknown_names(spec):

@@ -7,16 +7,16 @@ import random
 import pytest
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request
-from loomserve.worker.strategies import (
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request
+from loomserve.worker.sched.strategies import (
     BatchPlan,
     PrefillPriority,
     SlotPhase,
     SlotView,
     limit_prefill,
 )
-from loomserve.worker.tick_cost import MIN_PREFILL_TOKENS, LatencyTarget, TickCostModel
+from loomserve.worker.sched.tick_cost import MIN_PREFILL_TOKENS, LatencyTarget, TickCostModel
 
 
 def feed(model: TickCostModel, base: float, decode: float, prefill: float, n: int, seed: int = 0):

@@ -12,16 +12,16 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.loop import TickLoop
-from loomserve.worker.records import TickRecord
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request, Slot
-from loomserve.worker.ubatches import (
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request, Slot
+from loomserve.worker.sched.ubatches import (
     MIN_BRIDGED_GAP,
     SplitRules,
     count_ubatches,
     gaps_to_bridge,
 )
+from loomserve.worker.stats import TickRecord
+from loomserve.worker.tick.loop import TickLoop
 from tests.forward_passes import PassCounter
 
 GW = b"gw"

@@ -13,7 +13,7 @@ import pytest
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.models.catalogue import Catalogue
 from loomserve.gateway.text.tokenizer import Vocab
-from loomserve.worker.vocab_file import compressed_metadata, metadata_only
+from loomserve.worker.engine.vocab_file import compressed_metadata, metadata_only
 
 
 def test_the_metadata_alone_is_the_same_vocabulary(tmp_path: Path, other_model_path: Path) -> None:

@@ -29,7 +29,7 @@ import structlog
 
 from loomserve.protocol import Embed, Embeddings, ErrorCode, Rejected
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine, TokenBatch
+from loomserve.worker.engine.engine import Engine, TokenBatch
 
 log = structlog.get_logger(__name__)
 

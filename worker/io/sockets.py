@@ -4,8 +4,8 @@ Like vLLM's engine core, the tick loop never waits on the network, and neither s
 other: they share channels made first (channels.py). Inbound frames are decoded here and put
 on the loop's Inbox; what the loop says is appended to the Outbox (outbox.py) and a wake-up
 byte goes over an inproc PAIR, after which this thread encodes and sends (while the loop is
-inside llama_decode, which releases the GIL); heartbeats and SlotsReports read the loop's
-LoadBoard, a frozen snapshot of its latest tick. Sends
+inside llama_decode, which releases the GIL); heartbeats and SlotsReports read the
+SchedulerStats on the loop's StatsBoard, a frozen snapshot of its latest tick. Sends
 never block: a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN)
 loses that message, counted. This thread also answers Hello and Ping and heartbeats every
 gateway, and answers SlotsQuery, so liveness and /slots never wait for a tick either.
@@ -13,7 +13,7 @@ gateway, and answers SlotsQuery, so liveness and /slots never wait for a tick ei
 Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
 connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
 limits, one turn of receiving by time, and what gateways may have open by GatewayTable.
-CURVE (worker/curve.py) decides who may connect at all.
+CURVE (worker/io/curve.py) decides who may connect at all.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ from loomserve.protocol import (
 )
 from loomserve.protocol.codec import Frame, TooLong, request_id_of
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
-from loomserve.worker.channels import Inbox, LoadBoard
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.curve import ServerKeys, make_curve_server
-from loomserve.worker.gateways import GatewayTable
-from loomserve.worker.handshake import HandshakeWatch
-from loomserve.worker.outbox import BROADCAST, Outbox
+from loomserve.worker.io.channels import Inbox, StatsBoard
+from loomserve.worker.io.curve import ServerKeys, make_curve_server
+from loomserve.worker.io.gateways import GatewayTable
+from loomserve.worker.io.handshake import HandshakeWatch
+from loomserve.worker.io.outbox import BROADCAST, Outbox
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +99,7 @@ class WorkerIO:
         config: WorkerConfig,
         model_info: ModelInfo,
         inbox: Inbox,
-        loads: LoadBoard,
+        board: StatsBoard,
         on_gateways: Callable[[int], None] | None = None,
         keys: ServerKeys | None = None,
         on_reject: Callable[[str], None] | None = None,
@@ -108,7 +108,7 @@ class WorkerIO:
         self.config = config
         self.vocab_file = vocab_file  # vocab_file.compressed_metadata, for VocabQuery
         self.inbox = inbox  # where inbound work goes, for the loop
-        self.loads = loads  # what the loop last published, for heartbeats
+        self.board = board  # what the loop last published, for heartbeats and /slots
         self.model_info = model_info
         self.counters = IOCounters()
         self.ready = True
@@ -385,19 +385,19 @@ class WorkerIO:
             self._send_now(gateway, beat)
 
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
-        load = self.loads.latest
+        stats = self.board.latest
         now = time.monotonic()
-        if load.running or load.queue_depth:
+        if stats.running or stats.queue_depth:
             self._busy_at = now
         return Heartbeat(
             sent_at=time.time(),
             ping_sent_at=ping_sent_at,
             ready=self.ready,
-            queue_depth=load.queue_depth,
-            free_slots=load.free_slots,
-            running=load.running,
-            prefixes=list(load.prefixes),
-            kv_cells_used=load.kv_cells_used,
+            queue_depth=stats.queue_depth,
+            free_slots=stats.free_slots,
+            running=stats.running,
+            prefixes=list(stats.prefixes),
+            kv_cells_used=stats.kv_cells_used,
             kv_cells_total=self.model_info.slots * self.model_info.slot_context,
             idle_seconds=now - self._busy_at,
         )
@@ -418,12 +418,12 @@ class WorkerIO:
         return VocabFile(own, self.vocab_file)
 
     def _slots_report(self, query_id: str) -> SlotsReport:
-        load = self.loads.latest
+        stats = self.board.latest
         return SlotsReport(
             query_id=query_id,
-            queue_depth=load.queue_depth,
-            slots=load.slot_states(time.monotonic()),
-            tenants=load.tenant_queues(),
+            queue_depth=stats.queue_depth,
+            slots=stats.slot_states(time.monotonic()),
+            tenants=stats.tenant_queues(),
         )
 
     def _lose(self, gateway: bytes, why: str) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import structlog
 
-from loomserve.worker.engine import Engine
-from loomserve.worker.ram_cache import RamEntry
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Admission, Preemption
+from loomserve.worker.cache.ram_cache import RamEntry
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Admission, Preemption
 
-log = structlog.get_logger("loomserve.worker.loop")  # the logger these lines always had
+log = structlog.get_logger("loomserve.worker.tick.loop")  # the logger these lines always had
 
 
 class KvMoves:

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenLogprobs
-from loomserve.worker.queueing import DEFAULT_TENANT
-from loomserve.worker.ram_cache import RamEntry, SavedState
-from loomserve.worker.strategies import BatchPlan, SlotPhase, SlotView
+from loomserve.worker.cache.ram_cache import RamEntry, SavedState
+from loomserve.worker.sched.queueing import DEFAULT_TENANT
+from loomserve.worker.sched.strategies import BatchPlan, SlotPhase, SlotView
 
 if TYPE_CHECKING:
     import numpy as np

@@ -6,15 +6,21 @@ They are taken after the request's logit bias and penalties, the distribution it
 chain starts from (vLLM's default), and before temperature, top-k/p and grammar. The bias and
 penalties are applied here as llama.cpp's logit_bias and penalties samplers apply them; the
 chain's own copy of the logits is not reachable from Python.
+
+After the forward pass, sampled() gives the scheduler's update each slot's sampled tokens with
+their log-probabilities as a Sampled, and score_prompts() sends a scoring request's prompt
+logprobs from the rows of a step's output logits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from loomserve.protocol import SamplingParams, TokenLogprobs
+from loomserve.protocol import PromptLogprobs, SamplingParams, TokenChunk, TokenLogprobs
+from loomserve.worker.io.channels import PendingOutputs
+from loomserve.worker.sched.slots import Run, Sampled, Slot, Step
 
 FLOOR = -9999.0  # what a token that cannot be chosen reports (as vLLM's); JSON has no -inf
 # Prompt rows are normalised this many at a time: a block's exponentials are a temporary of
@@ -105,3 +111,63 @@ def adjusted_logits(
 
 def _floor(value: float) -> float:
     return value if value > FLOOR else FLOOR
+
+
+def sampled(
+    slot: Slot, rows: np.ndarray, tokens: list[int], is_eog: Callable[[int], bool], context: int
+) -> Sampled:
+    """A slot's new tokens (sampled from `rows`, one row each) as the scheduler's update takes
+    them, with their logprobs when the request asked and what its grammar said."""
+    request = slot.occupant
+    sampler = request.chain
+    logprobs = None
+    if request.params.logprobs is not None:
+        # Each token's penalty history is what the slot generated before it.
+        history = slot.tokens[len(request.prompt) :]  # resumed ones too
+        logprobs = []
+        for row, token in zip(rows, tokens, strict=False):
+            logprobs.append(token_logprobs(row, token, request.params, history, context))
+            history = [*history, token]
+    return Sampled(
+        slot,
+        tokens,
+        [is_eog(token) for token in tokens],
+        logprobs,
+        sampler.failure,
+        sampler.grammar_complete,
+    )
+
+
+def score_prompts(
+    step: Step, output_logits: Callable[[int], np.ndarray], outputs: PendingOutputs
+) -> np.ndarray:
+    """Send the prompt logprobs of the step's scoring runs; return the logits rows of the
+    sampled slots (in batch order, as the loop's _sample reads them)."""
+    n_outputs = sum(len(run.tokens) if run.score else run.sample for run in step.runs)
+    logits = output_logits(n_outputs)
+    rows, sampled_rows = 0, []
+    for run in step.runs:
+        if run.score:
+            _send_prompt_logprobs(run, logits[rows : rows + len(run.tokens)], outputs)
+            rows += len(run.tokens)
+            if run.sample:
+                sampled_rows.append(rows - 1)
+        elif run.sample:
+            sampled_rows.append(rows)
+            rows += 1
+    return logits[sampled_rows]
+
+
+def _send_prompt_logprobs(run: Run, rows: np.ndarray, outputs: PendingOutputs) -> None:
+    """Row i scores prompt token run.start + i + 1; the prompt's last row scores nothing
+    (its logits sample the first generated token)."""
+    request = run.slot.occupant
+    prompt, top = request.prompt, request.params.prompt_logprobs
+    assert top is not None, "a scoring run is of a request that asked for prompt logprobs"
+    n_scored = min(len(run.tokens), len(prompt) - 1 - run.start)
+    if n_scored <= 0:
+        return
+    first = run.start + 1
+    entries = prompt_logprobs(rows[:n_scored], prompt[first : first + n_scored], top)
+    chunk = TokenChunk(request.request_id, [], prompt_logprobs=PromptLogprobs(first, entries))
+    outputs.to(request.gateway).tokens.append(chunk)

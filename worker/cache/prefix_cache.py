@@ -22,14 +22,13 @@ How much of a shared prefix a request may reuse is one rule, usable_prefix().
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from loomserve.protocol.prefix_keys import MAX_ADVERTISED_KEYS, prefix_keys
-
-if TYPE_CHECKING:
-    from loomserve.worker.ram_cache import RamCache, RamEntry
+from loomserve.worker.cache.ram_cache import RamCache, RamEntry, common_prefix
 
 
 class CachedSlot(Protocol):
@@ -62,21 +61,6 @@ class Placement:
     def own_cache(self) -> bool:
         """Whether the target starts from its own cells (it keeps its first `reused`)."""
         return self.source is None and self.ram is None
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 # ggml's CPU kernels (llama-cpp-python 0.3.36, batch-invariant engine: no repacked or tiled
@@ -205,6 +189,23 @@ def advertised_keys(
             if len(keys) >= limit:
                 return list(keys)
     return list(keys)
+
+
+class AdvertisedPrefixes:
+    """The cached prompts' keys for heartbeats, recomputed at most once per `every` seconds:
+    routing needs no fresher view, and hashing every cached sequence each tick would cost."""
+
+    def __init__(self, every: float) -> None:
+        self.every = every
+        self._keys: tuple[int, ...] = ()
+        self._at = -float("inf")
+
+    def keys(self, slots: Sequence[CachedSlot], ram: RamCache | None) -> tuple[int, ...]:
+        now = time.monotonic()
+        if now - self._at >= self.every:
+            self._at = now
+            self._keys = tuple(advertised_keys(slots, ram))
+        return self._keys
 
 
 def _usable_by_slot(slots: Sequence[CachedSlot], tokens: list[int], chunk: int) -> dict[int, int]:

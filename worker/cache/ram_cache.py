@@ -21,14 +21,27 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from loomserve.protocol.prefix_keys import prefix_keys
-from loomserve.worker.prefix_cache import common_prefix
 
 BLOCK_TOKENS = 32
-MIB = 1024**2
 
 
 # A sequence's KV state as the engine saved it (llama_state_seq_get_data); opaque here.
 SavedState = bytes | bytearray
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by bisection over C-speed slice comparisons."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(slots=True, eq=False)

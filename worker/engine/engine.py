@@ -26,8 +26,9 @@ import structlog
 
 from loomserve.protocol import SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.sampling import HostSampler, Sampler, build_sampler
-from loomserve.worker.ubatches import SplitRules
+from loomserve.worker.engine.batch import TokenBatch
+from loomserve.worker.engine.sampling import HostSampler, Sampler, build_sampler
+from loomserve.worker.sched.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
 
@@ -65,73 +66,6 @@ class ModelDescription:
         return f"GPU ({min(self.gpu_layers, self.n_layers)}/{self.n_layers} layers)"
 
 
-class TokenBatch:
-    """One reusable llama_batch whose arrays are numpy buffers we own."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.token = np.zeros(capacity, dtype=np.int32)
-        self.pos = np.zeros(capacity, dtype=np.int32)
-        self.seq = np.zeros(capacity, dtype=np.int32)
-        self.logits = np.zeros(capacity, dtype=np.int8)
-        self._n_seq_id = np.ones(capacity, dtype=np.int32)
-        # Every token belongs to exactly one sequence: seq_id[i] points at self.seq[i].
-        int32_p = ctypes.POINTER(ctypes.c_int32)
-        base = self.seq.ctypes.data
-        self._seq_ptrs = (int32_p * capacity)(
-            *(ctypes.cast(base + 4 * i, int32_p) for i in range(capacity))
-        )
-        self.struct = llama.llama_batch(
-            n_tokens=0,
-            token=self.token.ctypes.data_as(int32_p),
-            embd=None,
-            pos=self.pos.ctypes.data_as(int32_p),
-            n_seq_id=self._n_seq_id.ctypes.data_as(int32_p),
-            seq_id=self._seq_ptrs,
-            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
-        )
-        self.n_tokens = 0
-
-    def clear(self) -> None:
-        self.n_tokens = 0
-
-    def add(self, token: int, pos: int, seq: int, want_logits: bool) -> int:
-        """Append one token; return its index in the batch."""
-        i = self.n_tokens
-        self.token[i] = token
-        self.pos[i] = pos
-        self.seq[i] = seq
-        self.logits[i] = want_logits
-        self.n_tokens = i + 1
-        return i
-
-    def add_run(
-        self,
-        tokens: list[int],
-        first_pos: int,
-        seq: int,
-        logits_on_last: bool,
-        logits_on_all: bool = False,
-    ) -> int:
-        """Append consecutive tokens of one sequence; return the index of the last one."""
-        i, j = self.n_tokens, self.n_tokens + len(tokens)
-        self.token[i:j] = tokens
-        self.pos[i:j] = np.arange(first_pos, first_pos + len(tokens), dtype=np.int32)
-        self.seq[i:j] = seq
-        self.logits[i:j] = logits_on_all
-        self.logits[j - 1] = logits_on_last or logits_on_all
-        self.n_tokens = j
-        return j - 1
-
-    def add_verified_run(self, tokens: list[int], first_pos: int, seq: int, n_logits: int) -> int:
-        """Append consecutive tokens of one sequence with logits on the first n_logits of
-        them (a token and its drafts; filler after them); return the first one's index."""
-        first = self.n_tokens
-        self.add_run(tokens, first_pos, seq, False)
-        self.logits[first : first + n_logits] = 1
-        return first
-
-
 class Engine:
     """The model, its one context, and the few llama.cpp calls the loop needs."""
 
@@ -160,7 +94,7 @@ class Engine:
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.
         self.min_copy_tokens = MIN_STREAM_COPY_TOKENS if config.batch_invariant else 1
-        # A stream per slot makes llama.cpp cut batches by sequence (worker/ubatches.py).
+        # A stream per slot makes llama.cpp cut batches by sequence (worker/sched/ubatches.py).
         recurrent = llama.llama_model_is_recurrent(self.model) or llama.llama_model_is_hybrid(
             self.model
         )

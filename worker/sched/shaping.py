@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loomserve.worker.slots import Run, Slot, Step
-from loomserve.worker.strategies import SlotPhase
-from loomserve.worker.ubatches import SplitRules, count_ubatches, gaps_to_bridge
+from loomserve.worker.sched.slots import Run, Slot, Step
+from loomserve.worker.sched.strategies import SlotPhase
+from loomserve.worker.sched.ubatches import SplitRules, count_ubatches, gaps_to_bridge
 
 
 def shape(step: Step, budget: int, rules: SplitRules, slots: Sequence[Slot]) -> Step:

@@ -5,7 +5,7 @@ A generating slot proposes the tokens that followed the most recent earlier occu
 last n tokens (prompt and output together; n from `ngram_max` down to `ngram_min`), as vLLM's
 `ngram` method and llama-server's `ngram-simple` do. The loop puts the proposal in the tick's
 one batch after the slot's last token, asks for logits at each, and keeps the longest prefix
-the slot's own sampler agrees with (worker/drafting.py); so each token is the sampler's own
+the slot's own sampler agrees with (worker/tick/drafting.py); so each token is the sampler's own
 choice, as in decoding one token at a time. (Not always bit for bit on a real model: a draft's
 row is one of several of its sequence in the pass, and the CPU kernels sum such rows in
 another order than a lone one: docs/speculation.md.)
@@ -16,7 +16,7 @@ drafts only where they are nearly free: plan_length weighs the tokens a draft le
 expected to add against what the tick then costs (the learned tick-cost model, plus a draft
 surcharge learned here, DraftCost), and takes the length that produces the most tokens per
 second, or none. With a KV stream per slot llama.cpp cuts a batch by sequence and gives each
-ubatch an equal number of tokens per sequence (worker/ubatches.py), so there every generating
+ubatch an equal number of tokens per sequence (worker/sched/ubatches.py), so there every generating
 slot in the tick gets the same number of extra tokens: drafts where it has one, filler
 otherwise (tokens only there to keep one pass; their cells are dropped, nothing is read).
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from loomserve.worker.least_squares import RecursiveLeastSquares
+from loomserve.worker.sched.least_squares import RecursiveLeastSquares
 
 # Acceptance of a fresh slot: optimistic, so that a new request gets to show what it does.
 PRIOR_ACCEPTED = 4.0

@@ -13,10 +13,10 @@ between two tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from loomserve.worker.least_squares import RecursiveLeastSquares
-from loomserve.worker.strategies import BatchPlan, SlotPhase, SlotView, limit_prefill
+from loomserve.worker.sched.least_squares import RecursiveLeastSquares
+from loomserve.worker.sched.strategies import BatchPlan, SlotPhase, SlotView, limit_prefill
+from loomserve.worker.stats import TickCost
 
 FORGETTING = 0.98  # each tick weighs 2% less per newer tick: ~50 ticks of memory
 MAX_COVARIANCE_TRACE = 1e4  # no forgetting beyond this: unexcited directions must not blow up
@@ -26,15 +26,6 @@ MIN_PREFILL_TOKENS = 16
 MIN_PREFILL_SHARE = 0.25
 WARM_UP_TICKS = 8  # observations before the model is trusted
 OUTLIER_FACTOR = 3.0  # a tick this many times its prediction is counted as only that much
-
-
-@dataclass(frozen=True, slots=True)
-class TickCost:
-    """The model's current coefficients, in seconds."""
-
-    base: float
-    per_decode_token: float
-    per_prefill_token: float
 
 
 class TickCostModel:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 from loomserve.protocol import ErrorCode, Generate
-from loomserve.worker.queueing import DEFAULT_TENANT
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Request, RequestKey, TokenSampler
+from loomserve.worker.sched.queueing import DEFAULT_TENANT
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Request, RequestKey, TokenSampler
 
 NO_EMBEDDINGS = (
     "this server computes no embeddings: the model has no pooling head; "

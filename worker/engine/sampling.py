@@ -32,10 +32,10 @@ import numpy as np
 from loomserve.protocol import SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
-from loomserve.worker.draw import Truncation, candidates
-from loomserve.worker.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
-from loomserve.worker.logprobs import adjusted_logits
-from loomserve.worker.slots import TokenSampler
+from loomserve.worker.engine.draw import Truncation, candidates
+from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
+from loomserve.worker.engine.logprobs import adjusted_logits
+from loomserve.worker.sched.slots import TokenSampler
 
 # Fewer rows than this to draw on the host: threads would cost more than they save.
 PARALLEL_ROWS = 8

@@ -1,5 +1,5 @@
 """The Sink the tick loop sends through in a worker process: messages wait in a deque for the
-IO thread (io.py), and one byte over an inproc PAIR wakes that thread's poll to send them.
+IO thread (sockets.py), and one byte over an inproc PAIR wakes that thread's poll to send them.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 
-log = structlog.get_logger("loomserve.worker.scheduler")  # the logger this line always had
+log = structlog.get_logger("loomserve.worker.sched.scheduler")  # the logger this line always had
 
 
 class SlotPhase(StrEnum):

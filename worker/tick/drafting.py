@@ -11,15 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import Engine
-from loomserve.worker.records import SpecCounts
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.scoring import sampled
-from loomserve.worker.slots import Run, Sampled, Slot, Step
-from loomserve.worker.speculation import Proposal, SpecSettings, Speculator
-from loomserve.worker.strategies import SlotPhase
-from loomserve.worker.tick_cost import WARM_UP_TICKS, TickCostModel
-from loomserve.worker.ubatches import SplitRules
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.logprobs import sampled
+from loomserve.worker.sched.records import SpecCounts
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Run, Sampled, Slot, Step
+from loomserve.worker.sched.speculation import Proposal, SpecSettings, Speculator
+from loomserve.worker.sched.strategies import SlotPhase
+from loomserve.worker.sched.tick_cost import WARM_UP_TICKS, TickCostModel
+from loomserve.worker.sched.ubatches import SplitRules
 
 
 def make_speculator(config: WorkerConfig, split_rules: SplitRules) -> Speculator | None:

@@ -3,16 +3,18 @@
 ADR 006 and 008 are summarised in docs/life-of-a-request.md.
 
 A TickLoop owns the engine and the scheduler, and runs on one thread. Other threads hand it
-work through its Inbox (channels.py: a Generate or an Embed, cancellations, a lost gateway,
-stop), which only puts items on a queue; it blocks on that queue whenever it has nothing to
-do. Everything it says goes to a Sink (outputs.py): Accepted and Rejected at once, and per
-tick one Outputs per gateway with that gateway's new tokens and finishes; after each tick it
-publishes its Load on the LoadBoard. No socket here (io.py owns those), so the loop runs and
-is tested in-process. It keeps no slot state: the scheduler decides and records every change
-of a request's state; the loop hands the engine what those decisions need, with helpers for
-the parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells
-moved for admissions), drafting.py (speculation), batching.py (the engine's batch),
-scoring.py (logprobs), records.py (tick and finish records and their log lines).
+work through its Inbox (io/channels.py: a Generate or an Embed, cancellations, a lost
+gateway, stop), which only puts items on a queue; it blocks on that queue whenever it has
+nothing to do. Everything it says goes to a Sink (io/channels.py): Accepted and Rejected at
+once, and per tick one Outputs per gateway with that gateway's new tokens and finishes; after
+each tick it publishes its SchedulerStats on the StatsBoard, the only view other threads have
+of it (stats.py). No socket here (io/sockets.py owns those), so the loop runs and is tested
+in-process. It keeps no slot state: the scheduler decides and records every change of a
+request's state; the loop hands the engine what those decisions need, with helpers for the
+parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells moved for
+admissions), drafting.py (speculation), engine/batch.py (the engine's batch),
+engine/logprobs.py (logprobs), sched/records.py (the stats, tick and finish records and their
+log lines).
 """
 
 from __future__ import annotations
@@ -29,40 +31,41 @@ from loomserve.protocol import (
     Generate,
     Rejected,
 )
-from loomserve.worker.batching import Filled, fill_batch
-from loomserve.worker.channels import (
+from loomserve.worker.cache.prefix_cache import AdvertisedPrefixes
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine.batch import Filled, fill_batch
+from loomserve.worker.engine.embeddings import Embedder
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.logprobs import sampled, score_prompts
+from loomserve.worker.engine.sampling import InvalidSampling, SamplingThreads, sample_rows
+from loomserve.worker.io.channels import (
     STOP,
     Cancel,
     GatewayGone,
     Inbox,
-    Load,
-    LoadBoard,
+    PendingOutputs,
+    Sink,
+    StatsBoard,
     Submit,
 )
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.drafting import Drafting, make_speculator
-from loomserve.worker.embeddings import Embedder
-from loomserve.worker.engine import Engine
-from loomserve.worker.faults import DecodeFaults
-from loomserve.worker.intake import NO_EMBEDDINGS, new_request, refusal
-from loomserve.worker.kv_moves import KvMoves
-from loomserve.worker.outputs import PendingOutputs, Sink
-from loomserve.worker.preemption import GIB
-from loomserve.worker.queueing import WaitingQueue
-from loomserve.worker.records import (
-    FinishRecord,
-    TickRecord,
+from loomserve.worker.sched.preemption import GIB
+from loomserve.worker.sched.queueing import WaitingQueue
+from loomserve.worker.sched.records import (
     finish_record,
     log_finish,
     log_tick,
+    scheduler_stats,
     tick_record,
 )
-from loomserve.worker.sampling import InvalidSampling, SamplingThreads, sample_rows
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.scoring import sampled, score_prompts
-from loomserve.worker.slots import Release, Sampled, Step
-from loomserve.worker.strategies import load_strategy
-from loomserve.worker.tick_cost import LatencyTarget, TickCostModel
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Release, Sampled, Step
+from loomserve.worker.sched.strategies import load_strategy
+from loomserve.worker.sched.tick_cost import LatencyTarget, TickCostModel
+from loomserve.worker.stats import FinishRecord, SchedulerStats, TickRecord
+from loomserve.worker.tick.drafting import Drafting, make_speculator
+from loomserve.worker.tick.faults import DecodeFaults
+from loomserve.worker.tick.intake import NO_EMBEDDINGS, new_request, refusal
+from loomserve.worker.tick.kv_moves import KvMoves
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +83,7 @@ class TickLoop:
         on_reject: Callable[[str], None] | None = None,
         embedder: Embedder | None = None,
         inbox: Inbox | None = None,
-        loads: LoadBoard | None = None,
+        board: StatsBoard | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -102,7 +105,9 @@ class TickLoop:
         )
         self.inbox = inbox if inbox is not None else Inbox()  # IO (or a test) writes it
         self.tick_count = 0
-        self.loads = loads if loads is not None else LoadBoard(config.slots)  # IO reads it
+        # Other threads read the scheduler only through the stats published here (stats.py).
+        self.board = board if board is not None else StatsBoard(config.slots)
+        self._prefixes = AdvertisedPrefixes(config.heartbeat_interval)
         self._on_tick = on_tick
         self._on_finish = on_finish
         self._on_reject = on_reject
@@ -127,9 +132,9 @@ class TickLoop:
         return LatencyTarget(config.itl_target_ms / 1000, self.tick_cost)
 
     @property
-    def load(self) -> Load:
-        """The load after the latest tick (heartbeats and metrics read it)."""
-        return self.loads.latest
+    def stats(self) -> SchedulerStats:
+        """The scheduler after the latest tick, as heartbeats, /slots and metrics see it."""
+        return self.board.latest
 
     # --- the loop thread -------------------------------------------------------------
 
@@ -348,8 +353,10 @@ class TickLoop:
     # --- 7: emit -----------------------------------------------------------------------
 
     def _send_outputs(self) -> None:
-        # The load first: a heartbeat that follows these Outputs must not predate them.
-        self.loads.publish(self.scheduler, self.config.heartbeat_interval)
+        # The stats first: a heartbeat that follows these Outputs must not predate them.
+        scheduler = self.scheduler
+        prefixes = self._prefixes.keys(scheduler.slots, scheduler.ram)
+        self.board.publish(scheduler_stats(scheduler, self.tick_cost.coefficients(), prefixes))
         self.outputs.send(self.sink)
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:

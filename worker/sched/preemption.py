@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from loomserve.worker.slots import Request, Slot
+    from loomserve.worker.sched.slots import Request, Slot
 
 GIB = 1024**3
 

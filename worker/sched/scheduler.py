@@ -26,12 +26,12 @@ from collections.abc import Sequence
 import structlog
 
 from loomserve.protocol import ErrorCode, FinishReason, TokenChunk
-from loomserve.worker.preemption import SwapSpace, victim_slot
-from loomserve.worker.prefix_cache import can_place, place
-from loomserve.worker.queueing import Policy, WaitingQueue
-from loomserve.worker.ram_cache import RamCache, SavedState
-from loomserve.worker.shaping import add_drafts, shape, ubatches_with_filler
-from loomserve.worker.slots import (
+from loomserve.worker.cache.prefix_cache import can_place, place
+from loomserve.worker.cache.ram_cache import RamCache, SavedState
+from loomserve.worker.sched.preemption import SwapSpace, victim_slot
+from loomserve.worker.sched.queueing import Policy, WaitingQueue
+from loomserve.worker.sched.shaping import add_drafts, shape, ubatches_with_filler
+from loomserve.worker.sched.slots import (
     KEEPS_CACHE,
     Admission,
     Preemption,
@@ -44,7 +44,7 @@ from loomserve.worker.slots import (
     Step,
     set_phase,
 )
-from loomserve.worker.strategies import (
+from loomserve.worker.sched.strategies import (
     BatchPlan,
     BatchStrategy,
     CheckedPlans,
@@ -52,8 +52,8 @@ from loomserve.worker.strategies import (
     SlotPhase,
     SlotView,
 )
-from loomserve.worker.tick_cost import LatencyTarget
-from loomserve.worker.ubatches import SplitRules
+from loomserve.worker.sched.tick_cost import LatencyTarget
+from loomserve.worker.sched.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
 

@@ -1,5 +1,6 @@
-"""What the loop tells about its ticks and finished requests: the records the metrics read,
-and the `tick` and `request finished` log lines.
+"""What the loop tells other threads and the log, built on the loop's thread: the SchedulerStats
+it publishes after each tick, the records of its ticks and finished requests that the metrics
+read (their types in stats.py), and the `tick` and `request finished` log lines.
 """
 
 from __future__ import annotations
@@ -8,45 +9,18 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loomserve.protocol import Finish
-from loomserve.worker.queueing import DEFAULT_TENANT
-from loomserve.worker.scheduler import Scheduler
-from loomserve.worker.slots import Release, Step
+from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.slots import Release, Slot, Step
+from loomserve.worker.stats import (
+    FinishRecord,
+    RamCacheUsage,
+    SchedulerStats,
+    SlotSnapshot,
+    TickCost,
+    TickRecord,
+)
 
-log = structlog.get_logger("loomserve.worker.loop")  # the logger these lines always had
-
-
-@dataclass(frozen=True, slots=True)
-class TickRecord:
-    """What one tick did: for the tick log line and the metrics."""
-
-    tick: int
-    decode_tokens: int  # one per generating slot in the batch
-    prefill_tokens: int  # prompt tokens evaluated
-    pad_tokens: int  # tokens that only join slots into fewer passes (ubatches.py)
-    ubatches: int  # forward passes llama.cpp makes of the batch
-    sampled_tokens: int  # new tokens produced
-    budget: int  # the batch's token budget
-    slots_active: int
-    queue_depth: int
-    seconds: float
-    drafts: int = 0  # slots that verified drafted tokens (speculation)
-    draft_tokens: int = 0  # drafted tokens verified
-    accepted_tokens: int = 0  # of those, the ones the samplers agreed with
-    accepted_per_position: tuple[int, ...] = ()  # accepted drafts by position in the draft
-    filler_tokens: int = 0  # tokens only there to keep drafts in one pass
-
-
-@dataclass(frozen=True, slots=True)
-class FinishRecord:
-    """One finished request with its timings: for its log line and the metrics."""
-
-    finish: Finish
-    ttft_seconds: float | None  # None when no token was produced
-    decode_seconds: float  # from the first token to the finish
-    priority: int = 0
-    tenant: str = DEFAULT_TENANT
-    preemptions: int = 0  # times it gave its slot to a request of better priority
+log = structlog.get_logger("loomserve.worker.tick.loop")  # the logger these lines always had
 
 
 @dataclass(slots=True)
@@ -66,6 +40,59 @@ class SpecCounts:
             self.per_position.extend([0] * (accepted - len(self.per_position)))
         for position in range(accepted):
             self.per_position[position] += 1
+
+
+def scheduler_stats(
+    scheduler: Scheduler, tick_cost: TickCost, prefixes: tuple[int, ...]
+) -> SchedulerStats:
+    """The scheduler now, copied for other threads (the loop's call, after each tick)."""
+    ram = scheduler.ram
+    latency = scheduler.latency
+    return SchedulerStats(
+        queue_depth=scheduler.queue_depth,
+        free_slots=scheduler.free_slots,
+        running=scheduler.running,
+        tenants=scheduler.waiting.counts(),
+        prefixes=prefixes,
+        kv_cells_used=sum(slot.n_in_cache for slot in scheduler.slots),
+        n_slots=len(scheduler.slots),
+        # Only the busy slots are copied: an idle one has nothing to say but its index.
+        busy=tuple(slot_snapshot(slot) for slot in scheduler.slots if slot.request is not None),
+        preemptions=scheduler.preemptions,
+        swap_used_bytes=scheduler.swap.used,
+        prefill_cap=latency.latest_cap if latency is not None else None,
+        tick_cost=tick_cost,
+        ram_cache=RamCacheUsage(
+            ram.stats.hits,
+            ram.stats.restored_tokens,
+            ram.stats.saves,
+            ram.stats.evictions,
+            ram.used,
+            ram.capacity,
+            len(ram),
+        ),
+    )
+
+
+def slot_snapshot(slot: Slot) -> SlotSnapshot:
+    """A busy slot's copy (plain attribute reads: this runs per busy slot per tick)."""
+    request = slot.occupant
+    gateway, request_id = request.key
+    prompt = len(request.prompt)
+    return SlotSnapshot(
+        slot.index,
+        slot.phase.value,
+        request_id,
+        gateway,
+        request.tenant,
+        request.priority,
+        prompt,
+        request.cached_tokens,
+        max(0, min(slot.n_in_cache, prompt) - request.cached_tokens),
+        request.completion_tokens,
+        request.arrived_at,
+        request.first_token_at,
+    )
 
 
 def tick_record(

@@ -1,0 +1,2 @@
+"""Prefix reuse, plain Python: which slot's cached cells (or which entry saved in host memory)
+a request starts from."""

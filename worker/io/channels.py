@@ -1,0 +1,116 @@
+"""What the IO thread and the tick loop share, created before either (as vLLM v1's EngineCore
+shares queues with its input and output threads): the inbox the loop reads and IO writes, and
+the SchedulerStats the loop publishes after each tick on the StatsBoard, which IO reads for
+heartbeats and /slots and the metrics at scrape time (a frozen snapshot, stats.py: no other
+thread touches the scheduler's live slots). The third channel,
+the outbox the loop writes and IO drains, is a Sink: outbox.py's Outbox, which wakes the IO
+thread's poll; a tick fills one Outputs per gateway (PendingOutputs) and sends them together at
+its end. Neither side holds the other. Plain Python.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+from typing import Protocol
+
+from loomserve.protocol import Embed, FinishReason, Generate, Message, Outputs
+from loomserve.worker.stats import SchedulerStats
+
+Work = Generate | Embed  # a request for the loop: the tick generates, the embedder embeds
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    gateway: bytes
+    message: Work
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    gateway: bytes
+    request_id: str
+    reason: FinishReason = FinishReason.CANCELLED  # the gateway's (protocol Cancel.reason)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayGone:
+    gateway: bytes
+    why: str
+
+
+STOP = object()
+
+Item = Submit | Cancel | GatewayGone | object  # object: STOP
+
+
+class Inbox:
+    """Work for the loop, from any thread; the loop blocks on it whenever it has nothing to do."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Item] = queue.Queue()
+
+    def submit(self, gateway: bytes, message: Work) -> None:
+        self._queue.put(Submit(gateway, message))
+
+    def cancel(self, gateway: bytes, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
+        self._queue.put(Cancel(gateway, request_id, FinishReason(reason)))
+
+    def gateway_gone(self, gateway: bytes, why: str) -> None:
+        """The gateway vanished: cancel its queued and running requests, saying why."""
+        self._queue.put(GatewayGone(gateway, why))
+
+    def stop(self) -> None:
+        """Drain: refuse new requests, give the others the shutdown timeout, then return."""
+        self._queue.put(STOP)
+
+    def get(self, block: bool) -> Item | None:
+        """The next item; None when there is none (and block is False)."""
+        try:
+            return self._queue.get(block=block)
+        except queue.Empty:
+            return None
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+
+class StatsBoard:
+    """The latest SchedulerStats: the loop replaces it whole (one reference, so a reader on
+    another thread sees one tick's stats or the next one's, never a mix)."""
+
+    def __init__(self, slots: int) -> None:
+        self.latest = SchedulerStats(queue_depth=0, free_slots=slots, running=0, n_slots=slots)
+
+    def publish(self, stats: SchedulerStats) -> None:
+        """The loop thread's call, after each tick."""
+        self.latest = stats
+
+
+class Sink(Protocol):
+    """Where the loop's messages go: the IO thread's outbox, or a list in a test."""
+
+    def send(self, gateway: bytes, message: Message) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+class PendingOutputs:
+    """This tick's Outputs, by gateway."""
+
+    def __init__(self) -> None:
+        self._by_gateway: dict[bytes, Outputs] = {}
+
+    def to(self, gateway: bytes) -> Outputs:
+        outputs = self._by_gateway.get(gateway)
+        if outputs is None:
+            outputs = self._by_gateway[gateway] = Outputs(tokens=[], finishes=[])
+        return outputs
+
+    def send(self, sink: Sink) -> None:
+        """Send every gateway its Outputs, if any, and start over."""
+        if self._by_gateway:
+            for gateway, outputs in self._by_gateway.items():
+                sink.send(gateway, outputs)
+            self._by_gateway = {}
+            sink.flush()
