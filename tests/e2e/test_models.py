@@ -183,3 +183,21 @@ def test_a_worker_for_a_new_model_joins_the_running_deployment(
         two_models.gateway.url + "/v1/completions", json={"model": "c", "prompt": "x"}
     )
     assert gone.status_code == 503
+
+
+def test_the_status_page_shows_each_model(browser, two_models: TwoModels) -> None:
+    page = browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(two_models.gateway.url + "/status")
+    page.wait_for_selector("#models-section:not([hidden])", timeout=15_000)
+    page.wait_for_function(
+        "document.querySelectorAll('#models tbody tr').length >= 2", timeout=15_000
+    )
+    rows = [line.split("\t") for line in page.inner_text("#models tbody").splitlines()]
+    expected = {name: state for name, state in states(two_models.gateway).items()}
+    assert dict(rows) == expected and expected["a"] == expected["b"] == "loaded"
+    assert "b" in page.inner_text("#workers")  # each worker under its model's name
+    page.close()
+    assert errors == []
