@@ -155,9 +155,7 @@ def one_against_two(path: Path, rounds: int, threads: int, streams: int) -> dict
 @click.option("--threads", type=int, default=2)
 @click.option("--streams", type=int, default=16, help="Concurrent streams of the load test.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def main(
-    model: str | None, rounds: int, threads: int, streams: int, json_out: Path | None
-) -> None:
+def main(model: str | None, rounds: int, threads: int, streams: int, json_out: Path | None) -> None:
     path = resolve_model(model)
     figures: dict[str, list] = {**cold_and_warm(path, rounds, threads)}
     figures |= one_against_two(path, rounds, threads, streams)

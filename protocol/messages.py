@@ -19,7 +19,8 @@ DEFAULT_TENANT = "default"
 # 2: embeddings; 3: logprobs; 4: prompt logprobs; 5: TokenChunk.seq; 6: Generate's priority
 # and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes; 8: Cancel.reason,
 # Heartbeat.kv_cells_used and kv_cells_total; 9: SlotsQuery, SlotsReport; 10: Finish.code;
-# 11: VocabQuery, VocabFile, Heartbeat.idle_seconds, the models control messages
+# 11: VocabQuery, VocabFile, Heartbeat.idle_seconds, the models control messages,
+# Ping.for_gateway
 PROTOCOL_VERSION = 11
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
@@ -175,9 +176,15 @@ class Cancel:
 
 @dataclass(slots=True)
 class Ping:
-    """Gateway heartbeat. The worker echoes sent_at in its Heartbeat for round-trip time."""
+    """Gateway heartbeat. The worker echoes sent_at in its Heartbeat for round-trip time.
+
+    With `for_gateway`, a keep-alive from a gateway's own thread on a socket of its own: the
+    worker counts it as word from that gateway (a DEALER identity it knows) and answers
+    nothing, so a gateway whose event loop is busy with a large request does not look dead.
+    """
 
     sent_at: float
+    for_gateway: str = ""
 
 
 @dataclass(slots=True)

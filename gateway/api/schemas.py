@@ -103,6 +103,12 @@ def _token_ids_schema(schema: dict[str, Any]) -> None:
                 variant["minimum"] = 0
 
 
+def _ids_from_zero_schema(schema: dict[str, Any]) -> None:
+    """A list of token ids, possibly empty: each at least 0 (the vocabulary bounds them
+    above, a 400 the schema cannot state)."""
+    schema.setdefault("items", {})["minimum"] = 0
+
+
 def _only_null(schema: dict[str, Any]) -> None:
     schema.pop("anyOf", None)
     schema["type"] = "null"
@@ -373,7 +379,9 @@ class TokenizeRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     """llama-server's /detokenize."""
 
-    tokens: Annotated[TokenIds, WrapValidator(_integral_ids)]
+    tokens: Annotated[TokenIds, WrapValidator(_integral_ids)] = Field(
+        json_schema_extra=_ids_from_zero_schema
+    )
     model: str | None = None
 
 

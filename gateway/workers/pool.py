@@ -38,6 +38,7 @@ from loomserve.gateway.workers.client import (
 )
 from loomserve.gateway.workers.directory import ModelDirectory
 from loomserve.gateway.workers.errors import WorkerClientError
+from loomserve.gateway.workers.keepalive import KeepAlive
 from loomserve.gateway.workers.routing import (
     Choice,
     PrefixAffinity,
@@ -111,12 +112,14 @@ class WorkerPool:
         self._context = zmq.asyncio.Context()  # one IO thread for all worker sockets
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self.keepalive = KeepAlive(config)  # pings from a thread, whatever the loop does
 
     # --- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
         """Resolve the endpoints, connect to every worker, start watching them."""
         await self.resolve()
+        self.keepalive.start()
         self._tasks = [asyncio.create_task(self._watch_loop(), name="workers-watch")]
         if any(needs_resolving(endpoint) for endpoint in self.config.worker_endpoints):
             self._tasks.append(asyncio.create_task(self._resolve_loop(), name="workers-resolve"))
@@ -134,6 +137,7 @@ class WorkerPool:
     async def close(self) -> None:
         """Stop the loops and close every worker connection (open requests end)."""
         self._closing = True  # no request goes to a worker being closed
+        self.keepalive.close()
         await stop_tasks(self._tasks)
         self._tasks = []
         for member in self.members.values():
@@ -404,8 +408,16 @@ class WorkerPool:
                     log.warning("worker out of rotation", worker=endpoint, reason=reason)
 
     async def watch(self) -> None:
-        """Log workers entering and leaving rotation, refresh their metrics, close retired ones."""
+        """Log workers entering and leaving rotation, refresh their metrics, close retired ones,
+        tell the keep-alive thread which connections to keep alive."""
         self.note_rotation()
+        self.keepalive.watch(
+            {
+                endpoint: member.client.identity
+                for endpoint, member in self.members.items()
+                if member.client.info is not None  # said Hello: the worker knows it
+            }
+        )
         for endpoint, member in list(self.members.items()):
             client = member.client
             if member.retiring and client.open_requests == 0:

@@ -292,6 +292,12 @@ class WorkerIO:
         if isinstance(message, VocabQuery):  # read-only too
             self._send_now(gateway, self._vocab_answer(message.vocab_fingerprint))
             return
+        if isinstance(message, Ping) and message.for_gateway:
+            # A gateway's keep-alive thread: word from that gateway, if it is one we know.
+            kept = message.for_gateway.encode()
+            if kept in gateways:
+                gateways.admit(kept, now)
+            return
         if isinstance(message, Ping) and gateway not in gateways:
             # A probe that never said Hello (`loomserve worker-health`, a readiness wait):
             # answer it, but it is no gateway, so its silence later means nothing.
