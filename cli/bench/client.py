@@ -89,7 +89,12 @@ def error_message(body: bytes) -> str:
 
 
 def chunk_text(event: dict[str, Any]) -> tuple[str | None, bool]:
-    """The generated text in one stream event, and whether it carries a finish reason."""
+    """The generated text in one stream event, and whether it carries a finish reason.
+
+    The text is None when the event carries no token (a role-only delta, usage alone) and
+    "" when it carries one whose bytes are not yet a whole character: llama-cpp-python's
+    server streams those as empty chunks.
+    """
     choices = event.get("choices")
     if not choices:
         return None, False
@@ -100,7 +105,16 @@ def chunk_text(event: dict[str, Any]) -> tuple[str | None, bool]:
         text = delta.get("content") or delta.get("reasoning_content")
         if not text and delta.get("tool_calls"):
             text = "<tool_call>"
+        if text is None and "role" not in delta and isinstance(delta.get("content"), str):
+            text = ""
     return text, choice.get("finish_reason") is not None
+
+
+def is_token_event(text: str | None, finished: bool) -> bool:
+    """Whether an event stands for one generated token, for servers that report no usage:
+    one with text, or an empty one before the end (a token that is part of a character).
+    An empty closing event only carries the finish reason."""
+    return text is not None and (bool(text) or not finished)
 
 
 class StaleConnection(Exception):
@@ -264,6 +278,7 @@ class StreamingClient:
                         record.error = error_message(body)
                         return
                     text, finished = chunk_text(event)
+                    record.token_events += is_token_event(text, finished)
                     if text:
                         if record.ttft_s is None:
                             record.ttft_s = now - start
@@ -288,4 +303,4 @@ class StreamingClient:
         else:
             record.e2e_s = last_event - start
             if not record.usage_reported:
-                record.output_tokens = record.chunks
+                record.output_tokens = record.token_events

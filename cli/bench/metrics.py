@@ -181,7 +181,7 @@ class BenchmarkMetrics:
     e2el: Distribution
     peak_output_throughput: float  # the best one-second bucket, tokens/s
     peak_concurrency: int
-    usage_missing: int  # completed requests whose output tokens were counted as chunks
+    usage_missing: int  # completed requests whose output tokens were counted as stream events
     short_outputs: int  # completed requests that stopped before max_tokens
 
 

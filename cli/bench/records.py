@@ -29,11 +29,12 @@ class RequestRecord:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # gaps between text chunks
     e2e_s: float | None = None
-    output_tokens: int = 0  # usage.completion_tokens, or the text chunks when usage is absent
+    output_tokens: int = 0  # usage.completion_tokens, or token_events when usage is absent
     prompt_tokens: int | None = None  # usage.prompt_tokens when the server reports it
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     usage_reported: bool = False
     chunks: int = 0  # text chunks received
+    token_events: int = 0  # events that stand for a token, empty ones included (is_token_event)
     error_kind: str | None = None
     error: str | None = None
     request_id: str | None = None  # the x-request-id header sent

@@ -127,7 +127,7 @@ def run_warnings(metrics: BenchmarkMetrics, run: RunResult, pacing: PacingStats)
     if metrics.usage_missing:
         notes.append(
             f"{metrics.usage_missing} responses carried no usage: their output tokens were "
-            "counted as stream chunks"
+            "counted as stream events, one a token"
         )
     if metrics.short_outputs:
         notes.append(
@@ -203,6 +203,7 @@ def request_dict(record: RequestRecord) -> dict[str, Any]:
         "output_tokens": record.output_tokens,
         "max_tokens": record.max_tokens,
         "chunks": record.chunks,
+        "token_events": record.token_events,
         "usage_reported": record.usage_reported,
         "error_kind": record.error_kind,
         "error": record.error,
