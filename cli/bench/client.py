@@ -1,8 +1,11 @@
 """The streaming client: sends one request to an OpenAI-compatible server and times its chunks.
 
-Timing follows vLLM's benchmark: TTFT is the first chunk that carries text, each later text
-chunk adds one inter-token latency, and the end-to-end latency runs to the last event of the
-stream. Failures are values on the record, sorted by kind, never exceptions.
+Timing follows vLLM's benchmark: TTFT is the first chunk that carries a token, each later
+one adds one inter-token latency, and the end-to-end latency runs to the last event of the
+stream. One difference: an empty chunk before the end counts as a token, as llama.cpp's
+servers send a token that is only part of a character; vLLM's benchmark skips it, and then
+undercounts their tokens and fails an answer made only of such bytes. Failures are values on
+the record, sorted by kind, never exceptions.
 """
 
 from __future__ import annotations
@@ -115,6 +118,18 @@ def is_token_event(text: str | None, finished: bool) -> bool:
     one with text, or an empty one before the end (a token that is part of a character).
     An empty closing event only carries the finish reason."""
     return text is not None and (bool(text) or not finished)
+
+
+def fallback_token_count(record: RequestRecord, max_tokens: Any) -> int:
+    """Output tokens of a response that reported no usage.
+
+    A stream that ended for length made max_tokens tokens, however its server grouped them
+    into chunks (llama-cpp-python's sends a character's bytes as empty chunks, or as one
+    chunk); otherwise each token event counts one.
+    """
+    if record.finish_reason == "length" and isinstance(max_tokens, int) and max_tokens > 0:
+        return max_tokens
+    return record.chunks
 
 
 class StaleConnection(Exception):
@@ -255,6 +270,7 @@ class StreamingClient:
                 return
             pending = b""
             last_event = last_text = start
+            finished_at: float | None = None  # when the finish reason came
             ended = False  # saw [DONE] or a finish reason
             loads = json.loads
             async for data in response.aiter_bytes():
@@ -278,8 +294,12 @@ class StreamingClient:
                         record.error = error_message(body)
                         return
                     text, finished = chunk_text(event)
-                    record.token_events += is_token_event(text, finished)
-                    if text:
+                    if finished:
+                        record.finish_reason = str(event["choices"][0]["finish_reason"])
+                        finished_at = now
+                    # Timed at every token, an empty one too: llama.cpp's servers stream a
+                    # token that is part of a character as an empty chunk, and it was made.
+                    if is_token_event(text, finished):
                         if record.ttft_s is None:
                             record.ttft_s = now - start
                         else:
@@ -297,10 +317,15 @@ class StreamingClient:
         if not ended:
             record.error_kind = BROKEN_STREAM
             record.error = "the stream ended before [DONE] or a finish reason"
-        elif record.ttft_s is None:
+            return
+        if not record.usage_reported:
+            record.output_tokens = fallback_token_count(record, payload.get("max_tokens"))
+        if record.ttft_s is None and finished_at is not None and record.output_tokens > 0:
+            # Every token came with the closing event: llama-server holds back the bytes of
+            # an unfinished character, and an answer of only such bytes arrives at the end.
+            record.ttft_s = finished_at - start
+        if record.ttft_s is None:
             record.error_kind = NO_OUTPUT
-            record.error = "the response carried no text"
+            record.error = "the response carried no token"
         else:
             record.e2e_s = last_event - start
-            if not record.usage_reported:
-                record.output_tokens = record.token_events

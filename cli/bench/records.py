@@ -29,12 +29,12 @@ class RequestRecord:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # gaps between text chunks
     e2e_s: float | None = None
-    output_tokens: int = 0  # usage.completion_tokens, or token_events when usage is absent
+    output_tokens: int = 0  # usage.completion_tokens; without usage, client.fallback_token_count
     prompt_tokens: int | None = None  # usage.prompt_tokens when the server reports it
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     usage_reported: bool = False
-    chunks: int = 0  # text chunks received
-    token_events: int = 0  # events that stand for a token, empty ones included (is_token_event)
+    chunks: int = 0  # events that carried a token: text, or an empty one (is_token_event)
+    finish_reason: str | None = None  # the stream's, when it gave one ("length", "stop")
     error_kind: str | None = None
     error: str | None = None
     request_id: str | None = None  # the x-request-id header sent

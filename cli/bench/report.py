@@ -127,7 +127,8 @@ def run_warnings(metrics: BenchmarkMetrics, run: RunResult, pacing: PacingStats)
     if metrics.usage_missing:
         notes.append(
             f"{metrics.usage_missing} responses carried no usage: their output tokens were "
-            "counted as stream events, one a token"
+            "counted from the stream (max_tokens when it ended for length, else one per "
+            "token event)"
         )
     if metrics.short_outputs:
         notes.append(
@@ -203,7 +204,7 @@ def request_dict(record: RequestRecord) -> dict[str, Any]:
         "output_tokens": record.output_tokens,
         "max_tokens": record.max_tokens,
         "chunks": record.chunks,
-        "token_events": record.token_events,
+        "finish_reason": record.finish_reason,
         "usage_reported": record.usage_reported,
         "error_kind": record.error_kind,
         "error": record.error,
