@@ -228,6 +228,8 @@ async def _proxy(upstream: tuple[str, int], control: Connection) -> None:
                 _pump(reader, up_writer, capture, upstream=True),
                 _pump(up_reader, writer, capture, upstream=False),
             )
+        except asyncio.CancelledError:
+            pass  # stopped with the connection open: end quietly, what was read is kept
         finally:
             for w in (writer, up_writer):
                 w.close()
