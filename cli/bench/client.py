@@ -206,6 +206,7 @@ class StreamingClient:
         self, request: BenchRequest, record: RequestRecord, clock_zero: float, deadline: float
     ) -> RequestRecord:
         """Send request, filling record; gives up at --timeout or at deadline (perf_counter)."""
+        record.taken_up_s = time.perf_counter() - clock_zero
         payload = build_payload(
             request, self.model, self.endpoint, self.ignore_eos, self.temperature, self.extra_body
         )

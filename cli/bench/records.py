@@ -26,6 +26,7 @@ class RequestRecord:
     scheduled_s: float = 0.0  # when the arrival schedule wanted it sent
     dispatched_s: float | None = None  # when the generator released it; None: never
     start_s: float = 0.0  # when it went on the wire (later still if waiting for a slot)
+    taken_up_s: float | None = None  # when the client took it up, after any slot wait
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # gaps between text chunks
     e2e_s: float | None = None

@@ -194,6 +194,7 @@ def request_dict(record: RequestRecord) -> dict[str, Any]:
         "class": record.label,
         "scheduled_s": record.scheduled_s,
         "dispatched_s": record.dispatched_s,
+        "taken_up_s": record.taken_up_s,
         "start_s": record.start_s,
         "ttft_s": record.ttft_s,
         "itl_s": record.itl_s,

@@ -165,6 +165,8 @@ def test_a_plain_run_counts_every_token(target: Target, tmp_path: Path) -> None:
     assert result["settings"]["token_counts"] == expected
     assert result["server"]["model"]["id"]
     assert all(r["request_id"] and r["output_tokens"] == OUTPUT_LEN for r in result["requests"])
+    # Each request's clock starts where it met the wire, after the client took it up.
+    assert all(r["dispatched_s"] <= r["taken_up_s"] <= r["start_s"] for r in result["requests"])
 
 
 def test_find_max_concurrency_stops_by_itself(target: Target, tmp_path: Path) -> None:
