@@ -1,8 +1,11 @@
 """The streaming client: sends one request to an OpenAI-compatible server and times its chunks.
 
-Timing follows vLLM's benchmark: TTFT is the first chunk that carries text, each later text
-chunk adds one inter-token latency, and the end-to-end latency runs to the last event of the
-stream. Failures are values on the record, sorted by kind, never exceptions.
+Timing follows vLLM's benchmark: TTFT is the first chunk that carries a token, each later
+one adds one inter-token latency, and the end-to-end latency runs to the last event of the
+stream. One difference: an empty chunk before the end counts as a token, as llama.cpp's
+servers send a token that is only part of a character; vLLM's benchmark skips it, and then
+undercounts their tokens and fails an answer made only of such bytes. Failures are values on
+the record, sorted by kind, never exceptions.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from loomserve.cli.bench.records import (
 )
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# httpcore's trace events at which a request meets the wire: its connection is dialled, or
+# its head written to a kept-alive one. A request's times run from there, not from when its
+# task began: a burst of requests queues in our one event loop for tens of milliseconds on a
+# busy machine, and that wait is the client's, not the server's.
+WIRE_EVENTS = frozenset({"connection.connect_tcp.started", "http11.send_request_headers.started"})
 
 
 def api_root(base_url: str) -> str:
@@ -89,7 +97,12 @@ def error_message(body: bytes) -> str:
 
 
 def chunk_text(event: dict[str, Any]) -> tuple[str | None, bool]:
-    """The generated text in one stream event, and whether it carries a finish reason."""
+    """The generated text in one stream event, and whether it carries a finish reason.
+
+    The text is None when the event carries no token (a role-only delta, usage alone) and
+    "" when it carries one whose bytes are not yet a whole character: llama-cpp-python's
+    server streams those as empty chunks.
+    """
     choices = event.get("choices")
     if not choices:
         return None, False
@@ -100,7 +113,28 @@ def chunk_text(event: dict[str, Any]) -> tuple[str | None, bool]:
         text = delta.get("content") or delta.get("reasoning_content")
         if not text and delta.get("tool_calls"):
             text = "<tool_call>"
+        if text is None and "role" not in delta and isinstance(delta.get("content"), str):
+            text = ""
     return text, choice.get("finish_reason") is not None
+
+
+def is_token_event(text: str | None, finished: bool) -> bool:
+    """Whether an event stands for one generated token, for servers that report no usage:
+    one with text, or an empty one before the end (a token that is part of a character).
+    An empty closing event only carries the finish reason."""
+    return text is not None and (bool(text) or not finished)
+
+
+def fallback_token_count(record: RequestRecord, max_tokens: Any) -> int:
+    """Output tokens of a response that reported no usage.
+
+    A stream that ended for length made max_tokens tokens, however its server grouped them
+    into chunks (llama-cpp-python's sends a character's bytes as empty chunks, or as one
+    chunk); otherwise each token event counts one.
+    """
+    if record.finish_reason == "length" and isinstance(max_tokens, int) and max_tokens > 0:
+        return max_tokens
+    return record.chunks
 
 
 class StaleConnection(Exception):
@@ -172,15 +206,19 @@ class StreamingClient:
         self, request: BenchRequest, record: RequestRecord, clock_zero: float, deadline: float
     ) -> RequestRecord:
         """Send request, filling record; gives up at --timeout or at deadline (perf_counter)."""
+        record.taken_up_s = time.perf_counter() - clock_zero
+        payload = build_payload(
+            request, self.model, self.endpoint, self.ignore_eos, self.temperature, self.extra_body
+        )
+        connection, reused = self._connection()
+        # The clock starts once the request is ready to go: making a new connection's client
+        # object costs a millisecond or more of our CPU, which is no part of the server's time
+        # (dialling it, which happens in the exchange, is, as in vLLM's benchmark).
         start = time.perf_counter()
         record.start_s = start - clock_zero
         request_deadline = start + self.timeout_s
         stop = min(request_deadline, deadline)
         loop = asyncio.get_running_loop()
-        payload = build_payload(
-            request, self.model, self.endpoint, self.ignore_eos, self.temperature, self.extra_body
-        )
-        connection, reused = self._connection()
         try:
             async with asyncio.timeout_at(loop.time() + (stop - start)):
                 try:
@@ -225,15 +263,30 @@ class StreamingClient:
         """POST and read the event stream; the hot path, so it does little per chunk."""
         record.request_id = f"{self.id_prefix}{record.index % 16**12:012x}"
         headers = {"x-request-id": record.request_id}
+        on_wire: list[float] = []
+
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            if not on_wire and event in WIRE_EVENTS:
+                on_wire.append(time.perf_counter())
+
         async with contextlib.AsyncExitStack() as stack:
             try:
                 response = await stack.enter_async_context(
-                    connection.stream("POST", self.url, json=payload, headers=headers)
+                    connection.stream(
+                        "POST",
+                        self.url,
+                        json=payload,
+                        headers=headers,
+                        extensions={"trace": trace},
+                    )
                 )
             except httpx.RemoteProtocolError as exc:
                 if reused and "without sending a response" in str(exc):
                     raise StaleConnection from exc
                 raise
+            if on_wire:  # the clock restarts where the request met the wire (WIRE_EVENTS)
+                record.start_s += on_wire[0] - start
+                start = on_wire[0]
             if response.status_code != 200:
                 body = await response.aread()
                 record.error_kind = f"http_{response.status_code}"
@@ -241,6 +294,7 @@ class StreamingClient:
                 return
             pending = b""
             last_event = last_text = start
+            finished_at: float | None = None  # when the finish reason came
             ended = False  # saw [DONE] or a finish reason
             loads = json.loads
             async for data in response.aiter_bytes():
@@ -264,7 +318,12 @@ class StreamingClient:
                         record.error = error_message(body)
                         return
                     text, finished = chunk_text(event)
-                    if text:
+                    if finished:
+                        record.finish_reason = str(event["choices"][0]["finish_reason"])
+                        finished_at = now
+                    # Timed at every token, an empty one too: llama.cpp's servers stream a
+                    # token that is part of a character as an empty chunk, and it was made.
+                    if is_token_event(text, finished):
                         if record.ttft_s is None:
                             record.ttft_s = now - start
                         else:
@@ -282,10 +341,15 @@ class StreamingClient:
         if not ended:
             record.error_kind = BROKEN_STREAM
             record.error = "the stream ended before [DONE] or a finish reason"
-        elif record.ttft_s is None:
+            return
+        if not record.usage_reported:
+            record.output_tokens = fallback_token_count(record, payload.get("max_tokens"))
+        if record.ttft_s is None and finished_at is not None and record.output_tokens > 0:
+            # Every token came with the closing event: llama-server holds back the bytes of
+            # an unfinished character, and an answer of only such bytes arrives at the end.
+            record.ttft_s = finished_at - start
+        if record.ttft_s is None:
             record.error_kind = NO_OUTPUT
-            record.error = "the response carried no text"
+            record.error = "the response carried no token"
         else:
             record.e2e_s = last_event - start
-            if not record.usage_reported:
-                record.output_tokens = record.chunks

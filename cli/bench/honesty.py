@@ -76,7 +76,12 @@ def completion_rate(records: Sequence[RequestRecord]) -> float | None:
 
 def server_pace(records: Sequence[RequestRecord], offered_rate: float, cut_off: int) -> ServerPace:
     """The server's pace in one run (cut_off: requests --duration cut off or never sent)."""
-    waits = [r.start_s - r.dispatched_s for r in records if r.dispatched_s is not None]
+    # Up to when the client took the request up: its own queueing after that is not a slot's.
+    waits = [
+        (r.start_s if r.taken_up_s is None else r.taken_up_s) - r.dispatched_s
+        for r in records
+        if r.dispatched_s is not None
+    ]
     return ServerPace(
         offered_rate=offered_rate,
         # Released all at once (an infinite rate, a closed loop): no rate to keep up with.

@@ -1,8 +1,9 @@
 """Benchmark metrics from request records: pure computation, defined as vLLM's benchmark does.
 
-- TTFT: request sent → first text chunk. ITL: the gaps between text chunks.
+- TTFT: request on the wire (dialled, or its head written) → first chunk carrying a token.
+  ITL: the gaps between such chunks.
 - TPOT = (E2E − TTFT) / (output tokens − 1), for requests with more than one output token.
-- E2E latency: request sent → last event of the stream.
+- E2E latency: request on the wire → last event of the stream.
 - Throughputs count completed requests and their tokens over the benchmark duration.
 - Goodput: completed requests per second that meet every SLO (a one-token answer has TPOT 0).
 - Mean, median and std are numpy's; percentiles are numpy's linear interpolation.
@@ -181,7 +182,7 @@ class BenchmarkMetrics:
     e2el: Distribution
     peak_output_throughput: float  # the best one-second bucket, tokens/s
     peak_concurrency: int
-    usage_missing: int  # completed requests whose output tokens were counted as chunks
+    usage_missing: int  # completed requests whose output tokens were counted as stream events
     short_outputs: int  # completed requests that stopped before max_tokens
 
 

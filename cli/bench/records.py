@@ -26,14 +26,16 @@ class RequestRecord:
     scheduled_s: float = 0.0  # when the arrival schedule wanted it sent
     dispatched_s: float | None = None  # when the generator released it; None: never
     start_s: float = 0.0  # when it went on the wire (later still if waiting for a slot)
+    taken_up_s: float | None = None  # when the client took it up, after any slot wait
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # gaps between text chunks
     e2e_s: float | None = None
-    output_tokens: int = 0  # usage.completion_tokens, or the text chunks when usage is absent
+    output_tokens: int = 0  # usage.completion_tokens; without usage, client.fallback_token_count
     prompt_tokens: int | None = None  # usage.prompt_tokens when the server reports it
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
     usage_reported: bool = False
-    chunks: int = 0  # text chunks received
+    chunks: int = 0  # events that carried a token: text, or an empty one (is_token_event)
+    finish_reason: str | None = None  # the stream's, when it gave one ("length", "stop")
     error_kind: str | None = None
     error: str | None = None
     request_id: str | None = None  # the x-request-id header sent

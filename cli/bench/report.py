@@ -127,7 +127,8 @@ def run_warnings(metrics: BenchmarkMetrics, run: RunResult, pacing: PacingStats)
     if metrics.usage_missing:
         notes.append(
             f"{metrics.usage_missing} responses carried no usage: their output tokens were "
-            "counted as stream chunks"
+            "counted from the stream (max_tokens when it ended for length, else one per "
+            "token event)"
         )
     if metrics.short_outputs:
         notes.append(
@@ -193,6 +194,7 @@ def request_dict(record: RequestRecord) -> dict[str, Any]:
         "class": record.label,
         "scheduled_s": record.scheduled_s,
         "dispatched_s": record.dispatched_s,
+        "taken_up_s": record.taken_up_s,
         "start_s": record.start_s,
         "ttft_s": record.ttft_s,
         "itl_s": record.itl_s,
@@ -203,6 +205,7 @@ def request_dict(record: RequestRecord) -> dict[str, Any]:
         "output_tokens": record.output_tokens,
         "max_tokens": record.max_tokens,
         "chunks": record.chunks,
+        "finish_reason": record.finish_reason,
         "usage_reported": record.usage_reported,
         "error_kind": record.error_kind,
         "error": record.error,

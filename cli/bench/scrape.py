@@ -128,15 +128,22 @@ class MetricsScraper:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(headers=headers, timeout=max(interval_s, 2.0))
 
-    async def available(self) -> bool:
-        """Whether the target serves Prometheus text with any series we know."""
+    async def unavailable_reason(self) -> str | None:
+        """Why the target's metrics cannot be sampled, or None when they can: it must serve
+        Prometheus text with at least one series we know."""
         try:
             response = await self.http.get(self.url)
-            if response.status_code != 200:
-                return False
-            return bool(await asyncio.to_thread(parse_sample, response.text))
-        except (httpx.HTTPError, ValueError):
-            return False
+        except httpx.HTTPError as exc:
+            return f"GET {self.url} failed: {type(exc).__name__}"
+        if response.status_code != 200:
+            # llama-cpp-python's server has no /metrics (404); llama-server without --metrics
+            # answers 501.
+            return f"GET {self.url} answered HTTP {response.status_code}: the server has no metrics"
+        try:
+            known = await asyncio.to_thread(parse_sample, response.text)
+        except ValueError:
+            return f"{self.url} is not Prometheus text"
+        return None if known else f"{self.url} has none of the series we know"
 
     async def _sample(self, timeline: Timeline, zero: float) -> None:
         try:

@@ -235,9 +235,9 @@ async def drive(
     scraper = None
     if config.scrape_metrics is not False:
         scraper = MetricsScraper(config.base_url, config.api_key)
-        if not await scraper.available():
+        if (reason := await scraper.unavailable_reason()) is not None:
             if config.scrape_metrics:
-                warn(f"--scrape-metrics: {scraper.url} serves no metrics we know; not sampled")
+                warn(f"--scrape-metrics: {reason}; the run goes on without server metrics")
             await scraper.aclose()
             scraper = None
         else:

@@ -108,11 +108,17 @@ class FakeOpenAI:
             return b"data: " + json.dumps(body).encode() + b"\n\n"
 
         def token(i: int) -> bytes:
-            choice = {"index": 0, "finish_reason": "length" if i == tokens - 1 else None}
+            # byte_chunks closes with an event of its own, as llama-cpp-python's server does.
+            last = i == tokens - 1 and mode != "byte_chunks"
+            choice = {"index": 0, "finish_reason": "length" if last else None}
+            # llama.cpp's servers: a token that is only part of a character streams as an
+            # empty chunk (byte_chunks), or is held back to the closing event (held_back).
+            empty = (mode == "byte_chunks" and i % 2 == 0) or mode == "held_back"
+            text = "" if empty else f" t{i}"
             if chat:
-                choice["delta"] = {"content": f" t{i}"}
+                choice["delta"] = {"content": text}
             else:
-                choice["text"] = f" t{i}"
+                choice["text"] = text
             return event({"choices": [choice]})
 
         self.in_flight += 1
@@ -131,12 +137,17 @@ class FakeOpenAI:
             for i in range(tokens):
                 await asyncio.sleep(max(0.0, start + first + i * GAP_S - time.perf_counter()))
                 self.generated += 1
-                yield token(i)
+                if mode != "held_back" or i == tokens - 1:
+                    yield token(i)
                 if i == 1 and mode == "broken":
                     raise RuntimeError("the fake server breaks the stream on purpose")
                 if i == 1 and mode == "truncated":
                     return
-            if mode != "no_usage":
+            if mode == "byte_chunks":
+                closing = {"index": 0, "finish_reason": "length"}
+                closing |= {"delta": {}} if chat else {"text": ""}
+                yield event({"choices": [closing]})
+            if mode not in ("no_usage", "byte_chunks"):
                 usage = {
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": tokens,

@@ -123,6 +123,24 @@ def test_failures_are_sorted_by_kind(server) -> None:
     assert m.usage_missing == 1
 
 
+def test_tokens_without_text_are_counted_and_timed(server) -> None:
+    # llama-cpp-python's server: every other token an empty chunk, and no usage; llama-server:
+    # an answer of only a character's unfinished bytes, all in the closing event.
+    fake, url = server
+    fake.plan = {0: "byte_chunks", 1: "held_back"}
+    result = run(url, n=2, output_len=4, shape=LoadShape(max_concurrency=1))
+    chunked, held = result.records
+    assert chunked.success and not chunked.usage_reported
+    assert chunked.output_tokens == 4 and chunked.chunks == 4  # the closing "" is no token
+    assert len(chunked.itl_s) == 3 and chunked.finish_reason == "length"
+    assert held.success and held.output_tokens == 4 and held.chunks == 0
+    assert held.ttft_s is not None and held.e2e_s is not None
+    assert held.ttft_s >= 0.1 + 3 * 0.02 - 0.005  # at the closing event, not before
+    assert held.itl_s == []
+    m = compute_metrics(result.records, result.duration_s)
+    assert m.short_outputs == 0 and m.total_output == 8
+
+
 def test_poisson_pacing_offers_the_requested_rate(server) -> None:
     _, url = server
     result = run(url, n=20, output_len=1, shape=LoadShape(request_rate=20.0))
