@@ -66,7 +66,11 @@ class APIError(Exception):
 
     def response_for(self, request: Request) -> JSONResponse:
         """The response in the shape of the API the request came to."""
-        if request.url.path.startswith(ANTHROPIC_PREFIX):
+        return self.response_for_path(request.url.path)
+
+    def response_for_path(self, path: str) -> JSONResponse:
+        """The response in the shape of the API at `path`: Anthropic's under /v1/messages."""
+        if path.startswith(ANTHROPIC_PREFIX):
             body = self.anthropic_body()
             return JSONResponse(body, status_code=self.status, headers=self.headers)
         return self.response()

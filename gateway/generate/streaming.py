@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -114,3 +115,35 @@ class EventStreamResponse(StreamingResponse):
                 group.cancel_scope.cancel()
         finally:
             self.on_close()
+
+
+# A stream's client that stops reading is cut once --stream-buffer-tokens wait in the gateway
+# (client.py); but the kernel's send buffer grows to megabytes first (4 MiB on loopback),
+# seven thousand plain-text tokens. limit_send_buffer caps it, and asyncio's write buffer
+# above it, on a connection that streams, so that the gateway's bound starts counting after
+# some tens of KiB, not megabytes.
+# Bytes the kernel may hold for a streaming connection (Linux doubles it for its own use):
+# a few hundred SSE events, enough to keep a reader that keeps up always fed.
+STREAM_SEND_BUFFER = 16 * 1024
+
+# Where each request finds its connection's transport, which ASGI does not hand a route: in
+# its scope's "state" (uvicorn copies the protocol's app_state into it for every request).
+TRANSPORT_STATE = "loomserve.transport"
+
+
+def limit_send_buffer(state: Mapping[str, Any]) -> bool:
+    """Cap the send buffers of the connection a request's scope["state"] names; whether it
+    could (a server other than ours, or a connection without a socket, is left as it is)."""
+    transport = state.get(TRANSPORT_STATE)
+    if not isinstance(transport, asyncio.Transport):
+        return False
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+    except OSError:
+        return False
+    # And asyncio's own buffer above the kernel's (64 KiB before uvicorn waits for it to drain).
+    transport.set_write_buffer_limits(high=STREAM_SEND_BUFFER)
+    return True

@@ -1,53 +1,22 @@
-"""uvicorn's h11 protocol with a deadline on each request's headers (slowloris), and a small
-send buffer for streams.
+"""uvicorn's h11 protocol with a deadline on each request's headers (slowloris), and each
+connection's transport where a stream can find it (generate/streaming.py's send buffer).
 
 uvicorn times out idle keep-alive connections, but not a connection that sends its request
 line and headers a byte at a time, or nothing at all: a thousand of those held a thousand
 file descriptors for ever. Here a connection gets `header_timeout` seconds from its first
 byte (or from its opening) to complete the headers of each request, or it is closed.
 
-A stream's client that stops reading is cut once --stream-buffer-tokens wait in the gateway
-(client.py); but the kernel's send buffer grows to megabytes first (4 MiB on loopback),
-seven thousand plain-text tokens. limit_send_buffer caps it, and asyncio's write buffer
-above it, on a connection that streams, so that the gateway's bound starts counting after
-some tens of KiB, not megabytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import Mapping
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-# Bytes the kernel may hold for a streaming connection (Linux doubles it for its own use):
-# a few hundred SSE events, enough to keep a reader that keeps up always fed.
-STREAM_SEND_BUFFER = 16 * 1024
-
-# Where each request finds its connection's transport, which ASGI does not hand a route: in
-# its scope's "state" (uvicorn copies the protocol's app_state into it for every request).
-TRANSPORT_STATE = "loomserve.transport"
-
-
-def limit_send_buffer(state: Mapping[str, Any]) -> bool:
-    """Cap the send buffers of the connection a request's scope["state"] names; whether it
-    could (a server other than ours, or a connection without a socket, is left as it is)."""
-    transport = state.get(TRANSPORT_STATE)
-    if not isinstance(transport, asyncio.Transport):
-        return False
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
-    except OSError:
-        return False
-    # And asyncio's own buffer above the kernel's (64 KiB before uvicorn waits for it to drain).
-    transport.set_write_buffer_limits(high=STREAM_SEND_BUFFER)
-    return True
+from loomserve.gateway.generate.streaming import TRANSPORT_STATE
 
 
 class HeaderTimeoutProtocol(H11Protocol):

@@ -1,8 +1,10 @@
-"""Pure ASGI middleware: the body size limit, and one log line and metric per request."""
+"""Pure ASGI middleware: the body size limit, API keys, and one log line and metric per
+request."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import re
 import time
 import uuid
@@ -11,6 +13,7 @@ import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loomserve.gateway.api.errors import APIError, invalid_request
+from loomserve.gateway.config import PriorityRange
 from loomserve.gateway.metrics import GatewayMetrics
 
 log = structlog.get_logger(__name__)
@@ -141,3 +144,68 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1").strip()
     return None
+
+
+# Open without a key: probes, metrics, the status page (its data comes from /slots, which
+# needs one) and the API's documentation.
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/status", "/openapi.json"})
+OPEN_PREFIXES = ("/docs", "/redoc")
+
+
+class AuthMiddleware:
+    """401 for a request without a valid API key, when keys are set; the key's tenant and
+    priority bounds go on the request's state (fair shares, metrics, priorities).
+
+    A key comes as `Authorization: Bearer <key>`, or as `x-api-key: <key>` as Anthropic's
+    clients send it. Every key is compared, so the time taken says nothing about which one
+    matched. CORS preflights never get here: the CORS middleware, outside this one, answers them.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        tenants: dict[str, str],
+        priorities: dict[str, PriorityRange],
+    ) -> None:
+        self.app = app
+        self.keys = [(key.encode(), key) for key in tenants]
+        self.tenants = tenants
+        self.priorities = priorities
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not self.keys or _is_open(path):
+            await self.app(scope, receive, send)
+            return
+        key = self._matching_key(scope)
+        if key is None:
+            error = APIError(
+                401,
+                "missing or invalid API key; send it as 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await error.response_for_path(path)(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["tenant"] = self.tenants[key]
+        state["priorities"] = self.priorities.get(key)
+        await self.app(scope, receive, send)
+
+    def _matching_key(self, scope: Scope) -> str | None:
+        scheme, _, token = (_header(scope, b"authorization") or "").partition(" ")
+        if not token:
+            api_key = _header(scope, b"x-api-key")
+            if api_key is not None:
+                scheme, token = "bearer", api_key
+        if scheme.lower() != "bearer":
+            return None
+        given = token.strip().encode()
+        matched = [key for encoded, key in self.keys if hmac.compare_digest(given, encoded)]
+        return matched[0] if matched else None
+
+
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)

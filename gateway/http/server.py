@@ -18,11 +18,11 @@ import uvicorn
 
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.http.app import create_app
-from loomserve.gateway.http.drain import Drain
 from loomserve.gateway.http.http_protocol import HeaderTimeoutProtocol
 from loomserve.gateway.metrics import GatewayMetrics, mark_dead
 from loomserve.gateway.models.catalogue import Catalogue
 from loomserve.gateway.models.manager import ManagerClient
+from loomserve.gateway.serving.drain import Drain
 from loomserve.gateway.workers.pool import WorkerPool
 
 log = structlog.get_logger(__name__)
@@ -57,7 +57,7 @@ def run_gateway(config: GatewayConfig, sockets: list[socket.socket] | None = Non
             auth=bool(config.api_keys),
         )
         server = DrainingServer(
-            app.state.gateway.drain,
+            app.state.chat.drain,
             config.shutdown_timeout,
             uvicorn.Config(
                 app,

@@ -171,28 +171,40 @@ def sampling_params(
 ) -> SamplingParams:
     """The worker's SamplingParams: the request's fields, `defaults` for those it leaves out
     (the model's own, when it has them); their own checks become 400s."""
+    return with_max_tokens(sampling_fields(request, vocab, defaults), max_tokens)
+
+
+def sampling_fields(
+    request: GenerationFields, vocab: Vocab, defaults: SamplingParams = NEUTRAL
+) -> dict[str, Any]:
+    """Every SamplingParams field but max_tokens (which the prompt's length decides): the
+    request's, or `defaults` for those it leaves out. Compiles a JSON schema's grammar."""
     logprobs = top_logprobs(request)
     # Completions' echo with logprobs: the prompt's tokens get theirs too, as in OpenAI's.
     echo = isinstance(request, CompletionRequest) and bool(request.echo)
+    return {
+        "temperature": _or(request.temperature, defaults.temperature),
+        "top_k": _or(request.top_k, defaults.top_k),
+        "top_p": _or(request.top_p, defaults.top_p),
+        "min_p": _or(request.min_p, defaults.min_p),
+        "repeat_penalty": _or(request.repeat_penalty, defaults.repeat_penalty),
+        "repeat_last_n": _or(request.repeat_last_n, defaults.repeat_last_n),
+        "presence_penalty": _or(request.presence_penalty, defaults.presence_penalty),
+        "frequency_penalty": _or(request.frequency_penalty, defaults.frequency_penalty),
+        "seed": request.seed,
+        "logit_bias": _logit_bias(request.logit_bias, vocab),
+        "grammar": request_grammar(request, vocab),
+        "ignore_eos": bool(request.ignore_eos),
+        "speculative": _or(request.speculative, defaults.speculative),
+        "logprobs": logprobs,
+        "prompt_logprobs": logprobs if echo else None,
+    }
+
+
+def with_max_tokens(fields: dict[str, Any], max_tokens: int) -> SamplingParams:
+    """SamplingParams of sampling_fields and a max_tokens; their own checks become 400s."""
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_or(request.temperature, defaults.temperature),
-            top_k=_or(request.top_k, defaults.top_k),
-            top_p=_or(request.top_p, defaults.top_p),
-            min_p=_or(request.min_p, defaults.min_p),
-            repeat_penalty=_or(request.repeat_penalty, defaults.repeat_penalty),
-            repeat_last_n=_or(request.repeat_last_n, defaults.repeat_last_n),
-            presence_penalty=_or(request.presence_penalty, defaults.presence_penalty),
-            frequency_penalty=_or(request.frequency_penalty, defaults.frequency_penalty),
-            seed=request.seed,
-            logit_bias=_logit_bias(request.logit_bias, vocab),
-            grammar=request_grammar(request, vocab),
-            ignore_eos=bool(request.ignore_eos),
-            speculative=_or(request.speculative, defaults.speculative),
-            logprobs=logprobs,
-            prompt_logprobs=logprobs if echo else None,
-        )
+        return SamplingParams(max_tokens=max_tokens, **fields)
     except ValueError as exc:
         raise invalid_request(str(exc)) from exc
 

@@ -2,15 +2,15 @@
 
 /v1/responses and /v1/messages are translations at the edge. Each turns its body into a
 ChatCompletionRequest and runs it through the chat route's own path (one request type, one
-tokenizer, one template, one tool parser: app._generate), then turns the chat answer, a body
-or a stream of chunks, into its own shape. The chat stream is read back as the dicts it
+tokenizer, one template, one tool parser: ChatServing.generate), then turns the chat answer,
+a body or a stream of chunks, into its own shape. The chat stream is read back as the dicts it
 carries, so a translator sees exactly what a chat client would.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -19,13 +19,7 @@ from fastapi.responses import Response
 from loomserve.gateway.api.errors import APIError
 from loomserve.gateway.api.schemas import ChatCompletionRequest
 from loomserve.gateway.generate.streaming import EventStreamResponse
-
-# app._generate bound to its gateway: the chat route's whole path, body to HTTP response.
-ChatRun = Callable[[Request, ChatCompletionRequest], Awaitable[Response]]
-# The prompt's token count of a chat request, through the same template and tools.
-ChatCount = Callable[[ChatCompletionRequest], Awaitable[int]]
-# The served name of a request's `model` (None: the default model's); 404 for an unknown one.
-ModelName = Callable[[str | None], str]
+from loomserve.gateway.serving.chat import ChatServing
 
 
 def named_event(name: str, payload: dict[str, Any]) -> str:
@@ -54,7 +48,7 @@ Translate = Callable[[AsyncIterator[dict[str, Any]]], AsyncIterator[str]]
 
 
 async def run_translated(
-    run: ChatRun,
+    chat: ChatServing,
     http: Request,
     body: ChatCompletionRequest,
     whole: Callable[[dict[str, Any]], dict[str, Any]],
@@ -66,7 +60,7 @@ async def run_translated(
     An error's `param` names the chat field: `params` renames it to the caller's API's.
     """
     try:
-        response = await run(http, body)
+        response = await chat.generate(http, body)
     except APIError as error:
         raise renamed(error, params) from None
     if isinstance(response, EventStreamResponse):

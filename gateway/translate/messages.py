@@ -22,10 +22,8 @@ from pydantic import ValidationError
 
 from loomserve.gateway.api.errors import invalid_request, validation_error
 from loomserve.gateway.api.schemas import ChatCompletionRequest, streamed_responses
+from loomserve.gateway.serving.chat import ChatServing
 from loomserve.gateway.translate.bridge import (
-    ChatCount,
-    ChatRun,
-    ModelName,
     named_event,
     renamed,
     run_translated,
@@ -365,11 +363,8 @@ class MessageEvents:
         return [named_event("content_block_stop", body)]
 
 
-def messages_router(
-    run: ChatRun, count: ChatCount, model_name: ModelName, **router_options: Any
-) -> APIRouter:
-    """The routes of the Messages API, over the chat path `run`; `model_name` gives the
-    served name of a request's `model`."""
+def messages_router(chat: ChatServing, **router_options: Any) -> APIRouter:
+    """The routes of the Messages API, over the chat path."""
     router = APIRouter(**router_options)
 
     @router.post(
@@ -379,14 +374,14 @@ def messages_router(
     )
     async def create_message(body: MessagesRequest, http: Request) -> Response:
         """A message (Anthropic's Messages API): text and tool use; streams when `stream`."""
-        chat = chat_request(body)
+        request = chat_request(body)
         message_id = f"msg_{uuid.uuid4().hex}"
-        model = model_name(body.model)
+        model = chat.model_name(body.model)
         stream = MessageEvents(message_id, model)
         return await run_translated(
-            run,
-            http,
             chat,
+            http,
+            request,
             lambda whole: whole_message(message_id, model, whole),
             stream.translate,
             PARAMS,
@@ -395,6 +390,6 @@ def messages_router(
     @router.post("/v1/messages/count_tokens", tags=["anthropic"])
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         """How many tokens the messages (with system and tools) take as a prompt."""
-        return {"input_tokens": await count(chat_request(body))}
+        return {"input_tokens": await chat.count_prompt_tokens(chat_request(body))}
 
     return router

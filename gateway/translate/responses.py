@@ -24,10 +24,8 @@ from pydantic import ValidationError
 
 from loomserve.gateway.api.errors import APIError, invalid_request, validation_error
 from loomserve.gateway.api.schemas import ChatCompletionRequest, streamed_responses
+from loomserve.gateway.serving.chat import ChatServing
 from loomserve.gateway.translate.bridge import (
-    ChatCount,
-    ChatRun,
-    ModelName,
     named_event,
     renamed,
     run_translated,
@@ -475,11 +473,8 @@ class ResponseEvents:
         return events
 
 
-def responses_router(
-    run: ChatRun, count: ChatCount, model_name: ModelName, **router_options: Any
-) -> APIRouter:
-    """The routes of the Responses API, over the chat path `run`; `model_name` gives the
-    served name of a request's `model`."""
+def responses_router(chat: ChatServing, **router_options: Any) -> APIRouter:
+    """The routes of the Responses API, over the chat path."""
     router = APIRouter(**router_options)
 
     @router.post(
@@ -492,18 +487,18 @@ def responses_router(
 
         Stateless: `store` must be false or absent, `previous_response_id` is not taken.
         """
-        chat = chat_request(body)
-        head = ResponseHead(body, model_name(body.model))
+        request = chat_request(body)
+        head = ResponseHead(body, chat.model_name(body.model))
         stream = ResponseEvents(head)
         return await run_translated(
-            run, http, chat, lambda whole: whole_response(head, whole), stream.translate, PARAMS
+            chat, http, request, lambda whole: whole_response(head, whole), stream.translate, PARAMS
         )
 
     @router.post("/v1/responses/input_tokens", tags=["openai"])
     async def input_tokens(body: ResponsesInputTokensRequest) -> dict[str, Any]:
         """How many tokens the input (with instructions and tools) takes as a prompt."""
         try:
-            tokens = await count(chat_request(body))
+            tokens = await chat.count_prompt_tokens(chat_request(body))
         except APIError as error:
             raise renamed(error, PARAMS) from None
         return {"object": "response.input_tokens", "input_tokens": tokens}

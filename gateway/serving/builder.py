@@ -1,0 +1,141 @@
+"""One request body into one GenerationRequest: every parameter decided once, here.
+
+The heavy part (a JSON schema's grammar, the tools' grammar, the chat template, the
+tokenizer) runs in a thread and needs only the model's text; what the workers' context
+leaves for each prompt is known only after, so each prompt's SamplingParams is made then,
+once, with its max_tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from loomserve.gateway.api.errors import invalid_request
+from loomserve.gateway.api.schemas import ChatCompletionRequest
+from loomserve.gateway.config import DEFAULT_TENANT, PriorityRange
+from loomserve.gateway.models.catalogue import ServedModel
+from loomserve.gateway.request import limits, prompts
+from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
+from loomserve.gateway.request.params import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    MAX_CHOICES,
+    max_new_tokens,
+    reject_unsupported,
+    request_priority,
+    sampling_fields,
+    score_only,
+    stop_strings,
+    user_tenant,
+    with_max_tokens,
+)
+from loomserve.gateway.tools.checks import ToolRequest, tool_request
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent the request: the HTTP layer's part of it."""
+
+    request_id: str  # X-Request-Id, or one made up
+    tenant: str | None = None  # the authorising API key's
+    priorities: PriorityRange | None = None  # what that key may claim
+
+
+@dataclass(frozen=True, slots=True)
+class Drafted:
+    """A body's prompts, tools and sampling fields: everything but what the context decides."""
+
+    fields: dict[str, Any]  # sampling_fields: every SamplingParams field but max_tokens
+    tools: ToolRequest | None
+    texts: list[tuple[list[int], str]]  # each prompt's token ids and its echo text
+
+
+def check_body(body: ApiBody, served: ServedModel, slot_context: int | None) -> None:
+    """The cheap 400s, before any thread work: unsupported features, stop strings, text no
+    context can hold (slot_context None: no worker to ask; the 503 comes soon enough)."""
+    reject_unsupported(body)
+    stop_strings(body.stop)
+    if slot_context is None:
+        return
+    if isinstance(body, ChatCompletionRequest):
+        chars, param = limits.chat_chars(body.messages), "messages"
+    else:
+        chars, param = limits.prompt_chars(body.prompt), "prompt"
+    limits.check_text(chars, slot_context, served.vocab.longest_token, param)
+
+
+def draft(served: ServedModel, body: ApiBody) -> Drafted:
+    """The thread's part: grammars, the chat template, the tokenizer."""
+    vocab = served.vocab
+    fields = sampling_fields(body, vocab, served.sampling_defaults)
+    if not isinstance(body, ChatCompletionRequest):
+        texts = prompts.completion_prompts(vocab, body.prompt, bool(body.echo))
+        return Drafted(fields, None, texts)
+    tools = tool_request(body, served.template_tools, vocab)
+    if tools is not None and tools.grammar:
+        fields["grammar"] = tools.grammar
+    tokens = prompts.chat_prompt(
+        vocab,
+        served.template,
+        body.messages,
+        served.template_tools,
+        tools.definitions if tools else None,
+    )
+    return Drafted(fields, tools, [(tokens, "")])
+
+
+def requested_tokens(body: ApiBody) -> tuple[int | None, int | None]:
+    """(max_tokens asked for, the default when none is): chat says it in
+    max_completion_tokens or max_tokens, with no default (the context's room);
+    completions in max_tokens, 16 by default."""
+    if isinstance(body, ChatCompletionRequest):
+        asked = body.max_completion_tokens
+        return (body.max_tokens if asked is None else asked), None
+    if score_only(body):  # the worker generates at least one token: the gateway drops it
+        return 1, None
+    return body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS
+
+
+def build(
+    served: ServedModel,
+    body: ApiBody,
+    drafted: Drafted,
+    slot_context: int,
+    caller: Caller,
+    arrived: float,
+) -> GenerationRequest:
+    """The GenerationRequest: each prompt's max_tokens (and so its SamplingParams) decided
+    once, from what it asked and what the slot's context leaves it."""
+    n = body.n or 1
+    if len(drafted.texts) * n > MAX_CHOICES:
+        raise invalid_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", "n")
+    requested, default = requested_tokens(body)
+    request_prompts = [
+        Prompt(
+            tokens=tokens,
+            params=with_max_tokens(
+                drafted.fields, max_new_tokens(requested, default, len(tokens), slot_context)
+            ),
+            text=text,
+        )
+        for tokens, text in drafted.texts
+    ]
+    priority = request_priority(body.priority)
+    if caller.priorities is not None:
+        priority = caller.priorities.clamp(priority)
+    id_prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+    return GenerationRequest(
+        id=f"{id_prefix}-{caller.request_id}",
+        body=body,
+        prompts=request_prompts,
+        n=n,
+        stops=stop_strings(body.stop),
+        model=served.name,
+        arrived_at=arrived,
+        created=int(time.time()),
+        tools=drafted.tools,
+        score_only=score_only(body),
+        priority=priority,
+        tenant=caller.tenant or user_tenant(body.user) or DEFAULT_TENANT,
+    )

@@ -1,0 +1,228 @@
+"""ChatServing: a completions or chat body run on its model's workers, answered as one body
+or as server-sent events. The Responses and Messages APIs run through it too (translate/).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import structlog
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from loomserve.gateway.api.errors import APIError, unavailable
+from loomserve.gateway.api.schemas import ChatCompletionRequest
+from loomserve.gateway.config import GatewayConfig
+from loomserve.gateway.generate.assembly import Done, TokenLogprob
+from loomserve.gateway.generate.group import GenerationGroup
+from loomserve.gateway.generate.render import StreamChunks, response_body
+from loomserve.gateway.generate.streaming import (
+    EventStreamResponse,
+    collect,
+    event_stream,
+    limit_send_buffer,
+    until_disconnect,
+)
+from loomserve.gateway.metrics import GatewayMetrics
+from loomserve.gateway.models.catalogue import ServedModel
+from loomserve.gateway.models.registry import Models
+from loomserve.gateway.request import prompts
+from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest
+from loomserve.gateway.serving import builder
+from loomserve.gateway.serving.builder import Caller
+from loomserve.gateway.serving.drain import Drain
+from loomserve.gateway.tools.checks import tool_request
+from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
+from loomserve.gateway.workers.pool import ModelWorkers, WorkerPool
+from loomserve.protocol.messages import ModelInfo
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class ChatServing:
+    """The chat path: check a body, run it on the workers of its model, answer."""
+
+    config: GatewayConfig
+    models: Models  # which model a request names, and whether it can run now
+    pool: WorkerPool  # every worker, of every model
+    metrics: GatewayMetrics
+    drain: Drain = field(default_factory=Drain)  # SIGTERM: stop admitting, finish, exit
+
+    # --- what the routes call -----------------------------------------------------
+
+    async def generate(self, http: Request, body: ApiBody) -> Response:
+        """Check the request, run it in the worker, answer as one body or as a stream."""
+        if self.drain.draining:
+            raise shutting_down()
+        arrived = time.monotonic()  # a request that waits for its model to load counts that
+        served = await self.models.get(body.model)
+        request = await self._prepare(served, body, _caller(http), arrived)
+        log.debug(
+            "request",
+            response_id=request.id,
+            choices=request.n_choices,
+            prompt_tokens=[len(p.tokens) for p in request.prompts],
+            max_tokens=[p.params.max_tokens for p in request.prompts],
+        )
+        if request.stream:
+            return await self._stream(served, http, request)
+        running = await _NonStreamed.start(self, served, request)
+        try:
+            outcome = await until_disconnect(http, running.collect())
+        finally:
+            running.close()
+        if outcome is None:
+            return Response(status_code=499)  # nobody is listening any more
+        texts, dones, logprobs = outcome
+        answer = response_body(request, texts, dones, logprobs, running.group.usage())
+        return JSONResponse(answer.model_dump())
+
+    async def count_prompt_tokens(self, body: ChatCompletionRequest) -> int:
+        """The prompt's token count of a chat request: template, tools and all."""
+        served = await self.models.get(body.model, worker=False)
+
+        # No text cap here: counting is the question, even for a prompt no context holds.
+        def count() -> int:
+            tools = tool_request(body, served.template_tools, served.vocab)
+            definitions = tools.definitions if tools else None
+            tokens = prompts.chat_prompt(
+                served.vocab, served.template, body.messages, served.template_tools, definitions
+            )
+            return len(tokens)
+
+        return await prompts.in_thread(count)
+
+    def model_name(self, requested: str | None) -> str:
+        """The served name of a request's `model` (None: the default model's); 404 for one
+        nobody serves."""
+        return self.models.name_of(requested)
+
+    def workers(self, model: str) -> ModelWorkers:
+        """The workers a request for `model` may go to (every one, for the one-model gateway)."""
+        if self.models.catalogue.only is not None:
+            return self.pool.for_any()
+        return self.pool.for_model(model)
+
+    def worker_info(self, model: str) -> ModelInfo:
+        """The ModelInfo of the model's workers when one can take requests; 503 otherwise."""
+        workers = self.workers(model)
+        reason = workers.unavailable_reason()
+        info = workers.info
+        if reason or info is None:
+            raise unavailable(reason or "not connected to the worker")
+        return info
+
+    # --- running one --------------------------------------------------------------------
+
+    async def _prepare(
+        self, served: ServedModel, body: ApiBody, caller: Caller, arrived: float
+    ) -> GenerationRequest:
+        """The GenerationRequest of a body; every 4xx the gateway can tell by itself comes here.
+
+        The tenant is the authorising API key's, else the body's `user`, else the shared one.
+        The priority is the body's, clamped into what the key may claim.
+        """
+        info = self.workers(served.name).info
+        builder.check_body(body, served, info.slot_context if info is not None else None)
+        # Grammars, the template and the tokenizer: seconds for a big request, in a thread.
+        drafted = await prompts.in_thread(functools.partial(builder.draft, served, body))
+        slot_context = self.worker_info(served.name).slot_context
+        request = builder.build(served, body, drafted, slot_context, caller, arrived)
+        if self.pool.in_use(request.id) or self.pool.in_use(f"{request.id}-0"):
+            raise APIError(
+                409,
+                f"a request with X-Request-Id {caller.request_id!r} is still running",
+                code="duplicate_request_id",
+            )
+        return request
+
+    async def _start_group(
+        self, served: ServedModel, request: GenerationRequest
+    ) -> GenerationGroup:
+        """Every choice of the request submitted, and tracked for draining."""
+        pieces = served.tool_pieces if request.tools else served.vocab
+        workers = self.workers(served.name)
+        group = await GenerationGroup.start(workers, pieces, request, self.metrics)
+        self.drain.track(group)
+        return group
+
+    def _close_group(self, group: GenerationGroup) -> None:
+        group.close()
+        self.drain.untrack(group)
+
+    async def _stream(
+        self, served: ServedModel, http: Request, request: GenerationRequest
+    ) -> Response:
+        """The request as server-sent events; the 200 goes out with the first output, so an
+        error before it gets its own status."""
+        group = await self._start_group(served, request)
+        try:
+            waited = await until_disconnect(http, group.first_outputs())
+        except BaseException:
+            self._close_group(group)
+            raise
+        if not waited:  # the client left while it waited
+            self._close_group(group)
+            return Response(status_code=499)
+        # A client that stops reading must fill a small buffer, not megabytes of the kernel's,
+        # before the gateway's own bound on its tokens (--stream-buffer-tokens) starts counting.
+        limit_send_buffer(http.scope.get("state", {}))
+        chunks = StreamChunks(request)
+        return EventStreamResponse(
+            event_stream(group, chunks), on_close=lambda: self._close_group(group)
+        )
+
+
+@dataclass(slots=True)
+class _NonStreamed:
+    """A request answered as one body: its client has seen nothing until the end, so when a
+    worker is lost mid-way the whole request runs once more, on another worker, within its
+    deadline (a stream is re-sent only before its first token: see generation.py)."""
+
+    serving: ChatServing
+    served: ServedModel
+    request: GenerationRequest
+    group: GenerationGroup
+
+    @classmethod
+    async def start(
+        cls, serving: ChatServing, served: ServedModel, request: GenerationRequest
+    ) -> _NonStreamed:
+        return cls(serving, served, request, await serving._start_group(served, request))
+
+    async def collect(self) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
+        try:
+            return await collect(self.group)
+        except WorkerLost as lost:
+            serving = self.serving
+            deadline = self.request.arrived_at + serving.config.request_timeout
+            if serving.drain.draining or time.monotonic() >= deadline:
+                raise
+            log.info("worker lost mid-way; request run again", reason=lost.message)
+            serving._close_group(self.group)
+            serving.pool.count_reroute("lost")
+            try:
+                self.group = await serving._start_group(self.served, self.request)
+            except WorkerClientError:
+                raise lost from None  # the client hears why its request ended
+            return await collect(self.group)
+
+    def close(self) -> None:
+        self.serving._close_group(self.group)
+
+
+def _caller(http: Request) -> Caller:
+    """Who sent it, as the access and auth middleware left it on the request's state."""
+    state = http.state
+    return Caller(
+        state.request_id, getattr(state, "tenant", None), getattr(state, "priorities", None)
+    )
+
+
+def shutting_down() -> APIError:
+    error = unavailable("the gateway is shutting down; retry the request", code="shutting_down")
+    error.headers = {**(error.headers or {}), "Connection": "close"}
+    return error
