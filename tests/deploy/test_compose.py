@@ -680,6 +680,9 @@ def test_the_embeddings_profile_serves_two_models_through_one_gateway(
         unknown = client.post("/v1/completions", json={**body, "model": "nope"})
         assert unknown.status_code == 404
         assert unknown.json()["error"]["code"] == "model_not_found"
+        # Compose starts and stops the workers, not the gateways: no loads on demand.
+        load = client.post("/models/load", json={"model": embed})
+        assert load.status_code == 400 and load.json()["error"]["code"] == "models_not_managed"
 
     # Each worker's metrics name its own model, as Prometheus scrapes them.
     for container in compose.containers:
