@@ -353,6 +353,12 @@ def gateway_options(func):
             "it; then 503 with Retry-After.",
         ),
         click.option(
+            "--max-waiting-for-load",
+            type=click.IntRange(min=0),
+            default=default_of(GatewayConfig, "max_waiting_for_load"),
+            help="Requests one gateway lets wait for models to load; beyond them, 503.",
+        ),
+        click.option(
             "--model-sampling-defaults/--no-model-sampling-defaults",
             default=default_of(GatewayConfig, "model_sampling_defaults"),
             help="Let the GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat "
@@ -429,6 +435,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         models=() if one else tuple((model.name, model.path) for model in files),
         models_control=opts.get("models_control"),
         model_load_timeout=opts["model_load_timeout"],
+        max_waiting_for_load=opts["max_waiting_for_load"],
         worker_endpoints=(workers,) if isinstance(workers, str) else tuple(workers),
         host=opts["host"],
         port=opts["port"],

@@ -162,6 +162,11 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.model_path is not None and self.models:
             raise ValueError("give one model file (--model PATH) or named ones (NAME=PATH)")
+        if self.model_name and self.model_path is None:
+            raise ValueError(
+                "--served-model-name names the model of a single --model PATH; without one, "
+                "each model is served under its workers' --served-model-name (or NAME=PATH)"
+            )
         names = [name for name, _ in self.models]
         if len(set(names)) != len(names):
             raise ValueError("two models have one name")

@@ -26,6 +26,7 @@ OPTIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 WORKER_DERIVED = {"model_path": "model"}
 GATEWAY_DERIVED = {
     "model_path": "model",
+    "models": "model",  # NAME=PATH values of --model
     "worker_endpoints": "worker_endpoint",
     "model_name": "served_model_name",
     "api_keys": "api_key",
@@ -61,7 +62,8 @@ def test_serve_takes_every_worker_and_gateway_option() -> None:
     curve_gateway = {"curve_server_key_file", "curve_secret_key_file"}
     for command_name, only_alone in (
         ("worker", {"bind", *curve_worker}),
-        ("gateway", {"model", "reuse_port", *curve_gateway}),
+        # serve names its own model manager; its --model takes several models itself.
+        ("gateway", {"model", "reuse_port", "models_control", *curve_gateway}),
     ):
         missing = set(options_of(command_name)) - set(serve) - only_alone - {"worker_endpoint"}
         assert not missing, f"serve lacks {command_name} options {missing}"
