@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from loomserve.cli.default_model import MODELS_MAX, named_models, resolve_model
+from loomserve.cli.options import options_from, settings_from
 from loomserve.gateway.config import (
     GatewayConfig,
     check_api_key,
@@ -20,9 +21,6 @@ from loomserve.gateway.config import (
     unnamed_key_tenant,
 )
 from loomserve.worker.config import (
-    FLASH_ATTN_MODES,
-    KV_CACHE_TYPES,
-    SCHEDULING_POLICIES,
     WorkerConfig,
 )
 
@@ -63,209 +61,16 @@ class ApiKey(click.ParamType):
 
 
 def worker_options(func):
-    """The options that configure the worker; shared by `worker` and `serve`."""
-    options = [
-        click.option(
-            "--gpu-layers",
-            type=int,
-            default=default_of(WorkerConfig, "gpu_layers"),
-            help="Layers to offload to the GPU; -1 for all (when built with a GPU backend).",
-        ),
-        click.option(
-            "--threads",
-            type=int,
-            default=default_of(WorkerConfig, "threads"),
-            help="CPU threads for llama.cpp; 0 for all cores.",
-        ),
-        click.option(
-            "--flash-attn",
-            type=click.Choice(FLASH_ATTN_MODES),
-            default=default_of(WorkerConfig, "flash_attn"),
-            help="Flash attention; auto: where the backend has it, as llama-server does.",
-        ),
-        click.option(
-            "--kv-cache-type",
-            type=click.Choice(KV_CACHE_TYPES),
-            default=default_of(WorkerConfig, "kv_cache_type"),
-            help="Data type of the KV cache.",
-        ),
-        click.option(
-            "--slots",
-            type=int,
-            default=default_of(WorkerConfig, "slots"),
-            help="Sequences decoded at once.",
-        ),
-        click.option(
-            "--ctx-size",
-            type=int,
-            default=default_of(WorkerConfig, "ctx_size"),
-            help="Context tokens per slot, capped by the model's training context.",
-        ),
-        click.option(
-            "--max-queue",
-            type=int,
-            default=default_of(WorkerConfig, "max_queue"),
-            help="Requests that may wait for a slot; beyond that they are rejected.",
-        ),
-        click.option(
-            "--batch-tokens",
-            type=int,
-            default=default_of(WorkerConfig, "batch_tokens"),
-            help="Token budget of one tick's batch.",
-        ),
-        click.option(
-            "--prefill-chunk",
-            type=int,
-            default=default_of(WorkerConfig, "prefill_chunk"),
-            help="Most prompt tokens one slot prefills per tick.",
-        ),
-        click.option(
-            "--strategy",
-            default=default_of(WorkerConfig, "strategy"),
-            help="Batching strategy: decode-maximal, prefill-priority, balanced, "
-            "or a dotted path to your own class (package.module:Class).",
-        ),
-        click.option(
-            "--itl-target-ms",
-            type=click.FloatRange(min=0, min_open=True),
-            default=default_of(WorkerConfig, "itl_target_ms"),
-            help="While streams generate, prompt tokens per tick are capped to keep a tick "
-            "within this many ms (by a tick-cost model learned online). Default: no target.",
-        ),
-        click.option(
-            "--scheduling-policy",
-            type=click.Choice(SCHEDULING_POLICIES),
-            default=default_of(WorkerConfig, "scheduling_policy"),
-            help="fcfs: arrival order. priority: lower request `priority` first; a waiting "
-            "request preempts a running one of lower priority.",
-        ),
-        click.option(
-            "--swap-space",
-            type=click.FloatRange(min=0),
-            default=default_of(WorkerConfig, "swap_space"),
-            help="GiB of host memory for preempted requests' KV state; beyond it they recompute.",
-        ),
-        click.option(
-            "--cache-ram",
-            type=click.IntRange(min=0),
-            default=default_of(WorkerConfig, "cache_ram"),
-            help="MiB of host memory for prompt caches: a slot's KV state is saved there when "
-            "the slot is taken for another request, and restored for a prompt that starts "
-            "with it (apart from --swap-space); 0: off. Default: 8192 (as llama-server), at "
-            "most a quarter of the memory the worker may use (its cgroup limit or the RAM); "
-            "more than that memory is clamped to it, with a warning.",
-        ),
-        click.option(
-            "--tenant-weight",
-            multiple=True,
-            default=default_of(WorkerConfig, "tenant_weight"),
-            help="NAME=W: a tenant's weight in the round-robin for free slots (default 1); "
-            "repeatable.",
-        ),
-        click.option(
-            "--max-slots-per-tenant",
-            type=click.IntRange(min=0),
-            default=default_of(WorkerConfig, "max_slots_per_tenant"),
-            help="Most slots one tenant's requests hold at once; 0: no cap.",
-        ),
-        click.option(
-            "--metrics-port",
-            type=int,
-            default=default_of(WorkerConfig, "metrics_port"),
-            help="Serve the worker's Prometheus metrics on this port.",
-        ),
-        click.option(
-            "--metrics-host",
-            default=default_of(WorkerConfig, "metrics_host"),
-            help="Address of the metrics endpoint (0.0.0.0 for Prometheus in another container).",
-        ),
-        click.option(
-            "--gateway-timeout",
-            type=click.FloatRange(min=0.1),
-            default=default_of(WorkerConfig, "gateway_timeout"),
-            help="Seconds a gateway may be silent before its requests are cancelled.",
-        ),
-        click.option(
-            "--max-failed-ticks",
-            type=click.IntRange(min=1),
-            default=default_of(WorkerConfig, "max_failed_ticks"),
-            help="Ticks failing in a row after which the worker declares its engine dead and "
-            "exits (status 3) to be restarted.",
-        ),
-        click.option(
-            "--tick-watchdog",
-            type=click.FloatRange(min=1.0),
-            default=default_of(WorkerConfig, "tick_watchdog"),
-            help="Seconds a tick may run before the worker calls it stuck, declares its "
-            "engine dead and exits (status 3) to be restarted.",
-        ),
-        click.option(
-            "--batch-invariant/--no-batch-invariant",
-            default=default_of(WorkerConfig, "batch_invariant"),
-            help="Greedy output the same alone and batched: a KV stream per slot and per-row "
-            "CPU kernels. Off: one KV cache shared by all slots and the fastest kernels.",
-        ),
-        click.option(
-            "--spec-ngram/--no-spec-ngram",
-            default=default_of(WorkerConfig, "spec_ngram"),
-            help="Self-speculative n-gram drafting: generating slots draft tokens that "
-            "followed an earlier occurrence of their last tokens, verified in the same pass "
-            "where the learned tick cost says they pay. Default: on with "
-            "--no-batch-invariant; off with --batch-invariant, whose promise it would break "
-            "(a verified row's logits differ from a lone decode's in their last bits).",
-        ),
-        click.option(
-            "--num-speculative-tokens",
-            type=click.IntRange(min=1),
-            default=default_of(WorkerConfig, "num_speculative_tokens"),
-            help="Most drafted tokens per slot and tick.",
-        ),
-        click.option(
-            "--prompt-lookup-min",
-            type=click.IntRange(min=1),
-            default=default_of(WorkerConfig, "prompt_lookup_min"),
-            help="Shortest n-gram matched to draft from.",
-        ),
-        click.option(
-            "--prompt-lookup-max",
-            type=click.IntRange(min=1),
-            default=default_of(WorkerConfig, "prompt_lookup_max"),
-            help="Longest n-gram matched to draft from (the longest match wins).",
-        ),
-        click.option(
-            "--log-ticks/--no-log-ticks",
-            default=default_of(WorkerConfig, "log_ticks"),
-            help="Log one structured event per tick.",
-        ),
-        click.option(
-            "--embeddings/--no-embeddings",
-            default=default_of(WorkerConfig, "embeddings"),
-            help="Serve /v1/embeddings (mean pooling) for a model without a pooling head; "
-            "a model with one serves them anyway.",
-        ),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    """The options that configure the worker; shared by `worker` and `serve`. Declared on
+    WorkerConfig's fields (help, ranges, choices: protocol/settings.py)."""
+    return options_from(WorkerConfig)(func)
 
 
 def gateway_options(func):
-    """The options that configure a gateway; shared by `gateway` and `serve`."""
+    """The options that configure a gateway; shared by `gateway` and `serve`. Declared on
+    GatewayConfig's fields, but for the API keys and the chat template, which the config
+    holds parsed (key -> tenant, the template's text)."""
     options = [
-        click.option(
-            "--host", default=default_of(GatewayConfig, "host"), help="HTTP address to listen on."
-        ),
-        click.option(
-            "--port",
-            type=int,
-            default=default_of(GatewayConfig, "port"),
-            help="HTTP port to listen on.",
-        ),
-        click.option(
-            "--served-model-name",
-            default=default_of(GatewayConfig, "model_name"),
-            help="Model name in the API, for a single --model. Default: the model file's name.",
-        ),
         click.option(
             "--api-key",
             type=ApiKey(),
@@ -289,85 +94,10 @@ def gateway_options(func):
             "llama3, chatml, ...), Jinja text, or a file of Jinja; anything else, or Jinja "
             "that does not compile, is refused at start-up.",
         ),
-        click.option(
-            "--allowed-origins",
-            multiple=True,
-            default=default_of(GatewayConfig, "allowed_origins"),
-            help="Browser origin allowed to call the API (CORS; repeatable, `*` for any). "
-            "Without any, no cross-origin request is allowed.",
-        ),
-        click.option(
-            "--max-body-bytes",
-            type=click.IntRange(min=1),
-            default=default_of(GatewayConfig, "max_body_bytes"),
-            help="Largest request body accepted; a larger one gets 413.",
-        ),
-        click.option(
-            "--heartbeat-interval",
-            type=click.FloatRange(min=0.01),
-            default=default_of(GatewayConfig, "heartbeat_interval"),
-            help="Seconds between the gateway's pings to the worker.",
-        ),
-        click.option(
-            "--worker-timeout",
-            type=click.FloatRange(min=0.05),
-            default=default_of(GatewayConfig, "worker_timeout"),
-            help="Seconds without a word from the worker before it counts as down (503).",
-        ),
-        click.option(
-            "--shutdown-timeout",
-            type=click.FloatRange(min=0),
-            default=default_of(GatewayConfig, "shutdown_timeout"),
-            help="On SIGTERM, seconds open streams get to finish before they are cut off.",
-        ),
-        click.option(
-            "--header-timeout",
-            type=click.FloatRange(min=0.1),
-            default=default_of(GatewayConfig, "header_timeout"),
-            help="Seconds a connection gets to send a request's headers before it is closed.",
-        ),
-        click.option(
-            "--body-timeout",
-            type=click.FloatRange(min=0.1),
-            default=default_of(GatewayConfig, "body_timeout"),
-            help="Seconds a request gets to send its body after the headers (else 408).",
-        ),
-        click.option(
-            "--request-timeout",
-            type=click.FloatRange(min=0.1),
-            default=default_of(GatewayConfig, "request_timeout"),
-            help="Longest a generation may run before it is cut off with a 504.",
-        ),
-        click.option(
-            "--stream-buffer-tokens",
-            type=click.IntRange(min=1),
-            default=default_of(GatewayConfig, "stream_buffer_tokens"),
-            help="Tokens held for a client that does not read its stream; past them the "
-            "request is cancelled.",
-        ),
-        click.option(
-            "--model-load-timeout",
-            type=click.FloatRange(min=0.1),
-            default=default_of(GatewayConfig, "model_load_timeout"),
-            help="Seconds a request for a model that is not loaded waits for `serve` to load "
-            "it; then 503 with Retry-After.",
-        ),
-        click.option(
-            "--max-waiting-for-load",
-            type=click.IntRange(min=0),
-            default=default_of(GatewayConfig, "max_waiting_for_load"),
-            help="Requests one gateway lets wait for models to load; beyond them, 503.",
-        ),
-        click.option(
-            "--model-sampling-defaults/--no-model-sampling-defaults",
-            default=default_of(GatewayConfig, "model_sampling_defaults"),
-            help="Let the GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat "
-            "penalty) fill the fields a request leaves out; off: neutral defaults.",
-        ),
     ]
     for option in reversed(options):
         func = option(func)
-    return func
+    return options_from(GatewayConfig)(func)
 
 
 def curve_client_options(func):
@@ -431,30 +161,16 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
     files = named_models(opts["model"])
     one = len(files) == 1 and not files[0].named
     return GatewayConfig(
+        **settings_from(GatewayConfig, opts),
         model_path=files[0].path if one else None,
         models=() if one else tuple((model.name, model.path) for model in files),
         models_control=opts.get("models_control"),
-        model_load_timeout=opts["model_load_timeout"],
-        max_waiting_for_load=opts["max_waiting_for_load"],
         worker_endpoints=(workers,) if isinstance(workers, str) else tuple(workers),
-        host=opts["host"],
-        port=opts["port"],
-        model_name=opts["served_model_name"],
         api_keys=keys,
         key_priorities=priorities,
         chat_template=template,
-        allowed_origins=tuple(opts["allowed_origins"]),
-        max_body_bytes=opts["max_body_bytes"],
-        heartbeat_interval=opts["heartbeat_interval"],
-        worker_timeout=opts["worker_timeout"],
-        request_timeout=opts["request_timeout"],
-        shutdown_timeout=opts["shutdown_timeout"],
         curve_server_key_file=opts.get("curve_server_key_file"),
         curve_secret_key_file=opts.get("curve_secret_key_file"),
-        header_timeout=opts["header_timeout"],
-        body_timeout=opts["body_timeout"],
-        stream_buffer_tokens=opts["stream_buffer_tokens"],
-        model_sampling_defaults=opts["model_sampling_defaults"],
     )
 
 

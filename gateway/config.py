@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loomserve.gateway.endpoints import split_tcp
 from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
+from loomserve.protocol.settings import setting
 
 _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 
@@ -129,35 +130,110 @@ class GatewayConfig:
     models_control: str | None = None
     # The workers' ROUTER endpoints; a tcp:// host name stands for each address it resolves to.
     worker_endpoints: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str | None = None  # served name in /v1/models; default: the file's stem
+    host: str = setting(
+        "127.0.0.1",
+        help="HTTP address to listen on.",
+    )
+    port: int = setting(
+        8000,
+        help="HTTP port to listen on.",
+    )
+    # served name in /v1/models; default: the file's stem
+    model_name: str | None = setting(
+        None,
+        help="Model name in the API, for a single --model. Default: the model file's name.",
+        flag="--served-model-name",
+    )
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> its tenant; empty: no auth
     # key -> the priorities its requests may claim (clamped into); keys not here: any
     key_priorities: dict[str, PriorityRange] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template overriding the model's own
-    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call the API
-    max_body_bytes: int = 8 * 1024 * 1024
-    heartbeat_interval: float = 1.0
-    worker_timeout: float = 3.0  # no heartbeat this long: the worker is gone
-    request_timeout: float = 600.0  # a generation running longer ends with a 504
-    shutdown_timeout: float = 5.0  # on SIGTERM, open streams get this long before they are cut
+    # CORS: browser origins allowed to call the API
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        help=(
+            "Browser origin allowed to call the API (CORS; repeatable, `*` for any). Without any, "
+            "no cross-origin request is allowed."
+        ),
+    )
+    max_body_bytes: int = setting(
+        8 * 1024 * 1024,
+        help="Largest request body accepted; a larger one gets 413.",
+        low=1,
+    )
+    heartbeat_interval: float = setting(
+        1.0,
+        help="Seconds between the gateway's pings to the worker.",
+        low=0.01,
+    )
+    # no heartbeat this long: the worker is gone
+    worker_timeout: float = setting(
+        3.0,
+        help="Seconds without a word from the worker before it counts as down (503).",
+        low=0.05,
+    )
+    # a generation running longer ends with a 504
+    request_timeout: float = setting(
+        600.0,
+        help="Longest a generation may run before it is cut off with a 504.",
+        low=0.1,
+    )
+    # on SIGTERM, open streams get this long before they are cut
+    shutdown_timeout: float = setting(
+        5.0,
+        help="On SIGTERM, seconds open streams get to finish before they are cut off.",
+        low=0,
+    )
     # CURVE, for a worker that has it: the worker's public certificate (.key) and this
     # gateway's own (.key_secret), whose public key the worker's allow-list must hold.
     curve_server_key_file: Path | None = None
     curve_secret_key_file: Path | None = None
-    header_timeout: float = 10.0  # a connection's request headers must arrive within this
-    body_timeout: float = 60.0  # and its body within this after them, or 408
+    # a connection's request headers must arrive within this
+    header_timeout: float = setting(
+        10.0,
+        help="Seconds a connection gets to send a request's headers before it is closed.",
+        low=0.1,
+    )
+    # and its body within this after them, or 408
+    body_timeout: float = setting(
+        60.0,
+        help="Seconds a request gets to send its body after the headers (else 408).",
+        low=0.1,
+    )
     # Tokens of one sequence the gateway holds for a client that does not read them (its
     # socket is full); past this the request is cancelled in the worker, freeing its slot.
-    stream_buffer_tokens: int = 2048
+    stream_buffer_tokens: int = setting(
+        2048,
+        help=(
+            "Tokens held for a client that does not read its stream; past them the request is "
+            "cancelled."
+        ),
+        low=1,
+    )
     # The GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat penalty) fill
     # the fields a request leaves out, as vLLM's --generation-config auto; False: neutral.
-    model_sampling_defaults: bool = True
+    model_sampling_defaults: bool = setting(
+        True,
+        help=(
+            "Let the GGUF's general.sampling.* (temperature, top_k, top_p, min_p, repeat penalty) "
+            "fill the fields a request leaves out; off: neutral defaults."
+        ),
+    )
     # A request for a model no worker serves waits this long for `serve` to load it (503
     # after), and at most this many requests wait at once (503 beyond).
-    model_load_timeout: float = 120.0
-    max_waiting_for_load: int = 256
+    model_load_timeout: float = setting(
+        120.0,
+        help=(
+            "Seconds a request for a model that is not loaded waits for `serve` to load it; then "
+            "503 with Retry-After."
+        ),
+        low=0.1,
+    )
+    max_waiting_for_load: int = setting(
+        256,
+        help="Requests one gateway lets wait for models to load; beyond them, 503.",
+        low=0,
+    )
 
     def __post_init__(self) -> None:
         if self.model_path is not None and self.models:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from loomserve.protocol.settings import setting
+
 MIB = 1024**2
 
 # llama-server's default --cache-ram; the worker takes less on a smaller machine or container.
@@ -68,52 +70,168 @@ class WorkerConfig:
 
     model_path: Path
     bind: str = "tcp://127.0.0.1:5555"  # the ROUTER endpoint gateways connect to
-    gpu_layers: int = -1  # -1: all layers when llama.cpp has a GPU backend
-    threads: int = 0  # 0: the machine's cores
-    flash_attn: str = "auto"
-    kv_cache_type: str = "f16"
-    slots: int = 8
-    ctx_size: int = 4096  # tokens of context per slot, capped by the model's training context
-    max_queue: int = 64
-    batch_tokens: int = 512  # token budget of one tick's batch
-    prefill_chunk: int = 512  # most prompt tokens one slot prefills in one tick
-    strategy: str = "decode-maximal"  # a built-in name or a dotted path to a class
+    # -1: all layers when llama.cpp has a GPU backend
+    gpu_layers: int = setting(
+        -1,
+        help="Layers to offload to the GPU; -1 for all (when built with a GPU backend).",
+    )
+    # 0: the machine's cores
+    threads: int = setting(
+        0,
+        help="CPU threads for llama.cpp; 0 for all cores.",
+    )
+    flash_attn: str = setting(
+        "auto",
+        help="Flash attention; auto: where the backend has it, as llama-server does.",
+        choices=FLASH_ATTN_MODES,
+    )
+    kv_cache_type: str = setting(
+        "f16",
+        help="Data type of the KV cache.",
+        choices=KV_CACHE_TYPES,
+    )
+    slots: int = setting(
+        8,
+        help="Sequences decoded at once.",
+    )
+    # tokens of context per slot, capped by the model's training context
+    ctx_size: int = setting(
+        4096,
+        help="Context tokens per slot, capped by the model's training context.",
+    )
+    max_queue: int = setting(
+        64,
+        help="Requests that may wait for a slot; beyond that they are rejected.",
+    )
+    # token budget of one tick's batch
+    batch_tokens: int = setting(
+        512,
+        help="Token budget of one tick's batch.",
+    )
+    # most prompt tokens one slot prefills in one tick
+    prefill_chunk: int = setting(
+        512,
+        help="Most prompt tokens one slot prefills per tick.",
+    )
+    # a built-in name or a dotted path to a class
+    strategy: str = setting(
+        "decode-maximal",
+        help=(
+            "Batching strategy: decode-maximal, prefill-priority, balanced, or a dotted path to "
+            "your own class (package.module:Class)."
+        ),
+    )
     # While a stream generates, a tick carries only the prompt tokens that keep it within
     # this many milliseconds, by the tick-cost model learned online. None: no target.
-    itl_target_ms: float | None = None
-    scheduling_policy: str = "fcfs"  # or "priority": lower Generate.priority first, preempting
-    swap_space: float = 4.0  # GiB of host memory for preempted requests' KV; beyond, recompute
+    itl_target_ms: float | None = setting(
+        None,
+        help=(
+            "While streams generate, prompt tokens per tick are capped to keep a tick within this "
+            "many ms (by a tick-cost model learned online). Default: no target."
+        ),
+        low=0,
+        low_open=True,
+    )
+    # or "priority": lower Generate.priority first, preempting
+    scheduling_policy: str = setting(
+        "fcfs",
+        help=(
+            "fcfs: arrival order. priority: lower request `priority` first; a waiting request "
+            "preempts a running one of lower priority."
+        ),
+        choices=SCHEDULING_POLICIES,
+    )
+    # GiB of host memory for preempted requests' KV; beyond, recompute
+    swap_space: float = setting(
+        4.0,
+        help="GiB of host memory for preempted requests' KV state; beyond it they recompute.",
+        low=0,
+    )
     # MiB of host memory for slots' KV kept after their slots were taken (cache/ram_cache.py), a
     # budget apart from swap_space; 0: off. None: llama-server's 8192, but at most a quarter
     # of the memory the worker may use (ram_cache_bytes), so a default worker fits its box.
-    cache_ram: int | None = None
-    tenant_weight: tuple[str, ...] = ()  # "NAME=W": a tenant's share of slots (default 1)
-    max_slots_per_tenant: int = 0  # most running requests of one tenant; 0: no cap
-    metrics_port: int | None = None  # Prometheus endpoint; None: off
-    metrics_host: str = "127.0.0.1"
+    cache_ram: int | None = setting(
+        None,
+        help=(
+            "MiB of host memory for prompt caches: a slot's KV state is saved there when the slot "
+            "is taken for another request, and restored for a prompt that starts with it (apart "
+            "from --swap-space); 0: off. Default: 8192 (as llama-server), at most a quarter of "
+            "the memory the worker may use (its cgroup limit or the RAM); more than that memory "
+            "is clamped to it, with a warning."
+        ),
+        low=0,
+    )
+    # "NAME=W": a tenant's share of slots (default 1)
+    tenant_weight: tuple[str, ...] = setting(
+        (),
+        help="NAME=W: a tenant's weight in the round-robin for free slots (default 1); repeatable.",
+    )
+    # most running requests of one tenant; 0: no cap
+    max_slots_per_tenant: int = setting(
+        0,
+        help="Most slots one tenant's requests hold at once; 0: no cap.",
+        low=0,
+    )
+    # Prometheus endpoint; None: off
+    metrics_port: int | None = setting(
+        None,
+        help="Serve the worker's Prometheus metrics on this port.",
+    )
+    metrics_host: str = setting(
+        "127.0.0.1",
+        help="Address of the metrics endpoint (0.0.0.0 for Prometheus in another container).",
+    )
     # The model's name in the metrics' model_name label: the gateways' served name, so both
     # sides label it alike (`serve` gives both the same). None: the file's stem, as theirs.
     served_model_name: str | None = None
     heartbeat_interval: float = 1.0  # seconds between heartbeats to each gateway
     # A gateway silent this long is gone and its requests are cancelled (its slots freed
     # within a tenth of this more). Gateways ping every second by default.
-    gateway_timeout: float = 3.0
+    gateway_timeout: float = setting(
+        3.0,
+        help="Seconds a gateway may be silent before its requests are cancelled.",
+        low=0.1,
+    )
     # This many ticks failing in a row mean the engine is broken: the worker tells every
     # gateway, and exits (status 3) for its supervisor to restart it. One failing tick
     # fails only the requests it ran.
-    max_failed_ticks: int = 3
+    max_failed_ticks: int = setting(
+        3,
+        help=(
+            "Ticks failing in a row after which the worker declares its engine dead and exits "
+            "(status 3) to be restarted."
+        ),
+        low=1,
+    )
     # A tick running longer than this many seconds is stuck (a native call that never
     # returns): the worker says it is not ready, tells every gateway, and exits (status 3)
     # for its supervisor to restart it (watchdog.py).
-    tick_watchdog: float = 30.0
+    tick_watchdog: float = setting(
+        30.0,
+        help=(
+            "Seconds a tick may run before the worker calls it stuck, declares its engine dead "
+            "and exits (status 3) to be restarted."
+        ),
+        low=1.0,
+    )
     # On SIGTERM, running and queued requests get this long to finish; the rest are
     # cancelled with an error. New requests are refused meanwhile.
     shutdown_timeout: float = 5.0
-    log_ticks: bool = False  # one structured log event per tick
+    # one structured log event per tick
+    log_ticks: bool = setting(
+        False,
+        help="Log one structured event per tick.",
+    )
     # A request's greedy output must not depend on what shares its batch: give each slot its
     # own KV stream and use CPU kernels that compute every row alike (see Engine). Off: one
     # KV cache shared by all slots and the fastest kernels.
-    batch_invariant: bool = True
+    batch_invariant: bool = setting(
+        True,
+        help=(
+            "Greedy output the same alone and batched: a KV stream per slot and per-row CPU "
+            "kernels. Off: one KV cache shared by all slots and the fastest kernels."
+        ),
+    )
     # Self-speculative n-gram drafting in the tick (worker/sched/speculation.py): each generating
     # slot may draft up to num_speculative_tokens tokens that followed an earlier occurrence
     # of its last prompt_lookup_min..max tokens, where the tick-cost model says they pay.
@@ -122,13 +240,40 @@ class WorkerConfig:
     # kernels sum in another order than a lone decode row: greedy output would depend on the
     # batch in its last bits, which batch invariance promises it does not
     # (docs/speculation.md).
-    spec_ngram: bool | None = None
-    num_speculative_tokens: int = 16
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    spec_ngram: bool | None = setting(
+        None,
+        help=(
+            "Self-speculative n-gram drafting: generating slots draft tokens that followed an "
+            "earlier occurrence of their last tokens, verified in the same pass where the learned "
+            "tick cost says they pay. Default: on with --no-batch-invariant; off with "
+            "--batch-invariant, whose promise it would break (a verified row's logits differ from "
+            "a lone decode's in their last bits)."
+        ),
+    )
+    num_speculative_tokens: int = setting(
+        16,
+        help="Most drafted tokens per slot and tick.",
+        low=1,
+    )
+    prompt_lookup_min: int = setting(
+        2,
+        help="Shortest n-gram matched to draft from.",
+        low=1,
+    )
+    prompt_lookup_max: int = setting(
+        4,
+        help="Longest n-gram matched to draft from (the longest match wins).",
+        low=1,
+    )
     # /v1/embeddings for a model without a pooling head, mean-pooled, in a second context
     # (worker/engine/embeddings.py); a model with a pooling head serves them whatever this says.
-    embeddings: bool = False
+    embeddings: bool = setting(
+        False,
+        help=(
+            "Serve /v1/embeddings (mean pooling) for a model without a pooling head; a model with "
+            "one serves them anyway."
+        ),
+    )
     # CURVE: the worker's certificate (a zmq.auth .key_secret file) and the gateways it lets
     # in (a .key file or a directory of them). Without them anything that reaches bind is
     # a gateway, so a bind beyond this machine needs them, or insecure_bind.
