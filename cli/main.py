@@ -6,19 +6,23 @@ command line share one set of names.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import Any
 
 import click
 
-from loomserve.cli.default_model import MODELS_MAX, named_models, resolve_model
-from loomserve.cli.options import options_from, settings_from
+from loomserve.cli.default_model import MODELS_MAX, named_models
+from loomserve.cli.options import (
+    build_gateway_config,
+    build_worker_config,
+    curve_client_options,
+    default_of,
+    gateway_options,
+    log_options,
+    options_from,
+    worker_options,
+)
 from loomserve.gateway.config import (
     GatewayConfig,
-    check_api_key,
-    parse_key_file,
-    unnamed_key_tenant,
 )
 from loomserve.worker.config import (
     WorkerConfig,
@@ -29,149 +33,6 @@ CONTEXT_SETTINGS = {
     "show_default": True,
     "help_option_names": ["-h", "--help"],
 }
-
-
-def default_of(config: type, name: str) -> Any:
-    """A setting's default, declared once: on its config dataclass."""
-    setting = next(f for f in fields(config) if f.name == name)
-    if setting.default is not MISSING:
-        return setting.default
-    if callable(setting.default_factory):  # MISSING, when there is none, is not callable
-        return setting.default_factory()
-    raise ValueError(f"{config.__name__}.{name} has no default")
-
-
-class ApiKey(click.ParamType):
-    """An API key: no whitespace, so that the flag, LOOMSERVE_API_KEY and a key file agree.
-
-    The environment variable holds one key a line (click would split it on any whitespace,
-    turning `open sesame` into two keys).
-    """
-
-    name = "key"
-
-    def split_envvar_value(self, rv: str) -> list[str]:
-        return [line.strip() for line in rv.splitlines() if line.strip()]
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        try:
-            return check_api_key(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-def worker_options(func):
-    """The options that configure the worker; shared by `worker` and `serve`. Declared on
-    WorkerConfig's fields (help, ranges, choices: protocol/settings.py)."""
-    return options_from(WorkerConfig)(func)
-
-
-def gateway_options(func):
-    """The options that configure a gateway; shared by `gateway` and `serve`. Declared on
-    GatewayConfig's fields, but for the API keys and the chat template, which the config
-    holds parsed (key -> tenant, the template's text)."""
-    options = [
-        click.option(
-            "--api-key",
-            type=ApiKey(),
-            multiple=True,
-            help="Accepted API key (repeatable; no whitespace; the environment variable takes "
-            "one a line). Without any, no key is needed.",
-        ),
-        click.option(
-            "--api-key-file",
-            type=click.Path(exists=True, dir_okay=False),
-            default=None,
-            help="File of accepted API keys, one per line: `name:key` names the key's tenant "
-            "(for fair shares and metrics), a bare key is a tenant of its own; "
-            "`priority=MIN..MAX` after a key bounds its requests' priority; `#` starts a "
-            "comment line.",
-        ),
-        click.option(
-            "--chat-template",
-            default=None,
-            help="Chat template overriding the model's own: a llama.cpp built-in name (gemma, "
-            "llama3, chatml, ...), Jinja text, or a file of Jinja; anything else, or Jinja "
-            "that does not compile, is refused at start-up.",
-        ),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return options_from(GatewayConfig)(func)
-
-
-def curve_client_options(func):
-    """The keys of a CURVE client of the worker; shared by `gateway` and `worker-health`."""
-    key_file = click.Path(exists=True, dir_okay=False, path_type=Path)
-    options = [
-        click.option(
-            "--curve-server-key-file",
-            type=key_file,
-            default=default_of(GatewayConfig, "curve_server_key_file"),
-            help="The worker's public CURVE certificate (.key); with the next, CURVE is on.",
-        ),
-        click.option(
-            "--curve-secret-key-file",
-            type=key_file,
-            default=default_of(GatewayConfig, "curve_secret_key_file"),
-            help="This client's CURVE certificate (.key_secret); the worker must allow its key.",
-        ),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-def log_options(func):
-    func = click.option(
-        "--log-json/--no-log-json",
-        default=None,
-        help="JSON log lines. Default: on when stderr is not a terminal.",
-    )(func)
-    return click.option("--log-level", default="info", help="Log level.")(func)
-
-
-def build_worker_config(bind: str, **opts) -> WorkerConfig:
-    """A WorkerConfig from the command's options: every field an option of the same name sets."""
-    settings = {f.name: opts[f.name] for f in fields(WorkerConfig) if f.name in opts}
-    try:
-        settings.update(model_path=resolve_model(opts["model"]), bind=bind)
-        return WorkerConfig(**settings)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-
-
-def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfig:
-    """A GatewayConfig from the command's options and the worker endpoints."""
-    keys = {key: unnamed_key_tenant(key) for key in opts["api_key"]}
-    priorities = {}
-    if opts["api_key_file"]:
-        path = opts["api_key_file"]
-        try:
-            key_file = parse_key_file(Path(path).read_text())
-        except ValueError as exc:
-            raise click.BadParameter(f"{path}: {exc}", param_hint="--api-key-file") from None
-        keys.update(key_file.tenants)
-        priorities = key_file.priorities
-    template = opts["chat_template"]
-    if template:
-        from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
-
-        template = load_override(template)
-    files = named_models(opts["model"])
-    one = len(files) == 1 and not files[0].named
-    return GatewayConfig(
-        **settings_from(GatewayConfig, opts),
-        model_path=files[0].path if one else None,
-        models=() if one else tuple((model.name, model.path) for model in files),
-        models_control=opts.get("models_control"),
-        worker_endpoints=(workers,) if isinstance(workers, str) else tuple(workers),
-        api_keys=keys,
-        key_priorities=priorities,
-        chat_template=template,
-        curve_server_key_file=opts.get("curve_server_key_file"),
-        curve_secret_key_file=opts.get("curve_secret_key_file"),
-    )
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)
@@ -188,45 +49,7 @@ def main() -> None:
     help="GGUF model file. Default: Gemma 3 270M from its PyPI package.",
 )
 @worker_options
-@click.option(
-    "--bind", default=default_of(WorkerConfig, "bind"), help="ZeroMQ endpoint gateways connect to."
-)
-@click.option(
-    "--heartbeat-interval",
-    type=click.FloatRange(min=0.01),
-    default=default_of(WorkerConfig, "heartbeat_interval"),
-    help="Seconds between the worker's heartbeats to each gateway.",
-)
-@click.option(
-    "--curve-secret-key-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=default_of(WorkerConfig, "curve_secret_key_file"),
-    help="The worker's CURVE certificate (.key_secret); with --curve-allowed-keys, CURVE is on.",
-)
-@click.option(
-    "--curve-allowed-keys",
-    type=click.Path(exists=True, path_type=Path),
-    default=default_of(WorkerConfig, "curve_allowed_keys"),
-    help="Public certificates of the gateways let in: one .key file, or a directory of them.",
-)
-@click.option(
-    "--insecure-bind",
-    is_flag=True,
-    default=default_of(WorkerConfig, "insecure_bind"),
-    help="Allow a --bind other machines can reach without CURVE: anyone there is a gateway.",
-)
-@click.option(
-    "--shutdown-timeout",
-    type=click.FloatRange(min=0),
-    default=default_of(WorkerConfig, "shutdown_timeout"),
-    help="On SIGTERM, seconds running requests get to finish before they are cancelled.",
-)
-@click.option(
-    "--served-model-name",
-    default=default_of(WorkerConfig, "served_model_name"),
-    help="The model's name in the metrics (model_name), as the gateways serve it. "
-    "Default: the model file's name.",
-)
+@options_from(WorkerConfig, alone=True)
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     """Run the model-owning worker alone."""

@@ -19,7 +19,17 @@ SETTING = "loomserve.setting"  # the key of a field's metadata that holds its Se
 class SettingInfo:
     """What the command line says of one setting."""
 
-    __slots__ = ("choices", "flag", "help", "high", "low", "low_open", "negatable")
+    __slots__ = (
+        "alone",
+        "choices",
+        "flag",
+        "help",
+        "high",
+        "low",
+        "low_open",
+        "negatable",
+        "path",
+    )
 
     def __init__(
         self,
@@ -30,6 +40,8 @@ class SettingInfo:
         choices: Sequence[str] | None,
         flag: str | None,
         negatable: bool,
+        alone: bool,
+        path: str | None,
     ) -> None:
         self.help = help
         self.low = low  # the least value accepted (excluded when low_open)
@@ -38,6 +50,10 @@ class SettingInfo:
         self.choices = tuple(choices) if choices is not None else None
         self.flag = flag  # e.g. "--served-model-name" for model_name; None: from the name
         self.negatable = negatable  # a bool as --x/--no-x (else a bare --x flag)
+        # Only for the process run alone (`loomserve worker`), not under `serve`, which
+        # sets it itself (the worker's endpoint) or shares the gateway's option of the name.
+        self.alone = alone
+        self.path = path  # "file": an existing file; "any": an existing file or folder
 
 
 def setting(
@@ -50,10 +66,12 @@ def setting(
     choices: Sequence[str] | None = None,
     flag: str | None = None,
     negatable: bool = True,
+    alone: bool = False,
+    path: str | None = None,
     default_factory: Callable[[], Any] | Any = MISSING,
 ) -> Any:
     """A dataclass field with its command-line description."""
-    info = SettingInfo(help, low, high, low_open, choices, flag, negatable)
+    info = SettingInfo(help, low, high, low_open, choices, flag, negatable, alone, path)
     made: Field[Any] = field(
         default=default, default_factory=default_factory, metadata={SETTING: info}
     )

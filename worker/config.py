@@ -69,7 +69,9 @@ class WorkerConfig:
     """Everything the worker needs to load its model and serve it."""
 
     model_path: Path
-    bind: str = "tcp://127.0.0.1:5555"  # the ROUTER endpoint gateways connect to
+    bind: str = setting(
+        "tcp://127.0.0.1:5555", help="ZeroMQ endpoint gateways connect to.", alone=True
+    )
     # -1: all layers when llama.cpp has a GPU backend
     gpu_layers: int = setting(
         -1,
@@ -181,10 +183,21 @@ class WorkerConfig:
         "127.0.0.1",
         help="Address of the metrics endpoint (0.0.0.0 for Prometheus in another container).",
     )
-    # The model's name in the metrics' model_name label: the gateways' served name, so both
-    # sides label it alike (`serve` gives both the same). None: the file's stem, as theirs.
-    served_model_name: str | None = None
-    heartbeat_interval: float = 1.0  # seconds between heartbeats to each gateway
+    # The name gateways serve the model under (they place the worker by it, ModelInfo) and
+    # the metrics' model_name label. None: the file's stem.
+    served_model_name: str | None = setting(
+        None,
+        help="The name the model is served under: a gateway sends this worker the requests "
+        "whose `model` is this name (and labels the metrics with it). Default: the model "
+        "file's name.",
+        alone=True,
+    )
+    heartbeat_interval: float = setting(
+        1.0,
+        help="Seconds between the worker's heartbeats to each gateway.",
+        low=0.01,
+        alone=True,
+    )
     # A gateway silent this long is gone and its requests are cancelled (its slots freed
     # within a tenth of this more). Gateways ping every second by default.
     gateway_timeout: float = setting(
@@ -216,7 +229,12 @@ class WorkerConfig:
     )
     # On SIGTERM, running and queued requests get this long to finish; the rest are
     # cancelled with an error. New requests are refused meanwhile.
-    shutdown_timeout: float = 5.0
+    shutdown_timeout: float = setting(
+        5.0,
+        help="On SIGTERM, seconds running requests get to finish before they are cancelled.",
+        low=0,
+        alone=True,
+    )
     # one structured log event per tick
     log_ticks: bool = setting(
         False,
@@ -277,9 +295,25 @@ class WorkerConfig:
     # CURVE: the worker's certificate (a zmq.auth .key_secret file) and the gateways it lets
     # in (a .key file or a directory of them). Without them anything that reaches bind is
     # a gateway, so a bind beyond this machine needs them, or insecure_bind.
-    curve_secret_key_file: Path | None = None
-    curve_allowed_keys: Path | None = None
-    insecure_bind: bool = False
+    curve_secret_key_file: Path | None = setting(
+        None,
+        help="The worker's CURVE certificate (.key_secret); with --curve-allowed-keys, CURVE "
+        "is on.",
+        path="file",
+        alone=True,
+    )
+    curve_allowed_keys: Path | None = setting(
+        None,
+        help="Public certificates of the gateways let in: one .key file, or a directory of them.",
+        path="any",
+        alone=True,
+    )
+    insecure_bind: bool = setting(
+        False,
+        help="Allow a --bind other machines can reach without CURVE: anyone there is a gateway.",
+        negatable=False,
+        alone=True,
+    )
 
     def __post_init__(self) -> None:
         if self.slots < 1:

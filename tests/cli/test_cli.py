@@ -23,7 +23,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from loomserve.cli.main import build_gateway_config, main
+from loomserve.cli.main import main
+from loomserve.cli.options import build_gateway_config
 from loomserve.gateway.config import unnamed_key_tenant
 from tests.procs import free_port
 from tests.tiny_model import write_tiny_model
@@ -126,7 +127,7 @@ def candidate_values(option: click.Option, tmp_path: Path) -> list[str]:
 def test_gateway_and_worker_configs_are_built_from_environment_variables(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loomserve.cli.main import build_gateway_config, build_worker_config
+    from loomserve.cli.options import build_gateway_config, build_worker_config
 
     monkeypatch.setenv("LOOMSERVE_MODEL", str(tiny_model_path))
     monkeypatch.setenv("LOOMSERVE_SLOTS", "3")

@@ -1,6 +1,6 @@
 """Settings are declared once, on the config dataclasses; the command line and docs follow.
 
-The click options take their defaults from WorkerConfig and GatewayConfig (cli.main.default_of),
+The click options take their defaults from WorkerConfig and GatewayConfig (cli.options.default_of),
 every field can be set from the command line, and docs/options.md's tables, generated from the
 click options (`python -m loomserve.cli.docgen`), are up to date and list every option with the
 same default. A new setting that misses one of these fails here.
@@ -16,7 +16,8 @@ import click
 import pytest
 
 from loomserve.cli import docgen
-from loomserve.cli.main import default_of, main
+from loomserve.cli.main import main
+from loomserve.cli.options import default_of
 from loomserve.gateway.config import GatewayConfig
 from loomserve.worker.config import WorkerConfig
 
