@@ -2,8 +2,12 @@
 
 Subpackages by job, each importing only those below it (pyproject's import contracts):
 
-    http/      the edge: app.py's routes, middleware, server.py, draining, /v1/embeddings
+    http/      the edge: app.py assembles the app and its routes; middleware (API keys,
+               body limits, access log), server.py, /v1/embeddings, operators' views
     translate/ /v1/responses and /v1/messages, translated into the chat path and back
+    serving/   the chat path as one service: ChatServing (chat.py) runs a completions or
+               chat body on its model's workers; builder.py decides every parameter once;
+               draining on SIGTERM
     models/    the models served: each one's vocabulary, template and tools (catalogue.py),
                which a request's `model` names and loading it on demand (registry.py)
                through `serve`'s manager (manager.py)
