@@ -271,7 +271,7 @@ def test_cancelling_a_running_request_frees_its_slot_and_cells(engine, config):
         loop.tick(block=False)
     slot = next(s for s in loop.scheduler.slots if s.request and s.request.request_id == "long")
     assert engine.seq_pos_max(slot.index) >= 40
-    loop.inbox.cancel(GW, "long")
+    loop.inbox.abort(GW, "long")
     loop.tick(block=False)
     finish = collector.finishes()["long"]
     assert finish.reason == FinishReason.CANCELLED and 0 < finish.completion_tokens < 200
@@ -286,8 +286,8 @@ def test_cancelling_a_queued_request_never_runs_it(engine, config):
     loop.inbox.submit(GW, greedy("first", [1, 5, 6], 20, ignore_eos=True))
     loop.inbox.submit(GW, greedy("waiting", [1, 7], 20))
     loop.tick(block=False)
-    loop.inbox.cancel(GW, "waiting")
-    loop.inbox.cancel(GW, "no-such-request")  # ignored: it may have just finished
+    loop.inbox.abort(GW, "waiting")
+    loop.inbox.abort(GW, "no-such-request")  # ignored: it may have just finished
     drain(loop)
     finishes = collector.finishes()
     assert finishes["waiting"].reason == FinishReason.CANCELLED

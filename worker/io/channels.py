@@ -27,7 +27,9 @@ class Submit:
 
 
 @dataclass(frozen=True, slots=True)
-class Cancel:
+class Abort:
+    """A gateway's Cancel (the wire message) of one request, for the loop."""
+
     gateway: bytes
     request_id: str
     reason: FinishReason = FinishReason.CANCELLED  # the gateway's (protocol Cancel.reason)
@@ -41,7 +43,7 @@ class GatewayGone:
 
 STOP = object()
 
-Item = Submit | Cancel | GatewayGone | object  # object: STOP
+Item = Submit | Abort | GatewayGone | object  # object: STOP
 
 
 class Inbox:
@@ -53,8 +55,8 @@ class Inbox:
     def submit(self, gateway: bytes, message: Work) -> None:
         self._queue.put(Submit(gateway, message))
 
-    def cancel(self, gateway: bytes, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
-        self._queue.put(Cancel(gateway, request_id, FinishReason(reason)))
+    def abort(self, gateway: bytes, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
+        self._queue.put(Abort(gateway, request_id, FinishReason(reason)))
 
     def gateway_gone(self, gateway: bytes, why: str) -> None:
         """The gateway vanished: cancel its queued and running requests, saying why."""

@@ -301,7 +301,7 @@ class WorkerIO:
                 self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):
             if gateways.cancel(gateway, message.request_id):
-                self.inbox.cancel(gateway, message.request_id, message.reason)
+                self.inbox.abort(gateway, message.request_id, message.reason)
         elif isinstance(message, Ping):
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
         else:
