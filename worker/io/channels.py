@@ -3,7 +3,8 @@ shares queues with its input and output threads): the inbox the loop reads and I
 the SchedulerStats the loop publishes after each tick on the StatsBoard, which IO reads for
 heartbeats and /slots and the metrics at scrape time (a frozen snapshot, stats.py: no other
 thread touches the scheduler's live slots). The third channel,
-the outbox the loop writes and IO drains, is a Sink: outbox.py's Outbox, which wakes the IO
+the outbox the loop writes and IO drains, is a Sink: the Outbox, whose messages wait in a deque
+until a wake-up (one byte over an inproc PAIR, which sockets.py gives it) stirs the IO
 thread's poll; a tick fills one Outputs per gateway (PendingOutputs) and sends them together at
 its end. Neither side holds the other. Plain Python.
 """
@@ -11,6 +12,8 @@ its end. Neither side holds the other. Plain Python.
 from __future__ import annotations
 
 import queue
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,6 +98,31 @@ class Sink(Protocol):
     def send(self, gateway: bytes, message: Message) -> None: ...
 
     def flush(self) -> None: ...
+
+
+BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity is empty)
+
+
+class Outbox:
+    """The Sink the loop sends through in a worker process: messages wait here for the IO
+    thread, which `wake` stirs (never blocking). send and flush are the loop thread's;
+    broadcast any thread's."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self.messages: deque[tuple[bytes, Message]] = deque()
+        self._wake = wake
+
+    def send(self, gateway: bytes, message: Message) -> None:
+        self.messages.append((gateway, message))
+
+    def broadcast(self, message: Message) -> None:
+        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
+        self.messages.append((BROADCAST, message))
+        self.flush()
+
+    def flush(self) -> None:
+        """Wake the IO thread to send the outbox."""
+        self._wake()
 
 
 class PendingOutputs:
