@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loomserve.cli.default_model import resolve_model
 from loomserve.cli.logs import configure_logging
+from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.protocol import Generate, Message, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
@@ -119,7 +120,9 @@ def main(
     )
     engine = Engine(config)
     # Every prompt is prefilled in one batch in both paths: keep them within the budget.
-    prompt = engine.tokenize(PROMPT)[: config.batch_tokens // max(batch_sizes)]
+    vocab = Vocab(config.model_path)
+    prompt = vocab.tokenize(PROMPT, add_special=True, parse_special=False)
+    prompt = prompt[: config.batch_tokens // max(batch_sizes)]
     print(
         f"model {engine.description.description} ({engine.description.name}), "
         f"{config.n_threads} threads, {engine.description.runs_on}, "

@@ -30,18 +30,11 @@ class Probe:
     handshake_failure: str | None = None  # the handshake failed: why, in words
 
 
-def probe_worker(
-    endpoint: str, timeout: float, curve: tuple[Path, Path] | None = None
-) -> Heartbeat | None:
-    """The worker's answer to one Ping, or None when none came within `timeout` seconds.
+def probe(endpoint: str, timeout: float, curve: tuple[Path, Path] | None = None) -> Probe:
+    """Ping the worker once; its Heartbeat, or the handshake's failure when there was one.
 
     curve: the worker's public certificate and the probe's secret one, for a CURVE worker.
     """
-    return probe(endpoint, timeout, curve).beat
-
-
-def probe(endpoint: str, timeout: float, curve: tuple[Path, Path] | None = None) -> Probe:
-    """Ping the worker once; its Heartbeat, or the handshake's failure when there was one."""
     context: zmq.Context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -54,7 +54,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
 
 def _console_traceback(colors: bool) -> ExceptionRenderer:
     """Tracebacks for the console, without frame locals (rich shows them by default)."""
-    if structlog.dev.rich is None:
+    if getattr(structlog.dev, "rich", None) is None:  # rich is not installed
         return structlog.dev.plain_traceback
     return structlog.dev.RichTracebackFormatter(
         color_system="truecolor" if colors else None, show_locals=False

@@ -11,7 +11,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
@@ -59,7 +59,9 @@ class TooLong(DecodeError):
 
 def encode(message: m.Message) -> list[bytes]:
     """The frames for one message."""
-    return [_TAG_BY_TYPE[type(message)], msgpack.packb(_to_wire(message), use_bin_type=True)]
+    # packb returns None only when it writes to a stream, which it is not given here.
+    body = cast(bytes, msgpack.packb(_to_wire(message), use_bin_type=True))
+    return [_TAG_BY_TYPE[type(message)], body]
 
 
 def decode(

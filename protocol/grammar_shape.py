@@ -2,8 +2,8 @@
 
 `root ::= x` with `x ::= "a" x "b" | "a" x "c"` parses, yet no finite text matches x: every
 alternative recurses. llama.cpp follows it anyway and keeps one parse stack per reading of
-the output so far, twice as many per character; a 38-byte grammar froze a worker for good
-(issue 21). A rule that can derive a finite text is *productive* (a terminal is; a sequence
+the output so far, twice as many per character; a 38-byte grammar froze a worker for good.
+A rule that can derive a finite text is *productive* (a terminal is; a sequence
 is when each of its items is or may be left out; a rule is when one alternative is); every
 rule reachable from `root` must be. The gateway refuses such a grammar with a 400 and the
 worker refuses it from any peer, as they do protocol.limits' checks; run those first, they

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 # llama.cpp's libraries are loaded before pyzmq's on purpose: with a CUDA build of llama.cpp a
 # process that had imported zmq first died with SIGSEGV in llama_model_load_from_file, and
-# one that imported llama_cpp first loaded fine (issue 10.1). pyzmq's wheel bundles libzmq,
+# one that imported llama_cpp first loaded fine. pyzmq's wheel bundles libzmq,
 # linked to the system's libstdc++ and libgcc_s: loaded first, those are the copies the whole
 # process keeps, whatever llama.cpp's CUDA libraries were built against (the likely clash; not
 # yet confirmed on a GPU). tests/e2e/test_import_order.py fails if this order regresses.

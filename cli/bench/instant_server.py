@@ -97,7 +97,7 @@ async def serve(port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").partition("\n")[0])
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     try:

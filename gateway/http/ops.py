@@ -65,7 +65,11 @@ def models_router(models: Models) -> APIRouter:
 def status_router() -> APIRouter:
     """GET /status: a static page; what it shows it fetches from /slots and /health."""
     router = APIRouter()
-    page = resources.files(__package__).joinpath("status.html").read_text(encoding="utf-8")
+    page = (
+        resources.files("loomserve.gateway.http")
+        .joinpath("status.html")
+        .read_text(encoding="utf-8")
+    )
 
     @router.get("/status", tags=["probes"], response_class=HTMLResponse)
     async def status() -> HTMLResponse:

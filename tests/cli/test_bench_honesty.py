@@ -56,7 +56,7 @@ def test_completion_rate_is_measured_over_the_release_window_not_the_tail() -> N
 
 
 def test_cache_warning_only_for_datasets_that_share_nothing() -> None:
-    # The rerun: 1,040 of 2,064 prompt tokens cached over 8 requests.
+    # A real rerun's figures: 1,040 of 2,064 prompt tokens cached over 8 requests.
     assert cache_warning("random", 2064, 1040, 8, seed=0) is not None
     assert "--seed 3" in (cache_warning("sharegpt", 1000, 500, 4, seed=3) or "")
     # A BOS token or a chat template's opening, shared by chance: 30 of 180 over 30 requests.

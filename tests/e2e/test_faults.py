@@ -1,4 +1,4 @@
-"""Faults and poison input (issue 12): one request, one stalled gateway or one broken engine
+"""Faults and poison input: one request, one stalled gateway or one broken engine
 must never take the service down, and a shutdown must end every stream with a word.
 
 Real worker and gateway processes on the tiny model; the worker's forward pass fails on demand

@@ -1,4 +1,4 @@
-"""Faults of the fourth audit (issue 33): one big request stalled a gateway, a non-streamed
+"""Faults of the fourth audit: one big request stalled a gateway, a non-streamed
 request failed with its worker although nothing was sent yet, a client that never reads a
 plain-text stream held its slot to the end.
 

@@ -1,4 +1,4 @@
-"""Faults at the gateway found by the second audit (issue 21): a worker lost before a
+"""Faults at the gateway found by the second audit (docs/faults-audit-2.md): a worker lost before a
 request's first token, CURVE keys that do not match, a client that does not read its stream.
 
 Real worker and gateway processes on the tiny model (tests/procs.py).

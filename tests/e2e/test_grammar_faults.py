@@ -1,4 +1,4 @@
-"""Grammars that could freeze a worker (issue 21, item 1), on real processes and the tiny model.
+"""Grammars that could freeze a worker (docs/grammar.md), on real processes and the tiny model.
 
 Three layers: a grammar that can never finish gets a 400 at the gateway (and a refusal at the
 worker, from any peer); an ambiguous grammar whose parse stacks grow past the bound fails its
@@ -31,7 +31,7 @@ from loomserve.worker.tick.watchdog import Watchdog
 from tests.procs import Proc, start_gateway, start_worker
 from tests.worker.test_engine import GW, Collector, drain
 
-NEVER_ENDS = 'root ::= x\nx ::= "a" x "b" | "a" x "c"'  # the 38 bytes of the issue
+NEVER_ENDS = 'root ::= x\nx ::= "a" x "b" | "a" x "c"'  # 38 bytes that froze a worker for good
 AMBIGUOUS = 'root ::= x\nx ::= "a" x "b" | "a" x "c" | "a"'  # ends, but doubles per "a"
 LETTER_A = 3 + ord("a")  # the tiny model's byte token <0x61>
 FORCED_A = {"logit_bias": {str(LETTER_A): 100}, "temperature": 0}

@@ -1,7 +1,7 @@
 """The worker and gateway processes load llama.cpp's shared libraries before pyzmq's.
 
 A CUDA build of llama.cpp crashed in llama_model_load_from_file in a process that had imported
-zmq first (issue 10.1). CPU CI cannot reproduce the crash, but it can check the order: an
+zmq first. CPU CI cannot reproduce the crash, but it can check the order: an
 audit hook records when ctypes loads libllama and when zmq is first imported, in the real
 `loomserve worker` and `loomserve gateway` start-up path.
 """

@@ -31,7 +31,7 @@ from loomserve.worker.engine.sampling import InvalidSampling, build_sampler
 from tests.procs import Proc, start_gateway, start_worker
 from tests.worker.test_server import Gateway, greedy
 
-NESTED = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000  # 40 KB, the grammar
+NESTED = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000  # 40 KB, 20,000 levels deep
 
 
 def nested(depth: int) -> str:

@@ -127,7 +127,7 @@ DIVERGES = len(CALL) + 1 + CALL.index("Paris")  # where OTHER first differs from
 @pytest.mark.parametrize("cut_at", range(len(CALL), len(REPEAT) + 1))
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_reply_cut_inside_a_repeated_call_ends_at_its_calls(cut_at: int, streamed: bool) -> None:
-    """The issue's reply: a whole call, then the same call again until max_tokens. The cut
+    """A reply seen in the wild: a whole call, then the same call again until max_tokens. The cut
     duplicate is no call (never one with empty arguments), and nothing new was lost."""
     assert cut_ending(REPEAT[:cut_at], streamed) == (
         "",
@@ -303,7 +303,7 @@ def test_streamed_and_whole_answers_agree_wherever_the_cut(
 
 
 def test_a_forced_call_cut_anywhere_in_its_repeat_is_the_one_call(gateway: Proc) -> None:
-    """The issue's repro on the tiny model: `required`, parallel calls allowed. The model writes
+    """That reply reproduced on the tiny model: `required`, parallel calls allowed. The model writes
     its call, then the same call again (which ends the reply when whole). Cut anywhere after
     the first call, the reply is that call alone, finish `tool_calls`: the cut duplicate is
     never a second call with empty arguments, and the reply lost nothing."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from loomserve.protocol import Embed, Generate, SamplingParams
 from loomserve.protocol.prefix_keys import prefix_keys
 from loomserve.worker.cache.prefix_cache import AdvertisedPrefixes
-from loomserve.worker.io.channels import STOP, Cancel, GatewayGone, Inbox, StatsBoard, Submit
+from loomserve.worker.io.channels import STOP, Abort, GatewayGone, Inbox, StatsBoard, Submit
 from loomserve.worker.sched.records import scheduler_stats
 from loomserve.worker.sched.scheduler import Scheduler
 from loomserve.worker.sched.slots import Request
@@ -28,14 +28,14 @@ def test_the_inbox_keeps_the_order_of_every_kind_of_item() -> None:
     embed = Embed("e", [[1, 2]])
     inbox.submit(GW, generate)
     inbox.submit(GW, embed)  # one kind of item for both: the loop tells them apart
-    inbox.cancel(GW, "g")
+    inbox.abort(GW, "g")
     inbox.gateway_gone(GW, "it disconnected")
     inbox.stop()
     items = [inbox.get(block=False) for _ in range(5)]
     assert items == [
         Submit(GW, generate),
         Submit(GW, embed),
-        Cancel(GW, "g"),
+        Abort(GW, "g"),
         GatewayGone(GW, "it disconnected"),
         STOP,
     ]

@@ -23,6 +23,7 @@ from loomserve.worker.tick.loop import TickLoop
 from tests.procs import start_worker
 from tests.worker.test_engine import Collector, drain, run_alone, run_staggered
 from tests.worker.test_server import Gateway
+from tests.worker.text import detokenize, tokenize
 
 pytestmark = pytest.mark.default_model
 
@@ -82,14 +83,14 @@ def run_together(engine: Engine, texts: list[str], max_tokens: int = 16) -> dict
     loop = TickLoop(engine, engine.config, collector)
     for i, text in enumerate(texts):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        loop.inbox.submit(b"gw", Generate(f"r{i}", engine.tokenize(text), params))
+        loop.inbox.submit(b"gw", Generate(f"r{i}", tokenize(engine, text), params))
     drain(loop)
     return collector.tokens(b"gw")
 
 
 def test_batched_greedy_is_isolated_and_repeatable(engine: Engine):
     for mine, theirs in zip(PROMPTS[1:], OTHER_NEIGHBOURS, strict=True):
-        assert len(engine.tokenize(mine)) == len(engine.tokenize(theirs))
+        assert len(tokenize(engine, mine)) == len(tokenize(engine, theirs))
 
     started = time.monotonic()
     first = run_together(engine, PROMPTS)
@@ -99,7 +100,7 @@ def test_batched_greedy_is_isolated_and_repeatable(engine: Engine):
     assert first == again
     assert other_neighbours["r0"] == first["r0"]
     assert all(len(tokens) == 16 for tokens in first.values())
-    assert engine.detokenize(first["r0"]).strip()
+    assert detokenize(engine, first["r0"]).strip()
     assert time.monotonic() - started < 60
 
 
@@ -110,7 +111,7 @@ def test_greedy_tokens_are_the_same_alone_and_batched(
     story = f"{PROMPTS[1]} fisherman and his wife, who lived in a small house"
     texts = [*PROMPTS, *OTHER_NEIGHBOURS, f"{story} and", f"{story} with"]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    requests = [Generate(f"r{i}", engine.tokenize(t), params) for i, t in enumerate(texts)]
+    requests = [Generate(f"r{i}", tokenize(engine, t), params) for i, t in enumerate(texts)]
     # Small prompt chunks: prompts are prefilled over several ticks beside others' decodes.
     config = replace(engine.config, prefill_chunk=8)
     alone = {r.request_id: run_alone(engine, config, r) for r in requests}
@@ -124,7 +125,7 @@ def test_greedy_tokens_are_the_same_alone_and_batched(
     run_staggered(loop, requests, seed=3)  # 9 requests in waves through 4 slots
     assert collector.tokens() == alone
     # All they share but the tail whose kernels must run as they did cold (usable_prefix).
-    shared = len(engine.tokenize(story))
+    shared = len(tokenize(engine, story))
     last = requests[-1].prompt_tokens
     reused = usable_prefix(shared, len(last), engine.split_rules.prompt_chunk)
     assert copied == [reused] and collector.finishes()["r8"].cached_tokens == reused
@@ -134,7 +135,7 @@ def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):
     collector = Collector()
     loop = TickLoop(engine, engine.config, collector)
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    loop.inbox.submit(b"gw", Generate("a", engine.tokenize(PROMPTS[0]), params))
+    loop.inbox.submit(b"gw", Generate("a", tokenize(engine, PROMPTS[0]), params))
     drain(loop)
     per_tick = [len(m.tokens) for m in collector.of_type(Outputs, b"gw") if m.tokens]
     assert per_tick == [1] * 6  # one token per tick, each in its own Outputs

@@ -25,6 +25,7 @@ from loomserve.worker.engine.grammar_state import MAX_STACKS, grammar_vocab
 from loomserve.worker.engine.sampling import build_sampler
 from loomserve.worker.tick.loop import TickLoop
 from tests.worker.test_engine import GW, Collector, drain
+from tests.worker.text import tokenize
 
 SCHEMA = {
     "type": "object",
@@ -193,7 +194,7 @@ def test_the_grammar_advances_only_by_the_token_kept(engine):
         engine.n_vocab,
         engine.slot_context,
     )
-    brace = engine.tokenize("{", add_special=False)[-1]
+    brace = tokenize(engine, "{", add_special=False)[-1]
     letter_x = 3 + ord("x")  # the byte token <0x78>
     try:
         logits = np.zeros(engine.n_vocab, dtype=np.float32)

@@ -109,8 +109,8 @@ def test_usable_prefix_is_the_longest_reuse_whose_tail_runs_as_it_did_cold(chunk
 def test_an_idle_slots_own_cache_wins_without_a_copy():
     slots = [cached(0, seq(0, 8), tick=1), cached(1, seq(100, 8), tick=0)]
     placement = place(slots, [*seq(0, 6), 99], per_slot_streams=False, min_copy_tokens=1)
-    assert (placement.target, placement.reused, placement.source) == (0, 6, None)
-    assert placement.own_cache
+    assert (placement.target, placement.reused) == (0, 6)
+    assert placement.source is None and placement.ram is None  # its own cells: nothing moved
 
 
 def test_with_nothing_shared_the_least_recently_used_slot_is_taken():
@@ -162,7 +162,7 @@ def test_a_longer_prefix_in_ram_wins_over_the_slots():
     placement = place(slots, [*seq(0, 16), 99], per_slot_streams=False, min_copy_tokens=1, ram=ram)
     assert placement.ram is entry and placement.reused == 16
     assert placement.target == 1  # the least recently used: slot 0's cache stays
-    assert not placement.own_cache
+    assert placement.source is None
 
 
 def test_ram_must_beat_the_slots_by_a_block():

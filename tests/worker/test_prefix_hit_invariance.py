@@ -20,6 +20,7 @@ from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from tests.worker.test_engine import GW, drain, greedy, new_loop
+from tests.worker.text import tokenize
 
 pytestmark = pytest.mark.slow  # a few minutes of prompts: the quick subset leaves them out
 
@@ -63,9 +64,9 @@ def prompt_of(engine: Engine, text: str, length: int) -> list[int]:
     """The text repeated whole until its tokens reach `length` (a prompt as a client sends
     it: cut mid-word, the audit's prompt no longer showed the difference)."""
     repeats = 1
-    while len(engine.tokenize(text * repeats)) < length:
+    while len(tokenize(engine, text * repeats)) < length:
         repeats += 1
-    return engine.tokenize(text * repeats)
+    return tokenize(engine, text * repeats)
 
 
 def exact_prompt(engine: Engine, text: str, length: int) -> list[int]:

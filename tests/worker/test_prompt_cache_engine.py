@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import llama_cpp as llama
 import pytest
 import zmq
 
@@ -109,7 +110,7 @@ def assert_no_leaked_cells(loop: TickLoop) -> None:
     for slot in loop.scheduler.slots:
         assert not slot.busy
         assert loop.engine.seq_pos_max(slot.index) == slot.n_in_cache - 1
-        assert loop.engine.seq_pos_min(slot.index) in (0, -1)
+        assert llama.llama_memory_seq_pos_min(loop.engine.memory, slot.index) in (0, -1)
 
 
 def test_conversations_beyond_the_slots_restore_their_history_from_ram(engine, config):

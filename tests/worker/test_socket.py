@@ -16,7 +16,7 @@ import pytest
 import zmq
 from click.testing import CliRunner
 
-from loomserve.cli.health import probe_worker
+from loomserve.cli.health import probe
 from loomserve.cli.keygen import ensure_certificates
 from loomserve.cli.main import main
 from loomserve.protocol import (
@@ -105,10 +105,8 @@ def test_curve_lets_in_the_allowed_key_only_and_logs_the_others(tiny_model_path,
         while info is None and time.monotonic() < deadline and worker.alive():
             info = answer(allowed, Hello("gw-allowed"), 0.5, ModelInfo)
         assert isinstance(info, ModelInfo) and info.ready
-        beat = probe_worker(
-            worker.endpoint, 5.0, (keys / "worker.key", keys / "gateway.key_secret")
-        )
-        assert isinstance(beat, Heartbeat)
+        found = probe(worker.endpoint, 5.0, (keys / "worker.key", keys / "gateway.key_secret"))
+        assert isinstance(found.beat, Heartbeat)
 
         stranger = dealer(
             worker.endpoint, "gw-stranger", (keys / "worker.key", keys / "stranger.key_secret")
@@ -117,7 +115,7 @@ def test_curve_lets_in_the_allowed_key_only_and_logs_the_others(tiny_model_path,
         for sock in (stranger, plain):
             assert answer(sock, Hello("intruder"), 1.5, ModelInfo) is None
             assert answer(sock, Ping(1.0), 0.5, Heartbeat) is None
-        assert probe_worker(worker.endpoint, 1.0) is None
+        assert probe(worker.endpoint, 1.0).beat is None
         # The allowed gateway is served on, undisturbed.
         assert isinstance(answer(allowed, Ping(2.0), 5.0, Heartbeat), Heartbeat)
         stranger_key = (keys / "stranger.key").read_text().split('public-key = "')[1][:40]

@@ -57,11 +57,6 @@ class Placement:
     source: int | None = None  # a slot whose first `reused` cells are copied into target
     ram: RamEntry | None = None  # a host-memory entry restored into target
 
-    @property
-    def own_cache(self) -> bool:
-        """Whether the target starts from its own cells (it keeps its first `reused`)."""
-        return self.source is None and self.ram is None
-
 
 # ggml's CPU kernels (llama-cpp-python 0.3.36, batch-invariant engine: no repacked or tiled
 # K-quant weights) compute a token's row on one of three paths, by the rows of its ubatch, and

@@ -257,29 +257,8 @@ class Engine:
         """The highest position the sequence holds in the cache; -1 when it holds none."""
         return llama.llama_memory_seq_pos_max(self.memory, seq)
 
-    def seq_pos_min(self, seq: int) -> int:
-        return llama.llama_memory_seq_pos_min(self.memory, seq)
-
     def kv_cells_total(self) -> int:
         return self.slot_context * self.n_slots
-
-    # --- text (tests, benchmarks and logs; the worker itself speaks token ids) ---------
-
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        data = text.encode()
-        capacity = len(data) + 8
-        buffer = (llama.llama_token * capacity)()
-        n = llama.llama_tokenize(self.vocab, data, len(data), buffer, capacity, add_special, False)
-        if n < 0:
-            raise ValueError("text too long to tokenize")
-        return list(buffer[:n])
-
-    def detokenize(self, tokens: list[int]) -> str:
-        array = (llama.llama_token * len(tokens))(*tokens)
-        capacity = 16 * len(tokens) + 16
-        buffer = ctypes.create_string_buffer(capacity)
-        n = llama.llama_detokenize(self.vocab, array, len(tokens), buffer, capacity, True, False)
-        return buffer.raw[: max(n, 0)].decode("utf-8", errors="replace")
 
     def close(self) -> None:
         """Free the context and the model. The engine is unusable afterwards."""

@@ -3,7 +3,8 @@ shares queues with its input and output threads): the inbox the loop reads and I
 the SchedulerStats the loop publishes after each tick on the StatsBoard, which IO reads for
 heartbeats and /slots and the metrics at scrape time (a frozen snapshot, stats.py: no other
 thread touches the scheduler's live slots). The third channel,
-the outbox the loop writes and IO drains, is a Sink: outbox.py's Outbox, which wakes the IO
+the outbox the loop writes and IO drains, is a Sink: the Outbox, whose messages wait in a deque
+until a wake-up (one byte over an inproc PAIR, which sockets.py gives it) stirs the IO
 thread's poll; a tick fills one Outputs per gateway (PendingOutputs) and sends them together at
 its end. Neither side holds the other. Plain Python.
 """
@@ -11,6 +12,8 @@ its end. Neither side holds the other. Plain Python.
 from __future__ import annotations
 
 import queue
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +30,9 @@ class Submit:
 
 
 @dataclass(frozen=True, slots=True)
-class Cancel:
+class Abort:
+    """A gateway's Cancel (the wire message) of one request, for the loop."""
+
     gateway: bytes
     request_id: str
     reason: FinishReason = FinishReason.CANCELLED  # the gateway's (protocol Cancel.reason)
@@ -41,7 +46,7 @@ class GatewayGone:
 
 STOP = object()
 
-Item = Submit | Cancel | GatewayGone | object  # object: STOP
+Item = Submit | Abort | GatewayGone | object  # object: STOP
 
 
 class Inbox:
@@ -53,8 +58,8 @@ class Inbox:
     def submit(self, gateway: bytes, message: Work) -> None:
         self._queue.put(Submit(gateway, message))
 
-    def cancel(self, gateway: bytes, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
-        self._queue.put(Cancel(gateway, request_id, FinishReason(reason)))
+    def abort(self, gateway: bytes, request_id: str, reason: str = FinishReason.CANCELLED) -> None:
+        self._queue.put(Abort(gateway, request_id, FinishReason(reason)))
 
     def gateway_gone(self, gateway: bytes, why: str) -> None:
         """The gateway vanished: cancel its queued and running requests, saying why."""
@@ -93,6 +98,31 @@ class Sink(Protocol):
     def send(self, gateway: bytes, message: Message) -> None: ...
 
     def flush(self) -> None: ...
+
+
+BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity is empty)
+
+
+class Outbox:
+    """The Sink the loop sends through in a worker process: messages wait here for the IO
+    thread, which `wake` stirs (never blocking). send and flush are the loop thread's;
+    broadcast any thread's."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self.messages: deque[tuple[bytes, Message]] = deque()
+        self._wake = wake
+
+    def send(self, gateway: bytes, message: Message) -> None:
+        self.messages.append((gateway, message))
+
+    def broadcast(self, message: Message) -> None:
+        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
+        self.messages.append((BROADCAST, message))
+        self.flush()
+
+    def flush(self) -> None:
+        """Wake the IO thread to send the outbox."""
+        self._wake()
 
 
 class PendingOutputs:

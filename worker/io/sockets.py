@@ -2,7 +2,7 @@
 
 Like vLLM's engine core, the tick loop never waits on the network, and neither side holds the
 other: they share channels made first (channels.py). Inbound frames are decoded here and put
-on the loop's Inbox; what the loop says is appended to the Outbox (outbox.py) and a wake-up
+on the loop's Inbox; what the loop says is appended to the Outbox (channels.py) and a wake-up
 byte goes over an inproc PAIR, after which this thread encodes and sends (while the loop is
 inside llama_decode, which releases the GIL); heartbeats and SlotsReports read the
 SchedulerStats on the loop's StatsBoard, a frozen snapshot of its latest tick. Sends
@@ -18,6 +18,7 @@ CURVE (worker/io/curve.py) decides who may connect at all.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import threading
 import time
@@ -54,11 +55,10 @@ from loomserve.protocol import (
 from loomserve.protocol.codec import Frame, TooLong, request_id_of
 from loomserve.protocol.messages import MAX_EMBED_INPUTS
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.io.channels import Inbox, StatsBoard
+from loomserve.worker.io.channels import BROADCAST, Inbox, Outbox, StatsBoard
 from loomserve.worker.io.curve import ServerKeys, make_curve_server
 from loomserve.worker.io.gateways import GatewayTable
 from loomserve.worker.io.handshake import HandshakeWatch
-from loomserve.worker.io.outbox import BROADCAST, Outbox
 
 log = structlog.get_logger(__name__)
 
@@ -135,7 +135,11 @@ class WorkerIO:
         wake_address = f"inproc://loomserve-wake-{id(self)}"
         self._wake_in = self._context.socket(zmq.PAIR)
         self._wake_in.bind(wake_address)
-        self.outbox = Outbox(self._context, wake_address)  # the loop's Sink
+        self._wake_out = self._context.socket(zmq.PAIR)
+        self._wake_out.setsockopt(zmq.SNDHWM, 1)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(wake_address)
+        self.outbox = Outbox(self._wake)  # the loop's Sink
         self._gateways = GatewayTable(
             MAX_GATEWAYS, max_open=config.slots + config.max_queue, lost_remembered=LOST_REMEMBERED
         )
@@ -157,10 +161,16 @@ class WorkerIO:
         self.outbox.flush()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self.outbox.close()
+        self._wake_out.close(linger=0)
         self._wake_in.close(linger=0)
         # The last Finish messages get a moment to leave; a dead gateway cannot hold us.
         self._close_sockets(linger=CLOSE_LINGER_MS)
+
+    def _wake(self) -> None:
+        """One byte to the IO thread's poll, never blocking: on EAGAIN a wake-up is already
+        pending, and it will find the new messages too."""
+        with contextlib.suppress(zmq.Again):
+            self._wake_out.send(b"", zmq.NOBLOCK)
 
     def _close_sockets(self, linger: int) -> None:
         self._handshakes.stop()
@@ -316,7 +326,7 @@ class WorkerIO:
                 self._reject(gateway, message.request_id, *refusal)
         elif isinstance(message, Cancel):
             if gateways.cancel(gateway, message.request_id):
-                self.inbox.cancel(gateway, message.request_id, message.reason)
+                self.inbox.abort(gateway, message.request_id, message.reason)
         elif isinstance(message, Ping):
             self._send_now(gateway, self._heartbeat_message(message.sent_at))
         else:

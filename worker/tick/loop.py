@@ -40,7 +40,7 @@ from loomserve.worker.engine.logprobs import sampled, score_prompts
 from loomserve.worker.engine.sampling import InvalidSampling, SamplingThreads, sample_rows
 from loomserve.worker.io.channels import (
     STOP,
-    Cancel,
+    Abort,
     GatewayGone,
     Inbox,
     PendingOutputs,
@@ -221,7 +221,7 @@ class TickLoop:
                     self._accept_embed(item.gateway, item.message)
                 else:
                     self._accept(item.gateway, item.message)
-            elif isinstance(item, Cancel):
+            elif isinstance(item, Abort):
                 # Unknown ids are ignored: the request may have just finished.
                 self.scheduler.cancel((item.gateway, item.request_id), reason=item.reason)
                 if self.embedder is not None:

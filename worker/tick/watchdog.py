@@ -1,7 +1,7 @@
 """The tick watchdog: a worker whose tick is stuck says so, and exits to be restarted.
 
 The tick loop runs on the main thread and most of a tick is spent in llama.cpp. A native call
-that never returns (issue 21: an ambiguous grammar whose parse stacks doubled per character)
+that never returns (an ambiguous grammar whose parse stacks doubled per character did that)
 freezes every stream on the worker, while the IO thread goes on answering heartbeats: the
 gateways saw a ready worker and kept sending it requests, and SIGTERM did nothing, because
 Python runs signal handlers on the main thread between bytecodes, which never came.
