@@ -52,7 +52,8 @@ class ServePlan:
     @property
     def managed(self) -> bool:
         """Whether a model manager runs: several models, a named one, or idle unloading."""
-        return len(self.models) > 1 or self.models[0].named or self.idle_unload is not None
+        named = any(model.named for model in self.models)
+        return len(self.models) > 1 or named or self.idle_unload is not None
 
     @property
     def model(self) -> Path:

@@ -209,7 +209,8 @@ class Models:
             if self.manager and name in self.manager.states
             else None
         )
-        if phase in (ModelPhase.UNLOADING, ModelPhase.UNLOADED):
+        state: str
+        if phase is not None and phase in (ModelPhase.UNLOADING, ModelPhase.UNLOADED):
             state = phase  # what the manager does wins over a worker still draining
         elif serving:
             state = ModelState.LOADED
