@@ -120,6 +120,11 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         log.error("cannot bind", bind=config.bind, error=str(exc))
         raise SystemExit(1) from exc
     embedder = _embedder(config, engine)
+    tracer = None
+    if config.otlp_endpoint is not None:  # imported only then: off, no OpenTelemetry at all
+        from loomserve.worker.tick.tracing import RequestTracer
+
+        tracer = RequestTracer(config.model_name)
     loop = TickLoop(
         engine,
         config,
@@ -130,6 +135,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         embedder=embedder,
         inbox=inbox,
         board=board,
+        tracer=tracer,
     )
     if metrics is not None and config.metrics_port is not None:  # both or neither
         metrics.watch(

@@ -1,0 +1,116 @@
+"""The worker's spans of a request, made once it has finished (docs/metrics.md, "Tracing").
+
+The loop records the times of a request's phases anyway (arrival, admission, first token,
+finish: sched/slots.py); when the request finishes, its spans are made here at once with
+those times as their start and end, so tracing adds nothing to a tick but one call per
+finished request, and nothing per token. Their parent is the gateway's span of the sequence,
+whose W3C context the Generate carried (Generate.trace), so one trace holds both processes.
+The SDK's BatchSpanProcessor exports them from its own thread (cli/tracing.py).
+
+server.py imports this module only when tracing is on: off, OpenTelemetry is never loaded.
+
+    worker.request                 arrival (before the sampler's build) to finish
+      worker.grammar               compiling the request's grammar into its sampler
+      worker.queue                 waiting for a slot
+      worker.prefill               admission to the first token: prompt, cached tokens
+      worker.decode                first token to finish: tokens generated, drafts accepted
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from loomserve.protocol import Finish, FinishReason
+from loomserve.worker.sched.slots import Request
+
+NS = 1_000_000_000
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class RequestTracer:
+    """Makes a finished request's spans; the loop calls `finished` on its own thread."""
+
+    def __init__(self, model_name: str) -> None:
+        self.tracer = trace.get_tracer("loomserve.worker")
+        self.model_name = model_name
+
+    def finished(self, request: Request, finish: Finish, now: float) -> None:
+        """The spans of `request`, which ended with `finish` at `now` (time.monotonic())."""
+        # The loop's times are monotonic; a span's are nanoseconds since the epoch.
+        wall_now = time.time_ns()
+
+        def ns(moment: float) -> int:
+            return wall_now - int((now - moment) * NS)
+
+        end = ns(now)
+        arrived = request.arrived_at - request.sampler_seconds
+        gateway, request_id = request.key
+        root = self.tracer.start_span(
+            "worker.request",
+            context=self._parent(request),
+            kind=SpanKind.SERVER,
+            start_time=ns(arrived),
+            attributes={
+                "loomserve.request_id": request_id,
+                "loomserve.gateway": gateway.decode("utf-8", "replace"),
+                "loomserve.tenant": request.tenant,
+                "loomserve.priority": request.priority,
+                "gen_ai.request.model": self.model_name,
+                "gen_ai.response.finish_reasons": [finish.reason],
+                "gen_ai.usage.input_tokens": finish.prompt_tokens,
+                "gen_ai.usage.output_tokens": finish.completion_tokens,
+                "loomserve.usage.cached_tokens": finish.cached_tokens,
+                "loomserve.preemptions": request.preemptions,
+            },
+        )
+        within = trace.set_span_in_context(root)
+        params = request.params
+        if params.grammar:
+            grammar = {"loomserve.grammar.chars": len(params.grammar)}
+            self._span("worker.grammar", within, ns(arrived), ns(request.arrived_at), grammar)
+        admitted, first = request.admitted_at, request.first_token_at
+        queued_until = admitted or now  # never admitted: it waited until it was cancelled
+        queue = {"loomserve.queue_seconds": finish.queue_seconds}
+        self._span("worker.queue", within, ns(request.arrived_at), ns(queued_until), queue)
+        if admitted:
+            prefill = {
+                "gen_ai.usage.input_tokens": finish.prompt_tokens,
+                "loomserve.usage.cached_tokens": finish.cached_tokens,
+                "loomserve.prefill.computed_tokens": finish.prompt_tokens - finish.cached_tokens,
+            }
+            self._span("worker.prefill", within, ns(admitted), ns(first or now), prefill)
+        if first:
+            decode = {
+                "gen_ai.usage.output_tokens": finish.completion_tokens,
+                "loomserve.decode.drafted_tokens": request.drafted,
+                "loomserve.decode.accepted_tokens": request.drafts_accepted,
+                "loomserve.grammar": bool(params.grammar),
+            }
+            self._span("worker.decode", within, ns(first), end, decode)
+        if finish.reason == FinishReason.ERROR.value:
+            root.set_status(Status(StatusCode.ERROR, finish.message))
+        root.end(end_time=end)
+
+    def _parent(self, request: Request) -> Context | None:
+        if not request.trace:
+            return None  # a gateway that does not trace: the worker's spans start a trace
+        carrier = {"traceparent": request.trace}
+        if request.trace_state:
+            carrier["tracestate"] = request.trace_state
+        return _PROPAGATOR.extract(carrier)
+
+    def _span(
+        self,
+        name: str,
+        parent: Context,
+        start: int,
+        end: int,
+        attributes: dict[str, str | int | float | bool],
+    ) -> None:
+        span = self.tracer.start_span(name, context=parent, start_time=start, attributes=attributes)
+        span.end(end_time=max(start, end))
