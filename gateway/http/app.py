@@ -122,6 +122,10 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,  # FastAPI's pages load their scripts from a CDN; docs_pages.py's do not
         redoc_url=None,
+        # FastAPI's own OpenTelemetry spans (since 0.165) would start a second server span
+        # per request, beside http/tracing.py's, and trace every /health and /metrics poll;
+        # older FastAPIs keep this as an extra setting and ignore it.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     install_docs_pages(app)
     app.state.chat = chat  # server.py drains it on SIGTERM
