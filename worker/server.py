@@ -125,6 +125,8 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         from loomserve.worker.tick.tracing import RequestTracer
 
         tracer = RequestTracer(config.model_name)
+        if embedder is not None:
+            embedder.on_done = tracer.embedded
     loop = TickLoop(
         engine,
         config,

@@ -1,7 +1,7 @@
 """Request traces across processes: a worker and a gateway on the tiny model export to a real
 OTLP/HTTP receiver in this process, and one request's spans from both share the client's
 trace and nest: the client's span, the gateway's request span, its sequence's span, the
-worker's request span and its phases.
+worker's request span and its phases. An embeddings request's worker span joins its trace too.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tests.procs import start_gateway, start_worker
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+EMBED_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 # Spans leave each process within a tenth of a second, not the SDK's default 5 s.
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 
@@ -139,7 +140,7 @@ def test_one_requests_spans_share_the_clients_trace_and_nest(tiny_model_path: Pa
     with ExitStack() as stack:
         receiver = stack.enter_context(receiving())
         traced = {"otlp_endpoint": receiver.url, "env": FAST_EXPORT}
-        worker = stack.enter_context(start_worker(tiny_model_path, **traced))
+        worker = stack.enter_context(start_worker(tiny_model_path, embeddings=True, **traced))
         gateway = stack.enter_context(start_gateway(tiny_model_path, worker.endpoint, **traced))
         headers = {
             "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01",
@@ -160,10 +161,24 @@ def test_one_requests_spans_share_the_clients_trace_and_nest(tiny_model_path: Pa
             assert response.status_code == 200, response.read()
             events = [line for line in response.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        spans = receiver.wait_for(WANTED, timeout=30)
+        embedding_trace = {"traceparent": f"00-{EMBED_TRACE_ID}-{CLIENT_SPAN}-01"}
+        embedded = httpx.post(
+            gateway.url + "/v1/embeddings",
+            json={"input": ["one", "two"]},
+            headers=embedding_trace,
+            timeout=60,
+        )
+        assert embedded.status_code == 200, embedded.text
+        spans = receiver.wait_for(WANTED | {"POST /v1/embeddings", "worker.embed"}, timeout=30)
 
-    ours = [s for s in spans if s.name in WANTED]
+    embedding = {s.name: s for s in spans if s.trace_id == EMBED_TRACE_ID}
+    assert embedding["worker.embed"].parent == embedding["POST /v1/embeddings"].span_id
+    assert embedding["worker.embed"].attributes["loomserve.embed.inputs"] == 2
+    assert embedding["worker.embed"].service == "loomserve-worker"
+
+    ours = [s for s in spans if s.name in WANTED and s.trace_id != EMBED_TRACE_ID]
     assert {s.trace_id for s in ours} == {TRACE_ID}, "every span joins the client's trace"
+    assert len(ours) == len(WANTED), "one of each: no request span twice (FastAPI's own)"
     by_name = {s.name: s for s in ours}
     by_id = {s.span_id: s for s in ours}
     for name in WANTED:

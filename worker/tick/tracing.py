@@ -14,6 +14,7 @@ server.py imports this module only when tracing is on: off, OpenTelemetry is nev
       worker.queue                 waiting for a slot
       worker.prefill               admission to the first token: prompt, cached tokens
       worker.decode                first token to finish: tokens generated, drafts accepted
+    worker.embed                   an Embed, from its arrival to its vectors
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from loomserve.protocol import Finish, FinishReason
+from loomserve.protocol import Embed, Finish, FinishReason
 from loomserve.worker.sched.slots import Request
 
 NS = 1_000_000_000
@@ -96,13 +97,27 @@ class RequestTracer:
             root.set_status(Status(StatusCode.ERROR, finish.message))
         root.end(end_time=end)
 
+    def embedded(self, embed: Embed, offered: float, now: float, error: str) -> None:
+        """The span of an Embed answered at `now` (the Embedder's on_done)."""
+        wall_now = time.time_ns()
+        span = self.tracer.start_span(
+            "worker.embed",
+            context=_parent(embed.trace, embed.trace_state),
+            kind=SpanKind.SERVER,
+            start_time=wall_now - int((now - offered) * NS),
+            attributes={
+                "loomserve.request_id": embed.request_id,
+                "gen_ai.request.model": self.model_name,
+                "loomserve.embed.inputs": len(embed.inputs),
+                "gen_ai.usage.input_tokens": sum(len(tokens) for tokens in embed.inputs),
+            },
+        )
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=wall_now)
+
     def _parent(self, request: Request) -> Context | None:
-        if not request.trace:
-            return None  # a gateway that does not trace: the worker's spans start a trace
-        carrier = {"traceparent": request.trace}
-        if request.trace_state:
-            carrier["tracestate"] = request.trace_state
-        return _PROPAGATOR.extract(carrier)
+        return _parent(request.trace, request.trace_state)
 
     def _span(
         self,
@@ -114,3 +129,14 @@ class RequestTracer:
     ) -> None:
         span = self.tracer.start_span(name, context=parent, start_time=start, attributes=attributes)
         span.end(end_time=max(start, end))
+
+
+def _parent(traceparent: str, tracestate: str) -> Context | None:
+    """The gateway's span, from the W3C context a message carried; None when it carried
+    none (a gateway that does not trace): the worker's spans then start a trace."""
+    if not traceparent:
+        return None
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return _PROPAGATOR.extract(carrier)
