@@ -20,6 +20,7 @@ server.py imports this module only when tracing is on: off, OpenTelemetry is nev
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -125,7 +126,7 @@ class RequestTracer:
         parent: Context,
         start: int,
         end: int,
-        attributes: dict[str, str | int | float | bool],
+        attributes: Mapping[str, str | int | float | bool],
     ) -> None:
         span = self.tracer.start_span(name, context=parent, start_time=start, attributes=attributes)
         span.end(end_time=max(start, end))
