@@ -196,6 +196,8 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             embedder.close()
         if metrics is not None:
             metrics.close()
+        if tracer is not None:
+            tracer.close()  # its last spans made; cli/tracing.py exports them on exit
         log.info("worker stopped", ticks=loop.tick_count)
     if loop.dead is not None:
         raise SystemExit(EXIT_ENGINE_DEAD)

@@ -59,9 +59,11 @@ def test_tracing_off_makes_no_span(engine, config, spans) -> None:
 
 def test_a_finished_request_has_its_spans_under_the_gateways(engine, config, spans) -> None:
     spans.clear()
-    loop = TickLoop(engine, config, collector := Collector(), tracer=RequestTracer("tiny"))
+    tracer = RequestTracer("tiny")
+    loop = TickLoop(engine, config, collector := Collector(), tracer=tracer)
     loop.inbox.submit(GW, generate("on", GRAMMAR))
     drain(loop)
+    tracer.close()  # its thread has made every span handed to it
     finish = collector.finishes()["on"]
     made = {span.name: span for span in spans.get_finished_spans()}
     assert set(made) == {
@@ -96,12 +98,14 @@ def test_a_finished_request_has_its_spans_under_the_gateways(engine, config, spa
 def test_a_request_cancelled_in_the_queue_has_no_prefill_or_decode(engine, config, spans) -> None:
     spans.clear()
     one_slot = WorkerConfig(model_path=config.model_path, slots=1, ctx_size=256, threads=1)
-    loop = TickLoop(engine, one_slot, collector := Collector(), tracer=RequestTracer("tiny"))
+    tracer = RequestTracer("tiny")
+    loop = TickLoop(engine, one_slot, collector := Collector(), tracer=tracer)
     loop.inbox.submit(GW, generate("first"))
     loop.inbox.submit(GW, generate("second"))
     loop.tick(block=False)  # the first takes the one slot; the second waits
     loop.inbox.cancel(GW, "second")
     drain(loop)
+    tracer.close()
     assert collector.finishes()["second"].reason == FinishReason.CANCELLED
     second = [
         s

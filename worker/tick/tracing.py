@@ -1,9 +1,10 @@
 """The worker's spans of a request, made once it has finished (docs/metrics.md, "Tracing").
 
 The loop records the times of a request's phases anyway (arrival, admission, first token,
-finish: sched/slots.py); when the request finishes, its spans are made here at once with
-those times as their start and end, so tracing adds nothing to a tick but one call per
-finished request, and nothing per token. Their parent is the gateway's span of the sequence,
+finish: sched/slots.py); when the request finishes, the loop hands it to this module's thread,
+which makes its spans with those times as their start and end. Tracing adds nothing to a tick
+but one queue put per finished request, and nothing per token; the spans are made while the
+loop is in llama_decode, which releases the GIL. Their parent is the gateway's span of the sequence,
 whose W3C context the Generate carried (Generate.trace), so one trace holds both processes.
 The SDK's BatchSpanProcessor exports them from its own thread (cli/tracing.py).
 
@@ -19,9 +20,12 @@ server.py imports this module only when tracing is on: off, OpenTelemetry is nev
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -30,22 +34,49 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from loomserve.protocol import Embed, Finish, FinishReason
 from loomserve.worker.sched.slots import Request
 
+log = structlog.get_logger(__name__)
+
 NS = 1_000_000_000
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class RequestTracer:
-    """Makes a finished request's spans; the loop calls `finished` on its own thread."""
+    """Makes finished requests' spans on a thread of its own: the loop only hands them over.
+
+    The loop calls `finished` (and the embedder `embedded`) with what it has at the finish;
+    the request is released by then, so nothing changes it any more. `close` makes the
+    spans still queued, then stops the thread.
+    """
 
     def __init__(self, model_name: str) -> None:
         self.tracer = trace.get_tracer("loomserve.worker")
         self.model_name = model_name
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="loomserve-tracing", daemon=True)
+        self._thread.start()
 
     def finished(self, request: Request, finish: Finish, now: float) -> None:
         """The spans of `request`, which ended with `finish` at `now` (time.monotonic())."""
-        # The loop's times are monotonic; a span's are nanoseconds since the epoch.
-        wall_now = time.time_ns()
+        wall_now = time.time_ns()  # the loop's times are monotonic; a span's since the epoch
+        self._queue.put(lambda: self._finished(request, finish, now, wall_now))
 
+    def embedded(self, embed: Embed, offered: float, now: float, error: str) -> None:
+        """The span of an Embed answered at `now` (the Embedder's on_done)."""
+        wall_now = time.time_ns()
+        self._queue.put(lambda: self._embedded(embed, offered, now, wall_now, error))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (make := self._queue.get()) is not None:
+            try:
+                make()
+            except Exception:  # one request's spans lost, never the thread
+                log.exception("could not make a request's spans")
+
+    def _finished(self, request: Request, finish: Finish, now: float, wall_now: int) -> None:
         def ns(moment: float) -> int:
             return wall_now - int((now - moment) * NS)
 
@@ -98,9 +129,9 @@ class RequestTracer:
             root.set_status(Status(StatusCode.ERROR, finish.message))
         root.end(end_time=end)
 
-    def embedded(self, embed: Embed, offered: float, now: float, error: str) -> None:
-        """The span of an Embed answered at `now` (the Embedder's on_done)."""
-        wall_now = time.time_ns()
+    def _embedded(
+        self, embed: Embed, offered: float, now: float, wall_now: int, error: str
+    ) -> None:
         span = self.tracer.start_span(
             "worker.embed",
             context=_parent(embed.trace, embed.trace_state),
