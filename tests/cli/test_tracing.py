@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from loomserve.cli.main import main
+from loomserve.cli.serve import child_argv
 from loomserve.cli.tracing import traces_url
 
 
@@ -27,3 +29,11 @@ def test_the_standard_variables_as_the_spec_reads_them() -> None:
 def test_the_sdk_switch_turns_it_off() -> None:
     env = {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
     assert traces_url("http://o:4318", env) is None
+
+
+def test_serve_passes_the_endpoint_to_every_child() -> None:
+    serve_options = [p.name for p in main.commands["serve"].params]
+    assert serve_options.count("otlp_endpoint") == 1  # one option, for both kinds of child
+    for command in ("worker", "gateway"):
+        argv = child_argv(main.commands[command], {"otlp_endpoint": "http://jaeger:4318"})
+        assert argv[-2:] == ["--otlp-endpoint", "http://jaeger:4318"], command
