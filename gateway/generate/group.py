@@ -60,7 +60,8 @@ class GenerationGroup:
         metrics: GatewayMetrics | None,
     ) -> GenerationGroup:
         """Submit every choice; raises the first refusal (after cancelling the others)."""
-        tracing.annotate(tracing.current(), _request_attributes(request))
+        if (span := tracing.current()) is not None:  # off: not even the attributes are built
+            span.set_attributes(_request_attributes(request))
         n = request.n
         started: list[Generation] = []
         try:

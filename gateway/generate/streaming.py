@@ -69,23 +69,19 @@ async def _disconnected(receive: Receive) -> None:
 async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIterator[str]:
     """The SSE events of a streaming request; a failure ends it with an error event."""
     span = tracing.start_span("gateway.stream")  # the stream back, from its first event
-    events, failed = 0, ""
+    failed = ""
     try:
         for index in range(group.request.n_choices):
             opening = chunks.opening(index)
             if opening:
-                events += 1
                 yield opening
         async for index, event in group.events():
             if isinstance(event, TextDelta):
                 if piece := chunks.text(index, event):  # "" while tool calls are parsed
-                    events += 1
                     yield piece
             elif isinstance(event, PromptScores):
-                events += 1
                 yield chunks.echo(index, event)
             else:
-                events += 1
                 yield chunks.finish(index, event.finish_reason)
         if chunks.request.include_usage:
             yield chunks.usage(group.usage())
@@ -97,7 +93,7 @@ async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIte
         yield error_event(error)
     finally:
         # Also when the client went away: the stream ends then, cut short.
-        tracing.end(span, {"loomserve.stream.events": events}, error=failed)
+        tracing.end(span, error=failed)
 
 
 class EventStreamResponse(StreamingResponse):
