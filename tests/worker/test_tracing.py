@@ -103,7 +103,7 @@ def test_a_request_cancelled_in_the_queue_has_no_prefill_or_decode(engine, confi
     loop.inbox.submit(GW, generate("first"))
     loop.inbox.submit(GW, generate("second"))
     loop.tick(block=False)  # the first takes the one slot; the second waits
-    loop.inbox.cancel(GW, "second")
+    loop.inbox.abort(GW, "second")
     drain(loop)
     tracer.close()
     assert collector.finishes()["second"].reason == FinishReason.CANCELLED
