@@ -19,6 +19,7 @@ from loomserve.cli.options import (
     gateway_options,
     log_options,
     options_from,
+    tracing_options,
     worker_options,
 )
 from loomserve.gateway.config import (
@@ -50,14 +51,19 @@ def main() -> None:
 )
 @worker_options
 @options_from(WorkerConfig, alone=True)
+@tracing_options
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     """Run the model-owning worker alone."""
     from loomserve.cli.logs import configure_logging
+    from loomserve.cli.tracing import WORKER_SERVICE, traced, traces_url
     from loomserve.worker.server import run_worker
 
     configure_logging(level=log_level, json=log_json)
-    run_worker(build_worker_config(bind, **opts))
+    opts["otlp_endpoint"] = traces_url(opts["otlp_endpoint"])
+    config = build_worker_config(bind, **opts)
+    with traced(WORKER_SERVICE, config.otlp_endpoint):
+        run_worker(config)
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -91,6 +97,7 @@ def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     default=False,
     help="Bind with SO_REUSEPORT, so several gateways share the port (the kernel balances).",
 )
+@tracing_options
 @log_options
 def gateway(
     worker_endpoint: tuple[str, ...],
@@ -102,6 +109,7 @@ def gateway(
     """Run one HTTP gateway alone."""
     from loomserve.cli.logs import configure_logging
     from loomserve.cli.supervisor import reuse_port_socket
+    from loomserve.cli.tracing import GATEWAY_SERVICE, traced
     from loomserve.gateway.http.server import run_gateway
 
     configure_logging(level=log_level, json=log_json)
@@ -110,7 +118,8 @@ def gateway(
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     sockets = [reuse_port_socket(config.host, config.port)] if reuse_port else None
-    run_gateway(config, sockets=sockets)
+    with traced(GATEWAY_SERVICE, config.otlp_endpoint):
+        run_gateway(config, sockets=sockets)
 
 
 @main.command(context_settings=CONTEXT_SETTINGS)
@@ -168,6 +177,7 @@ def gateway(
     help="GPUs to run workers on, comma-separated (0,1): one worker per GPU, each seeing "
     "only its own (CUDA_VISIBLE_DEVICES).",
 )
+@tracing_options
 @log_options
 def serve(
     gateways: int,

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from loomserve.cli.default_model import named_models, resolve_model
+from loomserve.cli.tracing import traces_url
 from loomserve.gateway.config import (
     GatewayConfig,
     check_api_key,
@@ -201,6 +202,17 @@ def curve_client_options(func):
     return func
 
 
+def tracing_options(func):
+    """Where request traces go; shared by `worker`, `gateway` and `serve` (cli/tracing.py)."""
+    return click.option(
+        "--otlp-endpoint",
+        default=None,
+        help="Export request traces (OpenTelemetry, OTLP over HTTP) to this collector "
+        "(http://HOST:4318; /v1/traces is added). Default: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else off.",
+    )(func)
+
+
 def log_options(func):
     func = click.option(
         "--log-json/--no-log-json",
@@ -250,4 +262,5 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         chat_template=template,
         curve_server_key_file=opts.get("curve_server_key_file"),
         curve_secret_key_file=opts.get("curve_secret_key_file"),
+        otlp_endpoint=traces_url(opts.get("otlp_endpoint")),
     )

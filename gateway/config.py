@@ -219,6 +219,9 @@ class GatewayConfig:
             "fill the fields a request leaves out; off: neutral defaults."
         ),
     )
+    # Where request traces go, resolved (cli/tracing.py, whose --otlp-endpoint the worker,
+    # the gateway and serve share); None: off, and no span is made.
+    otlp_endpoint: str | None = None
     # A request for a model no worker serves waits this long for `serve` to load it (503
     # after), and at most this many requests wait at once (503 beyond).
     model_load_timeout: float = setting(

@@ -20,13 +20,16 @@ DEFAULT_TENANT = "default"
 # and tenant; 7: SamplingParams.speculative, Heartbeat.prefixes; 8: Cancel.reason,
 # Heartbeat.kv_cells_used and kv_cells_total; 9: SlotsQuery, SlotsReport; 10: Finish.code;
 # 11: VocabQuery, VocabFile, Heartbeat.idle_seconds, the models control messages,
-# Ping.for_gateway
-PROTOCOL_VERSION = 11
+# Ping.for_gateway; 12: Generate's and Embed's trace and trace_state (W3C trace context,
+# docs/metrics.md)
+PROTOCOL_VERSION = 12
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
 )
 MAX_TENANT_CHARS = 128
+# A W3C traceparent is 55 characters (version 00); a tracestate at most 32 members of 256.
+MAX_TRACE_CHARS = 8192
 PRIORITY_LIMIT = 2**31  # |priority| below this
 
 
@@ -128,6 +131,10 @@ class Generate:
     params: SamplingParams
     priority: int = 0  # lower is served first when the worker schedules by priority
     tenant: str = DEFAULT_TENANT  # who it is for, for fair shares
+    # The W3C trace context of the gateway's span for this sequence (traceparent, tracestate):
+    # the worker's spans become its children. "" when the gateway does not trace.
+    trace: str = ""
+    trace_state: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
@@ -138,6 +145,7 @@ class Generate:
             raise ValueError("priority must be a 32-bit integer")
         if len(self.tenant) > MAX_TENANT_CHARS:
             raise ValueError(f"tenant names are at most {MAX_TENANT_CHARS} characters")
+        _check_trace(self.trace, self.trace_state)
 
 
 @dataclass(slots=True)
@@ -146,12 +154,21 @@ class Embed:
 
     request_id: str
     inputs: list[list[int]]  # token ids, one list per input
+    trace: str = ""  # as Generate's
+    trace_state: str = ""
 
     def __post_init__(self) -> None:
         if not self.inputs or not all(self.inputs):
             raise ValueError("an embedding needs at least one input of at least one token")
         if any(t < 0 for tokens in self.inputs for t in tokens):
             raise ValueError("token ids are never negative")
+        _check_trace(self.trace, self.trace_state)
+
+
+def _check_trace(trace: str, trace_state: str) -> None:
+    """Only the size: a malformed context is the tracer's to ignore, never a failed request."""
+    if len(trace) + len(trace_state) > MAX_TRACE_CHARS:
+        raise ValueError(f"trace context is at most {MAX_TRACE_CHARS} characters")
 
 
 # The reasons a gateway may give when it ends a request itself.

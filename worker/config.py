@@ -198,6 +198,9 @@ class WorkerConfig:
         low=0.01,
         alone=True,
     )
+    # Where request traces go, resolved (cli/tracing.py, whose --otlp-endpoint the worker,
+    # the gateway and serve share); None: off, and no span is made.
+    otlp_endpoint: str | None = None
     # A gateway silent this long is gone and its requests are cancelled (its slots freed
     # within a tenth of this more). Gateways ping every second by default.
     gateway_timeout: float = setting(

@@ -120,6 +120,13 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         log.error("cannot bind", bind=config.bind, error=str(exc))
         raise SystemExit(1) from exc
     embedder = _embedder(config, engine)
+    tracer = None
+    if config.otlp_endpoint is not None:  # imported only then: off, no OpenTelemetry at all
+        from loomserve.worker.tick.tracing import RequestTracer
+
+        tracer = RequestTracer(config.model_name)
+        if embedder is not None:
+            embedder.on_done = tracer.embedded
     loop = TickLoop(
         engine,
         config,
@@ -130,6 +137,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         embedder=embedder,
         inbox=inbox,
         board=board,
+        tracer=tracer,
     )
     if metrics is not None and config.metrics_port is not None:  # both or neither
         metrics.watch(
@@ -188,6 +196,8 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             embedder.close()
         if metrics is not None:
             metrics.close()
+        if tracer is not None:
+            tracer.close()  # its last spans made; cli/tracing.py exports them on exit
         log.info("worker stopped", ticks=loop.tick_count)
     if loop.dead is not None:
         raise SystemExit(EXIT_ENGINE_DEAD)

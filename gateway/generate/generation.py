@@ -15,7 +15,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from loomserve.gateway import tracing
 from loomserve.gateway.generate.assembly import (
     Done,
     PromptScores,
@@ -30,7 +32,10 @@ from loomserve.gateway.workers.client import RequestHandle, WorkerClient
 from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
 from loomserve.gateway.workers.pool import ModelWorkers
 from loomserve.gateway.workers.retries import Tries
-from loomserve.protocol.messages import Finish, FinishReason, TokenChunk
+from loomserve.protocol.messages import Finish, FinishReason, Generate, TokenChunk
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 # After a stop string matched, how long to wait for the worker's Finish (for its usage).
 FINISH_GRACE_SECONDS = 2.0
@@ -47,6 +52,8 @@ class Generation:
     tries: Tries  # the workers it was sent to, and whether it may go to another
     assembly: TextAssembly
     metrics: GatewayMetrics | None
+    # Its `gateway.generation` span when tracing is on: the worker's spans are its children.
+    span: Span | None = None
     finished: bool = False
     cut_short: bool = False  # cancelled in the worker while it ran: nobody read it to the end
     _first_token_at: float | None = field(default=None, init=False)
@@ -66,8 +73,19 @@ class Generation:
         """Submit choice `index`; raises the client's errors if no worker takes it."""
         deadline = request.arrived_at + pool.config.request_timeout
         generate = request.to_worker(index)
+        span = tracing.start_span(
+            "gateway.generation",
+            {"loomserve.choice": index, "loomserve.sequence_id": generate.request_id},
+            kind="CLIENT",
+        )
+        _carry(span, generate)
         tries = Tries(pool)
-        client, handle = await tries.submit(generate, deadline)
+        try:
+            with tracing.use(span):  # the routing's span is its child
+                client, handle = await tries.submit(generate, deadline)
+        except BaseException as exc:
+            tracing.end(span, error=str(exc) or type(exc).__name__)
+            raise
         scored = generate.params.prompt_logprobs is not None
         assembly = TextAssembly(
             vocab,
@@ -76,7 +94,7 @@ class Generation:
             scored_prompt=generate.prompt_tokens if scored else None,
             score_only=request.score_only,
         )
-        return cls(request, index, handle, client, tries, assembly, metrics)
+        return cls(request, index, handle, client, tries, assembly, metrics, span)
 
     async def first_output(self) -> bool:
         """Wait for the worker's first output (the prompt is then in its cache); True then.
@@ -139,12 +157,15 @@ class Generation:
 
     def close(self) -> None:
         """End the sequence; if it still runs in the worker, cancel it there (`cut_short`)."""
-        if self.finished:
-            return
-        self.finished = True
-        if self.client.is_open(self.handle):
-            self.client.cancel(self.handle)
-            self.cut_short = True
+        if not self.finished:
+            self.finished = True
+            if self.client.is_open(self.handle):
+                self.client.cancel(self.handle)
+                self.cut_short = True
+        if self.span is not None:
+            span, self.span = self.span, None
+            worker, cut_short = self.client.endpoint, self.cut_short
+            tracing.end(span, {"loomserve.worker": worker, "loomserve.cut_short": cut_short})
 
     async def _next_batch(self) -> list[TokenChunk | Finish]:
         """The worker's next events. When the worker is lost before it sent any, the
@@ -156,9 +177,11 @@ class Generation:
                 if self._received or self.finished:
                     raise
                 generate = self.request.to_worker(self.index)
-                self.client, self.handle = await self.tries.resend(
-                    generate, self.handle.deadline, lost
-                )
+                _carry(self.span, generate)
+                with tracing.use(self.span):
+                    self.client, self.handle = await self.tries.resend(
+                        generate, self.handle.deadline, lost
+                    )
                 continue
             self._received = True
             return batch
@@ -182,6 +205,8 @@ class Generation:
             return None
 
     def _record(self, done: Done, finish: Finish | None) -> None:
+        if self.span is not None:
+            self.span.set_attributes(_outcome_attributes(done, finish))
         m = self.metrics
         if m is None:
             return
@@ -209,3 +234,21 @@ class Generation:
         if self._first_token_at is None:
             self._first_token_at = now
         self._last_token_at = now
+
+
+def _carry(span: Span | None, generate: Generate) -> None:
+    """The worker's spans of this sequence become children of its span."""
+    generate.trace, generate.trace_state = tracing.context_of(span)
+
+
+def _outcome_attributes(done: Done, finish: Finish | None) -> tracing.Attributes:
+    usage = done.usage
+    attributes: dict[str, tracing.AttributeValue] = {
+        "gen_ai.response.finish_reasons": [done.finish_reason],
+        "gen_ai.usage.input_tokens": usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": usage.completion_tokens,
+        "loomserve.usage.cached_tokens": usage.prompt_tokens_details.cached_tokens,
+    }
+    if finish is not None:
+        attributes["loomserve.queue_seconds"] = finish.queue_seconds
+    return attributes

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import structlog
 
+from loomserve.gateway import tracing
 from loomserve.gateway.api.schemas import Usage
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta
 from loomserve.gateway.generate.generation import Generation
@@ -46,6 +47,7 @@ class GenerationGroup:
         self.dones: dict[int, Done] = {}
         self._outcome: str | None = None  # "done" or "failed"; None while being read
         self._closed = False
+        self._span = tracing.current()  # the HTTP request's span, when tracing is on
         if metrics is not None:
             metrics.requests_in_flight.labels(request.model).inc()
 
@@ -58,6 +60,8 @@ class GenerationGroup:
         metrics: GatewayMetrics | None,
     ) -> GenerationGroup:
         """Submit every choice; raises the first refusal (after cancelling the others)."""
+        if (span := tracing.current()) is not None:  # off: not even the attributes are built
+            span.set_attributes(_request_attributes(request))
         n = request.n
         started: list[Generation] = []
         try:
@@ -135,6 +139,23 @@ class GenerationGroup:
             log.info("client went away; request cancelled")
             if self.metrics is not None:
                 self.metrics.client_disconnects.labels(self.request.model).inc()
+        if self._span is not None:
+            self._annotate_outcome()
+
+    def _annotate_outcome(self) -> None:
+        """The request's span gets its finish reasons and usage (tracing only)."""
+        usage = self.usage()
+        dones = [self.dones[i] for i in sorted(self.dones)]
+        tracing.annotate(
+            self._span,
+            {
+                "gen_ai.response.finish_reasons": [d.finish_reason for d in dones],
+                "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": usage.completion_tokens,
+                "loomserve.usage.cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                "loomserve.outcome": self._outcome or "cancelled",
+            },
+        )
 
     def _note(self, index: int, event: PromptScores | TextDelta | Done) -> None:
         if isinstance(event, Done):
@@ -167,6 +188,17 @@ class GenerationGroup:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _request_attributes(request: GenerationRequest) -> tracing.Attributes:
+    return {
+        "gen_ai.response.id": request.id,
+        "gen_ai.request.model": request.model,
+        "loomserve.tenant": request.tenant,
+        "loomserve.priority": request.priority,
+        "loomserve.stream": request.stream,
+        "loomserve.choices": request.n_choices,
+    }
 
 
 async def _start_all(

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from loomserve.gateway import tracing
 from loomserve.gateway.api.errors import worker_error
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
 from loomserve.gateway.generate.group import GenerationGroup
@@ -67,11 +68,13 @@ async def _disconnected(receive: Receive) -> None:
 
 async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIterator[str]:
     """The SSE events of a streaming request; a failure ends it with an error event."""
-    for index in range(group.request.n_choices):
-        opening = chunks.opening(index)
-        if opening:
-            yield opening
+    span = tracing.start_span("gateway.stream")  # the stream back, from its first event
+    failed = ""
     try:
+        for index in range(group.request.n_choices):
+            opening = chunks.opening(index)
+            if opening:
+                yield opening
         async for index, event in group.events():
             if isinstance(event, TextDelta):
                 if piece := chunks.text(index, event):  # "" while tool calls are parsed
@@ -85,8 +88,12 @@ async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIte
         yield DONE_EVENT
     except WorkerClientError as failure:
         error = worker_error(failure)
+        failed = error.message
         log.warning("stream failed", status=error.status, error=error.message)
         yield error_event(error)
+    finally:
+        # Also when the client went away: the stream ends then, cut short.
+        tracing.end(span, error=failed)
 
 
 class EventStreamResponse(StreamingResponse):

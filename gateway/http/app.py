@@ -12,6 +12,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from loomserve.gateway import tracing
 from loomserve.gateway.api.errors import install_handlers, unavailable
 from loomserve.gateway.api.schemas import (
     ChatCompletion,
@@ -44,6 +45,7 @@ from loomserve.gateway.http.middleware import (
     BodyLimitMiddleware,
 )
 from loomserve.gateway.http.ops import models_router, slots_router, status_router
+from loomserve.gateway.http.tracing import TracingMiddleware
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.models.catalogue import Catalogue
 from loomserve.gateway.models.manager import ManagerClient
@@ -120,6 +122,10 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,  # FastAPI's pages load their scripts from a CDN; docs_pages.py's do not
         redoc_url=None,
+        # FastAPI's own OpenTelemetry spans (since 0.165) would start a second server span
+        # per request, beside http/tracing.py's, and trace every /health and /metrics poll;
+        # older FastAPIs keep this as an extra setting and ignore it.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     install_docs_pages(app)
     app.state.chat = chat  # server.py drains it on SIGTERM
@@ -139,6 +145,9 @@ def create_app(
     # Outside the body limit (no key, no body read), inside the access log (401s counted).
     app.add_middleware(AuthMiddleware, tenants=config.api_keys, priorities=config.key_priorities)
     app.add_middleware(AccessMiddleware, metrics=metrics)
+    if config.otlp_endpoint is not None:
+        tracing.enable()
+        app.add_middleware(TracingMiddleware)  # outside the access middleware: sees the id
     if config.allowed_origins:
         # Outermost, so that errors (401, 413) carry the headers too and a browser shows them.
         app.add_middleware(

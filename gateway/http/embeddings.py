@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from loomserve.gateway import tracing
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import EmbeddingRequest
 from loomserve.gateway.request import prompts
@@ -65,6 +66,8 @@ async def create_embeddings(
 ) -> dict[str, Any]:
     """The response body of one embeddings request."""
     embed = await embed_request(body, vocab)
+    # The worker's span of it becomes a child of the request's (when tracing is on).
+    embed.trace, embed.trace_state = tracing.context_of(tracing.current())
     _, handle = await Tries(pool).submit(embed)
     reply = handle.accepted.result()
     assert isinstance(reply, Embeddings)  # an Embed's answer; a Rejected one was raised

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from loomserve.gateway import tracing
 from loomserve.gateway.workers.client import RequestHandle, WorkerClient
 from loomserve.gateway.workers.errors import (
     WorkerClientError,
@@ -55,11 +56,31 @@ class Tries:
         """Send a Generate to the best worker not tried yet (an Embed: to the one with the
         most headroom), and on to another while the budget lasts; raises the last worker's
         error (or WorkerUnavailable). WorkerClient.submit says what the handle then holds."""
-        if isinstance(message, Generate):
-            key = prefix_key(message.prompt_tokens)
-            keys = prefix_keys(message.prompt_tokens)
-            return await self._send(key, message, deadline, True, keys)
-        return await self._send(None, message, deadline, False)
+        span = tracing.start_span("gateway.route", {"loomserve.workers_before": len(self.workers)})
+        try:
+            if isinstance(message, Generate):
+                key = prefix_key(message.prompt_tokens)
+                keys = prefix_keys(message.prompt_tokens)
+                sent = await self._send(key, message, deadline, True, keys)
+            else:
+                sent = await self._send(None, message, deadline, False)
+        except BaseException as exc:
+            if span is not None:
+                tracing.end(span, self._tried(), error=str(exc) or type(exc).__name__)
+            raise
+        if span is not None:
+            tracing.end(span, {**self._tried(), "loomserve.worker": sent[0].endpoint})
+        return sent
+
+    def _tried(self) -> dict[str, tracing.AttributeValue]:
+        """For the routing's span: the workers tried so far, how often it was rerouted, why."""
+        attributes: dict[str, tracing.AttributeValue] = {
+            "loomserve.workers_tried": list(self.workers),
+            "loomserve.reroutes": max(0, len(self.workers) - 1),
+        }
+        if self._last_failure is not None:
+            attributes["loomserve.reroute_reason"] = str(self._last_failure)
+        return attributes
 
     async def resend(
         self, generate: Generate, deadline: float, lost: WorkerLost

@@ -58,7 +58,7 @@ ONE_SHOT = {
 def test_compose_file_follows_the_specification() -> None:
     assert set(k for k in COMPOSE if not k.startswith("x-")) <= TOP_LEVEL_KEYS
     assert {"worker", "gateway"} <= LOOMSERVE
-    assert {"prometheus", "grafana"} == MONITORING
+    assert {"prometheus", "grafana", "jaeger"} == MONITORING
     for name, service in SERVICES.items():
         assert "image" in service or "build" in service, name
         if name in ONE_SHOT:

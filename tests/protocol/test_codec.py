@@ -32,7 +32,7 @@ from loomserve.protocol import (
     encode,
 )
 from loomserve.protocol.codec import TooLong, request_id_of
-from loomserve.protocol.messages import DEFAULT_TENANT
+from loomserve.protocol.messages import DEFAULT_TENANT, MAX_TRACE_CHARS, PROTOCOL_VERSION
 
 EVERY_MESSAGE = [
     Hello(gateway_id="gw-1"),
@@ -51,8 +51,15 @@ EVERY_MESSAGE = [
         ),
         priority=-3,
         tenant="team-a",
+        trace="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        trace_state="vendor=opaque",
     ),
     Embed(request_id="e1", inputs=[[1, 2], [3]]),
+    Embed(
+        request_id="e2",
+        inputs=[[1]],
+        trace="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+    ),
     Cancel(request_id="r1"),
     Cancel(request_id="r2", reason="stop"),
     Ping(sent_at=12.5),
@@ -185,7 +192,7 @@ def test_a_chunk_without_logprobs_costs_two_bytes() -> None:
 def generate_body(prompt: object, logit_bias: object) -> bytes:
     params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None, None]
     params.append(True)  # speculative
-    return msgpack.packb(["r1", prompt, params, 0, ""])
+    return msgpack.packb(["r1", prompt, params, 0, "", "", ""])
 
 
 def test_token_ids_and_logit_bias_are_checked_exactly():
@@ -233,3 +240,13 @@ def test_generate_bounds_priority_and_tenant():
         Generate("r", [1], params, tenant="x" * 129)
     frames = encode(Generate("r", [1], params, priority=2, tenant="t"))
     assert decode(frames) == Generate("r", [1], params, 2, "t")
+
+
+def test_the_trace_context_is_bounded_and_a_version_12_message():
+    params = SamplingParams()
+    assert Generate("r", [1], params).trace == "" and Embed("e", [[1]]).trace_state == ""
+    with pytest.raises(ValueError):
+        Generate("r", [1], params, trace="x" * (MAX_TRACE_CHARS + 1))
+    with pytest.raises(ValueError):
+        Embed("e", [[1]], trace="x", trace_state="y" * MAX_TRACE_CHARS)
+    assert PROTOCOL_VERSION == 12  # an 11 peer would refuse its Generates as malformed

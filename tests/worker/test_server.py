@@ -150,7 +150,7 @@ def test_hello_answers_model_info(gateway: Gateway, worker: Proc, tiny_model_pat
         vocab.close()
     assert gateway.hello() == ModelInfo(
         protocol_version=PROTOCOL_VERSION,
-        model_name="tiny-llama-test",
+        model_name="tiny-llama",  # the name it is served under: the file's stem by default
         vocab_size=544,
         context_train=1024,
         slot_context=512,

@@ -20,7 +20,9 @@ which moved components by up to 5e-5 on the test model. Without it the inputs sh
 from __future__ import annotations
 
 import ctypes
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import llama_cpp as llama
@@ -54,6 +56,7 @@ class _Job:
     embed: Embed
     vectors: list[np.ndarray | None] = field(default_factory=list)
     next_input: int = 0  # inputs before this one are in a batch already
+    offered_at: float = field(default_factory=time.monotonic)
 
     @property
     def done(self) -> bool:
@@ -105,6 +108,9 @@ class Embedder:
         self.one_input_per_decode = config.batch_invariant
         self._jobs: deque[_Job] = deque()
         self._pending_inputs = 0
+        # Told of each Embed answered (the Embed, when it was offered, now, why it failed or
+        # ""): the worker's tracer, when tracing is on (tick/tracing.py).
+        self.on_done: Callable[[Embed, float, float, str], None] | None = None
 
     @property
     def pending(self) -> bool:
@@ -201,6 +207,8 @@ class Embedder:
             data = job.matrix().astype("<f4").tobytes()
             tokens = sum(len(t) for t in job.embed.inputs)
             replies.append((job.gateway, Embeddings(job.embed.request_id, self.size, data, tokens)))
+            if self.on_done is not None:
+                self.on_done(job.embed, job.offered_at, time.monotonic(), "")
         return replies
 
     def _fail(self, jobs: list[_Job], message: str) -> list[tuple[bytes, Reply]]:
@@ -211,6 +219,8 @@ class Embedder:
             self._pending_inputs -= len(job.embed.inputs) - job.next_input
             code = ErrorCode.DECODE_FAILED.value
             replies.append((job.gateway, Rejected(job.embed.request_id, code, message)))
+            if self.on_done is not None:
+                self.on_done(job.embed, job.offered_at, time.monotonic(), message)
         return replies
 
     def close(self) -> None:

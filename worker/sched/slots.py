@@ -65,6 +65,14 @@ class Request:
     saved_tokens: int = 0  # the tokens the saved state holds
     saved_bytes: int = 0
     preemptions: int = 0
+    # For its spans (tick/tracing.py): the W3C context its gateway sent (Generate.trace), the
+    # seconds its sampler chain took to build before it arrived (a grammar's compiling), and
+    # the drafted tokens its slot verified and how many of them it accepted.
+    trace: str = ""
+    trace_state: str = ""
+    sampler_seconds: float = 0.0
+    drafted: int = 0
+    drafts_accepted: int = 0
 
     @property
     def request_id(self) -> str:

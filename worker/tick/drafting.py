@@ -165,5 +165,7 @@ class Drafting:
         if drafts and self.speculator is not None:
             self.speculator.verified(slot.index, request, len(drafts), matched)
             self.counts.add(len(drafts), matched)
+            request.drafted += len(drafts)
+            request.drafts_accepted += matched
         context = self.engine.slot_context
         return sampled(slot, rows[: len(tokens)], tokens, self.engine.is_eog, context)

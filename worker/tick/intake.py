@@ -47,7 +47,9 @@ def refusal(
     return None
 
 
-def new_request(key: RequestKey, generate: Generate, sampler: TokenSampler | None) -> Request:
+def new_request(
+    key: RequestKey, generate: Generate, sampler: TokenSampler | None, sampler_seconds: float = 0.0
+) -> Request:
     """The accepted Generate as the scheduler queues it, arriving now."""
     return Request(
         key=key,
@@ -57,4 +59,7 @@ def new_request(key: RequestKey, generate: Generate, sampler: TokenSampler | Non
         sampler=sampler,
         priority=generate.priority,
         tenant=generate.tenant or DEFAULT_TENANT,
+        trace=generate.trace,
+        trace_state=generate.trace_state,
+        sampler_seconds=sampler_seconds,
     )

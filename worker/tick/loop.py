@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -67,6 +68,9 @@ from loomserve.worker.tick.faults import DecodeFaults
 from loomserve.worker.tick.intake import NO_EMBEDDINGS, new_request, refusal
 from loomserve.worker.tick.kv_moves import KvMoves
 
+if TYPE_CHECKING:  # imported by server.py only when tracing is on
+    from loomserve.worker.tick.tracing import RequestTracer
+
 log = structlog.get_logger(__name__)
 
 
@@ -84,6 +88,7 @@ class TickLoop:
         embedder: Embedder | None = None,
         inbox: Inbox | None = None,
         board: StatsBoard | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -111,6 +116,7 @@ class TickLoop:
         self._on_tick = on_tick
         self._on_finish = on_finish
         self._on_reject = on_reject
+        self._tracer = tracer  # None: tracing off, and not one span is made
         self.embedder = embedder  # None: this worker computes no embeddings
         self._stop_by: float | None = None  # set by STOP (Inbox.stop): when the last are cut
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
@@ -243,6 +249,7 @@ class TickLoop:
             key, generate, self.scheduler, engine.n_vocab, engine.slot_context, stopping
         )
         sampler = None
+        building = time.monotonic()  # a grammar compiles here: its span's start
         if error is None:
             try:
                 sampler = self.engine.new_sampler(generate.params)
@@ -253,7 +260,7 @@ class TickLoop:
             log.debug("request rejected", request_id=generate.request_id, code=code.value)
             self._reject(gateway, Rejected(generate.request_id, code.value, message))
             return
-        request = new_request(key, generate, sampler)
+        request = new_request(key, generate, sampler, time.monotonic() - building)
         ahead = self.scheduler.enqueue(request)
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
 
@@ -295,6 +302,8 @@ class TickLoop:
         log_finish(record)
         if self._on_finish:
             self._on_finish(record)
+        if self._tracer is not None:
+            self._tracer.finished(release.request, release.finish, now)
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):

@@ -1,0 +1,230 @@
+"""Request traces across processes: a worker and a gateway on the tiny model export to a real
+OTLP/HTTP receiver in this process, and one request's spans from both share the client's
+trace and nest: the client's span, the gateway's request span, its sequence's span, the
+worker's request span and its phases. An embeddings request's worker span joins its trace too.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from tests.procs import start_gateway, start_worker
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+EMBED_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+# Spans leave each process within a tenth of a second, not the SDK's default 5 s.
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+
+
+@dataclass(frozen=True)
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent: str
+    start: int
+    end: int
+    attributes: dict[str, Any]
+
+
+def _value(value: AnyValue) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver on 127.0.0.1: POST /v1/traces, protobuf bodies."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if self.path != "/v1/traces":
+                    self.send_error(404)
+                    return
+                receiver.take(ExportTraceServiceRequest.FromString(body))
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def take(self, request: ExportTraceServiceRequest) -> None:
+        for resource_spans in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    with self.lock:
+                        self.spans.append(
+                            Span(
+                                service=resource.get("service.name", ""),
+                                name=span.name,
+                                trace_id=span.trace_id.hex(),
+                                span_id=span.span_id.hex(),
+                                parent=span.parent_span_id.hex(),
+                                start=span.start_time_unix_nano,
+                                end=span.end_time_unix_nano,
+                                attributes={a.key: _value(a.value) for a in span.attributes},
+                            )
+                        )
+
+    def wait_for(self, names: set[str], timeout: float) -> list[Span]:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                spans = list(self.spans)
+            if names <= {s.name for s in spans}:
+                return spans
+            assert time.monotonic() < deadline, f"spans so far: {sorted(s.name for s in spans)}"
+            time.sleep(0.1)
+
+
+@contextmanager
+def receiving() -> Iterator[Receiver]:
+    receiver = Receiver()
+    thread = threading.Thread(target=receiver.server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield receiver
+    finally:
+        receiver.server.shutdown()
+        receiver.server.server_close()
+
+
+WANTED = {
+    "POST /v1/completions",
+    "gateway.generation",
+    "gateway.route",
+    "gateway.stream",
+    "worker.request",
+    "worker.grammar",
+    "worker.queue",
+    "worker.prefill",
+    "worker.decode",
+}
+
+
+def test_one_requests_spans_share_the_clients_trace_and_nest(tiny_model_path: Path) -> None:
+    with ExitStack() as stack:
+        receiver = stack.enter_context(receiving())
+        traced = {"otlp_endpoint": receiver.url, "env": FAST_EXPORT}
+        worker = stack.enter_context(start_worker(tiny_model_path, embeddings=True, **traced))
+        gateway = stack.enter_context(start_gateway(tiny_model_path, worker.endpoint, **traced))
+        headers = {
+            "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01",
+            "tracestate": "vendor=opaque",
+            "X-Request-Id": "traced-1",
+        }
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "user": "tenant-a",
+            "grammar": "root ::= [a-z ]{5,12}",
+        }
+        with httpx.stream(
+            "POST", gateway.url + "/v1/completions", json=body, headers=headers, timeout=60
+        ) as response:
+            assert response.status_code == 200, response.read()
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        embedding_trace = {"traceparent": f"00-{EMBED_TRACE_ID}-{CLIENT_SPAN}-01"}
+        embedded = httpx.post(
+            gateway.url + "/v1/embeddings",
+            json={"input": ["one", "two"]},
+            headers=embedding_trace,
+            timeout=60,
+        )
+        assert embedded.status_code == 200, embedded.text
+        spans = receiver.wait_for(WANTED | {"POST /v1/embeddings", "worker.embed"}, timeout=30)
+
+    embedding = {s.name: s for s in spans if s.trace_id == EMBED_TRACE_ID}
+    assert embedding["worker.embed"].parent == embedding["POST /v1/embeddings"].span_id
+    assert embedding["worker.embed"].attributes["loomserve.embed.inputs"] == 2
+    assert embedding["worker.embed"].service == "loomserve-worker"
+
+    ours = [s for s in spans if s.name in WANTED and s.trace_id != EMBED_TRACE_ID]
+    assert {s.trace_id for s in ours} == {TRACE_ID}, "every span joins the client's trace"
+    assert len(ours) == len(WANTED), "one of each: no request span twice (FastAPI's own)"
+    by_name = {s.name: s for s in ours}
+    by_id = {s.span_id: s for s in ours}
+    for name in WANTED:
+        service = "loomserve-worker" if name.startswith("worker.") else "loomserve-gateway"
+        assert by_name[name].service == service, name
+        assert by_name[name].start <= by_name[name].end, name
+
+    def parent_of(name: str) -> str:
+        parent = by_id.get(by_name[name].parent)
+        return parent.name if parent else by_name[name].parent
+
+    # The gateway's request span is the child of the client's; the rest nest under it.
+    assert parent_of("POST /v1/completions") == CLIENT_SPAN
+    assert parent_of("gateway.generation") == "POST /v1/completions"
+    assert parent_of("gateway.route") == "gateway.generation"
+    assert parent_of("gateway.stream") == "POST /v1/completions"
+    assert parent_of("worker.request") == "gateway.generation"  # across the ZeroMQ hop
+    for phase in ("worker.grammar", "worker.queue", "worker.prefill", "worker.decode"):
+        assert parent_of(phase) == "worker.request", phase
+
+    request = by_name["POST /v1/completions"].attributes
+    assert request["loomserve.request_id"] == "traced-1"
+    assert request["http.route"] == "/v1/completions"
+    assert request["http.response.status_code"] == 200
+    assert request["gen_ai.request.model"]
+    assert request["loomserve.tenant"] == "tenant-a"
+    assert request["gen_ai.response.finish_reasons"] in (["length"], ["stop"])
+    assert request["gen_ai.usage.output_tokens"] >= 1
+    prompt_tokens = request["gen_ai.usage.input_tokens"]
+    assert prompt_tokens >= 2
+
+    route = by_name["gateway.route"].attributes
+    assert route["loomserve.worker"] == worker.endpoint
+    assert route["loomserve.reroutes"] == 0
+
+    served = by_name["worker.request"].attributes
+    assert served["loomserve.tenant"] == "tenant-a"
+    assert served["gen_ai.response.finish_reasons"] == request["gen_ai.response.finish_reasons"]
+    assert served["gen_ai.usage.output_tokens"] == request["gen_ai.usage.output_tokens"]
+    prefill = by_name["worker.prefill"].attributes
+    assert prefill["gen_ai.usage.input_tokens"] == prompt_tokens
+    assert 0 <= prefill["loomserve.usage.cached_tokens"] < prompt_tokens
+    decode = by_name["worker.decode"].attributes
+    assert decode["gen_ai.usage.output_tokens"] == request["gen_ai.usage.output_tokens"]
+    assert decode["loomserve.grammar"] is True
+    assert "loomserve.decode.accepted_tokens" in decode
+    # The worker's phases follow each other.
+    queue, pre, dec = (by_name[n] for n in ("worker.queue", "worker.prefill", "worker.decode"))
+    assert queue.end <= pre.start <= pre.end <= dec.start <= dec.end
