@@ -178,7 +178,7 @@ class ModelManager:
                     f"{name} loads when one is idle",
                     "models_busy",
                 )
-            log.info("evicting the least recently used model", model=victim.name, for_=name)
+            log.info("evicting the least recently used model", model=victim.name, wanted=name)
             self._unload(victim, reason="evicted")
         model.error = ""
         model.loads += 1
