@@ -6,6 +6,7 @@ command line share one set of names.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -202,6 +203,9 @@ def serve(
         devices = serving.parse_gpus(gpus)
         replicas = serving.worker_count(workers, devices)
         models = named_models(opts["model"], models_dir) or named_models([""])
+        if len(models) == 1 and not models[0].named and opts["served_model_name"]:
+            # One model: the manager knows it by the name the gateways serve it under.
+            models = [dataclasses.replace(models[0], name=opts["served_model_name"])]
         threads = serving.threads_per_worker(opts["threads"], replicas)
         options = {**opts, "threads": threads, "log_level": log_level, "log_json": log_json}
         # Bad settings fail here, not in a child.

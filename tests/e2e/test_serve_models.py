@@ -140,3 +140,20 @@ def test_an_idle_model_unloads_and_comes_back(
         assert complete(proc.url, "b", PROMPTS[3]) == first
         idle = [e["model"] for e in events(proc, "model idle; unloading")]
         assert "a" in idle and "b" in idle
+
+
+def test_one_model_under_its_served_name_unloads_when_idle(tiny_model_path: Path) -> None:
+    """llama-server's --sleep-idle-seconds: one model, renamed, freed when idle and loaded
+    again by the next request for it (the manager knows it by the name clients use)."""
+    port = free_port()
+    args = ["serve", "--model", str(tiny_model_path), "--served-model-name", "tiny-chat"]
+    args += ["--idle-unload", "1", "--port", str(port), "--slots", "2", "--ctx-size", "512"]
+    args += ["--threads", "1", "--log-json", "--heartbeat-interval", "0.25"]
+    with Proc("serve", args) as proc:
+        proc.url = f"http://127.0.0.1:{port}"
+        wait_http(proc, "/health")
+        wait_until(lambda: states(proc) == {"tiny-chat": "unloaded"}, "idle unload")
+        assert complete(proc.url, "tiny-chat", PROMPTS[0], max_tokens=4)
+        assert complete(proc.url, None, PROMPTS[0], max_tokens=4)  # the one model
+        unknown = {"model": "x", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(proc.url + "/v1/completions", json=unknown).status_code == 404
