@@ -145,7 +145,7 @@ class BuiltinChatTemplate:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text for messages (each a dict with role and string content). Tools are
-        not rendered: tool_template.py probes that, and writes them as a system prompt."""
+        not rendered: tools/template.py probes that, and writes them as a system prompt."""
         # The C strings must live until the call returns: keep the encoded bytes here.
         encoded = [(m["role"].encode(), str(m.get("content") or "").encode()) for m in messages]
         chat = (llama_cpp.llama_chat_message * len(encoded))(

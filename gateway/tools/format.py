@@ -1,8 +1,8 @@
 """How a family of models writes tool calls, told from its chat template's text.
 
-The same few facts serve three jobs: the parser finds calls in the output (tool_parser.py),
+The same few facts serve three jobs: the parser finds calls in the output (parser.py),
 the grammar forces a call in that syntax (tool_grammar.py), and calls in a conversation's
-history are written back as text when the template cannot render them (tool_template.py).
+history are written back as text when the template cannot render them (template.py).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ HERMES = ToolFormat(
     call_suffix="\n</tool_call>",
     separator="\n",
 )
-# Models whose template knows no tools: the tools go into the system prompt (tool_template.py)
+# Models whose template knows no tools: the tools go into the system prompt (template.py)
 # and the reply uses Hermes' tags, the syntax most models have seen.
 GENERIC = replace(HERMES, name="generic")
 # Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], with 9-character call ids.

@@ -1,6 +1,6 @@
 """Request bodies of Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens).
 
-Content blocks are declared loosely (JSON objects with a `type`): messages_api.py checks and
+Content blocks are declared loosely (JSON objects with a `type`): messages.py checks and
 translates them, with a 400 naming what it cannot take.
 """
 

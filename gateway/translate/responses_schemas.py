@@ -1,7 +1,7 @@
 """Request bodies of OpenAI's Responses API (/v1/responses, /v1/responses/input_tokens).
 
 Declared loosely where OpenAI's items are many: an input item is a JSON object that
-responses_api.py checks and translates, with a 400 naming what it cannot take.
+responses.py checks and translates, with a 400 naming what it cannot take.
 """
 
 from __future__ import annotations
