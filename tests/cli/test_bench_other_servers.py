@@ -80,7 +80,6 @@ def _stop(proc: subprocess.Popen) -> None:
 def target(request: pytest.FixtureRequest, tiny_model_path: Path) -> Iterator[Target]:
     port = free_port()
     if request.param == "llama-cpp-python":
-        pytest.importorskip("sse_starlette", reason="llama-cpp-python[server] is not installed")
         # One request at a time, queued: its default (interrupt_requests) cancels the running
         # request whenever another arrives, which no load test survives.
         args = [sys.executable, "-m", "llama_cpp.server", "--model", str(tiny_model_path)]
