@@ -110,6 +110,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, presence or frequency penalty changes any logit."""
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 # --- gateway -> worker -------------------------------------------------------
 

@@ -17,6 +17,7 @@ DEFAULT_CACHE_RAM_MIB = 8192
 KV_CACHE_TYPES = ("f16", "q8_0")
 # "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
 FLASH_ATTN_MODES = ("auto", "on", "off")
+BACKEND_SAMPLING_MODES = ("auto", "on", "off")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -86,6 +87,15 @@ class WorkerConfig:
         "auto",
         help="Flash attention; auto: where the backend has it, as llama-server does.",
         choices=FLASH_ATTN_MODES,
+    )
+    backend_sampling: str = setting(
+        "auto",
+        help=(
+            "Sample inside llama_decode, on the device (llama.cpp's backend sampling) for "
+            "requests without a grammar, logprobs, logit bias or penalties; auto: where the "
+            "model runs on a GPU."
+        ),
+        choices=BACKEND_SAMPLING_MODES,
     )
     kv_cache_type: str = setting(
         "f16",
@@ -337,6 +347,8 @@ class WorkerConfig:
             raise ValueError("prefill_chunk must be at least 1")
         if self.flash_attn not in FLASH_ATTN_MODES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
+        if self.backend_sampling not in BACKEND_SAMPLING_MODES:
+            raise ValueError(f"backend_sampling must be one of {', '.join(BACKEND_SAMPLING_MODES)}")
         if self.kv_cache_type not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}")
         if (self.curve_secret_key_file is None) != (self.curve_allowed_keys is None):

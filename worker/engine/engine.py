@@ -26,8 +26,14 @@ import structlog
 
 from loomserve.protocol import SamplingParams
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine.backend_sampling import (
+    BackendSampler,
+    Seats,
+    backend_sampling_available,
+)
 from loomserve.worker.engine.batch import TokenBatch
 from loomserve.worker.engine.sampling import HostSampler, Sampler, build_sampler
+from loomserve.worker.sched.slots import Run
 from loomserve.worker.sched.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
@@ -89,7 +95,10 @@ class Engine:
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
         self._eval_callback = eval_callback  # held: the C side keeps only a pointer
+        self.backend_sampling = self._backend_sampling(config, self.description.gpu_layers)
         self.ctx = self._new_context(config)
+        # Which sampler chain each sequence has in the graph (backend sampling only).
+        self.seats = Seats(self.ctx) if self.backend_sampling else None
         self.memory = llama.llama_get_memory(self.ctx)
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.
@@ -118,6 +127,19 @@ class Engine:
             return 0
         return 999 if config.gpu_layers < 0 else config.gpu_layers
 
+    @staticmethod
+    def _backend_sampling(config: WorkerConfig, gpu_layers: int) -> bool:
+        """Whether eligible requests sample inside llama_decode (backend_sampling.py): on, or
+        auto where the model runs on a GPU (on a CPU the host sampler is faster)."""
+        mode = config.backend_sampling
+        if mode == "off" or (mode == "auto" and gpu_layers == 0):
+            return False
+        if not backend_sampling_available():
+            if mode == "on":
+                raise EngineError("this llama.cpp build has no backend sampling")
+            return False
+        return True
+
     def _load_model(self, config: WorkerConfig) -> llama.llama_model_p:
         params = llama.llama_model_default_params()
         params.n_gpu_layers = self._gpu_layers(config)
@@ -142,6 +164,10 @@ class Engine:
         params.no_perf = True
         if self._eval_callback is not None:
             params.cb_eval = self._eval_callback
+        if self.backend_sampling and "n_outputs_max_per_seq" in fields:
+            # One sampled token per sequence and pass (backend-sampled requests do not
+            # draft), which keeps llama.cpp's random draws out of its transactional mode.
+            params.n_outputs_max_per_seq = 1
         if "kv_unified" in fields:
             params.kv_unified = not config.batch_invariant
         if config.kv_cache_type != "f16" and config.flash_attn == "off":
@@ -164,9 +190,17 @@ class Engine:
 
     # --- per request ----------------------------------------------------------------
 
-    def new_sampler(self, params: SamplingParams) -> Sampler | HostSampler:
+    def new_sampler(self, params: SamplingParams) -> Sampler | HostSampler | BackendSampler:
         """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
-        return build_sampler(params, self.ctx, self.vocab, self.n_vocab, self.slot_context)
+        return build_sampler(
+            params, self.ctx, self.vocab, self.n_vocab, self.slot_context, self.seats
+        )
+
+    def seat_samplers(self, runs: list[Run]) -> None:
+        """Before a pass: the backend samplers of the runs with outputs onto their
+        sequences (nothing to do when backend sampling is off)."""
+        if self.seats is not None:
+            self.seats.seat(runs)
 
     def output_logits(self, n_outputs: int) -> np.ndarray:
         """The last decode's logits, one row per token that asked for them, in batch order."""
@@ -262,6 +296,8 @@ class Engine:
 
     def close(self) -> None:
         """Free the context and the model. The engine is unusable afterwards."""
+        if self.seats is not None:
+            self.seats.close()
         if self.ctx:
             llama.llama_free(self.ctx)
             self.ctx = None

@@ -8,6 +8,9 @@ after a restart. Logit bias and penalties are applied to a copy of its row first
 llama.cpp's samplers apply them (logprobs.adjusted_logits). Plain greedy requests take the
 argmax; sample_rows takes those for a whole tick in one numpy call.
 
+With backend sampling on (backend_sampling.py), a request the graph samples exactly gets a
+BackendSampler instead: llama_decode draws its token, the host only reads it.
+
 A request with a grammar gets a Sampler: a llama.cpp sampler chain that samples lazily, as
 llama.cpp's common_sampler_sample does: the chain (without the grammar) picks a token, the
 grammar is asked about that one token, and only when it refuses does the grammar mask the
@@ -32,6 +35,12 @@ import numpy as np
 from loomserve.protocol import SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
+from loomserve.worker.engine.backend_sampling import (
+    BackendSampler,
+    Seats,
+    backend_chain,
+    backend_eligible,
+)
 from loomserve.worker.engine.draw import Truncation, candidates
 from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
 from loomserve.worker.engine.logprobs import adjusted_logits
@@ -168,7 +177,7 @@ class HostSampler:
         )
         # seed None: fresh entropy from the OS, so unseeded requests differ.
         self._rng = np.random.default_rng(params.seed)
-        self._adjusts = bool(params.logit_bias) or _has_penalties(params)
+        self._adjusts = bool(params.logit_bias) or params.penalized
         self._generated: list[int] = []  # the penalties' history, when they apply
         self._mass = 1.0  # its last row's head mass: how wide the next head should be
         self.failure: str | None = None
@@ -253,15 +262,7 @@ def sample_rows(
 
 def _is_argmax(params: SamplingParams) -> bool:
     """Whether the chain would pick the logits' argmax (before any grammar)."""
-    return params.greedy and not params.logit_bias and not _has_penalties(params)
-
-
-def _has_penalties(params: SamplingParams) -> bool:
-    return params.repeat_last_n != 0 and (
-        params.repeat_penalty != 1.0
-        or params.presence_penalty != 0.0
-        or params.frequency_penalty != 0.0
-    )
+    return params.greedy and not params.logit_bias and not params.penalized
 
 
 def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama_sampler_p:
@@ -273,9 +274,16 @@ def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama
 
 
 def build_sampler(
-    params: SamplingParams, ctx, vocab, n_vocab: int, slot_context: int
-) -> Sampler | HostSampler:
+    params: SamplingParams,
+    ctx,
+    vocab,
+    n_vocab: int,
+    slot_context: int,
+    seats: Seats | None = None,
+) -> Sampler | HostSampler | BackendSampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
+    With `seats` (backend sampling on), a request the graph samples exactly gets a
+    BackendSampler (backend_sampling.py).
 
     The worker checks what it is sent itself, as the gateway did: a peer that speaks the
     protocol directly must not be able to crash llama.cpp's grammar parser.
@@ -285,6 +293,9 @@ def build_sampler(
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
+    if seats is not None and backend_eligible(params):
+        host = HostSampler(params, slot_context)
+        return BackendSampler(backend_chain(params, n_vocab), seats, host)
     if not params.grammar:
         return HostSampler(params, slot_context)
     grammar = _grammar(params.grammar, vocab, n_vocab)
@@ -304,7 +315,7 @@ def llama_chain(params: SamplingParams, n_vocab: int, slot_context: int) -> llam
             *(llama.llama_logit_bias(t, b) for t, b in params.logit_bias.items())
         )
         stages.append(llama.llama_sampler_init_logit_bias(n_vocab, len(biases), biases))
-    if _has_penalties(params):
+    if params.penalized:
         last_n = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
         stages.append(_penalties(n_vocab, last_n, params))
     if params.greedy:

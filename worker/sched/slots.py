@@ -26,7 +26,8 @@ KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound
 
 
 class TokenSampler(Protocol):
-    """What the loop asks of a request's sampler (sampling.HostSampler or Sampler);
+    """What the loop asks of a request's sampler (engine/sampling.py's HostSampler or Sampler,
+    engine/backend_sampling.py's BackendSampler);
     the scheduler only carries it."""
 
     failure: str | None  # after sample(): why the request must end with an error
