@@ -56,6 +56,8 @@ def test_seeded_streams_repeat_beside_host_sampled_requests(gateway: Proc) -> No
         {"temperature": 0.8, "n": 2, "seed": 3},
         {
             "temperature": 1.0,
+            "max_tokens": 400,
+            "ignore_eos": False,
             "response_format": {
                 "type": "json_schema",
                 "json_schema": {"name": "a", "schema": schema},
@@ -69,7 +71,8 @@ def test_seeded_streams_repeat_beside_host_sampled_requests(gateway: Proc) -> No
         bodies = [answer.result() for answer in answers]
     assert len(bodies[0]["choices"][0]["logprobs"]["tokens"]) == 20
     assert len(bodies[2]["choices"]) == 2
-    assert json.loads(bodies[3]["choices"][0]["text"])["a"] is not None
+    assert bodies[3]["choices"][0]["finish_reason"] == "stop"  # the grammar completed
+    assert isinstance(json.loads(bodies[3]["choices"][0]["text"])["a"], int)
 
 
 def test_unseeded_requests_differ_and_greedy_ones_agree(gateway: Proc) -> None:
