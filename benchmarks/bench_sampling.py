@@ -10,8 +10,9 @@ Two figures:
   (worker/engine/draw.py), for each mix of settings; the rows are those of one forward pass over
   `--slots` different prompts, as a tick's are.
 - per tick: a TickLoop with `--slots` generating slots, every tick's time outside
-  llama_decode (scheduling, the batch, sampling, bookkeeping, outputs), greedy against each
-  sampled mix.
+  llama_decode (scheduling, the batch, sampling, bookkeeping, outputs) and in it, greedy
+  against each sampled mix, with the host sampler and with backend sampling (the chains in
+  llama_decode's graph, worker/engine/backend_sampling.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -112,8 +114,8 @@ def per_token(engine: Engine, slots: int, reps: int) -> dict[str, tuple[float, f
     return results
 
 
-def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> float:
-    """Median milliseconds per tick outside llama_decode, with every slot generating."""
+def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> tuple[float, float]:
+    """Median milliseconds per tick (outside llama_decode, in it), every slot generating."""
     loop = TickLoop(engine, config, Nowhere())
     decode_seconds = [0.0]
     decode = engine.decode
@@ -132,17 +134,18 @@ def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> 
             loop.inbox.submit(b"bench", Generate(f"r{i}", prompt, params))
         while any(slot.prompt_remaining for slot in loop.scheduler.slots) or loop.tick_count < 3:
             loop.tick(block=False)
-        host = []
+        host, in_decode = [], []
         for _ in range(ticks):
             decode_seconds[0] = 0.0
             started = time.perf_counter()
             loop.tick(block=False)
             host.append(time.perf_counter() - started - decode_seconds[0])
+            in_decode.append(decode_seconds[0])
         loop.scheduler.cancel_all("done")
         loop.tick(block=False)
     finally:
         engine.decode = decode  # type: ignore[method-assign]
-    return statistics.median(host) * 1000
+    return statistics.median(host) * 1000, statistics.median(in_decode) * 1000
 
 
 @click.command()
@@ -168,9 +171,19 @@ def main(model: str | None, threads: int, slots: int, reps: int, ticks: int) -> 
     print(f"{'settings':42} {'llama.cpp chain':>16} {'host sampler':>13} {'speed-up':>9}")
     for name, (chain, host) in per_token(engine, slots, reps).items():
         print(f"{name:42} {chain:16.1f} {host:13.1f} {chain / host:8.1f}x")
-    print(f"\nper tick at {slots} generating slots, outside llama_decode (ms, median of {ticks})")
+    print(f"\nper tick at {slots} generating slots (ms, median of {ticks})")
+    print("  host sampler: sampled on the host after llama_decode")
+    print("  backend: --backend-sampling on, sampled inside llama_decode (llama.cpp's chains)")
+    columns = ("host: outside", "in decode", "backend: outside", "in decode")
+    print(f"{'settings':42} " + " ".join(f"{c:>17}" for c in columns))
+    backend_config = replace(config, backend_sampling="on")
+    backend_engine = Engine(backend_config)
     for name, fields in MIXES.items():
-        print(f"{name:42} {per_tick(engine, config, fields, ticks):8.2f}")
+        host, host_decode = per_tick(engine, config, fields, ticks)
+        graph, graph_decode = per_tick(backend_engine, backend_config, fields, ticks)
+        figures = (host, host_decode, graph, graph_decode)
+        print(f"{name:42} " + " ".join(f"{figure:17.2f}" for figure in figures))
+    backend_engine.close()
     engine.close()
 
 
