@@ -45,6 +45,8 @@ class Settings:
     prompts_per_stream: int  # requests per run: this many times the concurrency (at least 8)
     flash_attn: str
     gpu_layers: int
+    temperature: float = 0.0  # 0: greedy; above it, every request samples
+    loomserve_args: str = ""  # extra `loomserve serve` options, e.g. "--backend-sampling off"
 
     def num_prompts(self, concurrency: int) -> int:
         return max(8, self.prompts_per_stream * concurrency)
@@ -86,6 +88,7 @@ def loomserve_command(settings: Settings, port: int) -> list[str]:
         *("--port", str(port), "--slots", str(settings.slots)),
         *("--ctx-size", str(settings.ctx_size), "--batch-tokens", str(settings.batch_tokens)),
         *("--flash-attn", settings.flash_attn, "--gpu-layers", str(settings.gpu_layers)),
+        *settings.loomserve_args.split(),
     ]
 
 
@@ -132,7 +135,7 @@ def under_load(name: str, server: list[str], port: int, settings: Settings, out:
                 *("--max-concurrency", str(concurrency)),
                 *("--num-prompts", str(settings.num_prompts(concurrency))),
                 *("--ignore-eos", "--no-progress", "--result-json", str(result_json)),
-                *("--seed", str(concurrency)),
+                *("--seed", str(concurrency), "--temperature", str(settings.temperature)),
             ]
             subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT, check=True)
             points[concurrency] = json.loads(result_json.read_text())["summary"]
@@ -172,7 +175,10 @@ def markdown(settings: Settings, results: dict) -> str:
         f"{settings.model.name}: {settings.slots} slots × {settings.ctx_size}, prompts of "
         f"{settings.input_len} tokens, {settings.output_len} output tokens (ignore_eos), "
         f"batch {settings.batch_tokens}, flash attention {settings.flash_attn}, "
-        f"{settings.gpu_layers} GPU layers; output tokens/s (share of the ceiling)."
+        f"{settings.gpu_layers} GPU layers, "
+        + (f"temperature {settings.temperature:g}" if settings.temperature else "greedy")
+        + (f", loomserve {settings.loomserve_args}" if settings.loomserve_args else "")
+        + "; output tokens/s (share of the ceiling)."
     )
     return shape + "\n\n" + "\n".join(lines) + "\n"
 
@@ -198,6 +204,13 @@ def markdown(settings: Settings, results: dict) -> str:
 @click.option("--gpu-layers", default=999)
 @click.option("--server-args", default="", help="Extra llama-server arguments, e.g. '-cram 0'.")
 @click.option("--only", default="ceiling,loomserve,llama-server", help="Contenders to run.")
+@click.option(
+    "--temperature",
+    default=0.0,
+    help="Every request's temperature (0: greedy); llama-server adds its own top-k 40, "
+    "top-p 0.95 and min-p 0.05 to a request that sets none.",
+)
+@click.option("--loomserve-args", default="", help="Extra `loomserve serve` options.")
 def main(
     model: Path,
     bin_dir: Path,
@@ -213,6 +226,8 @@ def main(
     gpu_layers: int,
     server_args: str,
     only: str,
+    temperature: float,
+    loomserve_args: str,
 ) -> None:
     """Output tokens/s of the ceiling, loomserve and llama-server at each concurrency."""
     settings = Settings(
@@ -226,6 +241,8 @@ def main(
         prompts_per_stream=prompts_per_stream,
         flash_attn=flash_attn,
         gpu_layers=gpu_layers,
+        temperature=temperature,
+        loomserve_args=loomserve_args,
     )
     out.mkdir(parents=True, exist_ok=True)
     wanted = set(only.split(","))
