@@ -18,8 +18,10 @@ Subpackages by job, each importing only those below it (pyproject's import contr
                (generation_request.py): prompts with their SamplingParams, n, stops
     tools/     tool calls: checks.py, the call formats (format.py), rendering through the
                chat template (template.py), the grammar of a required call, the parser
+               (parser.py, which reads each call's JSON with call_object.py)
     text/      tokenizer, chat templates, JSON-schema grammars, stop strings
-    api/       OpenAI's request and response bodies (schemas.py) and error shape (errors.py)
+    api/       OpenAI's request bodies (schemas.py, of fields.py's strict JSON types),
+               response bodies (response_bodies.py) and error shape (errors.py)
     workers/   WorkerPool (pool.py) picks a worker (routing.py); WorkerClient (client.py)
                owns one worker's DEALER socket; CURVE keys; the transport errors (errors.py)
     config.py, metrics.py, endpoints.py: settings, Prometheus metrics, worker addresses

@@ -1,123 +1,35 @@
-"""Request and response bodies of the HTTP API, as OpenAI (and llama-server for extras) has them.
+"""Request bodies of the HTTP API, as OpenAI (and llama-server for extras) has them.
 
 Fields OpenAI does not define are ignored, as vLLM and llama-server do; every field OpenAI
 defines is declared, so that one we cannot honour gets a 400 naming it (params.py).
-Request fields take their JSON types strictly: "10" is not a number, nor "yes" a boolean
-(an integer is a number, though), and integers bound for the worker stay in llama.cpp's range.
-An integral float (`2.0`) is an integer, as JSON Schema, pydantic's lax mode and vLLM have it;
-`2.5` is not (JsonInt; token-id lists: _integral_ids).
+Their JSON types are strict, and integral floats are integers (fields.py); the bodies the
+gateway answers with are in response_bodies.py.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
-)
+from pydantic import BaseModel, ConfigDict, Field, WrapValidator
 
+from loomserve.gateway.api.fields import (
+    FAIL_FAST,
+    INT32_MAX,
+    JsonInt,
+    RequestModel,
+    TokenIds,
+    ids_from_zero_schema,
+    integral_ids,
+    only_null_schema,
+    schema_range,
+    token_ids_schema,
+)
 from loomserve.protocol.limits import MAX_LOGIT_BIAS
 
-# --- requests ------------------------------------------------------------------
-
-INT32_MAX = 2**31 - 1  # llama.cpp's integer settings; beyond it a value is a 400, never a 500
 MAX_TOOLS = 128  # OpenAI's limit on `tools` (request/limits.py checks it before validation)
 # Messages in one chat (or input items of a Responses request): far more than any context
 # holds turns of, and few enough to check each of them in a millisecond.
 MAX_MESSAGES = 4096
-
-
-def streamed_responses(description: str) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI for a route that answers JSON, or server-sent events when `stream` is true."""
-    events = {"type": "string", "description": "server-sent events: `data: <JSON>` lines"}
-    return {200: {"description": description, "content": {"text/event-stream": {"schema": events}}}}
-
-
-def _range(low: float, high: float) -> dict[str, Any]:
-    """A number's bounds, for the schema only: params.py and the protocol check them, with
-    their own messages (the schema and the checks must agree: tests/test_faults_gateway.py)."""
-    return {"minimum": low, "maximum": high}
-
-
-def _integral(value: Any) -> Any:
-    """An integral float as the integer it is; anything else is left to the strict check."""
-    if type(value) is float and value.is_integer():
-        return int(value)
-    return value
-
-
-def _integral_ids(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """Token ids checked as strict integers first, one fast pass over a million of them; only
-    when that fails are integral floats among them taken as integers, and checked again."""
-    try:
-        return handler(value)
-    except ValidationError:
-        fixed = _without_integral_floats(value)
-        if fixed is None:
-            raise
-        return handler(fixed)
-
-
-def _without_integral_floats(value: Any) -> list | None:
-    """A list of ids or of lists of ids with its integral floats as ints; None when it has
-    none (then there is nothing to check again)."""
-    if not isinstance(value, list):
-        return None
-    changed = False
-
-    def fix(items: list) -> list:
-        nonlocal changed
-        out = list(items)
-        for i, item in enumerate(out):
-            if type(item) is float and item.is_integer():
-                out[i], changed = int(item), True
-        return out
-
-    fixed = [fix(item) if isinstance(item, list) else item for item in fix(value)]
-    return fixed if changed else None
-
-
-JsonInt = Annotated[int, BeforeValidator(_integral)]
-"""An integer field: `2.0` is taken as 2, `2.5` and `"2"` are refused."""
-
-# A list stops at its first bad item: a million bad ids made an error each for two members of
-# a union of lists, and FastAPI turns each error into a dict (21 s of the event loop).
-_FAIL_FAST = Field(fail_fast=True)
-TokenIds = Annotated[list[int], _FAIL_FAST]
-
-
-def _token_ids_schema(schema: dict[str, Any]) -> None:
-    """The schema of prompts: no list may be empty, token ids start at 0 (the vocabulary's
-    size, which bounds them above, is the model's: a 400 the schema cannot state)."""
-    for variant in schema.get("anyOf", [schema]):
-        while variant.get("type") == "array":
-            variant["minItems"] = 1
-            variant = variant["items"]
-            if variant.get("type") == "integer":
-                variant["minimum"] = 0
-
-
-def _ids_from_zero_schema(schema: dict[str, Any]) -> None:
-    """A list of token ids, possibly empty: each at least 0 (the vocabulary bounds them
-    above, a 400 the schema cannot state)."""
-    schema.setdefault("items", {})["minimum"] = 0
-
-
-def _only_null(schema: dict[str, Any]) -> None:
-    schema.pop("anyOf", None)
-    schema["type"] = "null"
-
-
-class RequestModel(BaseModel):
-    """A request body or part of one: strict JSON types, no coercion from strings."""
-
-    model_config = ConfigDict(strict=True)
 
 
 class StreamOptions(RequestModel):
@@ -166,7 +78,7 @@ class GenerationFields(RequestModel):
 
     model: str | None = Field(default=None, description="The served model; optional.")
     temperature: float | None = Field(
-        default=None, description="0 is greedy. Default 1.", json_schema_extra=_range(0, 100)
+        default=None, description="0 is greedy. Default 1.", json_schema_extra=schema_range(0, 100)
     )
     top_p: float | None = Field(
         default=None,
@@ -201,8 +113,8 @@ class GenerationFields(RequestModel):
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         },
     )
-    presence_penalty: float | None = Field(default=None, json_schema_extra=_range(-2, 2))
-    frequency_penalty: float | None = Field(default=None, json_schema_extra=_range(-2, 2))
+    presence_penalty: float | None = Field(default=None, json_schema_extra=schema_range(-2, 2))
+    frequency_penalty: float | None = Field(default=None, json_schema_extra=schema_range(-2, 2))
     response_format: ResponseFormat | None = None
     user: str | None = Field(
         default=None, description="The end user; requests without an API key share by it."
@@ -211,21 +123,23 @@ class GenerationFields(RequestModel):
         default=None,
         description="Lower is served first under --scheduling-policy priority (as vLLM). "
         "Default 0. Clamped into the range the API key may claim (--api-key-file).",
-        json_schema_extra=_range(-(2**31) + 1, 2**31 - 1),
+        json_schema_extra=schema_range(-(2**31) + 1, 2**31 - 1),
     )
     logprobs: bool | JsonInt | None = Field(
         default=None,
         description="Completions: alternatives per token (0-20). Chat: true for logprobs.",
     )
     top_logprobs: JsonInt | None = Field(
-        default=None, description="Chat: alternatives (0-20).", json_schema_extra=_range(0, 20)
+        default=None,
+        description="Chat: alternatives (0-20).",
+        json_schema_extra=schema_range(0, 20),
     )
     # llama.cpp's extras
     top_k: JsonInt | None = Field(
         default=None, ge=0, le=INT32_MAX, description="0 disables. Default 0."
     )
     min_p: float | None = Field(
-        default=None, description="Default 0.", json_schema_extra=_range(0, 1)
+        default=None, description="Default 0.", json_schema_extra=schema_range(0, 1)
     )
     repeat_penalty: float | None = Field(
         default=None,
@@ -250,12 +164,12 @@ class CompletionRequest(GenerationFields):
     # Left to right, token ids early: pydantic's "smart" union tried every member on a
     # million ids and took seconds of the event loop.
     prompt: Annotated[
-        str | TokenIds | Annotated[list[str], _FAIL_FAST] | Annotated[list[TokenIds], _FAIL_FAST],
-        WrapValidator(_integral_ids),
+        str | TokenIds | Annotated[list[str], FAIL_FAST] | Annotated[list[TokenIds], FAIL_FAST],
+        WrapValidator(integral_ids),
     ] = Field(
         description="A string, a list of one string, or token ids.",
         union_mode="left_to_right",
-        json_schema_extra=_token_ids_schema,
+        json_schema_extra=token_ids_schema,
     )
     max_tokens: JsonInt | None = Field(
         default=None,
@@ -267,7 +181,9 @@ class CompletionRequest(GenerationFields):
     echo: bool | None = Field(default=None, description="Prepend the prompt to the text.")
     best_of: JsonInt | None = Field(default=None, description="Only 1 is supported.")
     top_logprobs: JsonInt | None = Field(
-        default=None, description="Chat's; completions take logprobs.", json_schema_extra=_only_null
+        default=None,
+        description="Chat's; completions take logprobs.",
+        json_schema_extra=only_null_schema,
     )
     suffix: str | None = Field(
         default=None, description="Not supported.", json_schema_extra={"maxLength": 0}
@@ -379,117 +295,10 @@ class TokenizeRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     """llama-server's /detokenize."""
 
-    tokens: Annotated[TokenIds, WrapValidator(_integral_ids)] = Field(
-        json_schema_extra=_ids_from_zero_schema
+    tokens: Annotated[TokenIds, WrapValidator(integral_ids)] = Field(
+        json_schema_extra=ids_from_zero_schema
     )
     model: str | None = None
-
-
-# --- responses -----------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int
-
-
-class Usage(BaseModel):
-    """Token counts of a response: the one usage type of the gateway, as OpenAI shapes it."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-        """Usage from the three counts the worker reports; the total follows from them."""
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-        )
-
-
-class CompletionLogprobs(BaseModel):
-    """Completions' logprobs, one entry per generated token in each list; with echo, the
-    prompt's tokens first (its first token's logprob and top are null)."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None] | None
-    text_offset: list[int]
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    """Chat's logprobs: one entry per generated token of the content."""
-
-    content: list[ChatTokenLogprob]
-    refusal: None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class Completion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ModelStatus(BaseModel):
-    """Where a model is, as llama-server's router mode says: loaded, loading, unloading,
-    unloaded (loads on demand) or unavailable (no worker serves it, none can be started)."""
-
-    value: str
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "loomserve"
-    max_model_len: int | None = None
-    status: ModelStatus | None = None
 
 
 class ModelAction(RequestModel):
@@ -498,46 +307,11 @@ class ModelAction(RequestModel):
     model: str
 
 
-class ModelActionResult(BaseModel):
-    success: bool = True
-    model: str
-    status: ModelStatus
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenPiece(BaseModel):
-    id: int
-    piece: str
-
-
-class TokenizeResponse(BaseModel):
-    tokens: list[int] | list[TokenPiece]
-
-
-class DetokenizeResponse(BaseModel):
-    content: str
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings."""
 
     input: (
-        str | Annotated[list[str], _FAIL_FAST] | TokenIds | Annotated[list[TokenIds], _FAIL_FAST]
+        str | Annotated[list[str], FAIL_FAST] | TokenIds | Annotated[list[TokenIds], FAIL_FAST]
     ) = Field(description="A text, texts, token ids, or lists of token ids.")
     model: str | None = None
     encoding_format: Literal["float", "base64"] = Field(
@@ -545,21 +319,3 @@ class EmbeddingRequest(BaseModel):
     )
     dimensions: int | None = Field(default=None, description="Not supported.")
     user: str | None = None
-
-
-class Embedding(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loomserve.gateway.api.schemas import Usage
+from loomserve.gateway.api.response_bodies import Usage
 from loomserve.gateway.text.stop import StopMatcher, TextMatcher
 from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Pieces
 from loomserve.gateway.workers.errors import WorkerBadOutput, WorkerFailed, WorkerLost

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 import structlog
 
 from loomserve.gateway import tracing
-from loomserve.gateway.api.schemas import Usage
+from loomserve.gateway.api.response_bodies import Usage
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta
 from loomserve.gateway.generate.generation import Generation
 from loomserve.gateway.metrics import GatewayMetrics

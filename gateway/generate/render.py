@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loomserve.gateway.api.errors import APIError
-from loomserve.gateway.api.schemas import (
+from loomserve.gateway.api.response_bodies import (
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,

@@ -14,23 +14,25 @@ from fastapi.responses import JSONResponse, Response
 
 from loomserve.gateway import tracing
 from loomserve.gateway.api.errors import install_handlers, unavailable
-from loomserve.gateway.api.schemas import (
+from loomserve.gateway.api.response_bodies import (
     ChatCompletion,
-    ChatCompletionRequest,
     Completion,
-    CompletionRequest,
-    DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingList,
-    EmbeddingRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
     ModelStatus,
-    TokenizeRequest,
     TokenizeResponse,
     TokenPiece,
     streamed_responses,
+)
+from loomserve.gateway.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
 )
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.generate.streaming import (

@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from loomserve.gateway.api.schemas import ModelAction, ModelActionResult, ModelStatus
+from loomserve.gateway.api.response_bodies import ModelActionResult, ModelStatus
+from loomserve.gateway.api.schemas import ModelAction
 from loomserve.gateway.models.registry import ModelEntry, Models
 from loomserve.gateway.workers.pool import WorkerPool, WorkerSlots
 from loomserve.protocol.messages import SlotsReport, SlotState

@@ -1,7 +1,7 @@
 """How a family of models writes tool calls, told from its chat template's text.
 
 The same few facts serve three jobs: the parser finds calls in the output (parser.py),
-the grammar forces a call in that syntax (tool_grammar.py), and calls in a conversation's
+the grammar forces a call in that syntax (grammar.py), and calls in a conversation's
 history are written back as text when the template cannot render them (template.py).
 """
 

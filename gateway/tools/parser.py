@@ -14,24 +14,18 @@ unless it was cut while, so far, it repeated an earlier call word for word (then
 dropped: a cut duplicate is no call); the rest of an unfinished call or call marker is
 dropped. A reply cut where nothing but such a duplicate (or a marker) was lost reports
 `tool_calls`, as if it had ended at its calls (`finish_reason`).
+
+Each JSON object is read by call_object.py's CallObject, which finds a call's name and
+arguments in it; this module decides what the text is: content, a call, or a repeat.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass, field
-from typing import Any
 
+from loomserve.gateway.tools.call_object import CallObject, as_call, decoded_string
 from loomserve.gateway.tools.format import ToolFormat
 
-# The head of a call written name first; the arguments' JSON starts right after it.
-_CALL_HEAD = re.compile(
-    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:'
-)
-# The head of a call cut short before its arguments: only its name is known.
-_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_HEAD_LIMIT = 512  # characters; past this an object is not written name first
 _BETWEEN_CALLS = " \t\r\n,;["  # what may separate calls in a run
 
 
@@ -68,24 +62,6 @@ class ParsedCall:
 
 
 @dataclass(slots=True)
-class _Object:
-    """The JSON object being read: its text and where its arguments are."""
-
-    text: str = ""
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
-    index: int | None = None  # the call's index once announced
-    dropped: bool = False  # a call past max_calls: read, never sent
-    args_start: int | None = None
-    args_end: int | None = None
-    args_sent: int = 0  # text[args_start:args_sent] has been sent
-    args_quoted: bool = False  # arguments written as a JSON string: sent decoded, at the end
-    held: bool = False  # so far word for word an earlier call: not announced (yet)
-    name: str = ""
-
-
-@dataclass(slots=True)
 class ToolCallParser:
     """Splits one reply into content and calls; max_calls None means any number."""
 
@@ -103,7 +79,7 @@ class ToolCallParser:
     _at_start: bool = True
     _run_text: str = ""  # what a run consumed, given back as content if it held no call
     _run_calls: int = 0
-    _object: _Object = field(default_factory=_Object)
+    _object: CallObject = field(default_factory=CallObject)
     _done_calls: list[str] = field(default_factory=list)  # the text of each whole call
     _events: list[ToolEvent] = field(default_factory=list)
 
@@ -205,7 +181,7 @@ class ToolCallParser:
             return False
         closes = self.format.closes
         if buffer[0] == "{":
-            self._mode, self._object = "object", _Object()
+            self._mode, self._object = "object", CallObject()
             return True
         if buffer[0] == "]" and closes is None:
             self._run_text += "]"
@@ -230,7 +206,9 @@ class ToolCallParser:
         used = 0
         for ch in buffer:
             used += 1
-            self._read_char(obj, ch)
+            position = len(obj.text)
+            if obj.read(ch):  # a key or a value starts here
+                self._maybe_announce(obj, position)
             if obj.depth == 0:
                 break
         self._buffer = buffer[used:]
@@ -244,44 +222,10 @@ class ToolCallParser:
 
     # --- one object ----------------------------------------------------------------
 
-    def _read_char(self, obj: _Object, ch: str) -> None:
-        position = len(obj.text)
-        obj.text += ch
-        if obj.in_string:
-            if obj.escaped:
-                obj.escaped = False
-            elif ch == "\\":
-                obj.escaped = True
-            elif ch == '"':
-                obj.in_string = False
-            return
-        if (
-            obj.args_start is not None
-            and obj.args_end is None
-            and position > obj.args_start
-            and obj.depth == 1
-            and ch in ",}"
-        ):
-            obj.args_end = position
-        if obj.depth == 1 and not ch.isspace() and ch not in ",:}":
-            self._maybe_announce(obj, position)  # a key or a value starts here
-        if ch == '"':
-            obj.in_string = True
-        elif ch in "{[":
-            obj.depth += 1
-        elif ch in "}]":
-            obj.depth -= 1
-
-    def _maybe_announce(self, obj: _Object, position: int) -> None:
+    def _maybe_announce(self, obj: CallObject, position: int) -> None:
         """At the first character of a value: announce the call if these are its arguments."""
-        if obj.index is not None or obj.dropped or position > _HEAD_LIMIT:
+        if obj.index is not None or obj.dropped or not obj.find_arguments(position):
             return
-        head = _CALL_HEAD.match(obj.text)
-        if head is None or obj.text[head.end() : position].strip():
-            return
-        obj.args_start = obj.args_sent = position
-        obj.args_quoted = obj.text[position] == '"'
-        obj.name = _unquote(head.group(1))
         if self._repeats(obj.text):
             obj.held = True
             return
@@ -291,7 +235,7 @@ class ToolCallParser:
         """Whether text is, so far, word for word an earlier call of this reply."""
         return any(done.startswith(text) for done in self._done_calls)
 
-    def _announce(self, obj: _Object, name: str) -> None:
+    def _announce(self, obj: CallObject, name: str) -> None:
         self._run_calls += 1
         if self.max_calls is not None and self.calls >= self.max_calls:
             obj.dropped = True
@@ -300,7 +244,7 @@ class ToolCallParser:
         self.calls += 1
         self._events.append(CallStart(obj.index, self.format.new_call_id(), name))
 
-    def _send_arguments(self, obj: _Object) -> None:
+    def _send_arguments(self, obj: CallObject) -> None:
         """Send the arguments' text read so far, holding back what may be trailing space."""
         if obj.index is None or obj.args_start is None or obj.args_quoted:
             return
@@ -310,7 +254,7 @@ class ToolCallParser:
             self._arguments(obj.index, obj.text[obj.args_sent : end])
             obj.args_sent = end
 
-    def _close_object(self, obj: _Object) -> None:
+    def _close_object(self, obj: CallObject) -> None:
         self._mode = "run"
         if obj.held or (obj.args_start is None and obj.text in self._done_calls):
             self._run_calls += 1  # a call all the same: the run is no content
@@ -322,9 +266,9 @@ class ToolCallParser:
         if obj.args_start is not None:  # announced (or dropped) as it came
             if obj.args_quoted and obj.index is not None:
                 raw = obj.text[obj.args_start : obj.args_end].strip()
-                self._arguments(obj.index, _decoded_string(raw))
+                self._arguments(obj.index, decoded_string(raw))
             return
-        call = _as_call(obj.text)
+        call = as_call(obj.text)
         if call is None:
             self._end_run(obj.text)  # not a call: it and what came before are content
             return
@@ -346,9 +290,9 @@ class ToolCallParser:
         if cut and obj.index is None and not obj.dropped:
             # A call whose name is whole, with the arguments written so far; cut before its
             # name was whole, nothing.
-            named = _CALL_NAME.match(obj.text)
-            if named is not None:
-                self._announce(obj, _unquote(named.group(1)))
+            name = obj.cut_name()
+            if name is not None:
+                self._announce(obj, name)
             self._mode = "text"
             return
         if obj.index is not None or obj.dropped:
@@ -432,35 +376,3 @@ def _partial_marker(text: str, markers: tuple[str, ...]) -> int:
                 longest = size
                 break
     return longest
-
-
-def _unquote(body: str) -> str:
-    try:
-        return json.loads(f'"{body}"')
-    except json.JSONDecodeError:
-        return body
-
-
-def _decoded_string(raw: str) -> str:
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-    return value if isinstance(value, str) else raw
-
-
-def _as_call(text: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of an object that is a call written in another key order."""
-    try:
-        value: Any = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    key = "arguments" if "arguments" in value else "parameters"
-    if key not in value:
-        return None
-    arguments = value[key]
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return value["name"], arguments

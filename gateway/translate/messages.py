@@ -21,7 +21,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from loomserve.gateway.api.errors import invalid_request, validation_error
-from loomserve.gateway.api.schemas import ChatCompletionRequest, streamed_responses
+from loomserve.gateway.api.response_bodies import streamed_responses
+from loomserve.gateway.api.schemas import ChatCompletionRequest
 from loomserve.gateway.serving.chat import ChatServing
 from loomserve.gateway.translate.bridge import (
     named_event,

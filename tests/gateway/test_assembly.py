@@ -9,7 +9,8 @@ import time
 import pytest
 
 from loomserve.gateway.api.errors import worker_error
-from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from loomserve.gateway.api.response_bodies import Usage
+from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextAssembly, TokenLogprob
 from loomserve.gateway.request.generation_request import GenerationRequest, Prompt
 from loomserve.gateway.workers.client import RequestHandle

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, Usage
+from loomserve.gateway.api.response_bodies import Usage
+from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from loomserve.gateway.generate.assembly import Done, TextDelta
 from loomserve.gateway.generate.render import DONE_EVENT, StreamChunks, response_body, sse
 from loomserve.gateway.tools.checks import ToolRequest

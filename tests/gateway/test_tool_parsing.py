@@ -1,4 +1,5 @@
-"""Tool calls without a server: the parser on each format, format detection, template probes."""
+"""Tool calls without a server: the parser on each format, a call's JSON read as it comes, format
+detection, template probes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from loomserve.gateway.generate.assembly import TextAssembly
 from loomserve.gateway.text.chat_template import CHATML_TEMPLATE, ChatTemplate
 from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.gateway.tools.call_object import CallObject, as_call
 from loomserve.gateway.tools.checks import MarkerPieces
 from loomserve.gateway.tools.format import GENERIC, HERMES, JSON, LLAMA3, MISTRAL, ToolFormat
 from loomserve.gateway.tools.grammar import MAX_TOOL_STRING_CHARS, ToolGrammarError, tool_grammar
@@ -101,6 +103,34 @@ def test_a_call_is_announced_before_its_arguments_end() -> None:
     assert events[1:] == [ArgumentsDelta(0, '{"city": "Par')]
     assert parser.push('is"}}\n</tool_call>') == [ArgumentsDelta(0, 'is"}')]
     assert parser.finish() == []
+
+
+def read_object(text: str) -> tuple[CallObject, list[int]]:
+    """A CallObject fed text a character at a time, and where it found the arguments begin."""
+    obj, found = CallObject(), list[int]()
+    for ch in text:
+        position = len(obj.text)
+        if obj.read(ch) and obj.args_start is None and obj.find_arguments(position):
+            found.append(position)
+    return obj, found
+
+
+def test_a_call_object_finds_its_name_and_arguments_as_it_reads() -> None:
+    text = '{"name": "get_\\"w\\"", "arguments": {"q": "a,}\\"b", "n": [1, {"x": 2}]}, "k": 1}'
+    obj, found = read_object(text)
+    start = text.index('{"q"')
+    assert found == [start] and obj.name == 'get_"w"' and not obj.args_quoted
+    # The arguments end at the top-level comma, not at those inside strings or nested values.
+    assert obj.text[obj.args_start : obj.args_end] == '{"q": "a,}\\"b", "n": [1, {"x": 2}]}'
+    assert obj.depth == 0 and not obj.in_string
+    # Keys in another order, or a name cut short: no arguments found as it reads.
+    assert read_object('{"arguments": {}, "name": "f"}')[1] == []
+    assert as_call('{"arguments": {"a": 1}, "name": "f"}') == ("f", '{"a": 1}')
+    cut, found = read_object('{"name": "f", "argu')
+    assert found == [] and cut.cut_name() == "f"
+    assert read_object('{"na')[0].cut_name() is None
+    quoted, _ = read_object('{"name": "f", "parameters": "{}"}')
+    assert quoted.args_quoted and quoted.name == "f"
 
 
 def test_max_calls_drops_later_calls() -> None:

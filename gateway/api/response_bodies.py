@@ -1,0 +1,177 @@
+"""Response bodies of the HTTP API, as OpenAI (and llama-server for extras) shapes them.
+
+What the gateway answers: completions and chat completions (render.py fills them), usage,
+logprobs, models, tokenize and detokenize, embeddings, and the error body; and the OpenAPI
+note of a route that may stream. The request bodies are in schemas.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from loomserve.gateway.api.schemas import ToolCall
+
+
+def streamed_responses(description: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI for a route that answers JSON, or server-sent events when `stream` is true."""
+    events = {"type": "string", "description": "server-sent events: `data: <JSON>` lines"}
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": events}}}}
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    """Token counts of a response: the one usage type of the gateway, as OpenAI shapes it."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        """Usage from the three counts the worker reports; the total follows from them."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' logprobs, one entry per generated token in each list; with echo, the
+    prompt's tokens first (its first token's logprob and top are null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's logprobs: one entry per generated token of the content."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelStatus(BaseModel):
+    """Where a model is, as llama-server's router mode says: loaded, loading, unloading,
+    unloaded (loads on demand) or unavailable (no worker serves it, none can be started)."""
+
+    value: str
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "loomserve"
+    max_model_len: int | None = None
+    status: ModelStatus | None = None
+
+
+class ModelActionResult(BaseModel):
+    success: bool = True
+    model: str
+    status: ModelStatus
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[TokenPiece]
+
+
+class DetokenizeResponse(BaseModel):
+    content: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
