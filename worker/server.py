@@ -244,6 +244,8 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
         kv_cells=engine.kv_cells_total(),
         kv_cache_type=config.kv_cache_type,
         flash_attn=config.flash_attn,
+        # "graph": eligible requests sample inside llama_decode (backend_sampling.py)
+        sampling="graph" if engine.backend_sampling else "host",
         batch_tokens=config.batch_tokens,
         prefill_chunk=config.prefill_chunk,
         max_queue=config.max_queue,
