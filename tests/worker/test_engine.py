@@ -27,15 +27,14 @@ from loomserve.protocol import (
 )
 from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import engine as engine_module
-from loomserve.worker.engine.engine import (
+from loomserve.worker.engine import llama_logs
+from loomserve.worker.engine.engine import Engine, EngineError
+from loomserve.worker.engine.llama_logs import (
     GGML_LOG_CONT,
     GGML_LOG_ERROR,
     GGML_LOG_INFO,
     GGML_LOG_WARN,
     PROGRESS_EVERY_S,
-    Engine,
-    EngineError,
     LlamaLogLines,
     LoadProgress,
 )
@@ -594,7 +593,7 @@ def test_llama_cpps_log_reaches_structlog_as_whole_lines_at_its_level(monkeypatc
 
 
 def _llama_lines_at_their_levels(monkeypatch) -> None:
-    monkeypatch.setattr(engine_module, "_llama_log", structlog.get_logger("llama.cpp"))
+    monkeypatch.setattr(llama_logs, "_llama_log", structlog.get_logger("llama.cpp"))
     lines = LlamaLogLines()
     with capture_logs() as logs:
         lines.feed(GGML_LOG_INFO, "llama_model_loader: loaded meta data\n")
