@@ -5,13 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loomserve.worker.config import (
-    DEFAULT_CACHE_RAM_MIB,
-    MIB,
-    WorkerConfig,
-    memory_limit_bytes,
-    physical_memory_bytes,
-)
+from loomserve.worker.config import DEFAULT_CACHE_RAM_MIB, MIB, WorkerConfig
+from loomserve.worker.host_memory import memory_limit_bytes, physical_memory_bytes
 
 GIB = 1024**3
 
