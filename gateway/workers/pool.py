@@ -43,20 +43,11 @@ from loomserve.gateway.workers.routing import (
     choose_worker,
     preferred_worker,
 )
-from loomserve.protocol.messages import Heartbeat, ModelInfo, SlotsReport
+from loomserve.protocol.messages import Heartbeat, Load, ModelInfo, SlotsReport
 
 log = structlog.get_logger(__name__)
 
 WATCH_SECONDS = 0.25  # how often rotation changes are logged and the metrics refreshed
-
-
-@dataclass(frozen=True, slots=True)
-class SlotLoad:
-    """Slots and queue of one worker (from its heartbeat) or of every ready worker, summed."""
-
-    queue_depth: int
-    free_slots: int
-    running: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +181,7 @@ class WorkerPool:
     def info(self) -> ModelInfo | None:
         return self.info_of(None)
 
-    def load_of(self, model: str | None = None) -> SlotLoad | None:
+    def load_of(self, model: str | None = None) -> Load | None:
         """The ready workers' latest loads (of `model`), summed; None while none is ready.
 
         A worker that answered Hello but has not heartbeated yet counts as idle, as in routing.
@@ -198,14 +189,14 @@ class WorkerPool:
         loads = [_latest_load(client) for client in self.in_rotation(model) if client.info]
         if not loads:
             return None
-        return SlotLoad(
+        return Load(
             queue_depth=sum(load.queue_depth for load in loads),
             free_slots=sum(load.free_slots for load in loads),
             running=sum(load.running for load in loads),
         )
 
     @property
-    def load(self) -> SlotLoad | None:
+    def load(self) -> Load | None:
         return self.load_of(None)
 
     async def slots(self, timeout: float) -> list[WorkerSlots]:
@@ -265,13 +256,11 @@ class WorkerPool:
                 continue
             if client.unavailable_reason() is not None:
                 continue
-            load = _latest_load(client)
             loads.append(
                 WorkerLoad(
                     endpoint,
                     client.info.slots,
-                    load.free_slots,
-                    load.queue_depth,
+                    _latest_load(client),
                     client.pending_requests,
                     client.open_requests,
                 )
@@ -355,16 +344,16 @@ def _export_load(metrics: GatewayMetrics, endpoint: str, beat: Heartbeat | None)
         metrics.set_worker_load(endpoint, 0, 0, 0, 0.0)
         return
     usage = beat.kv_cells_used / beat.kv_cells_total if beat.kv_cells_total else 0.0
-    metrics.set_worker_load(endpoint, beat.running, beat.queue_depth, beat.free_slots, usage)
+    load = beat.load
+    metrics.set_worker_load(endpoint, load.running, load.queue_depth, load.free_slots, usage)
 
 
-def _latest_load(client: WorkerClient) -> SlotLoad:
+def _latest_load(client: WorkerClient) -> Load:
     """The load of the client's latest heartbeat, or idle from its ModelInfo before the first."""
-    beat = client.heartbeat
-    if beat is not None:
-        return SlotLoad(beat.queue_depth, beat.free_slots, beat.running)
+    if client.heartbeat is not None:
+        return client.heartbeat.load
     assert client.info is not None
-    return SlotLoad(queue_depth=0, free_slots=client.info.slots, running=0)
+    return Load(queue_depth=0, free_slots=client.info.slots, running=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +372,7 @@ class ModelWorkers:
         return self.pool.info_of(self.model)
 
     @property
-    def load(self) -> SlotLoad | None:
+    def load(self) -> Load | None:
         return self.pool.load_of(self.model)
 
     def unavailable_reason(self) -> str | None:
