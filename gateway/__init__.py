@@ -20,8 +20,10 @@ Subpackages by job, each importing only those below it (pyproject's import contr
                chat template (template.py), the grammar of a required call, the parser
     text/      tokenizer, chat templates, JSON-schema grammars, stop strings
     api/       OpenAI's request and response bodies (schemas.py) and error shape (errors.py)
-    workers/   WorkerPool (pool.py) picks a worker (routing.py); WorkerClient (client.py)
-               owns one worker's DEALER socket; CURVE keys; the transport errors (errors.py)
+    workers/   WorkerPool (pool.py) picks a worker (routing.py) among its members
+               (membership.py); WorkerClient (client.py) is one worker's connection, routing
+               replies to each request (open_requests.py, handle.py) over its DEALER socket
+               (dealer.py); CURVE keys; the transport errors (errors.py)
     config.py, metrics.py, endpoints.py: settings, Prometheus metrics, worker addresses
 
 What goes wrong with the worker is raised as a workers/errors.py exception; api/errors.py
