@@ -267,8 +267,9 @@ def worker_health(
         raise click.ClickException(f"no answer from {worker_endpoint} within {timeout} s{why}")
     if not beat.ready:
         raise click.ClickException(f"{worker_endpoint} answers but is not ready yet")
+    load = beat.load
     click.echo(
-        f"ready: {beat.running} running, {beat.free_slots} slots free, {beat.queue_depth} queued"
+        f"ready: {load.running} running, {load.free_slots} slots free, {load.queue_depth} queued"
     )
 
 

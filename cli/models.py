@@ -75,7 +75,7 @@ class ManagedModel:
 
     @property
     def busy(self) -> bool:
-        return any(beat.running or beat.queue_depth for beat in self.beats.values())
+        return any(beat.load.running or beat.load.queue_depth for beat in self.beats.values())
 
 
 class ModelManager:

@@ -22,8 +22,10 @@ Subpackages by job, each importing only those below it (pyproject's import contr
     text/      tokenizer, chat templates, JSON-schema grammars, stop strings
     api/       OpenAI's request bodies (schemas.py, of fields.py's strict JSON types),
                response bodies (response_bodies.py) and error shape (errors.py)
-    workers/   WorkerPool (pool.py) picks a worker (routing.py); WorkerClient (client.py)
-               owns one worker's DEALER socket; CURVE keys; the transport errors (errors.py)
+    workers/   WorkerPool (pool.py) picks a worker (routing.py) among its members
+               (membership.py); WorkerClient (client.py) is one worker's connection, routing
+               replies to each request (open_requests.py, handle.py) over its DEALER socket
+               (dealer.py); CURVE keys; the transport errors (errors.py)
     config.py, metrics.py, endpoints.py: settings, Prometheus metrics, worker addresses
 
 What goes wrong with the worker is raised as a workers/errors.py exception; api/errors.py

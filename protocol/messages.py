@@ -21,8 +21,9 @@ DEFAULT_TENANT = "default"
 # Heartbeat.kv_cells_used and kv_cells_total; 9: SlotsQuery, SlotsReport; 10: Finish.code;
 # 11: VocabQuery, VocabFile, Heartbeat.idle_seconds, the models control messages,
 # Ping.for_gateway; 12: Generate's and Embed's trace and trace_state (W3C trace context,
-# docs/metrics.md)
-PROTOCOL_VERSION = 12
+# docs/metrics.md); 13: Heartbeat.load, one Load in place of its queue_depth, free_slots
+# and running
+PROTOCOL_VERSION = 13
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM allow
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
@@ -338,6 +339,16 @@ class Embeddings:
     prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A worker's load, or several workers' summed: the one type for these three numbers, in
+    heartbeats, in the worker's SchedulerStats and in the gateway's routing and /health."""
+
+    queue_depth: int  # requests waiting for a slot
+    free_slots: int  # slots without a request
+    running: int  # requests in a slot
+
+
 @dataclass(slots=True)
 class Heartbeat:
     """Worker liveness and load, sent to every gateway every second and in answer to Ping."""
@@ -345,9 +356,7 @@ class Heartbeat:
     sent_at: float
     ping_sent_at: float  # the gateway's Ping.sent_at it answers, 0.0 if unsolicited
     ready: bool
-    queue_depth: int
-    free_slots: int
-    running: int
+    load: Load
     # prefix_keys.prefix_keys of the sequences the worker caches, in slots or in RAM, most
     # recently used first, at most MAX_ADVERTISED_KEYS.
     prefixes: list[int] = field(default_factory=list)

@@ -161,9 +161,9 @@ class WorkerMetrics:
         ).set(1)
         cells_total = slots * slot_context
         self.kv_cells_total.set(cells_total)
-        self.requests_waiting.set_function(lambda: board.latest.queue_depth)
-        self.requests_running.set_function(lambda: board.latest.running)
-        self.free_slots.set_function(lambda: board.latest.free_slots)
+        self.requests_waiting.set_function(lambda: board.latest.load.queue_depth)
+        self.requests_running.set_function(lambda: board.latest.load.running)
+        self.free_slots.set_function(lambda: board.latest.load.free_slots)
         self.kv_cells_used.set_function(lambda: board.latest.kv_cells_used)
         self.kv_usage.set_function(lambda: board.latest.kv_cells_used / cells_total)
         self.registry.register(_SchedulingCollector(board, self._tenant_labels))

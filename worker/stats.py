@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from loomserve.protocol import Finish, SlotState, TenantQueue
+from loomserve.protocol import Finish, Load, SlotState, TenantQueue
 from loomserve.protocol.messages import DEFAULT_TENANT
 
 IDLE = "idle"  # an idle slot's state (strategies.SlotPhase.IDLE)
@@ -88,9 +88,7 @@ class SchedulerStats:
     """The scheduler after the loop's latest tick: its load, its busy slots, and the counters
     the metrics report. The loop replaces it whole each tick; nobody changes one."""
 
-    queue_depth: int
-    free_slots: int
-    running: int
+    load: Load  # what heartbeats carry as it is
     tenants: dict[str, tuple[int, int]] = field(default_factory=dict)  # (running, waiting)
     prefixes: tuple[int, ...] = ()  # keys of the cached prompts, for routing (prefix_cache.py)
     kv_cells_used: int = 0  # KV cells holding tokens, running and reusable

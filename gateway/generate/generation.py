@@ -28,8 +28,9 @@ from loomserve.gateway.generate.assembly import (
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.request.generation_request import GenerationRequest
 from loomserve.gateway.text.tokenizer import Pieces
-from loomserve.gateway.workers.client import RequestHandle, WorkerClient
+from loomserve.gateway.workers.client import WorkerClient
 from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
+from loomserve.gateway.workers.handle import RequestHandle
 from loomserve.gateway.workers.pool import ModelWorkers
 from loomserve.gateway.workers.retries import Tries
 from loomserve.protocol.messages import Finish, FinishReason, Generate, TokenChunk

@@ -93,7 +93,7 @@ def worker_body(worker: WorkerSlots) -> dict[str, Any]:
         "error": worker.error,
     }
     if beat is not None:
-        body |= {"slots_idle": beat.free_slots, "slots_processing": beat.running}
+        body |= {"slots_idle": beat.load.free_slots, "slots_processing": beat.load.running}
     if report is not None:
         body |= _report_body(report)
     return body

@@ -1,11 +1,11 @@
 """WorkerPool: the gateway's connections to every worker, and which one gets each request.
 
-It owns one WorkerClient per worker address and keeps that set in step with the configured
-endpoints: host names are looked up again every RESOLVE_SECONDS (in a thread, off the event
-loop), a new address gets a client, and an address that no longer resolves takes no new
-requests and is closed once its open requests end. A worker is in rotation while its client
-says it can serve (connected, heartbeating, ready, same vocabulary); the client takes care of
-saying Hello again, so a worker that comes back rejoins by itself.
+It owns one WorkerClient per worker address, a set that Membership (membership.py) keeps in
+step with the configured endpoints; the pool closes an address that no longer resolves once
+its open requests end. A worker is in rotation while its client says it can serve (connected,
+heartbeating, ready, same vocabulary); the client takes care of saying Hello again, so a worker
+that comes back rejoins by itself. The pool watches who is in rotation, for the log and the
+metrics, and answers for all its workers: ready, their ModelInfo, their load, their slots.
 
 Each request goes where routing.py's policy says (`pick`); whether it goes on to another
 worker when that one fails it is decided by its Tries (retries.py), the one owner of a
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -31,14 +30,12 @@ import zmq.asyncio
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.endpoints import expand, needs_resolving
 from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.workers.client import (
-    WorkerClient,
-    gateway_identity,
-    stop_tasks,
-)
+from loomserve.gateway.workers.client import WorkerClient, stop_tasks
+from loomserve.gateway.workers.dealer import gateway_identity
 from loomserve.gateway.workers.directory import ModelDirectory
 from loomserve.gateway.workers.errors import WorkerClientError
 from loomserve.gateway.workers.keepalive import KeepAlive
+from loomserve.gateway.workers.membership import Member, Membership
 from loomserve.gateway.workers.routing import (
     Choice,
     PrefixAffinity,
@@ -46,25 +43,11 @@ from loomserve.gateway.workers.routing import (
     choose_worker,
     preferred_worker,
 )
-from loomserve.protocol.messages import (
-    Heartbeat,
-    ModelInfo,
-    SlotsReport,
-)
+from loomserve.protocol.messages import Heartbeat, Load, ModelInfo, SlotsReport
 
 log = structlog.get_logger(__name__)
 
-RESOLVE_SECONDS = 5.0  # how often host names are looked up again
 WATCH_SECONDS = 0.25  # how often rotation changes are logged and the metrics refreshed
-
-
-@dataclass(frozen=True, slots=True)
-class SlotLoad:
-    """Slots and queue of one worker (from its heartbeat) or of every ready worker, summed."""
-
-    queue_depth: int
-    free_slots: int
-    running: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +63,6 @@ class WorkerSlots:
     error: str | None = None  # why there is no report
 
 
-@dataclass(slots=True)
-class Member:
-    """One worker address and the gateway's connection to it."""
-
-    client: WorkerClient
-    up: bool = False  # in rotation at the latest watch (for logs and metrics)
-    retiring: bool = False  # its address no longer resolves: no new requests, closed when idle
-
-
 class WorkerPool:
     """Every worker connection of one gateway; routes each request to one of them."""
 
@@ -101,15 +75,12 @@ class WorkerPool:
     ) -> None:
         self.config = config
         self.identity = gateway_identity()  # each worker connection adds a serial number
-        self.directory = directory
         self.metrics = metrics
-        self.members: dict[str, Member] = {}  # by worker address
-        self.affinity = PrefixAffinity()
-        self._resolver = resolver
-        self._resolved: dict[str, list[str]] = {}  # configured endpoint -> its addresses
-        self._resolve_errors: dict[str, str] = {}  # configured endpoint -> why it did not resolve
-        self._serial = 0
         self._context = zmq.asyncio.Context()  # one IO thread for all worker sockets
+        self.membership = Membership(
+            config, directory, metrics, resolver, self.identity, self._context
+        )
+        self.affinity = PrefixAffinity()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self.keepalive = KeepAlive(config)  # pings from a thread, whatever the loop does
@@ -122,7 +93,8 @@ class WorkerPool:
         self.keepalive.start()
         self._tasks = [asyncio.create_task(self._watch_loop(), name="workers-watch")]
         if any(needs_resolving(endpoint) for endpoint in self.config.worker_endpoints):
-            self._tasks.append(asyncio.create_task(self._resolve_loop(), name="workers-resolve"))
+            resolving = self.membership.resolve_loop()
+            self._tasks.append(asyncio.create_task(resolving, name="workers-resolve"))
 
     async def wait_for_worker(self, timeout: float) -> bool:
         """Wait up to timeout for any worker's first answer; whether one came."""
@@ -140,12 +112,19 @@ class WorkerPool:
         self.keepalive.close()
         await stop_tasks(self._tasks)
         self._tasks = []
-        for member in self.members.values():
-            await member.client.close()
-        self.members.clear()
+        await self.membership.close()
         self._context.destroy(linger=0)
 
     # --- state -------------------------------------------------------------------
+
+    @property
+    def members(self) -> dict[str, Member]:
+        """Every worker connection, by worker address."""
+        return self.membership.members
+
+    async def resolve(self) -> None:
+        """Look the endpoints up again and connect to new addresses, retire vanished ones."""
+        await self.membership.resolve()
 
     def for_model(self, model: str) -> ModelWorkers:
         """The pool as one model's requests see it: its workers only."""
@@ -155,30 +134,22 @@ class WorkerPool:
         """The pool as the one-model gateway's requests see it: every worker."""
         return ModelWorkers(self, None)
 
-    def _serving(self, model: str | None) -> list[tuple[str, Member]]:
-        """The members not retiring, of one model's workers (None: of any)."""
-        return [
-            (endpoint, member)
-            for endpoint, member in self.members.items()
-            if not member.retiring and (model is None or member.client.model == model)
-        ]
-
     def in_rotation(self, model: str | None = None) -> list[WorkerClient]:
         """The clients of the workers (of `model`) that can take requests now."""
         return [
             member.client
-            for _, member in self._serving(model)
+            for _, member in self.membership.serving(model)
             if member.client.unavailable_reason() is None
         ]
 
     def counts(self, model: str | None = None) -> tuple[int, int]:
         """(workers in rotation, workers known), of `model` or of all."""
-        return len(self.in_rotation(model)), len(self._serving(model))
+        return len(self.in_rotation(model)), len(self.membership.serving(model))
 
     def models(self) -> dict[str, int]:
         """Every model some known worker serves, with how many of its workers are in rotation."""
         served: dict[str, int] = {}
-        for _, member in self._serving(None):
+        for _, member in self.membership.serving(None):
             if member.client.model is not None:
                 up = member.client.unavailable_reason() is None
                 served[member.client.model] = served.get(member.client.model, 0) + up
@@ -187,16 +158,15 @@ class WorkerPool:
     def unavailable_reason(self, model: str | None = None) -> str | None:
         """Why no request (for `model`) can be served now; None while a worker can take one."""
         reasons: dict[str, str] = {}
-        for endpoint, member in self._serving(model):
+        for endpoint, member in self.membership.serving(model):
             reason = member.client.unavailable_reason()
             if reason is None:
                 return None
             reasons[endpoint] = reason
         if not reasons:
-            if model is not None and self._serving(None):
+            if model is not None and self.membership.serving(None):
                 return f"no worker serves the model {model!r} now"
-            errors = "; ".join(f"{e}: {why}" for e, why in self._resolve_errors.items())
-            return f"no worker address resolves ({errors})" if errors else "no worker is known"
+            return self.membership.none_known()
         if len(reasons) == 1:
             return next(iter(reasons.values()))
         listed = "; ".join(f"{endpoint}: {reason}" for endpoint, reason in reasons.items())
@@ -211,7 +181,7 @@ class WorkerPool:
     def info(self) -> ModelInfo | None:
         return self.info_of(None)
 
-    def load_of(self, model: str | None = None) -> SlotLoad | None:
+    def load_of(self, model: str | None = None) -> Load | None:
         """The ready workers' latest loads (of `model`), summed; None while none is ready.
 
         A worker that answered Hello but has not heartbeated yet counts as idle, as in routing.
@@ -219,14 +189,14 @@ class WorkerPool:
         loads = [_latest_load(client) for client in self.in_rotation(model) if client.info]
         if not loads:
             return None
-        return SlotLoad(
+        return Load(
             queue_depth=sum(load.queue_depth for load in loads),
             free_slots=sum(load.free_slots for load in loads),
             running=sum(load.running for load in loads),
         )
 
     @property
-    def load(self) -> SlotLoad | None:
+    def load(self) -> Load | None:
         return self.load_of(None)
 
     async def slots(self, timeout: float) -> list[WorkerSlots]:
@@ -286,13 +256,11 @@ class WorkerPool:
                 continue
             if client.unavailable_reason() is not None:
                 continue
-            load = _latest_load(client)
             loads.append(
                 WorkerLoad(
                     endpoint,
                     client.info.slots,
-                    load.free_slots,
-                    load.queue_depth,
+                    _latest_load(client),
                     client.pending_requests,
                     client.open_requests,
                 )
@@ -320,68 +288,7 @@ class WorkerPool:
         if self.metrics is not None:
             self.metrics.requests_rerouted.labels(reason).inc()
 
-    # --- the set of workers ----------------------------------------------------------
-
-    async def resolve(self) -> None:
-        """Look the endpoints up again and connect to new addresses, retire vanished ones."""
-        for endpoint in self.config.worker_endpoints:
-            try:
-                addresses = await asyncio.to_thread(self._resolver, endpoint)
-            except OSError as exc:
-                if endpoint not in self._resolve_errors:
-                    log.warning(
-                        "worker endpoint does not resolve", endpoint=endpoint, error=str(exc)
-                    )
-                self._resolve_errors[endpoint] = str(exc)
-                # A name that does not exist has no workers behind it (all replicas gone);
-                # any other failure may be a DNS hiccup: keep the workers we know.
-                if isinstance(exc, socket.gaierror) and exc.errno == socket.EAI_NONAME:
-                    self._resolved[endpoint] = []
-                continue
-            if self._resolve_errors.pop(endpoint, None) is not None:
-                log.info("worker endpoint resolves again", endpoint=endpoint)
-            if addresses != self._resolved.get(endpoint) and addresses != [endpoint]:
-                log.info("worker endpoint resolved", endpoint=endpoint, workers=addresses)
-            self._resolved[endpoint] = addresses
-        wanted = dict.fromkeys(
-            a for e in self.config.worker_endpoints for a in self._resolved.get(e, [])
-        )
-        await self._sync(list(wanted))
-
-    async def _sync(self, wanted: list[str]) -> None:
-        for endpoint in wanted:
-            member = self.members.get(endpoint)
-            if member is None:
-                self._serial += 1
-                client = WorkerClient(
-                    self.config,
-                    self.directory,
-                    self.metrics,
-                    endpoint=endpoint,
-                    identity=f"{self.identity}-{self._serial}",
-                    context=self._context,
-                )
-                self.members[endpoint] = Member(client)
-                await client.start()
-            elif member.retiring:
-                member.retiring = False
-                log.info("worker address resolves again", worker=endpoint)
-        for endpoint, member in self.members.items():
-            if endpoint not in wanted and not member.retiring:
-                member.retiring = True
-                log.info(
-                    "worker address no longer resolves; it gets no new requests",
-                    worker=endpoint,
-                    open_requests=member.client.open_requests,
-                )
-
-    async def _resolve_loop(self) -> None:
-        while True:
-            await asyncio.sleep(RESOLVE_SECONDS)
-            try:
-                await self.resolve()
-            except Exception:
-                log.exception("resolving the worker endpoints failed")
+    # --- watching the workers ---------------------------------------------------------
 
     async def _watch_loop(self) -> None:
         while True:
@@ -418,20 +325,16 @@ class WorkerPool:
                 if member.client.info is not None  # said Hello: the worker knows it
             }
         )
-        for endpoint, member in list(self.members.items()):
-            client = member.client
-            if member.retiring and client.open_requests == 0:
-                del self.members[endpoint]
-                await client.close()
-                self.affinity.forget_worker(endpoint)
-                if self.metrics is not None:
-                    self.metrics.forget_worker(endpoint)
-                log.info("worker connection closed", worker=endpoint)
-                continue
+        for endpoint in await self.membership.close_retired():
+            self.affinity.forget_worker(endpoint)
             if self.metrics is not None:
+                self.metrics.forget_worker(endpoint)
+        if self.metrics is not None:
+            for endpoint, member in self.members.items():
                 self.metrics.worker_up.labels(endpoint).set(1 if member.up else 0)
-                self.metrics.worker_requests_in_flight.labels(endpoint).set(client.open_requests)
-                _export_load(self.metrics, endpoint, client.heartbeat)
+                open_requests = member.client.open_requests
+                self.metrics.worker_requests_in_flight.labels(endpoint).set(open_requests)
+                _export_load(self.metrics, endpoint, member.client.heartbeat)
 
 
 def _export_load(metrics: GatewayMetrics, endpoint: str, beat: Heartbeat | None) -> None:
@@ -441,16 +344,16 @@ def _export_load(metrics: GatewayMetrics, endpoint: str, beat: Heartbeat | None)
         metrics.set_worker_load(endpoint, 0, 0, 0, 0.0)
         return
     usage = beat.kv_cells_used / beat.kv_cells_total if beat.kv_cells_total else 0.0
-    metrics.set_worker_load(endpoint, beat.running, beat.queue_depth, beat.free_slots, usage)
+    load = beat.load
+    metrics.set_worker_load(endpoint, load.running, load.queue_depth, load.free_slots, usage)
 
 
-def _latest_load(client: WorkerClient) -> SlotLoad:
+def _latest_load(client: WorkerClient) -> Load:
     """The load of the client's latest heartbeat, or idle from its ModelInfo before the first."""
-    beat = client.heartbeat
-    if beat is not None:
-        return SlotLoad(beat.queue_depth, beat.free_slots, beat.running)
+    if client.heartbeat is not None:
+        return client.heartbeat.load
     assert client.info is not None
-    return SlotLoad(queue_depth=0, free_slots=client.info.slots, running=0)
+    return Load(queue_depth=0, free_slots=client.info.slots, running=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,7 +372,7 @@ class ModelWorkers:
         return self.pool.info_of(self.model)
 
     @property
-    def load(self) -> SlotLoad | None:
+    def load(self) -> Load | None:
         return self.pool.load_of(self.model)
 
     def unavailable_reason(self) -> str | None:

@@ -3,9 +3,9 @@
 Pure policy, no sockets: WorkerPool (pool.py) builds a WorkerLoad per live worker from its
 heartbeats and calls choose_worker. A worker's headroom is what it could still start now:
 
-    headroom = min(free_slots - queue_depth - pending, slots - open)
+    headroom = min(load.free_slots - load.queue_depth - pending, slots - open)
 
-where free_slots and queue_depth come from its latest Heartbeat, pending counts this gateway's
+where load is the Load of its latest Heartbeat, pending counts this gateway's
 requests to it that were sent after that heartbeat and are still open (the heartbeat cannot
 know of them), and open counts all of this gateway's open requests on it: a heartbeat a
 moment old must not make a worker look emptier than this gateway alone keeps it.
@@ -32,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from loomserve.protocol.messages import Load
+
 PREFIX_BLOCK_TOKENS = 64  # prompt tokens hashed into the affinity key
 AFFINITY_SLACK = 2  # requests the preferred worker may be behind the least-loaded one
 AFFINITY_ENTRIES = 4096  # prefix keys remembered, least recently used dropped first
@@ -39,19 +41,20 @@ AFFINITY_ENTRIES = 4096  # prefix keys remembered, least recently used dropped f
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
-    """One live worker's load, as the gateway knows it."""
+    """One live worker's load, as the gateway knows it: its own, as its latest heartbeat told,
+    and this gateway's requests on it."""
 
     endpoint: str
     slots: int  # from its ModelInfo
-    free_slots: int  # from its latest heartbeat
-    queue_depth: int  # from its latest heartbeat
+    load: Load  # from its latest heartbeat
     pending: int = 0  # this gateway's open requests on it, sent after that heartbeat
     open: int = 0  # all of this gateway's open requests on it
 
     @property
     def headroom(self) -> int:
         """Requests it could still start at once; negative when requests would wait."""
-        return min(self.free_slots - self.queue_depth - self.pending, self.slots - self.open)
+        waiting = self.load.queue_depth + self.pending
+        return min(self.load.free_slots - waiting, self.slots - self.open)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from loomserve.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    Load,
     ModelInfo,
     Outputs,
     Ping,
@@ -184,6 +185,9 @@ def test_a_stopped_gateways_slots_are_freed_within_the_timeout(long_model_path: 
 # --- item 5: a worker that sends bad frames ------------------------------------------------------
 
 
+IDLE = Load(queue_depth=0, free_slots=1, running=0)  # the fake worker's one slot, always free
+
+
 class FakeWorker:
     """A ROUTER socket that answers like a worker, and sends each request `script`'s chunks."""
 
@@ -224,13 +228,13 @@ class FakeWorker:
                 if isinstance(message, Hello):
                     self._send(gateway, self.info)
                 elif isinstance(message, Ping):
-                    self._send(gateway, Heartbeat(time.time(), message.sent_at, True, 0, 1, 0))
+                    self._send(gateway, Heartbeat(time.time(), message.sent_at, True, IDLE))
                 elif isinstance(message, Generate):
                     self._answer(gateway, message.request_id)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + 0.2
                 for gateway in gateways:
-                    self._send(gateway, Heartbeat(time.time(), 0.0, True, 0, 1, 0))
+                    self._send(gateway, Heartbeat(time.time(), 0.0, True, IDLE))
 
     def _answer(self, gateway: bytes, request_id: str) -> None:
         self._send(gateway, Accepted(request_id, 0))

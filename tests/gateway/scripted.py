@@ -13,8 +13,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
-from loomserve.gateway.workers.client import RequestHandle
 from loomserve.gateway.workers.errors import WorkerClientError
+from loomserve.gateway.workers.handle import RequestHandle
 from loomserve.protocol.messages import (
     Finish,
     FinishReason,

@@ -13,7 +13,6 @@ from loomserve.gateway.api.response_bodies import Usage
 from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextAssembly, TokenLogprob
 from loomserve.gateway.request.generation_request import GenerationRequest, Prompt
-from loomserve.gateway.workers.client import RequestHandle
 from loomserve.gateway.workers.errors import (
     WorkerBadOutput,
     WorkerFailed,
@@ -22,6 +21,7 @@ from loomserve.gateway.workers.errors import (
     WorkerTimeout,
     WorkerUnavailable,
 )
+from loomserve.gateway.workers.handle import RequestHandle
 from loomserve.protocol.messages import (
     ErrorCode,
     Finish,

@@ -23,10 +23,11 @@ from loomserve.gateway.workers.routing import (
     choose_worker,
     prefix_key,
 )
+from loomserve.protocol.messages import Load
 
 
 def load(endpoint: str, free: int, queued: int = 0, pending: int = 0, slots: int = 8, open_=0):
-    return WorkerLoad(endpoint, slots, free, queued, pending, open_)
+    return WorkerLoad(endpoint, slots, Load(queued, free, slots - free), pending, open_)
 
 
 # --- headroom and choice -----------------------------------------------------------------

@@ -15,6 +15,7 @@ from loomserve.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    Load,
     ModelInfo,
     Outputs,
     Ping,
@@ -94,14 +95,12 @@ EVERY_MESSAGE = [
         ],
         finishes=[Finish("r2", "length", 3, 5, 1, 0.25)],
     ),
-    Heartbeat(sent_at=1.0, ping_sent_at=0.5, ready=True, queue_depth=0, free_slots=4, running=0),
+    Heartbeat(sent_at=1.0, ping_sent_at=0.5, ready=True, load=Load(0, 4, 0)),
     Heartbeat(
         sent_at=1.0,
         ping_sent_at=0.0,
         ready=True,
-        queue_depth=2,
-        free_slots=0,
-        running=4,
+        load=Load(queue_depth=2, free_slots=0, running=4),
         prefixes=[7, 9],
         kv_cells_used=300,
         kv_cells_total=1024,
@@ -249,4 +248,20 @@ def test_the_trace_context_is_bounded_and_a_version_12_message():
         Generate("r", [1], params, trace="x" * (MAX_TRACE_CHARS + 1))
     with pytest.raises(ValueError):
         Embed("e", [[1]], trace="x", trace_state="y" * MAX_TRACE_CHARS)
-    assert PROTOCOL_VERSION == 12  # an 11 peer would refuse its Generates as malformed
+    assert PROTOCOL_VERSION >= 12  # an 11 peer would refuse its Generates as malformed
+
+
+def test_a_heartbeat_carries_one_load_since_version_13():
+    beat = Heartbeat(2.0, 0.0, True, Load(queue_depth=1, free_slots=0, running=3), [5])
+    frames = encode(beat)
+    # On the wire the load is one nested array, as every nested dataclass is.
+    assert msgpack.unpackb(frames[1])[:4] == [2.0, 0.0, True, [1, 0, 3]]
+    assert decode(frames) == beat and isinstance(decode(frames).load, Load)
+    # A version-12 worker's heartbeat (three numbers where the load goes) is malformed here.
+    old = msgpack.packb([2.0, 0.0, True, 1, 0, 3, [5], 0, 0, 0.0])
+    with pytest.raises(DecodeError):
+        decode([frames[0], old])
+    bad_load = msgpack.packb([2.0, 0.0, True, [1, 0, "3"], [5], 0, 0, 0.0])
+    with pytest.raises(DecodeError):
+        decode([frames[0], bad_load])
+    assert PROTOCOL_VERSION == 13  # a 12 peer reads this Heartbeat as malformed

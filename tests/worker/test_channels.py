@@ -3,7 +3,7 @@ SchedulerStats; pure Python, no model."""
 
 from __future__ import annotations
 
-from loomserve.protocol import Embed, Generate, SamplingParams
+from loomserve.protocol import Embed, Generate, Load, SamplingParams
 from loomserve.protocol.prefix_keys import prefix_keys
 from loomserve.worker.cache.prefix_cache import AdvertisedPrefixes
 from loomserve.worker.io.channels import STOP, Abort, GatewayGone, Inbox, StatsBoard, Submit
@@ -45,13 +45,13 @@ def test_the_inbox_keeps_the_order_of_every_kind_of_item() -> None:
 def test_the_board_publishes_the_scheduler_and_its_prefixes_at_most_once_per_interval():
     scheduler = Scheduler(n_slots=2, max_queue=4, slot_context=1024)
     board, prefixes = StatsBoard(slots=2), AdvertisedPrefixes(every=3600.0)
-    assert (board.latest.free_slots, board.latest.running, board.latest.prefixes) == (2, 0, ())
+    assert (board.latest.load, board.latest.prefixes) == (Load(0, 2, 0), ())
     slot = scheduler.slots[0]
     slot.tokens, slot.n_in_cache = list(range(1, 129)), 128  # a cached sequence, two blocks
     scheduler.enqueue(Request((GW, "r"), [1, 2], SamplingParams(), arrived_at=0.0))
     publish(board, scheduler, prefixes)
     first = board.latest
-    assert (first.queue_depth, first.free_slots, first.running) == (1, 2, 0)
+    assert first.load == Load(queue_depth=1, free_slots=2, running=0)
     assert set(first.prefixes) == set(prefix_keys(list(range(1, 129))))
     slot.tokens, slot.n_in_cache = [], 0  # the cache changed, but within the interval
     publish(board, scheduler, prefixes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from loomserve.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    Load,
     Message,
     ModelInfo,
     Outputs,
@@ -220,7 +222,22 @@ def test_ping_is_answered_with_a_heartbeat(gateway: Gateway):
     gateway.hello()
     gateway.send(Ping(sent_at=1234.5))
     beat = gateway.wait_for(lambda m: isinstance(m, Heartbeat) and m.ping_sent_at == 1234.5)
-    assert beat.ready and beat.free_slots == 2 and beat.queue_depth == 0 and beat.running == 0
+    assert beat.ready and beat.load == Load(queue_depth=0, free_slots=2, running=0)
+
+
+def test_worker_health_prints_the_load_of_the_heartbeat(worker: Proc) -> None:
+    """`loomserve worker-health` decodes the worker's Heartbeat and prints its Load."""
+    argv = [sys.executable, "-m", "loomserve.cli.main", "worker-health", "--worker"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOMSERVE_")}
+    result = subprocess.run(
+        [*argv, worker.endpoint, "--timeout", str(TIMEOUT)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    found = re.fullmatch(r"ready: (\d+) running, (\d+) slots free, (\d+) queued\n", result.stdout)
+    assert found is not None, result.stdout
+    running, free, _queued = map(int, found.groups())
+    assert running + free == 2  # the worker's two slots: each runs a request or is free
 
 
 def test_a_probe_that_never_said_hello_is_answered_but_not_a_gateway(
@@ -295,7 +312,7 @@ def test_queue_full_duplicates_and_cancellation(gateway: Gateway):
     assert set(finishes.values()) == {"cancelled"}
     gateway.send(Ping(sent_at=1.0))
     beat = gateway.wait_for(lambda m: isinstance(m, Heartbeat) and m.ping_sent_at == 1.0)
-    assert beat.free_slots == 2 and beat.queue_depth == 0
+    assert beat.load.free_slots == 2 and beat.load.queue_depth == 0
 
 
 def test_a_request_the_gateway_ended_finishes_with_its_reason(
@@ -403,14 +420,14 @@ def test_a_silent_gateway_loses_its_requests(tiny_model_path: Path):
             # About 60 x 1000 tokens of work: far longer than the timeout.
             for i in range(60):
                 silent.send(greedy(f"s{i}", [1, 5], 1000, ignore_eos=True))
-            watcher.wait_for(lambda m: isinstance(m, Heartbeat) and m.free_slots == 0)
+            watcher.wait_for(lambda m: isinstance(m, Heartbeat) and m.load.free_slots == 0)
             went_silent = time.monotonic()
             # The watcher keeps talking; the silent gateway says nothing from here on.
             deadline = went_silent + TIMEOUT
             while time.monotonic() < deadline:
                 watcher.send(Ping(time.time()))
                 beat = watcher.wait_for(lambda m: isinstance(m, Heartbeat))
-                if beat.free_slots == 1 and beat.queue_depth == 0:
+                if beat.load.free_slots == 1 and beat.load.queue_depth == 0:
                     break
             else:
                 raise AssertionError("the silent gateway's requests were never cancelled")

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from loomserve.protocol import SamplingParams
+from loomserve.protocol import Load, SamplingParams
 from loomserve.worker.io.channels import StatsBoard
 from loomserve.worker.metrics import WorkerMetrics
 from loomserve.worker.sched.records import scheduler_stats
@@ -39,7 +39,7 @@ def test_the_stats_copy_the_schedulers_counters_and_cannot_change() -> None:
 
     stats = scheduler_stats(scheduler, cost, prefixes=(11, 12))
 
-    assert (stats.queue_depth, stats.free_slots, stats.running, stats.n_slots) == (0, 1, 1, 2)
+    assert (stats.load, stats.n_slots) == (Load(queue_depth=0, free_slots=1, running=1), 2)
     assert (stats.kv_cells_used, stats.prefixes, stats.tick_cost) == (3, (11, 12), cost)
     assert (stats.preemptions, stats.swap_used_bytes, stats.prefill_cap) == (2, 4096, 96)
     assert stats.ram_cache == RamCacheUsage(5, 0, 7, 0, 0, 1 << 20, 0)
@@ -61,9 +61,7 @@ def test_the_metrics_read_the_latest_published_stats_at_scrape_time() -> None:
 
     board.publish(
         SchedulerStats(
-            queue_depth=3,
-            free_slots=1,
-            running=3,
+            Load(queue_depth=3, free_slots=1, running=3),
             tenants={"team": (2, 3), "default": (1, 0)},
             kv_cells_used=512,
             n_slots=4,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from loomserve.protocol import Embed, FinishReason, Generate, Message, Outputs
+from loomserve.protocol import Embed, FinishReason, Generate, Load, Message, Outputs
 from loomserve.worker.stats import SchedulerStats
 
 Work = Generate | Embed  # a request for the loop: the tick generates, the embedder embeds
@@ -85,7 +85,7 @@ class StatsBoard:
     another thread sees one tick's stats or the next one's, never a mix)."""
 
     def __init__(self, slots: int) -> None:
-        self.latest = SchedulerStats(queue_depth=0, free_slots=slots, running=0, n_slots=slots)
+        self.latest = SchedulerStats(Load(0, free_slots=slots, running=0), n_slots=slots)
 
     def publish(self, stats: SchedulerStats) -> None:
         """The loop thread's call, after each tick."""

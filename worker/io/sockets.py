@@ -403,15 +403,13 @@ class WorkerIO:
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
         stats = self.board.latest
         now = time.monotonic()
-        if stats.running or stats.queue_depth:
+        if stats.load.running or stats.load.queue_depth:
             self._busy_at = now
         return Heartbeat(
             sent_at=time.time(),
             ping_sent_at=ping_sent_at,
             ready=self.ready,
-            queue_depth=stats.queue_depth,
-            free_slots=stats.free_slots,
-            running=stats.running,
+            load=stats.load,
             prefixes=list(stats.prefixes),
             kv_cells_used=stats.kv_cells_used,
             kv_cells_total=self.model_info.slots * self.model_info.slot_context,
@@ -437,7 +435,7 @@ class WorkerIO:
         stats = self.board.latest
         return SlotsReport(
             query_id=query_id,
-            queue_depth=stats.queue_depth,
+            queue_depth=stats.load.queue_depth,
             slots=stats.slot_states(time.monotonic()),
             tenants=stats.tenant_queues(),
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from loomserve.protocol import Load
 from loomserve.worker.sched.scheduler import Scheduler
 from loomserve.worker.sched.slots import Release, Slot, Step
 from loomserve.worker.stats import (
@@ -49,9 +50,7 @@ def scheduler_stats(
     ram = scheduler.ram
     latency = scheduler.latency
     return SchedulerStats(
-        queue_depth=scheduler.queue_depth,
-        free_slots=scheduler.free_slots,
-        running=scheduler.running,
+        load=Load(scheduler.queue_depth, scheduler.free_slots, scheduler.running),
         tenants=scheduler.waiting.counts(),
         prefixes=prefixes,
         kv_cells_used=sum(slot.n_in_cache for slot in scheduler.slots),

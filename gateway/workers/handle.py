@@ -1,0 +1,79 @@
+"""RequestHandle: one request's side of a worker connection, as the code that runs it reads it.
+
+The worker's replies for a request arrive on its handle (WorkerClient and its OpenRequests put
+them there): a future for the first answer (Accepted or Rejected; an Embed's Embeddings), then
+a queue of TokenChunk and Finish messages, which end with an error if the worker is lost. The
+reader takes them with a deadline: past it, WorkerTimeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from loomserve.gateway.workers.errors import WorkerClientError, WorkerTimeout
+from loomserve.protocol.messages import Accepted, Embeddings, Finish, Rejected, TokenChunk
+
+RequestEvent = TokenChunk | Finish
+
+
+@dataclass(slots=True)
+class RequestHandle:
+    """One request in the worker: its confirmation, then its tokens and its Finish."""
+
+    request_id: str
+    deadline: float  # time.monotonic() past which waiting for output raises WorkerTimeout
+    # Accepted or Rejected; for an Embed, its Embeddings or Rejected
+    accepted: asyncio.Future[Accepted | Rejected | Embeddings]
+    events: asyncio.Queue[RequestEvent | WorkerClientError] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    buffered: int = 0  # tokens in `events` not read yet; bounded by stream_buffer_tokens
+    # The reader waits for events now: what piles up meanwhile (a burst after this gateway
+    # stalled) waits for the event loop, not for a client that stopped reading.
+    reading: bool = False
+
+    async def next_event(self) -> RequestEvent:
+        """The next TokenChunk or Finish; raises WorkerLost or WorkerTimeout."""
+        event = await self._get()
+        if isinstance(event, WorkerClientError):
+            raise event
+        self._taken(event)
+        return event
+
+    async def next_events(self) -> list[RequestEvent]:
+        """Everything that arrived since the last call, waiting for at least one event.
+
+        Taking the whole backlog at once keeps a reader that fell behind from looping
+        without ever yielding to the event loop (and so from missing its client's disconnect).
+        An error comes last in the queue: the events before it are handed out first, and
+        the next call raises it.
+        """
+        events = [await self.next_event()]
+        while not self.events.empty():
+            event = self.events.get_nowait()
+            if isinstance(event, WorkerClientError):
+                self.events.put_nowait(event)  # nothing follows an error: order is kept
+                break
+            self._taken(event)
+            events.append(event)
+        return events
+
+    def _taken(self, event: RequestEvent) -> None:
+        if isinstance(event, TokenChunk):
+            self.buffered -= len(event.token_ids)
+
+    async def _get(self) -> RequestEvent | WorkerClientError:
+        loop = asyncio.get_running_loop()
+        # loop.time() is time.monotonic() on every platform we run on; stay explicit.
+        when = loop.time() + (self.deadline - time.monotonic())
+        self.reading = True
+        try:
+            async with asyncio.timeout_at(when):
+                return await self.events.get()
+        except TimeoutError:
+            raise WorkerTimeout(
+                "the request took longer than the server's request timeout"
+            ) from None
+        finally:
+            self.reading = False
