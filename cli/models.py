@@ -30,13 +30,12 @@ from loomserve.protocol.codec import DecodeError, decode, encode
 from loomserve.protocol.messages import (
     Heartbeat,
     LoadModel,
-    ModelPhase,
     ModelsQuery,
-    ModelState,
     ModelStates,
     Ping,
     UnloadModel,
 )
+from loomserve.protocol.model_manager import ModelPhase, ModelState
 
 log = structlog.get_logger(__name__)
 

@@ -17,9 +17,7 @@ from loomserve.protocol.messages import (
     LoadModel,
     Message,
     ModelInfo,
-    ModelPhase,
     ModelsQuery,
-    ModelState,
     ModelStates,
     Outputs,
     Ping,
@@ -37,6 +35,7 @@ from loomserve.protocol.messages import (
     VocabQuery,
     WorkerError,
 )
+from loomserve.protocol.model_manager import ModelPhase, ModelState
 
 __all__ = [
     "MAX_FRAME_BYTES",

@@ -20,7 +20,8 @@ from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.models.catalogue import Catalogue, ServedModel
 from loomserve.gateway.models.manager import ManagerClient, ManagerGone
 from loomserve.gateway.workers.pool import WorkerPool
-from loomserve.protocol.messages import ModelInfo, ModelPhase
+from loomserve.protocol.messages import ModelInfo
+from loomserve.protocol.model_manager import ModelPhase
 
 log = structlog.get_logger(__name__)
 

@@ -16,12 +16,8 @@ from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionReque
 from loomserve.gateway.text.grammar import request_grammar
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.protocol.limits import MAX_LOGIT_BIAS
-from loomserve.protocol.messages import (
-    MAX_TENANT_CHARS,
-    MAX_TOP_LOGPROBS,
-    PRIORITY_LIMIT,
-    SamplingParams,
-)
+from loomserve.protocol.messages import MAX_TENANT_CHARS, PRIORITY_LIMIT, SamplingParams
+from loomserve.protocol.sampling import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 # Matching holds back the longest tail that starts a stop string, checked per token.
