@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from loomserve.protocol import FinishReason
 from loomserve.worker.io.channels import StatsBoard
-from loomserve.worker.io.sockets import IOCounters
+from loomserve.worker.io.gateways import IOCounters
 from loomserve.worker.stats import FinishRecord, TickRecord
 
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -9,7 +9,7 @@ import pytest
 
 from loomserve.protocol import FinishReason, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.scheduler import PendingOutputs, Scheduler
 from loomserve.worker.sched.slots import Request, Sampled
 from loomserve.worker.sched.speculation import (
     EXPLORE_INTERVAL,
@@ -244,8 +244,9 @@ def test_drafts_join_the_cache_only_as_far_as_they_are_accepted():
     scheduler.advance(step)
     assert slot.n_in_cache == 5  # the slot's own token; drafts wait for the sampler
     # Two drafts agreed, then the sampler's own token.
-    chunks = scheduler.update([Sampled(slot, [6, 7, 9], [False] * 3)], 0.0)
-    assert [chunk.token_ids for _, chunk in chunks] == [[6], [7], [9]]
+    outputs = PendingOutputs()
+    scheduler.update([Sampled(slot, [6, 7, 9], [False] * 3)], 0.0, outputs)
+    assert [chunk.token_ids for chunk in outputs.to(b"g").tokens] == [[6], [7], [9]]
     assert slot.n_in_cache == 7 == len(slot.tokens) - 1
 
 
@@ -259,8 +260,9 @@ def test_an_end_inside_agreed_drafts_cuts_there():
     scheduler.add_drafts(step, {0: [6, 7, 8]}, 3)
     scheduler.advance(step)
     assert scheduler.room(slot) == 1
-    chunks = scheduler.update([Sampled(slot, [6, 7, 9], [False] * 3)], 0.0)
-    assert [chunk.token_ids for _, chunk in chunks] == [[6]]
+    outputs = PendingOutputs()
+    scheduler.update([Sampled(slot, [6, 7, 9], [False] * 3)], 0.0, outputs)
+    assert [chunk.token_ids for chunk in outputs.to(b"g").tokens] == [[6]]
     assert slot.finish_reason is FinishReason.LENGTH and slot.tokens[-2:] == [5, 6]
     assert slot.n_in_cache == 5 == len(slot.tokens) - 1
 

@@ -33,7 +33,7 @@ def test_the_stats_copy_the_schedulers_counters_and_cannot_change() -> None:
     (admission,) = scheduler.admit(tick=1, now=1.0)
     admission.slot.n_in_cache = 3
     scheduler.preemptions, latency.latest_cap = 2, 96
-    scheduler.swap.take(4096)
+    scheduler.swap.used = 4096
     scheduler.ram.stats.hits, scheduler.ram.stats.saves = 5, 7
     cost = TickCost(0.01, 0.002, 0.0001)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from loomserve.protocol import PromptLogprobs, SamplingParams, TokenChunk, TokenLogprobs
-from loomserve.worker.io.channels import PendingOutputs
+from loomserve.worker.sched.scheduler import PendingOutputs
 from loomserve.worker.sched.slots import Run, Sampled, Slot, Step
 
 FLOOR = -9999.0  # what a token that cannot be chosen reports (as vLLM's); JSON has no -inf

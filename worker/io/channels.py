@@ -2,22 +2,19 @@
 shares queues with its input and output threads): the inbox the loop reads and IO writes, and
 the SchedulerStats the loop publishes after each tick on the StatsBoard, which IO reads for
 heartbeats and /slots and the metrics at scrape time (a frozen snapshot, stats.py: no other
-thread touches the scheduler's live slots). The third channel,
-the outbox the loop writes and IO drains, is a Sink: the Outbox, whose messages wait in a deque
-until a wake-up (one byte over an inproc PAIR, which sockets.py gives it) stirs the IO
-thread's poll; a tick fills one Outputs per gateway (PendingOutputs) and sends them together at
-its end. Neither side holds the other. Plain Python.
+thread touches the scheduler's live slots). The third channel, what the loop says, is a Sink:
+in a worker process the IO thread's Outbox (sockets.py), whose messages wait in a deque until
+a wake-up stirs the thread's poll; a tick sends one Outputs per gateway at its end
+(sched/scheduler.py's PendingOutputs). Neither side holds the other. Plain Python.
 """
 
 from __future__ import annotations
 
 import queue
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from loomserve.protocol import Embed, FinishReason, Generate, Load, Message, Outputs
+from loomserve.protocol import Embed, FinishReason, Generate, Load, Message
 from loomserve.worker.stats import SchedulerStats
 
 Work = Generate | Embed  # a request for the loop: the tick generates, the embedder embeds
@@ -98,49 +95,3 @@ class Sink(Protocol):
     def send(self, gateway: bytes, message: Message) -> None: ...
 
     def flush(self) -> None: ...
-
-
-BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity is empty)
-
-
-class Outbox:
-    """The Sink the loop sends through in a worker process: messages wait here for the IO
-    thread, which `wake` stirs (never blocking). send and flush are the loop thread's;
-    broadcast any thread's."""
-
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self.messages: deque[tuple[bytes, Message]] = deque()
-        self._wake = wake
-
-    def send(self, gateway: bytes, message: Message) -> None:
-        self.messages.append((gateway, message))
-
-    def broadcast(self, message: Message) -> None:
-        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
-        self.messages.append((BROADCAST, message))
-        self.flush()
-
-    def flush(self) -> None:
-        """Wake the IO thread to send the outbox."""
-        self._wake()
-
-
-class PendingOutputs:
-    """This tick's Outputs, by gateway."""
-
-    def __init__(self) -> None:
-        self._by_gateway: dict[bytes, Outputs] = {}
-
-    def to(self, gateway: bytes) -> Outputs:
-        outputs = self._by_gateway.get(gateway)
-        if outputs is None:
-            outputs = self._by_gateway[gateway] = Outputs(tokens=[], finishes=[])
-        return outputs
-
-    def send(self, sink: Sink) -> None:
-        """Send every gateway its Outputs, if any, and start over."""
-        if self._by_gateway:
-            for gateway, outputs in self._by_gateway.items():
-                sink.send(gateway, outputs)
-            self._by_gateway = {}
-            sink.flush()

@@ -1,4 +1,6 @@
-"""The gateways the IO thread knows and what each has open, bounded however a peer behaves.
+"""The gateways the IO thread knows, what each has open, and what each of their messages gets,
+bounded however a peer behaves. No zmq here: the socket thread (sockets.py) receives and
+sends; the GatewayDesk decodes what came and deals with it, the GatewayTable keeps count.
 
 A gateway is a ROUTER identity: a peer gets one per connection it opens, and may send as many
 Generates and Cancels as it likes. This table caps both. At most max_gateways are known at
@@ -6,14 +8,62 @@ once (silent ones expire); each may have max_open requests between its Generate 
 Finish or Rejected, and as many Generates for an id already open (the loop rejects those, in
 order after the original's Accepted); a Cancel reaches the loop only for an open request,
 and only once. So the loop's inbox holds at most max_gateways x 3 x max_open items.
-No zmq here: the IO thread asks, this answers.
+
+The desk answers Hello, the queries (SlotsQuery, VocabQuery) and Pings itself, through its
+socket thread's Replies, so liveness and /slots never wait for a tick; a Generate, an Embed
+and a Cancel go on to the loop's Inbox, and a gateway given up on has its requests cancelled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from loomserve.protocol import ErrorCode
+import structlog
+
+from loomserve.protocol import (
+    PROTOCOL_VERSION,
+    Cancel,
+    DecodeError,
+    Embed,
+    ErrorCode,
+    Generate,
+    Heartbeat,
+    Hello,
+    Message,
+    ModelInfo,
+    Ping,
+    Rejected,
+    SlotsQuery,
+    SlotsReport,
+    VocabFile,
+    VocabQuery,
+    WorkerError,
+    decode,
+)
+from loomserve.protocol.codec import Frame, TooLong, request_id_of
+from loomserve.protocol.messages import MAX_EMBED_INPUTS
+from loomserve.worker.io.channels import Inbox
+
+log = structlog.get_logger("loomserve.worker.io.sockets")  # the logger these lines always had
+
+LOST_REMEMBERED = 10_000  # lost gateway identities kept to answer with GATEWAY_LOST
+MAX_GATEWAYS = 1024  # gateways known at once; a connection flood cannot grow the table
+# Arrays and maps in one inbound body: a Generate has four (itself, its prompt, its params,
+# their logit_bias), an Embed two and one per input. Past that, a body of nested junk fails
+# as soon as it is unpacked instead of growing fifty-fold into empty lists first.
+INBOUND_CONTAINERS = MAX_EMBED_INPUTS + 8
+
+
+@dataclass(slots=True)
+class IOCounters:
+    """What the IO thread counted; the metrics read these."""
+
+    malformed: int = 0  # frames that did not decode; dropped
+    dropped_slow: int = 0  # sends refused with EAGAIN: the gateway reads too slowly
+    dropped_gone: int = 0  # sends refused with EHOSTUNREACH: the gateway disconnected
+    gateways_lost: int = 0  # gateways given up on (silence or disconnection)
+    gateways_refused: int = 0  # messages from new gateways beyond MAX_GATEWAYS; answered, dropped
 
 
 @dataclass(slots=True)
@@ -107,3 +157,200 @@ class GatewayTable:
         if len(self.lost) > self.lost_remembered:
             del self.lost[next(iter(self.lost))]
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Replies:
+    """What the desk answers with, from its socket thread (sockets.WorkerIO): the send of one
+    message to one gateway, never blocking, and the answers built from the thread's state."""
+
+    send: Callable[[bytes, Message], None]
+    hello: Callable[[], ModelInfo]  # this worker, ready or not
+    heartbeat: Callable[[float], Heartbeat]  # the answer to a Ping sent at that time
+    slots_report: Callable[[str], SlotsReport]
+    vocab: Callable[[str], VocabFile]  # the vocabulary of that fingerprint, or why not
+
+
+class GatewayDesk:
+    """Deals with every message the gateways send, and with gateways that go silent or away."""
+
+    def __init__(
+        self,
+        inbox: Inbox,
+        replies: Replies,
+        max_items: int,
+        max_open: int,
+        on_gateways: Callable[[int], None] | None = None,
+        on_reject: Callable[[str], None] | None = None,
+    ) -> None:
+        self.inbox = inbox  # where inbound work goes, for the loop
+        self.replies = replies
+        self.counters = IOCounters()
+        self.table = GatewayTable(MAX_GATEWAYS, max_open, LOST_REMEMBERED)
+        # No array or map a gateway sends can be longer than this (a prompt that fits a slot,
+        # a logit_bias over the whole vocabulary); longer ones fail at their header.
+        self.max_items = max_items
+        self._on_gateways = on_gateways
+        self._on_reject = on_reject  # the loop's rejections are counted by the loop
+
+    def receive(self, gateway: bytes, body: Sequence[Frame], now: float) -> bool:
+        """Decode a message and deal with it; whether it was work for the loop."""
+        try:
+            message = decode(body, self.max_items, INBOUND_CONTAINERS)
+        except DecodeError as exc:
+            self._reject_undecodable(gateway, body, exc)
+            self.counters.malformed += 1
+            if self.counters.malformed % 1000 == 1:  # the first, then every 1000th
+                log.warning(
+                    "dropped a malformed message",
+                    gateway=_name(gateway),
+                    error=str(exc),
+                    malformed=self.counters.malformed,
+                )
+            return False
+        return self.handle(gateway, message, now)
+
+    def _reject_undecodable(
+        self, gateway: bytes, body: Sequence[Frame], error: DecodeError
+    ) -> None:
+        """A Generate or Embed that did not decode still gets its Rejected, when its id is
+        readable: the gateway must not wait for an answer that never comes."""
+        request_id = request_id_of(body)
+        if request_id is None:
+            return
+        if isinstance(error, TooLong):
+            code = ErrorCode.PROMPT_TOO_LONG
+            why = f"longer than any context of this worker ({self.max_items} tokens): {error}"
+        else:
+            code, why = ErrorCode.INVALID_REQUEST, f"the request did not decode: {error}"
+        self._reject(gateway, request_id, code, why)
+
+    def _reject(self, gateway: bytes, request_id: str, code: ErrorCode, why: str) -> None:
+        self.replies.send(gateway, Rejected(request_id, code.value, why))
+        if self._on_reject:
+            self._on_reject(code.value)
+
+    def handle(self, gateway: bytes, message: Message, now: float) -> bool:
+        """Answer a decoded message or pass it on to the loop; whether it was work for it."""
+        gateways, send = self.table, self.replies.send
+        if isinstance(message, Hello):
+            if message.protocol_version != PROTOCOL_VERSION:
+                send(
+                    gateway,
+                    WorkerError(
+                        ErrorCode.PROTOCOL_MISMATCH.value,
+                        f"this worker speaks protocol {PROTOCOL_VERSION}, "
+                        f"the gateway {message.protocol_version}",
+                    ),
+                )
+                return False
+            if not gateways.can_admit(gateway):
+                self._refuse_gateway(gateway)
+                return False
+            self._admit(gateway, now)
+            log.info("gateway connected", gateway=_name(gateway), gateway_id=message.gateway_id)
+            # Not ready while draining or dying: a Hello must not put it back in rotation.
+            send(gateway, self.replies.hello())
+            return False
+        if gateway in gateways.lost:
+            # Its requests were cancelled when it went silent; it must start over.
+            send(
+                gateway,
+                WorkerError(
+                    ErrorCode.GATEWAY_LOST.value,
+                    "this gateway was silent too long and its requests were cancelled; "
+                    "say Hello again",
+                ),
+            )
+            return False
+        if isinstance(message, SlotsQuery):
+            # Read-only, from a gateway or from any probe: it opens nothing, admits nobody.
+            send(gateway, self.replies.slots_report(message.query_id))
+            return False
+        if isinstance(message, VocabQuery):  # read-only too
+            send(gateway, self.replies.vocab(message.vocab_fingerprint))
+            return False
+        if isinstance(message, Ping) and message.for_gateway:
+            # A gateway's keep-alive thread: word from that gateway, if it is one we know.
+            kept = message.for_gateway.encode()
+            if kept in gateways:
+                gateways.admit(kept, now)
+            return False
+        if isinstance(message, Ping) and gateway not in gateways:
+            # A probe that never said Hello (`loomserve worker-health`, a readiness wait):
+            # answer it, but it is no gateway, so its silence later means nothing.
+            send(gateway, self.replies.heartbeat(message.sent_at))
+            return False
+        if not gateways.can_admit(gateway):
+            self._refuse_gateway(gateway)
+            return False
+        self._admit(gateway, now)
+        if isinstance(message, (Generate, Embed)):  # the loop tells which work it is
+            refusal = gateways.open(gateway, message.request_id)
+            if refusal is None:
+                self.inbox.submit(gateway, message)
+            else:
+                self._reject(gateway, message.request_id, *refusal)
+            return True
+        if isinstance(message, Cancel):
+            if gateways.cancel(gateway, message.request_id):
+                self.inbox.abort(gateway, message.request_id, message.reason)
+        elif isinstance(message, Ping):
+            send(gateway, self.replies.heartbeat(message.sent_at))
+        else:
+            self.counters.malformed += 1
+            log.warning("dropped a message only workers send", type=type(message).__name__)
+        return False
+
+    def _admit(self, gateway: bytes, now: float) -> None:
+        new = gateway not in self.table
+        self.table.admit(gateway, now)
+        if new and self._on_gateways:
+            self._on_gateways(len(self.table))
+
+    def _refuse_gateway(self, gateway: bytes) -> None:
+        self.counters.gateways_refused += 1
+        if self.counters.gateways_refused % 1000 == 1:
+            log.warning(
+                "refused a gateway: too many connected",
+                gateway=_name(gateway),
+                max_gateways=MAX_GATEWAYS,
+                refused=self.counters.gateways_refused,
+            )
+        self.replies.send(
+            gateway,
+            WorkerError(
+                ErrorCode.QUEUE_FULL.value,
+                f"this worker serves {MAX_GATEWAYS} gateways already; say Hello again later",
+            ),
+        )
+
+    def expire_silent(self, now: float, timeout: float) -> None:
+        """Give up on the gateways that said nothing for longer than timeout."""
+        for gateway in self.table.silent(now, timeout):
+            self.lose(gateway, f"it was silent for {timeout:g}s")
+
+    def lose(self, gateway: bytes, why: str) -> None:
+        """Give up on a gateway: the loop cancels its requests, saying why."""
+        state = self.table.known.get(gateway)
+        if state is None or not self.table.lose(gateway):
+            return
+        self.counters.gateways_lost += 1
+        if state.open:
+            log.warning(
+                "gateway lost; cancelling its requests",
+                gateway=_name(gateway),
+                why=why,
+                requests=len(state.open),
+            )
+        else:  # a gateway that stopped cleanly, its streams drained: nothing was lost
+            log.info("gateway gone", gateway=_name(gateway), why=why)
+        self.inbox.gateway_gone(
+            gateway, f"the worker cancelled this request: its gateway was lost ({why})"
+        )
+        if self._on_gateways:
+            self._on_gateways(len(self.table))
+
+
+def _name(identity: bytes) -> str:
+    return identity.decode(errors="replace")

@@ -1,14 +1,15 @@
 """The worker's ZeroMQ side: one IO thread owns the ROUTER socket that gateways connect to.
 
 Like vLLM's engine core, the tick loop never waits on the network, and neither side holds the
-other: they share channels made first (channels.py). Inbound frames are decoded here and put
-on the loop's Inbox; what the loop says is appended to the Outbox (channels.py) and a wake-up
-byte goes over an inproc PAIR, after which this thread encodes and sends (while the loop is
-inside llama_decode, which releases the GIL); heartbeats and SlotsReports read the
-SchedulerStats on the loop's StatsBoard, a frozen snapshot of its latest tick. Sends
-never block: a gateway that is gone (EHOSTUNREACH) loses its requests; a slow one (EAGAIN)
-loses that message, counted. This thread also answers Hello and Ping and heartbeats every
-gateway, and answers SlotsQuery, so liveness and /slots never wait for a tick either.
+other: they share channels made first (channels.py). Inbound frames go to the GatewayDesk
+(gateways.py), which decodes them, answers what the IO thread answers itself (Hello, Ping,
+SlotsQuery, VocabQuery) and puts work on the loop's Inbox. What the loop says is appended to
+this module's Outbox and a wake-up byte goes over an inproc PAIR, after which this thread
+encodes and sends (while the loop is inside llama_decode, which releases the GIL);
+heartbeats and SlotsReports read the SchedulerStats on the loop's StatsBoard, a frozen
+snapshot of its latest tick. Sends never block: a gateway that is gone (EHOSTUNREACH) loses
+its requests; a slow one (EAGAIN) loses that message, counted. This thread also heartbeats
+every gateway, so liveness and /slots never wait for a tick either.
 
 Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
 connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
@@ -22,42 +23,30 @@ import contextlib
 import errno
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
 
 import structlog
 import zmq
 
 from loomserve.protocol import (
     MAX_FRAME_BYTES,
-    PROTOCOL_VERSION,
-    Cancel,
-    DecodeError,
-    Embed,
     Embeddings,
     ErrorCode,
-    Generate,
     Heartbeat,
-    Hello,
     Message,
     ModelInfo,
     Outputs,
-    Ping,
     Rejected,
-    SlotsQuery,
     SlotsReport,
     VocabFile,
-    VocabQuery,
-    WorkerError,
-    decode,
     encode,
 )
-from loomserve.protocol.codec import Frame, TooLong, request_id_of
-from loomserve.protocol.messages import MAX_EMBED_INPUTS
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.io.channels import BROADCAST, Inbox, Outbox, StatsBoard
+from loomserve.worker.io.channels import Inbox, StatsBoard
 from loomserve.worker.io.curve import ServerKeys, make_curve_server
-from loomserve.worker.io.gateways import GatewayTable
+from loomserve.worker.io.gateways import GatewayDesk, IOCounters, Replies
 from loomserve.worker.io.handshake import HandshakeWatch
 
 log = structlog.get_logger(__name__)
@@ -72,23 +61,31 @@ RECV_HWM = 16
 RECV_BATCH = 256  # most inbound messages handled before the outbox gets a turn
 RECV_TURN_SECONDS = 0.05  # nor longer than this: heartbeats keep their time under a flood
 CLOSE_LINGER_MS = 500  # at shutdown, how long queued messages may take to leave
-LOST_REMEMBERED = 10_000  # lost gateway identities kept to answer with GATEWAY_LOST
-MAX_GATEWAYS = 1024  # gateways known at once; a connection flood cannot grow the table
-# Arrays and maps in one inbound body: a Generate has four (itself, its prompt, its params,
-# their logit_bias), an Embed two and one per input. Past that, a body of nested junk fails
-# as soon as it is unpacked instead of growing fifty-fold into empty lists first.
-INBOUND_CONTAINERS = MAX_EMBED_INPUTS + 8
 
 
-@dataclass(slots=True)
-class IOCounters:
-    """What the IO thread counted; the metrics read these."""
+BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity is empty)
 
-    malformed: int = 0  # frames that did not decode; dropped
-    dropped_slow: int = 0  # sends refused with EAGAIN: the gateway reads too slowly
-    dropped_gone: int = 0  # sends refused with EHOSTUNREACH: the gateway disconnected
-    gateways_lost: int = 0  # gateways given up on (silence or disconnection)
-    gateways_refused: int = 0  # messages from new gateways beyond MAX_GATEWAYS; answered, dropped
+
+class Outbox:
+    """The Sink the loop sends through in a worker process (channels.Sink): messages wait
+    here for the IO thread, which `wake` stirs (never blocking). send and flush are the loop
+    thread's; broadcast any thread's."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self.messages: deque[tuple[bytes, Message]] = deque()
+        self._wake = wake
+
+    def send(self, gateway: bytes, message: Message) -> None:
+        self.messages.append((gateway, message))
+
+    def broadcast(self, message: Message) -> None:
+        """Send a message to every known gateway (from any thread; it goes with the outbox)."""
+        self.messages.append((BROADCAST, message))
+        self.flush()
+
+    def flush(self) -> None:
+        """Wake the IO thread to send the outbox."""
+        self._wake()
 
 
 class WorkerIO:
@@ -107,17 +104,26 @@ class WorkerIO:
     ) -> None:
         self.config = config
         self.vocab_file = vocab_file  # vocab_file.compressed_metadata, for VocabQuery
-        self.inbox = inbox  # where inbound work goes, for the loop
         self.board = board  # what the loop last published, for heartbeats and /slots
         self.model_info = model_info
-        self.counters = IOCounters()
         self.ready = True
         self._busy_at = time.monotonic()  # when work was last queued or running here
-        self._on_gateways = on_gateways
-        self._on_reject = on_reject  # the loop's rejections are counted by the loop
-        # No array or map a gateway sends can be longer than a prompt that fits a slot or a
-        # logit_bias over the whole vocabulary; longer ones fail at their header.
-        self._max_items = max(model_info.slot_context, model_info.vocab_size)
+        replies = Replies(
+            self._send_now,
+            self._hello,
+            self._heartbeat_message,
+            self._slots_report,
+            self._vocab_answer,
+        )
+        self._desk = GatewayDesk(
+            inbox,
+            replies,
+            max_items=max(model_info.slot_context, model_info.vocab_size),
+            max_open=config.slots + config.max_queue,
+            on_gateways=on_gateways,
+            on_reject=on_reject,
+        )
+        self.counters: IOCounters = self._desk.counters
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -140,9 +146,6 @@ class WorkerIO:
         self._wake_out.setsockopt(zmq.LINGER, 0)
         self._wake_out.connect(wake_address)
         self.outbox = Outbox(self._wake)  # the loop's Sink
-        self._gateways = GatewayTable(
-            MAX_GATEWAYS, max_open=config.slots + config.max_queue, lost_remembered=LOST_REMEMBERED
-        )
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
 
@@ -203,7 +206,7 @@ class WorkerIO:
                 return
             now = time.monotonic()
             if now >= next_check:
-                self._expire_silent(now)
+                self._desk.expire_silent(now, self.config.gateway_timeout)
                 next_check = now + check_every
             if now >= next_beat:
                 self._heartbeat()
@@ -227,137 +230,15 @@ class WorkerIO:
             except zmq.Again:
                 return
             gateway, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
-            try:
-                message = decode(body, self._max_items, INBOUND_CONTAINERS)
-            except DecodeError as exc:
-                self._reject_undecodable(gateway, body, exc)
-                self.counters.malformed += 1
-                if self.counters.malformed % 1000 == 1:  # the first, then every 1000th
-                    log.warning(
-                        "dropped a malformed message",
-                        gateway=_name(gateway),
-                        error=str(exc),
-                        malformed=self.counters.malformed,
-                    )
-                continue
-            self._handle(gateway, message)
+            now = time.monotonic()
+            if self._desk.receive(gateway, body, now):
+                self._busy_at = now
 
-    def _reject_undecodable(
-        self, gateway: bytes, body: Sequence[Frame], error: DecodeError
-    ) -> None:
-        """A Generate or Embed that did not decode still gets its Rejected, when its id is
-        readable: the gateway must not wait for an answer that never comes."""
-        request_id = request_id_of(body)
-        if request_id is None:
-            return
-        if isinstance(error, TooLong):
-            code = ErrorCode.PROMPT_TOO_LONG
-            why = f"longer than any context of this worker ({self._max_items} tokens): {error}"
-        else:
-            code, why = ErrorCode.INVALID_REQUEST, f"the request did not decode: {error}"
-        self._reject(gateway, request_id, code, why)
-
-    def _reject(self, gateway: bytes, request_id: str, code: ErrorCode, why: str) -> None:
-        self._send_now(gateway, Rejected(request_id, code.value, why))
-        if self._on_reject:
-            self._on_reject(code.value)
-
-    def _handle(self, gateway: bytes, message: Message) -> None:
-        now = time.monotonic()
-        gateways = self._gateways
-        if isinstance(message, Hello):
-            if message.protocol_version != PROTOCOL_VERSION:
-                self._send_now(
-                    gateway,
-                    WorkerError(
-                        ErrorCode.PROTOCOL_MISMATCH.value,
-                        f"this worker speaks protocol {PROTOCOL_VERSION}, "
-                        f"the gateway {message.protocol_version}",
-                    ),
-                )
-                return
-            if not gateways.can_admit(gateway):
-                self._refuse_gateway(gateway)
-                return
-            self._admit(gateway, now)
-            log.info("gateway connected", gateway=_name(gateway), gateway_id=message.gateway_id)
-            # Not ready while draining or dying: a Hello must not put it back in rotation.
-            self._send_now(gateway, replace(self.model_info, ready=self.ready))
-            return
-        if gateway in gateways.lost:
-            # Its requests were cancelled when it went silent; it must start over.
-            self._send_now(
-                gateway,
-                WorkerError(
-                    ErrorCode.GATEWAY_LOST.value,
-                    "this gateway was silent too long and its requests were cancelled; "
-                    "say Hello again",
-                ),
-            )
-            return
-        if isinstance(message, SlotsQuery):
-            # Read-only, from a gateway or from any probe: it opens nothing, admits nobody.
-            self._send_now(gateway, self._slots_report(message.query_id))
-            return
-        if isinstance(message, VocabQuery):  # read-only too
-            self._send_now(gateway, self._vocab_answer(message.vocab_fingerprint))
-            return
-        if isinstance(message, Ping) and message.for_gateway:
-            # A gateway's keep-alive thread: word from that gateway, if it is one we know.
-            kept = message.for_gateway.encode()
-            if kept in gateways:
-                gateways.admit(kept, now)
-            return
-        if isinstance(message, Ping) and gateway not in gateways:
-            # A probe that never said Hello (`loomserve worker-health`, a readiness wait):
-            # answer it, but it is no gateway, so its silence later means nothing.
-            self._send_now(gateway, self._heartbeat_message(message.sent_at))
-            return
-        if not gateways.can_admit(gateway):
-            self._refuse_gateway(gateway)
-            return
-        self._admit(gateway, now)
-        if isinstance(message, (Generate, Embed)):  # the loop tells which work it is
-            self._busy_at = now
-            refusal = gateways.open(gateway, message.request_id)
-            if refusal is None:
-                self.inbox.submit(gateway, message)
-            else:
-                self._reject(gateway, message.request_id, *refusal)
-        elif isinstance(message, Cancel):
-            if gateways.cancel(gateway, message.request_id):
-                self.inbox.abort(gateway, message.request_id, message.reason)
-        elif isinstance(message, Ping):
-            self._send_now(gateway, self._heartbeat_message(message.sent_at))
-        else:
-            self.counters.malformed += 1
-            log.warning("dropped a message only workers send", type=type(message).__name__)
-
-    def _admit(self, gateway: bytes, now: float) -> None:
-        new = gateway not in self._gateways
-        self._gateways.admit(gateway, now)
-        if new and self._on_gateways:
-            self._on_gateways(len(self._gateways))
-
-    def _refuse_gateway(self, gateway: bytes) -> None:
-        self.counters.gateways_refused += 1
-        if self.counters.gateways_refused % 1000 == 1:
-            log.warning(
-                "refused a gateway: too many connected",
-                gateway=_name(gateway),
-                max_gateways=MAX_GATEWAYS,
-                refused=self.counters.gateways_refused,
-            )
-        self._send_now(
-            gateway,
-            WorkerError(
-                ErrorCode.QUEUE_FULL.value,
-                f"this worker serves {MAX_GATEWAYS} gateways already; say Hello again later",
-            ),
-        )
+    def _hello(self) -> ModelInfo:
+        return replace(self.model_info, ready=self.ready)
 
     def _send_outbox(self) -> None:
-        outbox, gateways = self.outbox.messages, self._gateways
+        outbox, gateways = self.outbox.messages, self._desk.table
         while outbox:
             gateway, message = outbox.popleft()
             if gateway == BROADCAST:
@@ -388,16 +269,11 @@ class WorkerIO:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
             self.counters.dropped_gone += 1
-            self._lose(gateway, "it disconnected")
-
-    def _expire_silent(self, now: float) -> None:
-        timeout = self.config.gateway_timeout
-        for gateway in self._gateways.silent(now, timeout):
-            self._lose(gateway, f"it was silent for {timeout:g}s")
+            self._desk.lose(gateway, "it disconnected")
 
     def _heartbeat(self) -> None:
         beat = self._heartbeat_message(0.0)
-        for gateway in list(self._gateways.known):
+        for gateway in list(self._desk.table.known):
             self._send_now(gateway, beat)
 
     def _heartbeat_message(self, ping_sent_at: float) -> Heartbeat:
@@ -439,26 +315,6 @@ class WorkerIO:
             slots=stats.slot_states(time.monotonic()),
             tenants=stats.tenant_queues(),
         )
-
-    def _lose(self, gateway: bytes, why: str) -> None:
-        state = self._gateways.known.get(gateway)
-        if state is None or not self._gateways.lose(gateway):
-            return
-        self.counters.gateways_lost += 1
-        if state.open:
-            log.warning(
-                "gateway lost; cancelling its requests",
-                gateway=_name(gateway),
-                why=why,
-                requests=len(state.open),
-            )
-        else:  # a gateway that stopped cleanly, its streams drained: nothing was lost
-            log.info("gateway gone", gateway=_name(gateway), why=why)
-        self.inbox.gateway_gone(
-            gateway, f"the worker cancelled this request: its gateway was lost ({why})"
-        )
-        if self._on_gateways:
-            self._on_gateways(len(self._gateways))
 
 
 def _name(identity: bytes) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from loomserve.worker.cache.ram_cache import SavedState
     from loomserve.worker.sched.slots import Request, Slot
 
 GIB = 1024**3
@@ -63,8 +64,16 @@ class SwapSpace:
     def fits(self, n_bytes: int) -> bool:
         return n_bytes > 0 and self.used + n_bytes <= self.capacity
 
-    def take(self, n_bytes: int) -> None:
+    def hold(self, request: Request, state: SavedState, n_tokens: int, n_bytes: int) -> None:
+        """A preempted request's `n_tokens` cells, saved as `state`: it resumes from them."""
+        request.saved_state = state
+        request.saved_tokens = n_tokens
+        request.saved_bytes = n_bytes
         self.used += n_bytes
 
-    def give_back(self, n_bytes: int) -> None:
-        self.used = max(0, self.used - n_bytes)
+    def drop(self, request: Request) -> None:
+        """The request's saved state is restored or no longer needed: its bytes come back."""
+        if request.saved_state is not None:
+            self.used = max(0, self.used - request.saved_bytes)
+            request.saved_state = None
+            request.saved_bytes = 0

@@ -3,20 +3,18 @@
 Plain Python over a deque and a list of slots, like nano-vllm's scheduler: no llama.cpp and
 no ZeroMQ here, so it is tested without a model. The scheduler owns every state change of a
 slot, in the order a tick makes them: admit waiting requests, plan the batch's runs of tokens
-(the strategy splits the budget), advance the slots after the forward pass, record each
-sampled token (deciding EOS, max_tokens and the context limit), and release the requests that
-ended. The loop does the engine work each decision implies; the decisions that touch the
-engine come back as values (Admission, Release; slots.py holds these types) so that it
-stays explicit.
+(the strategy splits the budget; shaping.py makes the runs), advance the slots after the
+forward pass, record each sampled token (deciding EOS, max_tokens and the context limit) and
+put its chunk in the tick's PendingOutputs, and release the requests that ended. The loop
+does the engine work each decision implies; the decisions that touch the engine come back as
+values (Admission, Release; slots.py holds these types) so that it stays explicit.
 
-Who waits and who runs is decided with two helpers: the waiting queue (queueing.py: fcfs or
-priority order, tenants' weighted round-robin and caps) and, under the priority policy,
-preemption (preemption.py): a waiting request that outranks a running one takes its slot, and
-the running one goes back to the queue to resume later where it stopped.
-
-A slot that finishes normally keeps its cache (slots.py), so a later prompt with the same
-beginning skips those tokens (prefix reuse, like llama-server's cache_prompt); prefix_cache.py
-decides where a request goes and whose cache it starts from.
+Who waits and who runs is decided here with the waiting queue (queueing.py: fcfs or priority
+order, tenants' weighted round-robin and caps) and, under the priority policy, preemption
+(preemption.py): a waiting request that outranks a running one takes its slot, and the
+running one goes back to the queue to resume later where it stopped. Where an admitted
+request sits, and whose cache it starts from, is admission.py's (prefix reuse, like
+llama-server's cache_prompt: a slot that finishes normally keeps its cache).
 """
 
 from __future__ import annotations
@@ -25,9 +23,10 @@ from collections.abc import Sequence
 
 import structlog
 
-from loomserve.protocol import ErrorCode, FinishReason, TokenChunk
-from loomserve.worker.cache.prefix_cache import can_place, place
+from loomserve.protocol import ErrorCode, FinishReason, Outputs, TokenChunk
 from loomserve.worker.cache.ram_cache import RamCache, SavedState
+from loomserve.worker.io.channels import Sink
+from loomserve.worker.sched.admission import Seating
 from loomserve.worker.sched.preemption import SwapSpace, victim_slot
 from loomserve.worker.sched.queueing import Policy, WaitingQueue
 from loomserve.worker.sched.shaping import add_drafts, shape, ubatches_with_filler
@@ -38,7 +37,6 @@ from loomserve.worker.sched.slots import (
     Release,
     Request,
     RequestKey,
-    Run,
     Sampled,
     Slot,
     Step,
@@ -81,12 +79,11 @@ class Scheduler:
         self.split_rules = split_rules or SplitRules()
         self.max_queue = max_queue
         self.slot_context = slot_context
-        # A busy slot's prefix is copied only when it saves at least this many tokens.
-        self.min_copy_tokens = min_copy_tokens
         self.strategy: BatchStrategy = strategy or DecodeMaximal()
         self.waiting: WaitingQueue[Request] = waiting if waiting is not None else WaitingQueue()
         self.swap = SwapSpace(swap_bytes)
         self.ram = RamCache(ram_cache_bytes)  # slots' caches kept after their slots were taken
+        self.seating = Seating(self.slots, self.split_rules, min_copy_tokens, self.ram)
         self.latency = latency  # the --itl-target-ms cap on prompt tokens per tick
         self.preemptions = 0
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
@@ -149,7 +146,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
             del self.live[key]
-            self._drop_saved_state(request)
+            self.swap.drop(request)
             self._cancelled_waiting.append((request, message, reason))
         return True
 
@@ -178,71 +175,17 @@ class Scheduler:
                 preempted = self._preempt_for(request, tick, sources)
                 if preempted is None:
                     break
-            elif not can_place(self.slots, sources):
+            elif not self.seating.has_room(sources):
                 break
             self.waiting.pop()
-            admission = self._place(request, tick, now, sources)
+            admission = self.seating.seat(request, tick, now, sources)
+            if admission.restore is not None:
+                self.swap.drop(request)
+            self._slot_of[request.key] = admission.slot
+            self.waiting.started(request.tenant)
             admission.preempted = preempted
             admissions.append(admission)
         return admissions
-
-    def _place(
-        self, request: Request, tick: int, now: float, reserved: frozenset[int]
-    ) -> Admission:
-        tokens = request.resume_tokens or request.prompt
-        # A cached prefix has no logits to score its tokens with: a request that scores
-        # its prompt evaluates it all, in the least recently used slot.
-        scores = request.params.prompt_logprobs is not None
-        placement = place(
-            self.slots,
-            [] if scores else tokens,
-            per_slot_streams=self.split_rules.per_slot_streams,
-            min_copy_tokens=self.min_copy_tokens,
-            ram=self.ram,
-            reserved=reserved,
-            chunk=self.split_rules.prompt_chunk,
-        )
-        slot, reused = self.slots[placement.target], placement.reused
-        source = None if placement.source is None else self.slots[placement.source]
-        ram_entry = placement.ram
-        restore = request.saved_state
-        if restore is not None:  # swapped out: its own saved cells, not a shared prefix
-            reused, source, ram_entry = request.saved_tokens, None, None
-            self._drop_saved_state(request)
-        kept = reused if source is None and ram_entry is None and restore is None else 0
-        save_first = self._worth_saving(slot, kept)
-        slot.request = request
-        slot.tokens = list(tokens)
-        slot.n_in_cache = reused
-        slot.n_prompt = len(tokens)
-        slot.admitted_tick = tick
-        slot.finish_reason = None
-        slot.finish_message = ""
-        slot.finish_code = ""
-        set_phase(slot)
-        if not request.admitted_at:  # its first admission: the queue time and cache hits
-            request.admitted_at = now
-            request.cached_tokens = reused
-        self._slot_of[request.key] = slot
-        self.waiting.started(request.tenant)
-        return Admission(
-            slot,
-            request,
-            reused,
-            source if reused else None,
-            restore,
-            ram_entry=ram_entry,
-            save_first=save_first,
-        )
-
-    def _worth_saving(self, slot: Slot, kept: int) -> list[int] | None:
-        """The slot's cached tokens, when taking it for a request that keeps only `kept` of
-        them loses a block or more that the RAM cache does not hold yet."""
-        ram = self.ram
-        if not ram.enabled or slot.n_in_cache - kept < ram.block_tokens:
-            return None
-        cached = slot.tokens[: slot.n_in_cache]
-        return cached if ram.worth_saving(cached) else None
 
     def prefix_lost(self, admission: Admission) -> None:
         """The engine could not keep (or restore) the admitted slot's cells: its whole
@@ -283,17 +226,7 @@ class Scheduler:
 
     def swap_out(self, preemption: Preemption, state: SavedState, n_bytes: int) -> None:
         """The loop saved a preempted request's cells; it resumes from them."""
-        request = preemption.request
-        request.saved_state = state
-        request.saved_tokens = preemption.n_cached
-        request.saved_bytes = n_bytes
-        self.swap.take(n_bytes)
-
-    def _drop_saved_state(self, request: Request) -> None:
-        if request.saved_state is not None:
-            self.swap.give_back(request.saved_bytes)
-            request.saved_state = None
-            request.saved_bytes = 0
+        self.swap.hold(preemption.request, state, preemption.n_cached, n_bytes)
 
     # --- plan the batch -----------------------------------------------------------------
 
@@ -305,19 +238,7 @@ class Scheduler:
             return Step(BatchPlan())
         limit = self.latency.limit if self.latency is not None else None
         plan = self._plans.plan(self.strategy, views, budget, chunk_size, self.queue_depth, limit)
-        slots = self.slots
-        runs = []
-        for index in plan.decode:
-            slot = slots[index]
-            runs.append(Run(slot, slot.tokens[-1:], slot.n_in_cache, True))
-        for index, n_tokens in plan.prefill.items():
-            slot = slots[index]
-            start, end = slot.n_in_cache, slot.n_in_cache + n_tokens
-            # Logits only where a token is sampled (the last prompt token), unless the
-            # request scores its prompt.
-            score = slot.occupant.params.prompt_logprobs is not None
-            runs.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt, score))
-        return shape(Step(plan, runs), budget, self.split_rules, self.slots)
+        return shape(plan, self.slots, budget, self.split_rules)
 
     def ubatches_with_filler(self, step: Step, length: int) -> int:
         """The passes the step would take with `length` more tokens on every decode and
@@ -355,12 +276,11 @@ class Scheduler:
         left = request.params.max_tokens - request.completion_tokens
         return max(0, min(left, self.slot_context - len(slot.tokens)))
 
-    def update(self, sampled: Sequence[Sampled], now: float) -> list[tuple[bytes, TokenChunk]]:
+    def update(self, sampled: Sequence[Sampled], now: float, outputs: PendingOutputs) -> None:
         """Apply what the samplers gave after a forward pass, the one place sampled tokens
         change a slot: record each slot's tokens until its request ends, keep the cells of
-        the drafts it agreed with, end the requests that must end. Return the chunks to send,
-        with their gateways."""
-        chunks: list[tuple[bytes, TokenChunk]] = []
+        the drafts it agreed with, end the requests that must end, and put each token's
+        chunk in its gateway's Outputs."""
         for entry in sampled:
             slot = entry.slot
             request = slot.occupant
@@ -377,13 +297,12 @@ class Scheduler:
                 if chunk is not None:
                     if entry.logprobs is not None:
                         chunk.logprobs = [entry.logprobs[position]]
-                    chunks.append((request.gateway, chunk))
+                    outputs.to(request.gateway).tokens.append(chunk)
                 if slot.finish_reason is not None:
                     break
             # Every recorded token but the last was a draft whose cell now holds; the loop
             # drops the cells of the rest of the run.
             slot.n_in_cache += recorded - 1
-        return chunks
 
     def record_token(
         self, slot: Slot, token: int, end_of_generation: bool, now: float
@@ -444,3 +363,26 @@ class Scheduler:
         else:
             slot.tokens = []
             slot.n_in_cache = 0
+
+
+class PendingOutputs:
+    """This tick's Outputs, by gateway, sent together at its end: the update puts each token's
+    chunk here, the loop each finish, prompt scoring its logprobs (vLLM's scheduler likewise
+    returns one EngineCoreOutputs per client from its update)."""
+
+    def __init__(self) -> None:
+        self._by_gateway: dict[bytes, Outputs] = {}
+
+    def to(self, gateway: bytes) -> Outputs:
+        outputs = self._by_gateway.get(gateway)
+        if outputs is None:
+            outputs = self._by_gateway[gateway] = Outputs(tokens=[], finishes=[])
+        return outputs
+
+    def send(self, sink: Sink) -> None:
+        """Send every gateway its Outputs, if any, and start over."""
+        if self._by_gateway:
+            for gateway, outputs in self._by_gateway.items():
+                sink.send(gateway, outputs)
+            self._by_gateway = {}
+            sink.flush()

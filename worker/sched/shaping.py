@@ -1,8 +1,9 @@
-"""The shape of a tick's batch: its runs ordered, padded and grown so that llama.cpp makes as
-few forward passes of it as it can (ubatches.py says how it cuts a batch). Plain Python.
+"""The shape of a tick's batch: the runs of slot tokens that carry out the strategy's plan,
+ordered, padded and grown so that llama.cpp makes as few forward passes of it as it can
+(ubatches.py says how it cuts a batch). Plain Python.
 
-The scheduler shapes every step it plans (shape); speculation asks what a common draft length
-would cost in passes (ubatches_with_filler) and then adds the drafts (add_drafts).
+The scheduler shapes every plan into a step (shape); speculation asks what a common draft
+length would cost in passes (ubatches_with_filler) and then adds the drafts (add_drafts).
 """
 
 from __future__ import annotations
@@ -10,15 +11,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from loomserve.worker.sched.slots import Run, Slot, Step
-from loomserve.worker.sched.strategies import SlotPhase
+from loomserve.worker.sched.strategies import BatchPlan, SlotPhase
 from loomserve.worker.sched.ubatches import SplitRules, count_ubatches, gaps_to_bridge
 
 
-def shape(step: Step, budget: int, rules: SplitRules, slots: Sequence[Slot]) -> Step:
-    """Order and pad the runs so that llama.cpp makes as few passes as it can (ubatches.py).
+def shape(plan: BatchPlan, slots: Sequence[Slot], budget: int, rules: SplitRules) -> Step:
+    """The plan's runs in slot order, padded so that llama.cpp makes as few passes as it can
+    (ubatches.py).
 
     Slot order costs nothing where the cache is one stream, and there it stays one pass.
     """
+    step = Step(plan, runs(plan, slots))
     step.runs.sort(key=lambda run: run.slot.index)
     if rules.per_slot_streams and rules.padding:
         room = budget - step.plan.n_tokens
@@ -38,6 +41,22 @@ def shape(step: Step, budget: int, rules: SplitRules, slots: Sequence[Slot]) -> 
     lengths = [(run.slot.index, len(run.tokens)) for run in step.runs]
     step.ubatches = count_ubatches(lengths, budget, rules.per_slot_streams)
     return step
+
+
+def runs(plan: BatchPlan, slots: Sequence[Slot]) -> list[Run]:
+    """A run per slot in the plan: a generating slot's last token, or its prompt's next chunk."""
+    found = []
+    for index in plan.decode:
+        slot = slots[index]
+        found.append(Run(slot, slot.tokens[-1:], slot.n_in_cache, True))
+    for index, n_tokens in plan.prefill.items():
+        slot = slots[index]
+        start, end = slot.n_in_cache, slot.n_in_cache + n_tokens
+        # Logits only where a token is sampled (the last prompt token), unless the request
+        # scores its prompt.
+        score = slot.occupant.params.prompt_logprobs is not None
+        found.append(Run(slot, slot.tokens[start:end], start, end == slot.n_prompt, score))
+    return found
 
 
 def can_pad(slot: Slot, rules: SplitRules) -> bool:

@@ -44,7 +44,6 @@ from loomserve.worker.io.channels import (
     Abort,
     GatewayGone,
     Inbox,
-    PendingOutputs,
     Sink,
     StatsBoard,
     Submit,
@@ -58,7 +57,7 @@ from loomserve.worker.sched.records import (
     scheduler_stats,
     tick_record,
 )
-from loomserve.worker.sched.scheduler import Scheduler
+from loomserve.worker.sched.scheduler import PendingOutputs, Scheduler
 from loomserve.worker.sched.slots import Release, Sampled, Step
 from loomserve.worker.sched.strategies import load_strategy
 from loomserve.worker.sched.tick_cost import LatencyTarget, TickCostModel
@@ -355,8 +354,7 @@ class TickLoop:
 
     def _update(self, sampled_now: list[Sampled]) -> int:
         """The scheduler records what was sampled; its chunks go out; return the tokens."""
-        for gateway, chunk in self.scheduler.update(sampled_now, time.monotonic()):
-            self.outputs.to(gateway).tokens.append(chunk)
+        self.scheduler.update(sampled_now, time.monotonic(), self.outputs)
         self.drafting.settle()
         return sum(len(entry.tokens) for entry in sampled_now if entry.failure is None)
 
