@@ -20,7 +20,9 @@ from loomserve.cli.health import probe
 from loomserve.cli.keygen import ensure_certificates
 from loomserve.cli.main import main
 from loomserve.protocol import (
+    PROTOCOL_VERSION,
     Accepted,
+    Cancel,
     Generate,
     Heartbeat,
     Hello,
@@ -29,12 +31,17 @@ from loomserve.protocol import (
     Ping,
     Rejected,
     SamplingParams,
+    SlotsQuery,
+    SlotsReport,
+    VocabFile,
+    WorkerError,
     decode,
     encode,
 )
 from loomserve.protocol.messages import ErrorCode
 from loomserve.worker.config import WorkerConfig, is_local_endpoint
-from loomserve.worker.io.gateways import GatewayTable
+from loomserve.worker.io.channels import Abort, GatewayGone, Inbox, Submit
+from loomserve.worker.io.gateways import GatewayDesk, GatewayTable, Replies
 from tests.procs import Proc, start_worker, wait_worker_ready
 
 MIB = 1024 * 1024
@@ -346,3 +353,92 @@ def test_the_gateway_table_bounds_gateways_open_requests_and_cancels():
         table.admit(bytes([i]), 0.0)
         table.lose(bytes([i]))
     assert len(table.lost) == 2  # a flood of identities cannot grow it
+
+
+# --- the desk: what each gateway message gets, without a socket -----------------------------
+
+
+class Said:
+    """The desk's Replies, kept: what it sent to whom."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, object]] = []
+        self.replies = Replies(
+            send=lambda gateway, message: self.sent.append((gateway, message)),
+            hello=lambda: ModelInfo(PROTOCOL_VERSION, "m", 32, 64, 64, 2, "fp", ready=True),
+            heartbeat=lambda sent_at: Heartbeat(1.0, sent_at, True, 0, 2, 0),
+            slots_report=lambda query_id: SlotsReport(query_id, 0, [], []),
+            vocab=lambda fingerprint: VocabFile(fingerprint, b"", "none here"),
+        )
+
+    def take(self) -> list[tuple[bytes, object]]:
+        sent, self.sent = self.sent, []
+        return sent
+
+
+def inbox_items(inbox: Inbox) -> list[object]:
+    items = []
+    while (item := inbox.get(block=False)) is not None:
+        items.append(item)
+    return items
+
+
+def test_the_desk_answers_what_it_can_and_hands_work_to_the_loop():
+    said, inbox, joined = Said(), Inbox(), []
+    desk = GatewayDesk(inbox, said.replies, max_items=64, max_open=1, on_gateways=joined.append)
+    # A probe that never said Hello gets a heartbeat, and is no gateway.
+    assert not desk.handle(b"probe", Ping(5.0), now=0.0)
+    [(to, beat)] = said.take()
+    assert to == b"probe" and isinstance(beat, Heartbeat) and beat.ping_sent_at == 5.0
+    assert b"probe" not in desk.table and joined == []
+    # Hello: the model, and the gateway is known.
+    assert not desk.handle(b"gw", Hello("g1"), now=1.0)
+    assert [type(m) for _, m in said.take()] == [ModelInfo] and joined == [1]
+    # A Generate is work for the loop; the second one open is refused at the door.
+    params = SamplingParams(max_tokens=1)
+    assert desk.handle(b"gw", Generate("a", [1, 2], params), now=2.0)
+    assert desk.handle(b"gw", Generate("b", [1, 2], params), now=2.0)
+    [(to, rejected)] = said.take()
+    assert isinstance(rejected, Rejected) and rejected.request_id == "b"
+    assert rejected.code == ErrorCode.QUEUE_FULL.value
+    # A Cancel reaches the loop once; queries are answered on the spot.
+    assert not desk.handle(b"gw", Cancel("a"), now=3.0)
+    assert not desk.handle(b"gw", Cancel("a"), now=3.0)
+    assert not desk.handle(b"gw", SlotsQuery("q"), now=3.0)
+    assert [type(m) for _, m in said.take()] == [SlotsReport]
+    submit, abort = inbox_items(inbox)
+    assert isinstance(submit, Submit) and submit.message.request_id == "a"
+    assert isinstance(abort, Abort) and abort.request_id == "a"
+
+
+def test_the_desk_gives_up_on_silent_gateways_and_refuses_their_work_until_hello():
+    said, inbox = Said(), Inbox()
+    desk = GatewayDesk(inbox, said.replies, max_items=64, max_open=4)
+    desk.handle(b"gw", Hello("g1"), now=0.0)
+    desk.handle(b"gw", Generate("a", [1], SamplingParams(max_tokens=1)), now=0.0)
+    said.take()
+    inbox_items(inbox)
+    desk.expire_silent(now=10.0, timeout=5.0)
+    [gone] = inbox_items(inbox)
+    assert isinstance(gone, GatewayGone) and "silent for 5s" in gone.why
+    assert desk.counters.gateways_lost == 1
+    assert not desk.handle(b"gw", Generate("b", [1], SamplingParams(max_tokens=1)), now=11.0)
+    [(_, error)] = said.take()
+    assert isinstance(error, WorkerError) and error.code == ErrorCode.GATEWAY_LOST.value
+    assert inbox_items(inbox) == []
+    desk.handle(b"gw", Hello("g1"), now=12.0)  # forgiven
+    assert b"gw" in desk.table and b"gw" not in desk.table.lost
+
+
+def test_the_desk_rejects_an_undecodable_generate_it_can_name_and_counts_it():
+    said, inbox = Said(), Inbox()
+    desk = GatewayDesk(inbox, said.replies, max_items=4, max_open=4)
+    desk.handle(b"gw", Hello("g1"), now=0.0)
+    said.take()
+    frames = encode(Generate("long", list(range(10)), SamplingParams(max_tokens=1)))
+    assert not desk.receive(b"gw", frames, now=1.0)
+    [(_, rejected)] = said.take()
+    assert isinstance(rejected, Rejected) and rejected.request_id == "long"
+    assert rejected.code == ErrorCode.PROMPT_TOO_LONG.value
+    assert desk.receive(b"gw", [b"\xff", b"junk"], now=1.0) is False
+    assert desk.counters.malformed == 2 and inbox_items(inbox) == []

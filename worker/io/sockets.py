@@ -234,9 +234,6 @@ class WorkerIO:
             if self._desk.receive(gateway, body, now):
                 self._busy_at = now
 
-    def _hello(self) -> ModelInfo:
-        return replace(self.model_info, ready=self.ready)
-
     def _send_outbox(self) -> None:
         outbox, gateways = self.outbox.messages, self._desk.table
         while outbox:
@@ -315,6 +312,9 @@ class WorkerIO:
             slots=stats.slot_states(time.monotonic()),
             tenants=stats.tenant_queues(),
         )
+
+    def _hello(self) -> ModelInfo:
+        return replace(self.model_info, ready=self.ready)
 
 
 def _name(identity: bytes) -> str:
