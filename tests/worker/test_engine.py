@@ -394,6 +394,31 @@ def test_an_end_of_generation_token_stops_and_is_not_sent(engine, config):
     assert collector.tokens()["ignored"] == [2, 2, 2, 2]
 
 
+def test_prompt_logprobs_score_every_prompt_token_across_chunks(engine, config):
+    """A scoring request's prompt is evaluated in chunks (prefill_chunk 7): each chunk's rows
+    score the tokens after them, in order, and its sampled tokens are what it samples alone."""
+    prompt = [1, *range(10, 30)]
+    loop, collector = new_loop(engine, config)
+    loop.inbox.submit(GW, greedy("plain", [1, 7, 8], 4, ignore_eos=True))
+    loop.inbox.submit(GW, greedy("scored", prompt, 6, ignore_eos=True, prompt_logprobs=2))
+    drain(loop)
+    scored = [
+        chunk.prompt_logprobs
+        for outputs in collector.of_type(Outputs)
+        for chunk in outputs.tokens
+        if chunk.request_id == "scored" and chunk.prompt_logprobs is not None
+    ]
+    assert len(scored) > 1  # one per chunk of the prompt
+    positions = [p.first + i for p in scored for i in range(len(p.logprobs))]
+    assert positions == list(range(1, len(prompt)))
+    assert all(
+        len(entry.top_ids) == 2 and entry.logprob <= 0.0 for p in scored for entry in p.logprobs
+    )
+    alone = run_alone(engine, config, greedy("scored", prompt, 6, ignore_eos=True))
+    assert collector.tokens()["scored"] == alone
+    assert len(collector.tokens()["plain"]) == 4
+
+
 def test_seeded_sampling_repeats_alone_and_batched(engine, config):
     def sampled(request_id: str, seed: int) -> Generate:
         params = SamplingParams(max_tokens=24, temperature=1.3, top_k=50, top_p=0.95, seed=seed)

@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from loomserve.protocol import PromptLogprobs, SamplingParams, TokenChunk, TokenLogprobs
-from loomserve.worker.sched.scheduler import PendingOutputs
+from loomserve.protocol import Outputs, PromptLogprobs, SamplingParams, TokenChunk, TokenLogprobs
 from loomserve.worker.sched.slots import Run, Sampled, Slot, Step
 
 FLOOR = -9999.0  # what a token that cannot be chosen reports (as vLLM's); JSON has no -inf
@@ -139,16 +138,17 @@ def sampled(
 
 
 def score_prompts(
-    step: Step, output_logits: Callable[[int], np.ndarray], outputs: PendingOutputs
+    step: Step, output_logits: Callable[[int], np.ndarray], outputs_to: Callable[[bytes], Outputs]
 ) -> np.ndarray:
-    """Send the prompt logprobs of the step's scoring runs; return the logits rows of the
-    sampled slots (in batch order, as the loop's _sample reads them)."""
+    """Send the prompt logprobs of the step's scoring runs (in `outputs_to(gateway)`, the
+    tick's Outputs for a gateway: PendingOutputs.to); return the logits rows of the sampled
+    slots (in batch order, as the loop's _sample reads them)."""
     n_outputs = sum(len(run.tokens) if run.score else run.sample for run in step.runs)
     logits = output_logits(n_outputs)
     rows, sampled_rows = 0, []
     for run in step.runs:
         if run.score:
-            _send_prompt_logprobs(run, logits[rows : rows + len(run.tokens)], outputs)
+            _send_prompt_logprobs(run, logits[rows : rows + len(run.tokens)], outputs_to)
             rows += len(run.tokens)
             if run.sample:
                 sampled_rows.append(rows - 1)
@@ -158,7 +158,9 @@ def score_prompts(
     return logits[sampled_rows]
 
 
-def _send_prompt_logprobs(run: Run, rows: np.ndarray, outputs: PendingOutputs) -> None:
+def _send_prompt_logprobs(
+    run: Run, rows: np.ndarray, outputs_to: Callable[[bytes], Outputs]
+) -> None:
     """Row i scores prompt token run.start + i + 1; the prompt's last row scores nothing
     (its logits sample the first generated token)."""
     request = run.slot.occupant
@@ -170,4 +172,4 @@ def _send_prompt_logprobs(run: Run, rows: np.ndarray, outputs: PendingOutputs) -
     first = run.start + 1
     entries = prompt_logprobs(rows[:n_scored], prompt[first : first + n_scored], top)
     chunk = TokenChunk(request.request_id, [], prompt_logprobs=PromptLogprobs(first, entries))
-    outputs.to(request.gateway).tokens.append(chunk)
+    outputs_to(request.gateway).tokens.append(chunk)

@@ -334,7 +334,7 @@ class TickLoop:
         """Each sampling slot's new tokens, for the scheduler's update."""
         scored, sampling = None, filled.sampled
         if filled.scoring is not None:
-            scored = score_prompts(filled.scoring, self.engine.output_logits, self.outputs)
+            scored = score_prompts(filled.scoring, self.engine.output_logits, self.outputs.to)
         if not sampling:  # only prompt chunks that end mid-prompt: no logits were asked for
             return []
         if filled.verified:
