@@ -1,2 +1,3 @@
-"""The worker's edge: the ROUTER socket's thread, the channels it shares with the tick loop, the
-outbox, the gateways it knows, the handshake, CURVE keys and the IPC endpoint's lock."""
+"""The worker's edge: the ROUTER socket's thread and the outbox it drains, the gateways it knows
+and what their messages get, the channels it shares with the tick loop, the handshake, CURVE
+keys and the IPC endpoint's lock."""
