@@ -3,7 +3,7 @@ bounded however a peer behaves. No zmq here: the socket thread (sockets.py) rece
 sends; the GatewayDesk decodes what came and deals with it, the GatewayTable keeps count.
 
 A gateway is a ROUTER identity: a peer gets one per connection it opens, and may send as many
-Generates and Cancels as it likes. This table caps both. At most max_gateways are known at
+Generates and Cancels as it likes. The GatewayTable caps both. At most max_gateways are known at
 once (silent ones expire); each may have max_open requests between its Generate and their
 Finish or Rejected, and as many Generates for an id already open (the loop rejects those, in
 order after the original's Accepted); a Cancel reaches the loop only for an open request,
@@ -203,7 +203,7 @@ class GatewayDesk:
             if self.counters.malformed % 1000 == 1:  # the first, then every 1000th
                 log.warning(
                     "dropped a malformed message",
-                    gateway=_name(gateway),
+                    gateway=name_of(gateway),
                     error=str(exc),
                     malformed=self.counters.malformed,
                 )
@@ -248,7 +248,7 @@ class GatewayDesk:
                 self._refuse_gateway(gateway)
                 return False
             self._admit(gateway, now)
-            log.info("gateway connected", gateway=_name(gateway), gateway_id=message.gateway_id)
+            log.info("gateway connected", gateway=name_of(gateway), gateway_id=message.gateway_id)
             # Not ready while draining or dying: a Hello must not put it back in rotation.
             send(gateway, self.replies.hello())
             return False
@@ -313,7 +313,7 @@ class GatewayDesk:
         if self.counters.gateways_refused % 1000 == 1:
             log.warning(
                 "refused a gateway: too many connected",
-                gateway=_name(gateway),
+                gateway=name_of(gateway),
                 max_gateways=MAX_GATEWAYS,
                 refused=self.counters.gateways_refused,
             )
@@ -339,12 +339,12 @@ class GatewayDesk:
         if state.open:
             log.warning(
                 "gateway lost; cancelling its requests",
-                gateway=_name(gateway),
+                gateway=name_of(gateway),
                 why=why,
                 requests=len(state.open),
             )
         else:  # a gateway that stopped cleanly, its streams drained: nothing was lost
-            log.info("gateway gone", gateway=_name(gateway), why=why)
+            log.info("gateway gone", gateway=name_of(gateway), why=why)
         self.inbox.gateway_gone(
             gateway, f"the worker cancelled this request: its gateway was lost ({why})"
         )
@@ -352,5 +352,6 @@ class GatewayDesk:
             self._on_gateways(len(self.table))
 
 
-def _name(identity: bytes) -> str:
+def name_of(identity: bytes) -> str:
+    """A gateway's identity, for the log."""
     return identity.decode(errors="replace")

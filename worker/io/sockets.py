@@ -46,7 +46,7 @@ from loomserve.protocol import (
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.io.channels import Inbox, StatsBoard
 from loomserve.worker.io.curve import ServerKeys, make_curve_server
-from loomserve.worker.io.gateways import GatewayDesk, IOCounters, Replies
+from loomserve.worker.io.gateways import GatewayDesk, IOCounters, Replies, name_of
 from loomserve.worker.io.handshake import HandshakeWatch
 
 log = structlog.get_logger(__name__)
@@ -261,7 +261,7 @@ class WorkerIO:
         except zmq.Again:
             self.counters.dropped_slow += 1
             if self.counters.dropped_slow % 1000 == 1:
-                log.warning("gateway too slow; dropped a message", gateway=_name(gateway))
+                log.warning("gateway too slow; dropped a message", gateway=name_of(gateway))
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:
                 raise
@@ -315,7 +315,3 @@ class WorkerIO:
 
     def _hello(self) -> ModelInfo:
         return replace(self.model_info, ready=self.ready)
-
-
-def _name(identity: bytes) -> str:
-    return identity.decode(errors="replace")

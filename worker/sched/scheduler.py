@@ -83,7 +83,7 @@ class Scheduler:
         self.waiting: WaitingQueue[Request] = waiting if waiting is not None else WaitingQueue()
         self.swap = SwapSpace(swap_bytes)
         self.ram = RamCache(ram_cache_bytes)  # slots' caches kept after their slots were taken
-        self.seating = Seating(self.slots, self.split_rules, min_copy_tokens, self.ram)
+        self._seating = Seating(self.slots, self.split_rules, min_copy_tokens, self.ram)
         self.latency = latency  # the --itl-target-ms cap on prompt tokens per tick
         self.preemptions = 0
         self.live: dict[RequestKey, Request] = {}  # every accepted, unfinished request
@@ -175,10 +175,10 @@ class Scheduler:
                 preempted = self._preempt_for(request, tick, sources)
                 if preempted is None:
                     break
-            elif not self.seating.has_room(sources):
+            elif not self._seating.has_room(sources):
                 break
             self.waiting.pop()
-            admission = self.seating.seat(request, tick, now, sources)
+            admission = self._seating.seat(request, tick, now, sources)
             if admission.restore is not None:
                 self.swap.drop(request)
             self._slot_of[request.key] = admission.slot
