@@ -3,8 +3,9 @@ decides about them each tick (Admission, Preemption, Run, Step, Release). Plain 
 
 A slot's sequence is `tokens` (prompt, then generated tokens); its first `n_in_cache` tokens
 have their keys and values in the cache at positions 0..n_in_cache-1 (seq_id in llama.cpp is
-the slot's index). The scheduler (scheduler.py) makes every change of these values; the loop
-does the engine work the decisions imply.
+the slot's index). The scheduler (scheduler.py, with the helpers it calls: admission.py seats
+a request, preemption.py's SwapSpace keeps a preempted one's saved state) makes every change
+of these values; the loop does the engine work the decisions imply.
 """
 
 from __future__ import annotations
