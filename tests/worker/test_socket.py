@@ -26,6 +26,7 @@ from loomserve.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    Load,
     ModelInfo,
     Outputs,
     Ping,
@@ -366,7 +367,7 @@ class Said:
         self.replies = Replies(
             send=lambda gateway, message: self.sent.append((gateway, message)),
             hello=lambda: ModelInfo(PROTOCOL_VERSION, "m", 32, 64, 64, 2, "fp", ready=True),
-            heartbeat=lambda sent_at: Heartbeat(1.0, sent_at, True, 0, 2, 0),
+            heartbeat=lambda sent_at: Heartbeat(1.0, sent_at, True, Load(0, 2, 0)),
             slots_report=lambda query_id: SlotsReport(query_id, 0, [], []),
             vocab=lambda fingerprint: VocabFile(fingerprint, b"", "none here"),
         )
