@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llama_cpp as llama
 import numpy as np
 import structlog
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.sched.slots import Run
-
-if TYPE_CHECKING:
-    from loomserve.worker.engine.sampling import HostSampler
+from loomserve.worker.sched.slots import Run, TokenSampler
 
 log = structlog.get_logger(__name__)
 
@@ -110,7 +107,7 @@ class BackendSampler:
     grammar_complete = False  # no grammar
     plain_greedy = False  # its row's logits may not be on the host at all
 
-    def __init__(self, chain: llama.llama_sampler_p, seats: Seats, host: HostSampler) -> None:
+    def __init__(self, chain: llama.llama_sampler_p, seats: Seats, host: TokenSampler) -> None:
         self._chain: llama.llama_sampler_p | None = chain
         self._seats = seats
         # Where llama.cpp would not take the chain: the row was copied, the host samples it.
