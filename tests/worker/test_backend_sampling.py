@@ -97,7 +97,7 @@ def test_greedy_in_the_graph_is_the_host_argmax_alone_and_batched(engine, config
     assert collector.tokens() == {rid: tokens for rid, tokens in on_host.items() if tokens}
     # Every token came from the graph (an end-of-generation one is read, not sent).
     sent = sum(len(tokens) for tokens in on_host.values())
-    assert sent <= engine.seats.tokens_read <= sent + len(requests)
+    assert sent <= engine.graph_chains.tokens_read <= sent + len(requests)
 
 
 def test_seeded_requests_repeat_alone_batched_and_after_a_restart(engine, config):
@@ -114,7 +114,7 @@ def test_seeded_requests_repeat_alone_batched_and_after_a_restart(engine, config
     tokens = collector.tokens()
     # The graph drew "x" (alone), "again", "other" and the three greedy requests' tokens;
     # not those of the logprobs and penalty requests.
-    assert engine.seats.tokens_read == 24 * 6
+    assert engine.graph_chains.tokens_read == 24 * 6
     assert tokens["again"] == alone
     assert tokens["other"] != alone
     assert all(len(tokens[r.request_id]) == 24 for r in requests)

@@ -19,9 +19,10 @@ numbers for tokens that are thrown away, and how many depends on the batch.
 
 A chain is attached to the sequence of its request's slot (llama_set_sampler) before the
 first pass it samples in, and detached when another request's output runs in that sequence
-or when the request ends (Seats). llama.cpp sets a chain up for the graph once: a request
-that moves to another slot (preempted, resumed) continues on a clone, whose random generator
-goes on where it stopped, so a seeded request gives the same text however it was scheduled.
+or when the request ends (GraphChains). llama.cpp sets a chain up for the graph once: a
+request that moves to another slot (preempted, resumed) continues on a clone, whose random
+generator goes on where it stopped, so a seeded request gives the same text however it was
+scheduled.
 """
 
 from __future__ import annotations
@@ -102,14 +103,16 @@ def backend_chain(params: SamplingParams, n_vocab: int) -> llama.llama_sampler_p
 class BackendSampler:
     """A request sampled in the graph: sample() reads the token llama_decode drew."""
 
-    __slots__ = ("_chain", "_host", "_seats", "failure", "seq", "used")
+    __slots__ = ("_chain", "_chains", "_host", "failure", "seq", "used")
 
     grammar_complete = False  # no grammar
     plain_greedy = False  # its row's logits may not be on the host at all
 
-    def __init__(self, chain: llama.llama_sampler_p, seats: Seats, host: TokenSampler) -> None:
+    def __init__(
+        self, chain: llama.llama_sampler_p, chains: GraphChains, host: TokenSampler
+    ) -> None:
         self._chain: llama.llama_sampler_p | None = chain
-        self._seats = seats
+        self._chains = chains
         # Where llama.cpp would not take the chain: the row was copied, the host samples it.
         self._host = host
         self.seq: int | None = None  # the sequence it is attached to
@@ -121,7 +124,7 @@ class BackendSampler:
         chain could not be attached."""
         if self.seq is None:
             return self._host.sample(batch_index, logits)
-        token = self._seats.sampled_token(batch_index)
+        token = self._chains.sampled_token(batch_index)
         if token == LLAMA_TOKEN_NULL:
             self.failure = "llama.cpp's backend sampler gave no token"
             return 0
@@ -142,7 +145,7 @@ class BackendSampler:
             llama.llama_sampler_free(self._chain)
             self._chain = clone
         self.used = True
-        if not self._seats.set_chain(seq, self._chain):
+        if not self._chains.set_chain(seq, self._chain):
             llama.llama_sampler_free(self._chain)
             self._chain = None
             return False
@@ -150,13 +153,13 @@ class BackendSampler:
         return True
 
     def close(self) -> None:
-        self._seats.leave(self)
+        self._chains.leave(self)
         if self._chain is not None:
             llama.llama_sampler_free(self._chain)
             self._chain = None
 
 
-class Seats:
+class GraphChains:
     """Which BackendSampler each sequence of the context has attached.
 
     llama.cpp keeps a pointer to an attached chain and runs it for every output of its
@@ -172,7 +175,7 @@ class Seats:
         self._by_seq: dict[int, BackendSampler] = {}
         self.tokens_read = 0  # tokens the graph drew, read back (for tests and benchmarks)
 
-    def seat(self, runs: Iterable[Run]) -> None:
+    def bind(self, runs: Iterable[Run]) -> None:
         """Before a pass: each run with outputs gets its own request's chain attached, or
         none for a host-sampled request."""
         for run in runs:

@@ -27,7 +27,7 @@ from loomserve.protocol import SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.backend_sampling import (
     BackendSampler,
-    Seats,
+    GraphChains,
     backend_sampling_available,
 )
 from loomserve.worker.engine.batch import TokenBatch
@@ -98,7 +98,7 @@ class Engine:
         self.backend_sampling = self._backend_sampling(config, self.description.gpu_layers)
         self.ctx = self._new_context(config)
         # Which sampler chain each sequence has in the graph (backend sampling only).
-        self.seats = Seats(self.ctx) if self.backend_sampling else None
+        self.graph_chains = GraphChains(self.ctx) if self.backend_sampling else None
         self.memory = llama.llama_get_memory(self.ctx)
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.
@@ -193,14 +193,14 @@ class Engine:
     def new_sampler(self, params: SamplingParams) -> Sampler | HostSampler | BackendSampler:
         """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
         return build_sampler(
-            params, self.ctx, self.vocab, self.n_vocab, self.slot_context, self.seats
+            params, self.ctx, self.vocab, self.n_vocab, self.slot_context, self.graph_chains
         )
 
-    def seat_samplers(self, runs: list[Run]) -> None:
+    def bind_graph_samplers(self, runs: list[Run]) -> None:
         """Before a pass: the backend samplers of the runs with outputs onto their
         sequences (nothing to do when backend sampling is off)."""
-        if self.seats is not None:
-            self.seats.seat(runs)
+        if self.graph_chains is not None:
+            self.graph_chains.bind(runs)
 
     def output_logits(self, n_outputs: int) -> np.ndarray:
         """The last decode's logits, one row per token that asked for them, in batch order."""
@@ -296,8 +296,8 @@ class Engine:
 
     def close(self) -> None:
         """Free the context and the model. The engine is unusable afterwards."""
-        if self.seats is not None:
-            self.seats.close()
+        if self.graph_chains is not None:
+            self.graph_chains.close()
         if self.ctx:
             llama.llama_free(self.ctx)
             self.ctx = None

@@ -37,7 +37,7 @@ from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
 from loomserve.worker.engine.backend_sampling import (
     BackendSampler,
-    Seats,
+    GraphChains,
     backend_chain,
     backend_eligible,
 )
@@ -279,10 +279,10 @@ def build_sampler(
     vocab,
     n_vocab: int,
     slot_context: int,
-    seats: Seats | None = None,
+    graph_chains: GraphChains | None = None,
 ) -> Sampler | HostSampler | BackendSampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
-    With `seats` (backend sampling on), a request the graph samples exactly gets a
+    With `graph_chains` (backend sampling on), a request the graph samples exactly gets a
     BackendSampler (backend_sampling.py).
 
     The worker checks what it is sent itself, as the gateway did: a peer that speaks the
@@ -293,9 +293,9 @@ def build_sampler(
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
-    if seats is not None and backend_eligible(params):
+    if graph_chains is not None and backend_eligible(params):
         host = HostSampler(params, slot_context)
-        return BackendSampler(backend_chain(params, n_vocab), seats, host)
+        return BackendSampler(backend_chain(params, n_vocab), graph_chains, host)
     if not params.grammar:
         return HostSampler(params, slot_context)
     grammar = _grammar(params.grammar, vocab, n_vocab)

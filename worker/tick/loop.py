@@ -201,7 +201,7 @@ class TickLoop:
         # 3b. Generating slots may draft tokens that ride in the same pass (drafting.py).
         self.drafting.speculate(step)
         filled = fill_batch(self.engine.batch, step)
-        self.engine.seat_samplers(step.runs)  # backend sampling: chains onto their sequences
+        self.engine.bind_graph_samplers(step.runs)  # backend sampling: chains onto their sequences
         # 4. One forward pass; the scheduler advances each slot's cache.
         # 5. Each slot samples at its own batch index (and verifies its drafts).
         sampled_now = self._sample(filled) if self._forward(step) else []
