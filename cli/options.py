@@ -30,6 +30,15 @@ from loomserve.worker.config import WorkerConfig
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
+# Every command's: options read LOOMSERVE_<OPTION> from the environment, so compose files and
+# the command line share one set of names.
+CONTEXT_SETTINGS = {
+    "auto_envvar_prefix": "LOOMSERVE",
+    "show_default": True,
+    "help_option_names": ["-h", "--help"],
+}
+
+
 def settings_of(config: type, alone: bool | None = None) -> list[tuple[Field[Any], SettingInfo]]:
     """The fields of a config dataclass that are settings, in declaration order; with
     `alone`, only those that are (True) or are not (False) for the process run alone."""
