@@ -221,5 +221,6 @@ class GraphChains:
             return
         if self._ctx is not None:
             self.set_chain(seq, None)
-        self._by_seq.pop(seq, None)
+        if self._by_seq.get(seq) is sampler:
+            del self._by_seq[seq]
         sampler.seq = None
