@@ -146,16 +146,7 @@ def test_grammar_and_logprobs_requests_share_the_pass_on_the_host(engine, config
 
 
 def test_a_preempted_request_resumes_its_draws_on_a_clone(tiny_model_path):
-    config = WorkerConfig(
-        model_path=tiny_model_path,
-        slots=2,
-        ctx_size=256,
-        batch_tokens=32,
-        prefill_chunk=7,
-        threads=1,
-        scheduling_policy="priority",
-        backend_sampling="on",
-    )
+    config = test_preemption.preemption_config(tiny_model_path, backend_sampling="on")
     engine = Engine(config)
     try:
         seeded = [

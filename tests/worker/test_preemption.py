@@ -156,8 +156,8 @@ def test_preemption_keeps_the_queue_bound():
 # --- on the tiny model: the output is what it would have been -----------------------------
 
 
-@pytest.fixture
-def config(tiny_model_path) -> WorkerConfig:
+def preemption_config(tiny_model_path, **changes) -> WorkerConfig:
+    """Two slots under the priority policy: two urgent requests preempt both."""
     return WorkerConfig(
         model_path=tiny_model_path,
         slots=2,
@@ -166,7 +166,13 @@ def config(tiny_model_path) -> WorkerConfig:
         prefill_chunk=7,
         threads=1,
         scheduling_policy="priority",
+        **changes,
     )
+
+
+@pytest.fixture
+def config(tiny_model_path) -> WorkerConfig:
+    return preemption_config(tiny_model_path)
 
 
 @pytest.fixture

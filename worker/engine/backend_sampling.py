@@ -75,28 +75,33 @@ def backend_eligible(params: SamplingParams) -> bool:
     )
 
 
-def backend_chain(params: SamplingParams, n_vocab: int) -> llama.llama_sampler_p:
-    """The chain the graph runs for the request: greedy, or top-k, top-p, min-p, temperature
-    and dist, in that order (a top-k that keeps the whole vocabulary is left out: the graph's
-    top-k needs k below it)."""
-    stages = []
+def drawing_stages(params: SamplingParams, n_vocab: int) -> list[llama.llama_sampler_p]:
+    """llama.cpp's samplers that pick the token: greedy, or top-k, top-p, min-p, temperature
+    and dist, in that order. The graph runs them as they are; the chain of a grammar request
+    (sampling.llama_chain) puts its logit bias and penalties first. A top-k that keeps the
+    whole vocabulary is left out: the graph's top-k needs k below it."""
     if params.greedy:
-        stages.append(llama.llama_sampler_init_greedy())
-    else:
-        if 0 < params.top_k < n_vocab:
-            stages.append(llama.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            stages.append(llama.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            stages.append(llama.llama_sampler_init_min_p(params.min_p, 1))
-        stages.append(llama.llama_sampler_init_temp(params.temperature))
-        seed = llama.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
-        stages.append(llama.llama_sampler_init_dist(seed))
+        return [llama.llama_sampler_init_greedy()]
+    stages = []
+    if 0 < params.top_k < n_vocab:
+        stages.append(llama.llama_sampler_init_top_k(params.top_k))
+    if params.top_p < 1.0:
+        stages.append(llama.llama_sampler_init_top_p(params.top_p, 1))
+    if params.min_p > 0.0:
+        stages.append(llama.llama_sampler_init_min_p(params.min_p, 1))
+    stages.append(llama.llama_sampler_init_temp(params.temperature))
+    seed = llama.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
+    stages.append(llama.llama_sampler_init_dist(seed))
+    return stages
+
+
+def sampler_chain(stages: list[llama.llama_sampler_p]) -> llama.llama_sampler_p:
+    """A llama.cpp sampler chain of the stages, which it then owns and frees."""
     chain_params = llama.llama_sampler_chain_default_params()
     chain_params.no_perf = True
     chain = llama.llama_sampler_chain_init(chain_params)
     for stage in stages:
-        llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
+        llama.llama_sampler_chain_add(chain, stage)
     return chain
 
 

@@ -38,8 +38,9 @@ from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
 from loomserve.worker.engine.backend_sampling import (
     BackendSampler,
     GraphChains,
-    backend_chain,
     backend_eligible,
+    drawing_stages,
+    sampler_chain,
 )
 from loomserve.worker.engine.draw import Truncation, candidates
 from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
@@ -295,7 +296,7 @@ def build_sampler(
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
     if graph_chains is not None and backend_eligible(params):
         host = HostSampler(params, slot_context)
-        return BackendSampler(backend_chain(params, n_vocab), graph_chains, host)
+        return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)
     if not params.grammar:
         return HostSampler(params, slot_context)
     grammar = _grammar(params.grammar, vocab, n_vocab)
@@ -318,25 +319,8 @@ def llama_chain(params: SamplingParams, n_vocab: int, slot_context: int) -> llam
     if params.penalized:
         last_n = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
         stages.append(_penalties(n_vocab, last_n, params))
-    if params.greedy:
-        stages.append(llama.llama_sampler_init_greedy())
-    else:
-        if params.top_k > 0:
-            stages.append(llama.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            stages.append(llama.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            stages.append(llama.llama_sampler_init_min_p(params.min_p, 1))
-        stages.append(llama.llama_sampler_init_temp(params.temperature))
-        seed = llama.LLAMA_DEFAULT_SEED if params.seed is None else params.seed
-        stages.append(llama.llama_sampler_init_dist(seed))
-
-    chain_params = llama.llama_sampler_chain_default_params()
-    chain_params.no_perf = True
-    chain = llama.llama_sampler_chain_init(chain_params)
-    for stage in stages:
-        llama.llama_sampler_chain_add(chain, stage)  # the chain owns and frees its stages
-    return chain
+    stages += drawing_stages(params, n_vocab)
+    return sampler_chain(stages)
 
 
 def _best_allowed(scores: np.ndarray, grammar: GrammarState) -> int | None:
