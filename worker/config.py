@@ -66,7 +66,7 @@ class WorkerConfig:
         help=(
             "Sample inside llama_decode, on the device (llama.cpp's backend sampling) for "
             "requests without a grammar, logprobs, logit bias or penalties; auto: where the "
-            "model runs on a GPU."
+            "whole model runs on a GPU."
         ),
         choices=BACKEND_SAMPLING_MODES,
     )

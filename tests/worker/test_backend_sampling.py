@@ -15,7 +15,7 @@ from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.backend_sampling import BackendSampler, backend_sampling_available
 from loomserve.worker.engine.draw import Truncation
-from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.engine import Engine, ModelDescription
 from loomserve.worker.engine.sampling import HostSampler, Sampler
 from tests.worker import test_preemption
 from tests.worker.test_draw import _chi_square_p, _expected
@@ -62,6 +62,24 @@ def test_auto_keeps_a_cpu_model_on_the_host_sampler(tiny_model_path):
         assert isinstance(engine.new_sampler(SamplingParams(temperature=1.0)), HostSampler)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "gpu_layers", "expected"),
+    [
+        ("auto", 0, False),  # a CPU build
+        ("auto", 3, False),  # part of the model offloaded: the output layer stays on the CPU
+        ("auto", 5, True),  # every layer and the output (n_layers + 1)
+        ("on", 0, True),
+        ("off", 5, False),
+    ],
+)
+def test_auto_samples_in_the_graph_only_where_the_whole_model_is_on_a_gpu(
+    tiny_model_path, mode, gpu_layers, expected
+):
+    model = ModelDescription("m", "llama", "", 0, 0, 4, 300, 256, gpu_layers)
+    config = WorkerConfig(model_path=tiny_model_path, backend_sampling=mode)
+    assert Engine._backend_sampling(config, model) is expected
 
 
 @pytest.mark.parametrize(

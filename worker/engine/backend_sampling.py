@@ -8,7 +8,7 @@ same reason). With backend sampling the sampler chain runs in the graph and only
 comes back; when every output of a pass is sampled this way llama.cpp copies no logits at all.
 On a CPU it is the other way round: the graph's sampler sorts and sums the whole vocabulary
 where the host sampler looks at its head only, so `--backend-sampling auto` turns it on only
-where the model runs on a GPU (docs/sampling.md has both measured).
+where the whole model runs on a GPU (docs/sampling.md has both measured).
 
 Which requests: those the graph samples exactly as the host sampler does — greedy, or
 temperature with top-k, top-p and min-p (llama.cpp's chain order, as the host sampler's), with

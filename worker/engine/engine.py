@@ -95,7 +95,7 @@ class Engine:
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
         self._eval_callback = eval_callback  # held: the C side keeps only a pointer
-        self.backend_sampling = self._backend_sampling(config, self.description.gpu_layers)
+        self.backend_sampling = self._backend_sampling(config, self.description)
         self.ctx = self._new_context(config)
         # Which sampler chain each sequence has in the graph (backend sampling only).
         self.graph_chains = GraphChains(self.ctx) if self.backend_sampling else None
@@ -128,11 +128,13 @@ class Engine:
         return 999 if config.gpu_layers < 0 else config.gpu_layers
 
     @staticmethod
-    def _backend_sampling(config: WorkerConfig, gpu_layers: int) -> bool:
+    def _backend_sampling(config: WorkerConfig, model: ModelDescription) -> bool:
         """Whether eligible requests sample inside llama_decode (backend_sampling.py): on, or
-        auto where the model runs on a GPU (on a CPU the host sampler is faster)."""
+        auto where the whole model runs on a GPU. The logits come from the output layer,
+        which llama.cpp offloads only with every layer; where it stays on the CPU, so would
+        the graph's sampling, and on a CPU the host sampler is faster."""
         mode = config.backend_sampling
-        if mode == "off" or (mode == "auto" and gpu_layers == 0):
+        if mode == "off" or (mode == "auto" and model.gpu_layers <= model.n_layers):
             return False
         if not backend_sampling_available():
             if mode == "on":
