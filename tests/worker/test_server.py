@@ -247,7 +247,9 @@ def test_a_probe_that_never_said_hello_is_answered_but_not_a_gateway(
     gateway.send(Ping(sent_at=42.0))
     beat = gateway.wait_for(lambda m: isinstance(m, Heartbeat) and m.ping_sent_at == 42.0)
     assert beat.ready
-    assert scrape(metrics_port)[("loomserve:gateways_connected", ())] == before
+    # Not one more: earlier tests' gateways, gone quiet, may drop out meanwhile (fewer), but a
+    # probe counted as a gateway would add one.
+    assert scrape(metrics_port)[("loomserve:gateways_connected", ())] <= before
 
 
 def test_malformed_frames_are_dropped_and_the_worker_serves_on(gateway: Gateway, worker: Proc):
