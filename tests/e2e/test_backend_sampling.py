@@ -12,12 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loomserve.worker.engine.backend_sampling import backend_sampling_available
 from tests.procs import Proc, start_gateway, start_worker
-
-pytestmark = pytest.mark.skipif(
-    not backend_sampling_available(), reason="this llama.cpp has no backend sampling"
-)
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,13 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine.backend_sampling import BackendSampler, backend_sampling_available
+from loomserve.worker.engine.backend_sampling import BackendSampler
 from loomserve.worker.engine.draw import Truncation
 from loomserve.worker.engine.engine import Engine, ModelDescription
 from loomserve.worker.engine.sampling import HostSampler, Sampler
 from tests.worker import test_preemption
 from tests.worker.test_draw import _chi_square_p, _expected
 from tests.worker.test_engine import GW, drain, new_loop, random_requests, run_alone, run_staggered
-
-pytestmark = pytest.mark.skipif(
-    not backend_sampling_available(), reason="this llama.cpp has no backend sampling"
-)
 
 PROMPT = [1, 40, 41, 42, 43]
 
