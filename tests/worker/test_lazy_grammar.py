@@ -78,6 +78,7 @@ class EagerSampler:
     failure = None
     grammar_complete = False
     plain_greedy = False
+    verifies_drafts = True
 
     def __init__(self, params: SamplingParams, engine: Engine) -> None:
         self.ctx = engine.ctx

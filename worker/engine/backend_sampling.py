@@ -112,6 +112,9 @@ class BackendSampler:
 
     grammar_complete = False  # no grammar
     plain_greedy = False  # its row's logits may not be on the host at all
+    # A draft's verification in the graph would draw random numbers for tokens then thrown
+    # away, how many depending on the batch: a seeded request would not repeat.
+    verifies_drafts = False
 
     def __init__(
         self, chain: llama.llama_sampler_p, chains: GraphChains, host: TokenSampler

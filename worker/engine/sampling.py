@@ -68,6 +68,8 @@ class Sampler:
 
     __slots__ = ("_chain", "_ctx", "_grammar", "_greedy", "failure", "grammar_complete")
 
+    verifies_drafts = True
+
     def __init__(
         self,
         chain: llama.llama_sampler_p | None,
@@ -167,6 +169,7 @@ class HostSampler:
     )
 
     grammar_complete = False  # no grammar
+    verifies_drafts = True
 
     def __init__(self, params: SamplingParams, slot_context: int) -> None:
         self._params = params

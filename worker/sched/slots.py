@@ -33,6 +33,8 @@ class TokenSampler(Protocol):
 
     failure: str | None  # after sample(): why the request must end with an error
     grammar_complete: bool  # after sample(): the grammar allows only an end-of-generation
+    # Whether it can verify drafted tokens (speculation.py): it samples each row in turn.
+    verifies_drafts: bool
 
     @property
     def plain_greedy(self) -> bool: ...

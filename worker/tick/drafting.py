@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine.backend_sampling import BackendSampler
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.logprobs import sampled
 from loomserve.worker.sched.records import SpecCounts
@@ -81,12 +80,7 @@ class Drafting:
             max_length = min(max_length, context - run.start - 1)
             request = slot.occupant
             params = request.params
-            # Backend-sampled requests draw in the graph: no draft to verify there.
-            if (
-                not params.speculative
-                or params.grammar
-                or isinstance(request.chain, BackendSampler)
-            ):
+            if not params.speculative or params.grammar or not request.chain.verifies_drafts:
                 proposals.append(Proposal(slot.index, [], 0.0))
                 continue
             proposal = spec.propose(slot.index, request, slot.tokens)
