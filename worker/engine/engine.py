@@ -95,10 +95,10 @@ class Engine:
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
         self._eval_callback = eval_callback  # held: the C side keeps only a pointer
-        self.backend_sampling = self._backend_sampling(config, self.description)
-        self.ctx = self._new_context(config)
+        in_graph = self._backend_sampling(config, self.description)
+        self.ctx = self._new_context(config, in_graph)
         # Which sampler chain each sequence has in the graph (backend sampling only).
-        self.graph_chains = GraphChains(self.ctx) if self.backend_sampling else None
+        self.graph_chains = GraphChains(self.ctx) if in_graph else None
         self.memory = llama.llama_get_memory(self.ctx)
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.
@@ -154,7 +154,7 @@ class Engine:
             raise EngineError(f"llama.cpp could not load the model at {config.model_path}")
         return model
 
-    def _new_context(self, config: WorkerConfig):
+    def _new_context(self, config: WorkerConfig, backend_sampling: bool):
         params = llama.llama_context_default_params()
         fields = {entry[0] for entry in llama.llama_context_params._fields_}
         params.n_ctx = self.slot_context * config.slots
@@ -166,7 +166,7 @@ class Engine:
         params.no_perf = True
         if self._eval_callback is not None:
             params.cb_eval = self._eval_callback
-        if self.backend_sampling and "n_outputs_max_per_seq" in fields:
+        if backend_sampling and "n_outputs_max_per_seq" in fields:
             # One sampled token per sequence and pass (backend-sampled requests do not
             # draft), which keeps llama.cpp's random draws out of its transactional mode.
             params.n_outputs_max_per_seq = 1
@@ -189,6 +189,11 @@ class Engine:
                 f"says why (memory, or a head size the cache type cannot hold)"
             )
         return ctx
+
+    @property
+    def backend_sampling(self) -> bool:
+        """Whether eligible requests sample inside llama_decode."""
+        return self.graph_chains is not None
 
     # --- per request ----------------------------------------------------------------
 
