@@ -164,6 +164,7 @@ def main(model: str | None, threads: int, slots: int, reps: int, ticks: int) -> 
         threads=threads,
         batch_tokens=max(512, slots * 24),  # every prompt in one pass
         max_queue=slots,
+        backend_sampling="off",  # the host sampler, even where auto would pick the graph
     )
     engine = Engine(config)
     print(f"model {config.model_path.name}, vocabulary {engine.n_vocab}, {slots} rows")

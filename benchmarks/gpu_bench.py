@@ -5,7 +5,9 @@ For one model it measures output tokens/s at each concurrency (1, 16, 64 by defa
                 of --input-len tokens and --output-len new tokens: the engine and nothing else;
   loomserve     `loomserve serve`, under `loomserve bench` (closed loop, ignore_eos);
   llama-server  the same load on llama.cpp's own server, the same slots and context;
-and writes gpu-bench.json (every figure and setting) and gpu-bench.md (the table) to --out.
+each at every sampling load of --loads (greedy, t1: temperature 1, topp: temperature 0.7 with
+top_p 0.95) on the same running server, and writes gpu-bench.json (every figure and setting)
+and gpu-bench.md (the table) to --out.
 The binaries come from ../shared/gpu/build.sh (/tmp/k/build/bin on the GPU machine); leave
 one out to skip its row. Runs on a CPU build too, with small settings, to check the script.
 
@@ -45,11 +47,35 @@ class Settings:
     prompts_per_stream: int  # requests per run: this many times the concurrency (at least 8)
     flash_attn: str
     gpu_layers: int
-    temperature: float = 0.0  # 0: greedy; above it, every request samples
+    loads: tuple[str, ...] = ("greedy",)  # names in LOADS, each run at every concurrency
     loomserve_args: str = ""  # extra `loomserve serve` options, e.g. "--backend-sampling off"
 
     def num_prompts(self, concurrency: int) -> int:
         return max(8, self.prompts_per_stream * concurrency)
+
+
+# The sampling loads a run can measure: what every request of the load sets. llama-server adds
+# its own top-k 40, top-p 0.95 and min-p 0.05 to a request that sets none of them.
+LOADS: dict[str, dict[str, float]] = {
+    "greedy": {"temperature": 0.0},
+    "t1": {"temperature": 1.0},  # OpenAI's default: the full distribution
+    "topp": {"temperature": 0.7, "top_p": 0.95},  # a common client default
+}
+
+
+def load_arguments(load: str) -> list[str]:
+    """`loomserve bench` options that make every request of the load sample as LOADS says."""
+    fields = dict(LOADS[load])
+    arguments = ["--temperature", str(fields.pop("temperature"))]
+    return arguments + (["--extra-body", json.dumps(fields)] if fields else [])
+
+
+def load_names(loads: str) -> list[str]:
+    names = [name.strip() for name in loads.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LOADS]
+    if unknown or not names:
+        raise click.BadParameter(f"loads are among {', '.join(LOADS)}", param_hint="--loads")
+    return names
 
 
 def free_port() -> int:
@@ -119,26 +145,35 @@ def wait_ready(base_url: str, process: subprocess.Popen, timeout: float) -> None
 
 
 def under_load(name: str, server: list[str], port: int, settings: Settings, out: Path) -> dict:
-    """Start the server, run `loomserve bench` at each concurrency, stop it; the summaries."""
+    """Start the server, run `loomserve bench` for each load at each concurrency, stop it; the
+    summaries, by load and concurrency. One server serves every load, so they differ in
+    sampling alone."""
     base_url = f"http://127.0.0.1:{port}"
     log = (out / f"{name}.log").open("w")
     process = subprocess.Popen(server, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     points = {}
     try:
         wait_ready(base_url, process, timeout=900)
-        for concurrency in settings.concurrency:
-            result_json = out / f"{name}-c{concurrency}.json"
-            bench = [
-                sys.executable,
-                *("-m", "loomserve.cli.bench.command", "--base-url", base_url),
-                *("--input-len", str(settings.input_len), "--output-len", str(settings.output_len)),
-                *("--max-concurrency", str(concurrency)),
-                *("--num-prompts", str(settings.num_prompts(concurrency))),
-                *("--ignore-eos", "--no-progress", "--result-json", str(result_json)),
-                *("--seed", str(concurrency), "--temperature", str(settings.temperature)),
-            ]
-            subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT, check=True)
-            points[concurrency] = json.loads(result_json.read_text())["summary"]
+        for load in settings.loads:
+            points[load] = {}
+            for concurrency in settings.concurrency:
+                result_json = out / f"{name}-{load}-c{concurrency}.json"
+                bench = [
+                    sys.executable,
+                    *("-m", "loomserve.cli.bench.command", "--base-url", base_url),
+                    *("--input-len", str(settings.input_len)),
+                    *("--output-len", str(settings.output_len)),
+                    *("--max-concurrency", str(concurrency)),
+                    *("--num-prompts", str(settings.num_prompts(concurrency))),
+                    *("--ignore-eos", "--no-progress", "--result-json", str(result_json)),
+                    *("--seed", str(concurrency), *load_arguments(load)),
+                ]
+                subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT, check=True)
+                points[load][concurrency] = json.loads(result_json.read_text())["summary"]
+                click.echo(
+                    f"{name} {load} c={concurrency}: "
+                    f"{points[load][concurrency]['output_throughput']:,.0f} tok/s"
+                )
     finally:
         os.killpg(process.pid, signal.SIGINT)  # its own session: the server and its children
         try:
@@ -151,33 +186,38 @@ def under_load(name: str, server: list[str], port: int, settings: Settings, out:
 
 
 def markdown(settings: Settings, results: dict) -> str:
-    """The table: output tokens/s per contender and concurrency, and the share of the ceiling."""
+    """The table: output tokens/s per contender, load and concurrency, and the share of the
+    ceiling."""
     levels = settings.concurrency
     head = "| | " + " | ".join(f"c={c}" for c in levels) + " |"
     lines = [head, "|---|" + "---:|" * len(levels)]
     ceiling_row = results.get("ceiling", {})
-    for name, row in results.items():
-        cells = []
-        for c in levels:
-            value = row.get(c)
-            if value is None:
-                cells.append("–")
-                continue
-            tokens = value if name == "ceiling" else value["output_throughput"]
-            share = (
-                f" ({tokens / ceiling_row[c]:.0%})"
-                if name != "ceiling" and c in ceiling_row
-                else ""
-            )
-            cells.append(f"{tokens:,.0f}{share}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if ceiling_row:
+        cells = [f"{ceiling_row[c]:,.0f}" if c in ceiling_row else "–" for c in levels]
+        lines.append("| ceiling | " + " | ".join(cells) + " |")
+    for name, by_load in results.items():
+        if name == "ceiling":
+            continue
+        for load, row in by_load.items():
+            cells = []
+            for c in levels:
+                if c not in row:
+                    cells.append("–")
+                    continue
+                tokens = row[c]["output_throughput"]
+                share = f" ({tokens / ceiling_row[c]:.0%})" if c in ceiling_row else ""
+                cells.append(f"{tokens:,.0f}{share}")
+            lines.append(f"| {name}, {load} | " + " | ".join(cells) + " |")
+    loads = "; ".join(
+        f"{load}: " + ", ".join(f"{k} {v:g}" for k, v in LOADS[load].items())
+        for load in settings.loads
+    )
     shape = (
         f"{settings.model.name}: {settings.slots} slots × {settings.ctx_size}, prompts of "
         f"{settings.input_len} tokens, {settings.output_len} output tokens (ignore_eos), "
         f"batch {settings.batch_tokens}, flash attention {settings.flash_attn}, "
-        f"{settings.gpu_layers} GPU layers, "
-        + (f"temperature {settings.temperature:g}" if settings.temperature else "greedy")
-        + (f", loomserve {settings.loomserve_args}" if settings.loomserve_args else "")
+        f"{settings.gpu_layers} GPU layers; loads ({loads})"
+        + (f"; loomserve {settings.loomserve_args}" if settings.loomserve_args else "")
         + "; output tokens/s (share of the ceiling)."
     )
     return shape + "\n\n" + "\n".join(lines) + "\n"
@@ -205,10 +245,11 @@ def markdown(settings: Settings, results: dict) -> str:
 @click.option("--server-args", default="", help="Extra llama-server arguments, e.g. '-cram 0'.")
 @click.option("--only", default="ceiling,loomserve,llama-server", help="Contenders to run.")
 @click.option(
-    "--temperature",
-    default=0.0,
-    help="Every request's temperature (0: greedy); llama-server adds its own top-k 40, "
-    "top-p 0.95 and min-p 0.05 to a request that sets none.",
+    "--loads",
+    default="greedy",
+    help="Sampling loads, each run on the same server: greedy; t1 (temperature 1); topp "
+    "(temperature 0.7, top_p 0.95). llama-server adds its own top-k 40, top-p 0.95 and "
+    "min-p 0.05 to a request that sets none.",
 )
 @click.option("--loomserve-args", default="", help="Extra `loomserve serve` options.")
 def main(
@@ -226,7 +267,7 @@ def main(
     gpu_layers: int,
     server_args: str,
     only: str,
-    temperature: float,
+    loads: str,
     loomserve_args: str,
 ) -> None:
     """Output tokens/s of the ceiling, loomserve and llama-server at each concurrency."""
@@ -241,7 +282,7 @@ def main(
         prompts_per_stream=prompts_per_stream,
         flash_attn=flash_attn,
         gpu_layers=gpu_layers,
-        temperature=temperature,
+        loads=tuple(load_names(loads)),
         loomserve_args=loomserve_args,
     )
     out.mkdir(parents=True, exist_ok=True)
