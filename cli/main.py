@@ -6,6 +6,15 @@ command line share one set of names.
 
 from __future__ import annotations
 
+# isort: off
+# llama.cpp's shared libraries are the first extension modules every loomserve process loads.
+# On an H200 with llama.cpp built for CUDA (2026-11-26) the worker died with SIGSEGV in
+# llama_model_load_from_file when numpy, msgpack and others had loaded before libllama (pyzmq
+# after it, as worker/server.py orders them); a process whose first import was llama_cpp
+# loaded the model and served. tests/e2e/test_import_order.py keeps this order.
+import llama_cpp  # noqa: F401
+
+# isort: on
 import dataclasses
 
 import click

@@ -10,11 +10,9 @@ import time
 from typing import NoReturn
 
 # llama.cpp's libraries are loaded before pyzmq's on purpose: with a CUDA build of llama.cpp a
-# process that had imported zmq first died with SIGSEGV in llama_model_load_from_file, and
-# one that imported llama_cpp first loaded fine. pyzmq's wheel bundles libzmq,
-# linked to the system's libstdc++ and libgcc_s: loaded first, those are the copies the whole
-# process keeps, whatever llama.cpp's CUDA libraries were built against (the likely clash; not
-# yet confirmed on a GPU). tests/e2e/test_import_order.py fails if this order regresses.
+# process that had loaded other extension modules first died with SIGSEGV in
+# llama_model_load_from_file. The `loomserve` command imports llama_cpp before anything else
+# (cli/main.py says what a GPU showed); this order is for code that imports the worker itself.
 import llama_cpp  # first, see above
 import structlog
 import zmq
