@@ -43,7 +43,7 @@ def streamed_text(gateway: Proc, **fields: object) -> str:
 
 
 def test_seeded_streams_repeat_beside_host_sampled_requests(gateway: Proc) -> None:
-    alone = streamed_text(gateway, temperature=1.2, top_p=0.95, seed=11)
+    alone = streamed_text(gateway, temperature=1.2, top_k=40, top_p=0.95, seed=11)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     others = [
         {"temperature": 1.0, "logprobs": 2},
@@ -60,7 +60,7 @@ def test_seeded_streams_repeat_beside_host_sampled_requests(gateway: Proc) -> No
         },
     ]
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        again = pool.submit(streamed_text, gateway, temperature=1.2, top_p=0.95, seed=11)
+        again = pool.submit(streamed_text, gateway, temperature=1.2, top_k=40, top_p=0.95, seed=11)
         answers = [pool.submit(complete, gateway, **fields) for fields in others]
         assert again.result() == alone
         bodies = [answer.result() for answer in answers]

@@ -83,6 +83,7 @@ def test_auto_samples_in_the_graph_only_where_the_whole_model_is_on_a_gpu(
     [
         ({"temperature": 0.0}, BackendSampler),
         ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05}, BackendSampler),
+        ({"temperature": 0.7, "top_p": 0.95}, HostSampler),  # the graph would sort the vocab
         ({"temperature": 1.0, "logprobs": 2}, HostSampler),
         ({"temperature": 1.0, "prompt_logprobs": 0}, HostSampler),
         ({"temperature": 1.0, "logit_bias": {5: 3.0}}, HostSampler),
@@ -165,7 +166,7 @@ def test_a_preempted_request_resumes_its_draws_on_a_clone(tiny_model_path):
     try:
         seeded = [
             test_preemption.low(0, temperature=0.9, seed=7),
-            test_preemption.low(1, temperature=1.1, seed=8, top_p=0.9),
+            test_preemption.low(1, temperature=1.1, seed=8, top_k=40, top_p=0.9),
         ]
         expected, _ = test_preemption.run(engine, config, seeded, urgent_after=None)
         got, loop = test_preemption.run(engine, config, seeded, urgent_after=15)
@@ -219,7 +220,7 @@ def draws(engine: Engine, params: SamplingParams, n_draws: int) -> tuple[np.ndar
         {"temperature": 1.0},
         {"temperature": 0.6},
         {"temperature": 1.0, "top_k": 12},
-        {"temperature": 1.5, "top_p": 0.99},
+        {"temperature": 1.5, "top_k": 200, "top_p": 0.99},
         {"temperature": 2.0, "min_p": 0.01},
     ],
     ids=["T1", "T0.6", "top_k", "top_p", "min_p"],
