@@ -70,8 +70,8 @@ def backend_eligible(params: SamplingParams) -> bool:
 
     A top_p with no top-k before it stays on the host: the graph's top-p sorts the whole
     vocabulary for every row (measured on an H200 at 64 slots and 262,144 tokens: 47 ms a
-    tick against the host sampler's 20 ms, docs/sampling.md), where the host finds the
-    nucleus among the few tokens near the best."""
+    tick against the host sampler's 20 ms, docs/gpu.md), where the host sums the row's
+    mass in one pass and sorts only the tokens near the best (draw.py)."""
     return (
         (params.top_p >= 1.0 or params.top_k > 0)
         and not params.grammar
