@@ -84,6 +84,7 @@ def test_auto_samples_in_the_graph_only_where_the_whole_model_is_on_a_gpu(
         ({"temperature": 0.0}, BackendSampler),
         ({"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.05}, BackendSampler),
         ({"temperature": 0.7, "top_p": 0.95}, HostSampler),  # the graph would sort the vocab
+        ({"temperature": 0.7, "top_k": 100_000, "top_p": 0.95}, HostSampler),  # k > n_vocab
         ({"temperature": 1.0, "logprobs": 2}, HostSampler),
         ({"temperature": 1.0, "prompt_logprobs": 0}, HostSampler),
         ({"temperature": 1.0, "logit_bias": {5: 3.0}}, HostSampler),

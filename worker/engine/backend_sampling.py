@@ -64,7 +64,7 @@ def backend_sampling_available() -> bool:
     return _LIB is not None
 
 
-def backend_eligible(params: SamplingParams) -> bool:
+def backend_eligible(params: SamplingParams, n_vocab: int) -> bool:
     """Whether the graph's sampler chain samples this request exactly as the host would, and
     no slower.
 
@@ -73,7 +73,7 @@ def backend_eligible(params: SamplingParams) -> bool:
     tick against the host sampler's 20 ms, docs/gpu.md), where the host sums the row's
     mass in one pass and sorts only the tokens near the best (draw.py)."""
     return (
-        (params.top_p >= 1.0 or params.top_k > 0)
+        (params.top_p >= 1.0 or 0 < params.top_k < n_vocab)  # a top-k of n_vocab cuts nothing
         and not params.grammar
         and params.logprobs is None
         and params.prompt_logprobs is None

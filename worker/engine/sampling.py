@@ -297,7 +297,7 @@ def build_sampler(
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
-    if graph_chains is not None and backend_eligible(params):
+    if graph_chains is not None and backend_eligible(params, n_vocab):
         host = HostSampler(params, slot_context)
         return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)
     if not params.grammar:
