@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the device tool's `run`, carrying .gpu): build llama.cpp for
+# CUDA with ../shared/gpu's kit, write a model with a real vocabulary size, and measure the
+# sampling loads against greedy at 64 slots. Everything lands under $OUT; a step that runs out
+# of time loses only the steps after it. About 9 minutes on an H200 (the build is 5 of them).
+#
+#   here:  bash ../shared/gpu/make-kit.sh
+#   there: bash benchmarks/gpu_session.sh          (run(..., carry=[".gpu"], timeout_s=595))
+#
+# If a worker dies with SIGSEGV at model load (its log under $OUT says so), llama.cpp was not
+# its process's first native library: `echo import llama_cpp > /tmp/sc/sitecustomize.py` and
+# /tmp/sc first on PYTHONPATH was seen to fix it (docs/gpu.md).
+set -u
+R=$(pwd)
+OUT=${OUT:-/tmp/out}
+MODEL=${MODEL:-/tmp/m1b262k.gguf}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/session.log") 2>&1
+T0=$SECONDS
+stamp() { echo "=== $1 at $((SECONDS - T0)) s"; }
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl
+[ -f "$MODEL" ] || PYTHONPATH=/tmp/site:$R python3 -m benchmarks.gpu_model "$MODEL" > "$OUT/model.log" 2>&1 &
+bash .gpu/build.sh || exit 1
+wait
+cat "$OUT/model.log" 2>/dev/null
+stamp "build and model"
+
+source .gpu/env.sh > /dev/null
+# The working tree installs as the package `loomserve` (pyproject's package-dir): a folder of
+# links gives it that name without pip.
+mkdir -p /tmp/ls/loomserve
+for d in cli gateway protocol worker; do ln -sfn "$R/$d" "/tmp/ls/loomserve/$d"; done
+export PYTHONPATH=/tmp/ls:$PYTHONPATH
+
+bench="python3 -m benchmarks.gpu_bench --model $MODEL --bin /tmp/k/build/bin --slots 64"
+bench="$bench --concurrency 64 --prompts-per-stream 3"
+timeout 200 $bench --only ceiling,loomserve --loads greedy,t1,topp --out "$OUT/graph"
+grep -o -m1 '"sampling": "[a-z]*"' "$OUT/graph/loomserve.log"
+stamp "loomserve, sampling as auto chooses"
+timeout 90 $bench --only loomserve --loads t1 --loomserve-args "--backend-sampling off" \
+    --out "$OUT/host"
+stamp "loomserve, host sampler"
+timeout 40 python3 -m benchmarks.bench_sampling --model "$MODEL" --threads 8 --slots 64 \
+    --reps 3 --ticks 10 2>/dev/null | tee "$OUT/per-tick.txt"
+stamp "per tick"
+timeout 100 $bench --only llama-server --loads greedy,t1,topp --server-args "--backend-sampling" \
+    --out "$OUT/llama-server"
+stamp "llama-server --backend-sampling"
