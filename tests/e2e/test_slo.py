@@ -117,9 +117,11 @@ def test_a_key_cannot_claim_more_priority_than_its_file_allows(servers) -> None:
     _, gateway, metrics_url = servers
     batch, capped = client(gateway, "sk-batch-key"), client(gateway, "sk-capped-key")
     settings = {"model": "tiny-llama", "temperature": 0, "prompt": "once upon a time"}
-    preemptions = scrape_metrics(metrics_url)[("loomserve:num_preemptions_total", ())]
+    by_priority = "loomserve:request_queue_time_by_priority_seconds_count"
+    before = scrape_metrics(metrics_url)
+    preemptions = before[("loomserve:num_preemptions_total", ())]
     first_chunk = threading.Event()
-    ends: dict[str, float] = {}
+    finished: list[str | None] = []
 
     def stream_at_zero() -> None:
         stream = batch.completions.create(
@@ -128,7 +130,7 @@ def test_a_key_cannot_claim_more_priority_than_its_file_allows(servers) -> None:
         for chunk in stream:
             if chunk.choices:
                 first_chunk.set()
-        ends["stream"] = time.monotonic()
+                finished.append(chunk.choices[0].finish_reason)
 
     thread = threading.Thread(target=stream_at_zero)
     thread.start()
@@ -136,11 +138,14 @@ def test_a_key_cannot_claim_more_priority_than_its_file_allows(servers) -> None:
     claimed = capped.completions.create(
         max_tokens=4, extra_body={"ignore_eos": True, "priority": -1000}, **settings
     )
-    ends["capped"] = time.monotonic()
     thread.join(60)
     assert claimed.usage.completion_tokens == 4
-    assert ends["stream"] < ends["capped"]  # it waited for the slot: no preemption
+    # One slot and no preemption: the capped request waited for the stream, which ran whole.
+    # These are the server's facts; the two client threads' clocks cannot order two ends a
+    # few milliseconds apart.
+    assert finished[-1] == "length"  # all LONG tokens
     metrics = scrape_metrics(metrics_url)
     assert metrics[("loomserve:num_preemptions_total", ())] == preemptions
-    by_priority = "loomserve:request_queue_time_by_priority_seconds_count"
+    at_zero = (by_priority, (("priority", "0"),))
+    assert metrics[at_zero] == before.get(at_zero, 0) + 2  # both queued at priority 0
     assert (by_priority, (("priority", "-1000"),)) not in metrics
