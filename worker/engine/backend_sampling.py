@@ -10,9 +10,10 @@ On a CPU it is the other way round: the graph's sampler sorts and sums the whole
 where the host sampler looks at its head only, so `--backend-sampling auto` turns it on only
 where the whole model runs on a GPU (docs/sampling.md has both measured).
 
-Which requests: those the graph samples exactly as the host sampler does — greedy, or
-temperature with top-k, top-p and min-p (llama.cpp's chain order, as the host sampler's), with
-or without a seed. A grammar, logprobs, a logit bias or penalties take the host path, in the
+Which requests: those the graph samples exactly as the host sampler does, and no slower —
+greedy, or temperature with top-k, top-p and min-p (llama.cpp's chain order, as the host
+sampler's), with or without a seed; a top-p needs a top-k before it (backend_eligible). A
+grammar, logprobs, a logit bias or penalties take the host path, in the
 same pass: llama.cpp then copies the logits of every row, and those rows are sampled as
 before. Sampled requests do not draft (speculation): a draft's verification would draw random
 numbers for tokens that are thrown away, and how many depends on the batch.
