@@ -75,6 +75,10 @@ def load_names(loads: str) -> list[str]:
     unknown = [name for name in names if name not in LOADS]
     if unknown or not names:
         raise click.BadParameter(f"loads are among {', '.join(LOADS)}", param_hint="--loads")
+    if len(set(names)) < len(names):  # results are kept by load: a second run would replace
+        raise click.BadParameter(
+            "each load once; run the script again to repeat one", param_hint="--loads"
+        )
     return names
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.procs import REPO_ROOT
 
 
@@ -35,11 +37,20 @@ def test_each_load_is_measured_on_the_same_server(tiny_model_path: Path, tmp_pat
     assert "topp: temperature 0.7, top_p 0.95" in table
 
 
-def test_an_unknown_load_is_refused_before_anything_starts(tiny_model_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("loads", "message"),
+    [
+        ("greedy,hot", "loads are among greedy, t1, topp"),
+        ("greedy,t1,greedy", "each load once"),  # its results would replace the first run's
+    ],
+)
+def test_bad_loads_are_refused_before_anything_starts(
+    tiny_model_path: Path, loads: str, message: str
+) -> None:
     command = [
         sys.executable, "-m", "benchmarks.gpu_bench", "--model", str(tiny_model_path),
-        "--loads", "greedy,hot",
+        "--loads", loads,
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert "loads are among greedy, t1, topp" in result.stderr
+    assert message in result.stderr
