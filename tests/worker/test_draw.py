@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+import loomserve.worker.engine.draw as draw_module
 from loomserve.worker.engine.draw import Candidates, Truncation, candidates, draw, exact_candidates
 
 DRAWS = 100_000
@@ -180,3 +181,59 @@ def test_rows_without_a_finite_peak_give_a_token_not_an_error():
     rng = np.random.default_rng(0)
     for row in (np.full(N_VOCAB, np.nan, np.float32), np.full(N_VOCAB, -np.inf, np.float32)):
         assert 0 <= draw(row, Truncation(1.0, top_p=0.9), rng) < N_VOCAB
+
+
+def _spread_row(seed: int, spread: float) -> np.ndarray:
+    """A 262,144-token row: a normal spread with a few hundred tokens lifted over it."""
+    rng = np.random.default_rng(seed)
+    row = rng.normal(0.0, spread, 262_144).astype(np.float32)
+    row[rng.choice(262_144, 300, replace=False)] += rng.uniform(2.0, 4.0 * spread, 300).astype(
+        np.float32
+    )
+    return row
+
+
+@pytest.mark.parametrize("spread", [1.0, 3.0, 6.0, 45.0])
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.999])
+def test_top_p_alone_keeps_what_the_whole_row_keeps_at_any_spread(spread, top_p):
+    """The nucleus cut from bounds on the row's mass is the whole row's cut, token for token:
+    flat rows (which sum the whole row) and peaked ones (which count bands) alike."""
+    for seed in range(3):
+        row, cut = _spread_row(seed, spread), Truncation(0.7, top_p=top_p)
+        found, whole = candidates(row, cut), exact_candidates(row, cut)
+        assert found.ids.tolist() == whole.ids.tolist()
+        assert found.cumulative == pytest.approx(whole.cumulative, rel=1e-9)
+
+
+def test_a_peaked_row_is_cut_without_summing_the_whole_row(monkeypatch):
+    """The bounds settle a peaked row's nucleus: the pass over every token is not taken."""
+
+    def refused(*_args):
+        raise AssertionError("summed the whole row")
+
+    monkeypatch.setattr(draw_module, "_summed_nucleus", refused)
+    rng = np.random.default_rng(4)  # like a model's: a few clear favourites over a broad tail
+    row = rng.normal(0.0, 2.0, 262_144).astype(np.float32)
+    row[rng.choice(262_144, 5, replace=False)] = rng.uniform(18.0, 22.0, 5).astype(np.float32)
+    found = candidates(row, Truncation(0.7, top_p=0.95))
+    monkeypatch.undo()
+    assert found.ids.tolist() == exact_candidates(row, Truncation(0.7, top_p=0.95)).ids.tolist()
+
+
+def test_a_cut_the_bounds_leave_in_doubt_sums_the_whole_row(monkeypatch):
+    """Two tokens weighing 1 and e^-1 over 200,000 at -18: the mass under the summed head
+    (about 0.003 of 1.37) decides whether the nucleus holds one token or two. Its bounds
+    disagree, so the row is summed, and the cut is the whole row's: two tokens."""
+    row = np.full(262_144, -50.0, dtype=np.float32)
+    row[:200_000] = -18.0
+    row[200_000], row[200_001] = 0.0, -1.0
+    total = 1.0 + math.exp(-1.0) + 200_000 * math.exp(-18.0) + 62_142 * math.exp(-50.0)
+    cut = Truncation(1.0, top_p=1.0 / total + 2e-4)  # just over the best token's share
+    summed = []
+    original = draw_module._summed_nucleus
+    monkeypatch.setattr(
+        draw_module, "_summed_nucleus", lambda *args: summed.append(1) or original(*args)
+    )
+    found = candidates(row, cut)
+    assert summed == [1]
+    assert found.ids.tolist() == [200_000, 200_001] == exact_candidates(row, cut).ids.tolist()

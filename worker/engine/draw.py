@@ -42,6 +42,14 @@ ENVELOPE_LIMIT = 4.0
 # top-p without top-k: the nucleus is looked for among the tokens this far under the best
 # (in logits), then twice as far, and so on.
 NUCLEUS_SPAN = 8.0
+# The row's mass, for top-p: summed over the tokens this far under the best, and bounded
+# under them by counting the tokens in bands down to these depths (one count each). At 24
+# the deepest band's edge leaves the vocabulary's rest under 1e-5 of the best token's weight.
+NUCLEUS_MASS_SPAN = 16.0
+NUCLEUS_BANDS = (20.0, 24.0)
+# A head holding more than 1 / HEAD_SHARE of the vocabulary is too costly to take out token
+# by token: the whole row's mass is summed instead.
+HEAD_SHARE = 16
 _SCRATCH = threading.local()
 
 
@@ -169,31 +177,84 @@ def candidates(
 
 
 def _nucleus_candidates(row: np.ndarray, cut: Truncation, peak: float, least: float) -> Candidates:
-    """top-p without top-k: the nucleus needs the row's whole mass, summed over every token
-    (the one pass over the whole vocabulary that an exact top-p costs), then the best
-    tokens, found among those NUCLEUS_SPAN under the best, then twice as far, ..."""
+    """top-p without top-k: the nucleus is cut where the best tokens' mass reaches top_p of
+    the row's whole mass. That mass is bounded first, not summed over the whole vocabulary:
+    the head's (the tokens NUCLEUS_MASS_SPAN under the best) summed exactly, and the rest's
+    from how many tokens fall in each band under it (each weighs between the band's two
+    edges). Where both bounds cut at the same token the cut is exact, for the cost of a few
+    counts; a cut that the bounds leave in doubt, or a row too flat for a small head, pays
+    for the exponentials of the whole vocabulary (the one pass an exact top-p needs at worst)."""
+    n_vocab = len(row)
+    floor = np.float32(peak - NUCLEUS_MASS_SPAN)  # compared in float32, as the row is
+    head = np.flatnonzero(row >= floor)
+    if len(head) * HEAD_SHARE > n_vocab:  # taking this many out costs as much as the pass
+        return _summed_nucleus(row, cut, peak, least)
+    head_mass = float(np.exp(row[head].astype(np.float64) - peak).sum())
+    least_rest = most_rest = 0.0
+    above, edge = len(head), float(floor)  # tokens at or over the band's top edge, and the edge
+    for depth in NUCLEUS_BANDS:
+        under = np.float32(peak - depth)
+        count = int(np.count_nonzero(row >= under))
+        least_rest += (count - above) * math.exp(float(under) - peak)
+        most_rest += (count - above) * math.exp(edge - peak)
+        above, edge = count, float(under)
+    most_rest += (n_vocab - above) * math.exp(edge - peak)
+    # Widened by far more than the sums' rounding, so that the bounds hold as computed.
+    least_total = (head_mass + least_rest) * (1.0 - 1e-12)
+    most_total = (head_mass + most_rest) * (1.0 + 1e-12)
+    ids, mass = _best_first(row, head, peak, cut.top_p * most_total)
+    last = int(np.searchsorted(mass, cut.top_p * least_total))
+    if last < len(ids) and last == int(np.searchsorted(mass, cut.top_p * most_total)):
+        return _kept(ids[: last + 1], row, peak, cut.temperature, least)
+    return _summed_nucleus(row, cut, peak, least)
+
+
+def _summed_nucleus(row: np.ndarray, cut: Truncation, peak: float, least: float) -> Candidates:
+    """The nucleus from the row's whole mass, summed over every token."""
     # float32, the row's own precision, in this thread's scratch row: a fresh 1 MB array
     # per token costs as much again in page faults as the exponentials themselves.
     weights = _scratch(len(row))
     np.exp(np.subtract(row, np.float32(peak), out=weights), out=weights)
     total = float(weights.sum(dtype=np.float64))
+    ids, mass = _best_first(row, np.arange(len(row)), peak, cut.top_p * total, weights)
+    last = min(int(np.searchsorted(mass, cut.top_p * total)), len(ids) - 1)
+    return _kept(ids[: last + 1], row, peak, cut.temperature, least)
+
+
+def _best_first(
+    row: np.ndarray,
+    pool: np.ndarray,
+    peak: float,
+    wanted: float,
+    weights: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The best tokens of `pool`, best first, with their weights summed in that order: those
+    NUCLEUS_SPAN under the best, then twice as far, ..., until they weigh `wanted` (or the
+    pool is spent). Sorting only these keeps a top-p from sorting the vocabulary. `weights`,
+    the row's own, if its mass was summed from them: the cut compares like with like."""
     span = NUCLEUS_SPAN
     while True:
-        ids = np.flatnonzero(row >= np.float32(peak - span))
-        order = np.argsort(-row[ids], kind="stable")
-        ids = ids[order]
-        mass = np.cumsum(weights[ids], dtype=np.float64)
-        if mass[-1] >= cut.top_p * total or len(ids) == len(row):
-            break
+        ids = pool[row[pool] >= np.float32(peak - span)]
+        ids = ids[np.argsort(-row[ids], kind="stable")]
+        if weights is None:
+            mass = np.cumsum(np.exp(row[ids].astype(np.float64) - peak))
+        else:
+            mass = np.cumsum(weights[ids], dtype=np.float64)
+        if mass[-1] >= wanted or len(ids) == len(pool):
+            return ids, mass
         span *= 2
-    last = min(int(np.searchsorted(mass, cut.top_p * total)), len(ids) - 1)
-    ids = ids[: last + 1]
+
+
+def _kept(
+    ids: np.ndarray, row: np.ndarray, peak: float, temperature: float, least: float
+) -> Candidates:
+    """The nucleus's tokens, less those under min-p's bar, with their tempered weights."""
     values = row[ids].astype(np.float64)
     if least > -math.inf:
         keep = values >= least
         ids, values = ids[keep], values[keep]
-    cumulative = np.cumsum(np.exp((values - peak) / cut.temperature))
-    return Candidates(ids, cumulative, peak, cut.temperature)
+    cumulative = np.cumsum(np.exp((values - peak) / temperature))
+    return Candidates(ids, cumulative, peak, temperature)
 
 
 def _scratch(size: int) -> np.ndarray:
