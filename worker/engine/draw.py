@@ -186,9 +186,11 @@ def _nucleus_candidates(row: np.ndarray, cut: Truncation, peak: float, least: fl
     for the exponentials of the whole vocabulary (the one pass an exact top-p needs at worst)."""
     n_vocab = len(row)
     floor = np.float32(peak - NUCLEUS_MASS_SPAN)  # compared in float32, as the row is
-    head = np.flatnonzero(row >= floor)
-    if len(head) * HEAD_SHARE > n_vocab:  # taking this many out costs as much as the pass
+    in_head = row >= floor
+    if np.count_nonzero(in_head) * HEAD_SHARE > n_vocab:
+        # A flat row: taking this many tokens out one by one costs more than the whole pass.
         return _summed_nucleus(row, cut, peak, least)
+    head = np.flatnonzero(in_head)
     head_mass = float(np.exp(row[head].astype(np.float64) - peak).sum())
     least_rest = most_rest = 0.0
     above, edge = len(head), float(floor)  # tokens at or over the band's top edge, and the edge
@@ -216,31 +218,33 @@ def _summed_nucleus(row: np.ndarray, cut: Truncation, peak: float, least: float)
     weights = _scratch(len(row))
     np.exp(np.subtract(row, np.float32(peak), out=weights), out=weights)
     total = float(weights.sum(dtype=np.float64))
-    ids, mass = _best_first(row, np.arange(len(row)), peak, cut.top_p * total, weights)
+    ids, mass = _best_first(row, None, peak, cut.top_p * total, weights)
     last = min(int(np.searchsorted(mass, cut.top_p * total)), len(ids) - 1)
     return _kept(ids[: last + 1], row, peak, cut.temperature, least)
 
 
 def _best_first(
     row: np.ndarray,
-    pool: np.ndarray,
+    pool: np.ndarray | None,
     peak: float,
     wanted: float,
     weights: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The best tokens of `pool`, best first, with their weights summed in that order: those
-    NUCLEUS_SPAN under the best, then twice as far, ..., until they weigh `wanted` (or the
-    pool is spent). Sorting only these keeps a top-p from sorting the vocabulary. `weights`,
-    the row's own, if its mass was summed from them: the cut compares like with like."""
+    """The best tokens of `pool` (None: the whole row), best first, with their weights summed
+    in that order: those NUCLEUS_SPAN under the best, then twice as far, ..., until they
+    weigh `wanted` (or the pool is spent). Sorting only these keeps a top-p from sorting the
+    vocabulary. `weights`, the row's own, if its mass was summed from them: the cut compares
+    like with like."""
     span = NUCLEUS_SPAN
     while True:
-        ids = pool[row[pool] >= np.float32(peak - span)]
+        floor = np.float32(peak - span)
+        ids = np.flatnonzero(row >= floor) if pool is None else pool[row[pool] >= floor]
         ids = ids[np.argsort(-row[ids], kind="stable")]
         if weights is None:
             mass = np.cumsum(np.exp(row[ids].astype(np.float64) - peak))
         else:
             mass = np.cumsum(weights[ids], dtype=np.float64)
-        if mass[-1] >= wanted or len(ids) == len(pool):
+        if mass[-1] >= wanted or len(ids) == (len(row) if pool is None else len(pool)):
             return ids, mass
         span *= 2
 
