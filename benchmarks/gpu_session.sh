@@ -7,6 +7,9 @@
 #   here:  bash ../shared/gpu/make-kit.sh
 #   there: bash benchmarks/gpu_session.sh          (run(..., carry=[".gpu"], timeout_s=595))
 #
+# STEPS picks the measurements (default: all of "auto host per-tick llama-server"); the build
+# and the model always come first.
+#
 # If a worker dies with SIGSEGV at model load (its log under $OUT says so), llama.cpp was not
 # its process's first native library: `echo import llama_cpp > /tmp/sc/sitecustomize.py` and
 # /tmp/sc first on PYTHONPATH was seen to fix it (docs/gpu.md).
@@ -14,6 +17,8 @@ set -u
 R=$(pwd)
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/m1b262k.gguf}
+STEPS=" ${STEPS:-auto host per-tick llama-server} "
+want() { [[ $STEPS == *" $1 "* ]]; }
 mkdir -p "$OUT"
 exec > >(tee "$OUT/session.log") 2>&1
 T0=$SECONDS
@@ -35,15 +40,23 @@ export PYTHONPATH=/tmp/ls:$PYTHONPATH
 
 bench="python3 -m benchmarks.gpu_bench --model $MODEL --bin /tmp/k/build/bin --slots 64"
 bench="$bench --concurrency 64 --prompts-per-stream 3"
-timeout 200 $bench --only ceiling,loomserve --loads greedy,t1,topp --out "$OUT/graph"
-grep -o -m1 '"sampling": "[a-z]*"' "$OUT/graph/loomserve.log"
-stamp "loomserve, sampling as auto chooses"
-timeout 90 $bench --only loomserve --loads t1 --loomserve-args "--backend-sampling off" \
-    --out "$OUT/host"
-stamp "loomserve, host sampler"
-timeout 40 python3 -m benchmarks.bench_sampling --model "$MODEL" --threads 8 --slots 64 \
-    --reps 3 --ticks 10 2>/dev/null | tee "$OUT/per-tick.txt"
-stamp "per tick"
-timeout 100 $bench --only llama-server --loads greedy,t1,topp --server-args "--backend-sampling" \
-    --out "$OUT/llama-server"
-stamp "llama-server --backend-sampling"
+if want auto; then
+    timeout 200 $bench --only ceiling,loomserve --loads greedy,t1,topp --out "$OUT/graph"
+    grep -o -m1 '"sampling": "[a-z]*"' "$OUT/graph/loomserve.log"
+    stamp "loomserve, sampling as auto chooses"
+fi
+if want host; then
+    timeout 90 $bench --only loomserve --loads t1 --loomserve-args "--backend-sampling off" \
+        --out "$OUT/host"
+    stamp "loomserve, host sampler"
+fi
+if want per-tick; then
+    timeout 40 python3 -m benchmarks.bench_sampling --model "$MODEL" --threads 8 --slots 64 \
+        --reps 3 --ticks 10 2>/dev/null | tee "$OUT/per-tick.txt"
+    stamp "per tick"
+fi
+if want llama-server; then
+    timeout 100 $bench --only llama-server --loads greedy,t1,topp \
+        --server-args "--backend-sampling" --out "$OUT/llama-server"
+    stamp "llama-server --backend-sampling"
+fi
