@@ -25,18 +25,25 @@ T0=$SECONDS
 stamp() { echo "=== $1 at $((SECONDS - T0)) s"; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl
-[ -f "$MODEL" ] || PYTHONPATH=/tmp/site:$R python3 -m benchmarks.gpu_model "$MODEL" > "$OUT/model.log" 2>&1 &
+model_writer=
+if [ ! -f "$MODEL" ]; then
+    PYTHONPATH=/tmp/site:$R python3 -m benchmarks.gpu_model "$MODEL" > "$OUT/model.log" 2>&1 &
+    model_writer=$!
+fi
 bash .gpu/build.sh || exit 1
-wait
+# Its own PID: a bare `wait` (bash 5.1 on) also waits for the `tee` above, which never ends;
+# that hung a whole 10-minute call once.
+[ -z "$model_writer" ] || wait "$model_writer"
 cat "$OUT/model.log" 2>/dev/null
 stamp "build and model"
 
 source .gpu/env.sh > /dev/null
 # The working tree installs as the package `loomserve` (pyproject's package-dir): a folder of
 # links gives it that name without pip.
-mkdir -p /tmp/ls/loomserve
-for d in cli gateway protocol worker; do ln -sfn "$R/$d" "/tmp/ls/loomserve/$d"; done
-export PYTHONPATH=/tmp/ls:$PYTHONPATH
+LINKS=${LINKS:-/tmp/ls}
+mkdir -p "$LINKS/loomserve"
+for d in cli gateway protocol worker; do ln -sfn "$R/$d" "$LINKS/loomserve/$d"; done
+export PYTHONPATH=$LINKS${PYTHONPATH:+:$PYTHONPATH}
 
 bench="python3 -m benchmarks.gpu_bench --model $MODEL --bin /tmp/k/build/bin --slots 64"
 bench="$bench --concurrency 64 --prompts-per-stream 3"

@@ -54,3 +54,27 @@ def test_bad_loads_are_refused_before_anything_starts(
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_the_gpu_session_script_goes_past_its_build(tmp_path: Path) -> None:
+    """benchmarks/gpu_session.sh with a kit whose build does nothing and no measurements:
+    it reaches its measurements and ends. (A bare `wait` once waited on the script's own
+    `tee` for good, and the lent machine's whole call ran out in it.)"""
+    kit = tmp_path / ".gpu"
+    (kit / "whl").mkdir(parents=True)
+    (kit / "build.sh").write_text("echo built\n")
+    (kit / "env.sh").write_text("true\n")
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"")
+    env = {
+        "PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "MODEL": str(model),
+        "STEPS": "none", "LINKS": str(tmp_path / "links"),
+    }  # fmt: skip
+    script = REPO_ROOT / "benchmarks" / "gpu_session.sh"
+    result = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert "built" in log and "=== build and model at" in log
+    assert (tmp_path / "links" / "loomserve" / "worker").is_symlink()
