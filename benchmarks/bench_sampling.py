@@ -8,7 +8,9 @@ Two figures:
 - per token: one token sampled from one row of logits, by llama.cpp's sampler chain (what
   loomserve ran before, and what grammar requests still run) and by the host sampler
   (worker/engine/draw.py), for each mix of settings; the rows are those of one forward pass over
-  `--slots` different prompts, as a tick's are.
+  `--slots` different prompts, as a tick's are: at the ends of prompts of random words (as
+  the HTTP benchmarks send), after each has generated GENERATED tokens from them, and at
+  the ends of prompts cut from prose (real text: mostly peaked rows).
 - per tick: a TickLoop with `--slots` generating slots, every tick's time outside
   llama_decode (scheduling, the batch, sampling, bookkeeping, outputs) and in it, greedy
   against each sampled mix, with the host sampler and with backend sampling (the chains in
@@ -25,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
+import numpy as np
 import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,6 +52,8 @@ MIXES: dict[str, dict] = {
     "min_p 0.1, T 1.0": {"temperature": 1.0, "min_p": 0.1},
     "top_k 50, T 1.2": {"temperature": 1.2, "top_k": 50},
 }
+# The second per-token table's rows: after this many tokens generated from each prompt.
+GENERATED = 24
 WORDS = (
     "the of and to in is was for on that with as by at from his her an were are which this "
     "be or has had not but it first one their its new after who they two have been also"
@@ -63,6 +68,15 @@ class Nowhere:
 
     def flush(self) -> None:
         pass
+
+
+def prose(engine: Engine, n: int, length: int) -> list[list[int]]:
+    """n different prompts of `length` tokens cut from docs/sampling.md's prose: a model reads
+    on in real text far more surely than after random words (its rows are more peaked)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sampling.md").read_text()
+    tokens = engine_tokens(engine, " ".join(text.split()))
+    step = max(1, (len(tokens) - length) // n)
+    return [tokens[i * step : i * step + length] for i in range(n)]
 
 
 def prompts(engine: Engine, n: int, length: int) -> list[list[int]]:
@@ -83,17 +97,42 @@ def engine_tokens(engine: Engine, text: str) -> list[int]:
     return list(buffer[:n])
 
 
-def per_token(engine: Engine, slots: int, reps: int) -> dict[str, tuple[float, float]]:
-    """Median microseconds per sampled token: (llama.cpp chain, host sampler), per mix."""
+def rows(
+    engine: Engine, slots: int, generated: int, text: bool = False
+) -> tuple[list[int], np.ndarray]:
+    """One pass's rows of logits over `slots` different prompts (random words, or cut from
+    prose with `text`): at the prompts' ends (generated 0), or after each has generated that
+    many tokens (temperature 0.7, top_p 0.95, as a load would). Returns their batch indices
+    in the last pass, and them."""
     batch = engine.batch
+    engine.clear_cache()
     batch.clear()
+    texts = (prose if text else prompts)(engine, slots, 24)
     indices = [
-        batch.add_run(prompt, 0, seq, logits_on_last=True)
-        for seq, prompt in enumerate(prompts(engine, slots, 24))
+        batch.add_run(prompt, 0, seq, logits_on_last=True) for seq, prompt in enumerate(texts)
     ]
-    if engine.decode(batch) != 0:
-        raise RuntimeError("llama_decode failed")
-    logits = engine.output_logits(slots)
+    params = SamplingParams(max_tokens=generated + 1, temperature=0.7, top_p=0.95)
+    samplers = [HostSampler(replace(params, seed=seq), 4096) for seq in range(slots)]
+    for step in range(generated + 1):
+        if engine.decode(batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        logits = engine.output_logits(slots)
+        if step == generated:
+            return indices, logits
+        tokens = [samplers[seq].sample(indices[seq], logits[seq]) for seq in range(slots)]
+        batch.clear()
+        indices = [
+            batch.add(token, len(texts[seq]) + step, seq, True) for seq, token in enumerate(tokens)
+        ]
+    raise AssertionError("unreachable")
+
+
+def per_token(
+    engine: Engine, indices: list[int], logits: np.ndarray, reps: int
+) -> dict[str, tuple[float, float]]:
+    """Median microseconds per sampled token: (llama.cpp chain, host sampler), per mix, over
+    the rows of the last pass (`indices` in it, `logits` copied from it)."""
+    slots = len(indices)
     results = {}
     for name, fields in MIXES.items():
         params = SamplingParams(max_tokens=16, seed=1, **fields)
@@ -110,7 +149,6 @@ def per_token(engine: Engine, slots: int, reps: int) -> dict[str, tuple[float, f
                 timings[label].append((time.perf_counter() - started) / slots * 1e6)
             chain.close()
         results[name] = (statistics.median(timings["chain"]), statistics.median(timings["host"]))
-    engine.clear_cache()
     return results
 
 
@@ -168,10 +206,15 @@ def main(model: str | None, threads: int, slots: int, reps: int, ticks: int) -> 
     )
     engine = Engine(config)
     print(f"model {config.model_path.name}, vocabulary {engine.n_vocab}, {slots} rows")
-    print(f"\nper token, median of {reps} runs over {slots} rows (microseconds)")
-    print(f"{'settings':42} {'llama.cpp chain':>16} {'host sampler':>13} {'speed-up':>9}")
-    for name, (chain, host) in per_token(engine, slots, reps).items():
-        print(f"{name:42} {chain:16.1f} {host:13.1f} {chain / host:8.1f}x")
+    for text, generated in ((False, 0), (False, GENERATED), (True, 0)):
+        where = "prose prompts' ends" if text else "random words' ends"
+        where += f", {generated} tokens on" if generated else ""
+        print(f"\nper token, {where}: median of {reps} runs over {slots} rows (microseconds)")
+        print(f"{'settings':42} {'llama.cpp chain':>16} {'host sampler':>13} {'speed-up':>9}")
+        indices, logits = rows(engine, slots, generated, text)
+        for name, (chain, host) in per_token(engine, indices, logits, reps).items():
+            print(f"{name:42} {chain:16.1f} {host:13.1f} {chain / host:8.1f}x")
+    engine.clear_cache()
     print(f"\nper tick at {slots} generating slots (ms, median of {ticks})")
     print("  host sampler: sampled on the host after llama_decode")
     print("  backend: --backend-sampling on, sampled inside llama_decode (llama.cpp's chains)")

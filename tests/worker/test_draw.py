@@ -237,3 +237,16 @@ def test_a_cut_the_bounds_leave_in_doubt_sums_the_whole_row(monkeypatch):
     found = candidates(row, cut)
     assert summed == [1]
     assert found.ids.tolist() == [200_000, 200_001] == exact_candidates(row, cut).ids.tolist()
+
+
+def test_a_wide_nucleus_taken_band_by_band_keeps_what_the_whole_row_keeps(monkeypatch):
+    """Thin bands, and the rest of the row taken at once past a shallow last band: the cut
+    and the order of the kept tokens are still the whole row's (on flat and peaked rows)."""
+    monkeypatch.setattr(draw_module, "NUCLEUS_BAND", 0.5)
+    monkeypatch.setattr(draw_module, "NUCLEUS_LAST_BAND", 10.0)
+    for spread in (1.0, 3.0, 6.0):
+        for top_p in (0.9, 0.9999):
+            row, cut = _spread_row(7, spread), Truncation(1.0, top_p=top_p)
+            found, whole = candidates(row, cut), exact_candidates(row, cut)
+            assert found.ids.tolist() == whole.ids.tolist()
+            assert found.cumulative == pytest.approx(whole.cumulative, rel=1e-9)
