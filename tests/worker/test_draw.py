@@ -250,3 +250,24 @@ def test_a_wide_nucleus_taken_band_by_band_keeps_what_the_whole_row_keeps(monkey
             found, whole = candidates(row, cut), exact_candidates(row, cut)
             assert found.ids.tolist() == whole.ids.tolist()
             assert found.cumulative == pytest.approx(whole.cumulative, rel=1e-9)
+
+
+@pytest.mark.parametrize("error", [-0.99, 0.0, 0.99])
+def test_a_cut_is_exact_whatever_error_the_summed_mass_has_within_its_bound(monkeypatch, error):
+    """The whole row's mass is summed in float32 (ggml's kernel), within EXP_SUM_ERROR of the
+    float64 sum. Made off by nearly that much either way, on purpose, the cut is still the
+    float64 one: where the error could move it (a cut 1e-7 past the best token's weight,
+    here) the row is summed again in float64."""
+    real_sum = draw_module.exp_sum
+
+    def off_sum(row, peak, out):
+        return real_sum(row, peak, out) * (1.0 + error * draw_module.EXP_SUM_ERROR)
+
+    monkeypatch.setattr(draw_module, "exp_sum", off_sum)
+    row = np.full(262_144, -13.0, dtype=np.float32)  # a flat tail holding 37 % of the mass
+    row[5] = 0.0
+    total = float(np.exp(row.astype(np.float64)).sum())
+    rows = [(row, Truncation(1.0, top_p=(1.0 + 1e-7) / total))]  # 2 tokens, by 2e-6 of one
+    rows += [(_spread_row(seed, 1.0), Truncation(0.7, top_p=0.999)) for seed in range(3)]
+    for logits, cut in rows:
+        assert candidates(logits, cut).ids.tolist() == exact_candidates(logits, cut).ids.tolist()

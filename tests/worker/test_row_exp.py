@@ -1,0 +1,47 @@
+"""row_exp.py: a row's exponentials and their sum by ggml's vectorised kernel (llama.cpp's CPU
+library, as built here), within draw.EXP_SUM_ERROR of the float64 sum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loomserve.worker.engine import row_exp
+from loomserve.worker.engine.draw import EXP_SUM_ERROR
+
+
+def test_llama_cpps_cpu_library_gives_the_kernel():
+    """The fast path is there (a build that stops exporting it would silently be 2-3x slower
+    at top-p)."""
+    assert row_exp.kernel() is not None
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])
+@pytest.mark.parametrize("size", [262_144, 1_001])  # a length that is no multiple of 8
+def test_the_sum_and_each_exponential_match_float64(spread, size):
+    rng = np.random.default_rng(int(spread * 10) + size)
+    row = rng.normal(0.0, spread, size).astype(np.float32)
+    peak = float(row.max())
+    out = np.empty_like(row)
+    total = row_exp.exp_sum(row, peak, out)
+    exact = np.exp(row.astype(np.float64) - peak)
+    assert total == pytest.approx(float(exact.sum()), rel=EXP_SUM_ERROR / 10)
+    _within_float32(out, exact, peak - row.astype(np.float64))
+
+
+def _within_float32(out: np.ndarray, exact: np.ndarray, depth: np.ndarray) -> None:
+    """Each exponential within 2 ulps, of a float32 difference to the best (6e-8 of its
+    depth): the bounds draw.EXP_SUM_ERROR is built from. Under float32's least normal
+    (tokens 87 logits under the best) only absolutely."""
+    assert (np.abs(out - exact) <= exact * (2.4e-7 + 6e-8 * depth) + 1.2e-38).all()
+
+
+def test_a_row_the_kernel_cannot_take_is_summed_by_numpy():
+    """A strided view (every other logit) or float64 logits: numpy, the same figures."""
+    row = np.random.default_rng(3).normal(0.0, 2.0, 4_096).astype(np.float32)
+    for view in (row[::2], row[::2].astype(np.float64)):
+        out = np.empty(len(view), dtype=np.float32)
+        total = row_exp.exp_sum(view, float(view.max()), out)
+        exact = np.exp(view.astype(np.float64) - float(view.max()))
+        assert total == pytest.approx(float(exact.sum()), rel=1e-7)
+        _within_float32(out, exact, float(view.max()) - view.astype(np.float64))
