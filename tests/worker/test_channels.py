@@ -3,6 +3,10 @@ SchedulerStats; pure Python, no model."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 from loomserve.protocol import Embed, Generate, Load, SamplingParams
 from loomserve.protocol.prefix_keys import prefix_keys
 from loomserve.worker.cache.prefix_cache import AdvertisedPrefixes
@@ -108,3 +112,38 @@ def test_the_slots_snapshot_is_a_copy_that_the_loop_moves_on_from() -> None:
         ("default", 1, 0),
         ("team", 1, 0),
     ]
+
+
+# The worker's SIGTERM handler calls Inbox.stop() on the main thread, which may be inside
+# Inbox.get() at that moment (the loop reads its inbox between ticks, where the watchdog does
+# not look). A signal every millisecond for 3 s, each putting a STOP, while the main thread
+# does nothing but read.
+STOP_FROM_A_SIGNAL = textwrap.dedent(
+    """
+    import signal, time
+    from loomserve.worker.io.channels import Inbox
+
+    inbox, signals = Inbox(), []
+    def on_signal(*_):
+        signals.append(1)
+        inbox.stop()
+    signal.signal(signal.SIGALRM, on_signal)
+    signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        inbox.get(block=False)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    print("read on through", len(signals), "signals")
+    """
+)
+
+
+def test_a_stop_from_a_signal_handler_never_deadlocks_the_thread_it_interrupts() -> None:
+    """With a queue.Queue inside, the handler's put() waited for the lock its own thread held
+    in get(): one SIGTERM hung a scaled-in worker for good (CI), and this script died of
+    nested handlers within a second. A SimpleQueue's put() is reentrant."""
+    result = subprocess.run(
+        [sys.executable, "-c", STOP_FROM_A_SIGNAL], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert "read on through" in result.stdout

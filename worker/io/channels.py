@@ -50,7 +50,10 @@ class Inbox:
     """Work for the loop, from any thread; the loop blocks on it whenever it has nothing to do."""
 
     def __init__(self) -> None:
-        self._queue: queue.Queue[Item] = queue.Queue()
+        # SimpleQueue: its put() is reentrant, so stop() may run in a signal handler that
+        # interrupted this thread inside get(). A queue.Queue's lock was held there, and a
+        # SIGTERM landing in it hung the worker for good (seen in CI: a scaled-in worker).
+        self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
 
     def submit(self, gateway: bytes, message: Work) -> None:
         self._queue.put(Submit(gateway, message))
