@@ -150,6 +150,8 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         log.info("metrics", url=f"http://{config.metrics_host}:{config.metrics_port}/metrics")
 
     def on_signal(signum: int, _frame: object) -> None:
+        # It runs on the main thread between any two bytecodes, perhaps inside the same calls:
+        # only reentrant work here (logging's locks are RLocks; the inbox's put is reentrant).
         log.info(
             "stopping: draining requests",
             signal=signal.Signals(signum).name,
