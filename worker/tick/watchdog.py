@@ -12,7 +12,8 @@ fail its requests and answer /health 503), and ends the process with status 3 fo
 supervisor to restart, as max_failed_ticks failures in a row do. SIGINT and SIGTERM reach it
 through signal.set_wakeup_fd, whose byte the C-level handler writes even while the main
 thread is stuck: after one, a tick that runs longer than the shutdown timeout ends the
-process the same way, instead of waiting for the limit.
+process the same way, instead of waiting for the limit, and so does a loop still running
+twice the shutdown timeout after it, wherever it is stuck.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ log = structlog.get_logger(__name__)
 
 CHECKS_PER_LIMIT = 10  # how often the tick's age is looked at, per watchdog limit
 MAX_CHECK_SECONDS = 1.0
+STOP_SLACK = 1.0  # seconds past twice the shutdown timeout before a stopping worker is stuck
 
 
 class Ticking(Protocol):
@@ -94,6 +96,12 @@ class Watchdog:
             now = time.monotonic()
             if readable and self._signalled() and signalled_at is None:
                 signalled_at = now
+            # A stop signal ends the loop within the shutdown timeout (it cuts what is left
+            # then). Still running long after, it is stuck, in a tick or between ticks: a
+            # deadlock there once left a scaled-in worker up for good (channels.Inbox).
+            if signalled_at is not None and now - signalled_at > 2 * self.stop_grace + STOP_SLACK:
+                self._fire(f"asked to stop {now - signalled_at:.1f} s ago, and still running")
+                return
             started = self.loop.busy_since
             if started is None:
                 continue
