@@ -9,9 +9,10 @@ tokens that are never drawn: one scoring 20 below the best has odds of e^-20 aga
 candidates() reads the row twice, for its maximum and for the tokens within `span` of it (the
 head: from a few to a few thousand tokens on a real model), and works on the head alone.
 It stays exact, not approximately right:
-- top-k, top-p and min-p cut inside the head (top-p checks its cut against both bounds of
-  the probability mass under the head, and sums that mass when the bounds disagree); when
-  one reaches below the head the whole row is worked through (`exact_candidates`).
+- top-k, top-p and min-p cut inside the head; when one reaches below the head the whole row
+  is worked through (`exact_candidates`). A top-p alone needs the row's whole mass: bounded
+  from counts on a peaked row, summed by ggml's kernel on a flat one (row_exp.py), the cut
+  exact either way (a cut the bounds leave in doubt is summed again, more precisely).
 - When nothing cuts, the tokens under the head keep their probability by rejection
   sampling: a draw takes a head token with its exact weight, or the tail with an envelope
   of the largest weight a tail token can have, and then a uniformly chosen tail token is
@@ -215,10 +216,10 @@ def _nucleus_candidates(row: np.ndarray, cut: Truncation, peak: float, least: fl
     least_total = (head_mass + least_rest) * (1.0 - 1e-12)
     most_total = (head_mass + most_rest) * (1.0 + 1e-12)
     ids, mass = _best_first(row, head, peak, cut.top_p * most_total)
-    last = int(np.searchsorted(mass, cut.top_p * least_total))
-    if last < len(ids) and last == int(np.searchsorted(mass, cut.top_p * most_total)):
-        return _kept(ids[: last + 1], row, peak, cut.temperature, least)
-    return _summed_nucleus(row, cut, peak, least)
+    last = _settled_cut(mass, cut.top_p, least_total, most_total)
+    if last is None:
+        return _summed_nucleus(row, cut, peak, least)
+    return _kept(ids[: last + 1], row, peak, cut.temperature, least)
 
 
 def _summed_nucleus(row: np.ndarray, cut: Truncation, peak: float, least: float) -> Candidates:
@@ -230,12 +231,24 @@ def _summed_nucleus(row: np.ndarray, cut: Truncation, peak: float, least: float)
     total = exp_sum(row, peak, _scratch(len(row)))
     least_total, most_total = total * (1.0 - EXP_SUM_ERROR), total * (1.0 + EXP_SUM_ERROR)
     ids, mass = _best_first(row, None, peak, cut.top_p * most_total)
-    last = int(np.searchsorted(mass, cut.top_p * least_total))
-    if last >= len(ids) or last != int(np.searchsorted(mass, cut.top_p * most_total)):
-        total = float(np.exp(row.astype(np.float64) - peak).sum())  # rare: a cut in doubt
+    last = _settled_cut(mass, cut.top_p, least_total, most_total)
+    if last is None:  # rare: a cut in doubt
+        total = float(np.exp(row.astype(np.float64) - peak).sum())
         ids, mass = _best_first(row, None, peak, cut.top_p * total)
         last = min(int(np.searchsorted(mass, cut.top_p * total)), len(ids) - 1)
     return _kept(ids[: last + 1], row, peak, cut.temperature, least)
+
+
+def _settled_cut(
+    mass: np.ndarray, top_p: float, least_total: float, most_total: float
+) -> int | None:
+    """The last token the nucleus keeps (`mass` summed best first), if the row's whole mass
+    known only to lie between the two totals settles it: both put the cut at that token.
+    None when they differ, or when `mass` falls short of the larger one's share."""
+    last = int(np.searchsorted(mass, top_p * least_total))
+    if last < len(mass) and last == int(np.searchsorted(mass, top_p * most_total)):
+        return last
+    return None
 
 
 def _best_first(
