@@ -252,22 +252,57 @@ def test_a_wide_nucleus_taken_band_by_band_keeps_what_the_whole_row_keeps(monkey
             assert found.cumulative == pytest.approx(whole.cumulative, rel=1e-9)
 
 
-@pytest.mark.parametrize("error", [-0.99, 0.0, 0.99])
-def test_a_cut_is_exact_whatever_error_the_summed_mass_has_within_its_bound(monkeypatch, error):
+def _tiered_row(margin: float) -> tuple[np.ndarray, Truncation]:
+    """A flat row in three tiers: the best token (0), 100,000 at -13 and the rest at -20, cut
+    `margin` (of the best token's weight) past the best token's share: so two tokens, by a
+    margin the float32 sum's bound cannot settle."""
+    row = np.full(262_144, -20.0, dtype=np.float32)
+    row[:100_000] = -13.0
+    row[100_005] = 0.0
+    total = float(np.exp(row.astype(np.float64)).sum())
+    return row, Truncation(1.0, top_p=(1.0 + margin) / total)
+
+
+@pytest.mark.parametrize("sign", [-1.0, 0.0, 1.0])
+def test_a_cut_is_exact_whatever_error_the_summed_mass_has_within_its_bound(monkeypatch, sign):
     """The whole row's mass is summed in float32 (ggml's kernel), within EXP_SUM_ERROR of the
-    float64 sum. Made off by nearly that much either way, on purpose, the cut is still the
-    float64 one: where the error could move it (a cut 1e-7 past the best token's weight,
-    here) the row is summed again in float64."""
+    float64 sum, each exponential within EXP_ERROR plus DEPTH_ERROR per logit of depth. Made
+    off by nearly that much either way, on purpose, the cut is still the float64 one: where
+    the error could move it (a cut 1e-7 or 1e-10 past the best token's weight, here) the
+    doubt is settled by the rest's bounds or by a float64 sum."""
     real_sum = draw_module.exp_sum
 
     def off_sum(row, peak, out):
-        return real_sum(row, peak, out) * (1.0 + error * draw_module.EXP_SUM_ERROR)
+        total = real_sum(row, peak, out)
+        # The sum by 9/10 of its bound, each exponential by 3/4 of its own: the kernel's
+        # own error (an ulp or two) and the float32 product's rounding come on top.
+        depth = (peak - row).astype(np.float32)
+        out *= 1.0 + sign * 0.75 * (draw_module.EXP_ERROR + draw_module.DEPTH_ERROR * depth)
+        return total * (1.0 + sign * 0.9 * draw_module.EXP_SUM_ERROR)
 
     monkeypatch.setattr(draw_module, "exp_sum", off_sum)
     row = np.full(262_144, -13.0, dtype=np.float32)  # a flat tail holding 37 % of the mass
     row[5] = 0.0
     total = float(np.exp(row.astype(np.float64)).sum())
     rows = [(row, Truncation(1.0, top_p=(1.0 + 1e-7) / total))]  # 2 tokens, by 2e-6 of one
+    rows += [_tiered_row(1e-7), _tiered_row(-1e-7), _tiered_row(1e-10), _tiered_row(-1e-10)]
     rows += [(_spread_row(seed, 1.0), Truncation(0.7, top_p=0.999)) for seed in range(3)]
     for logits, cut in rows:
         assert candidates(logits, cut).ids.tolist() == exact_candidates(logits, cut).ids.tolist()
+
+
+@pytest.mark.parametrize("margin", [1e-7, -1e-7])
+def test_a_cut_in_doubt_is_settled_by_the_rest_without_a_float64_sum(monkeypatch, margin):
+    """The float32 sum's bound (2e-6 of the mass) leaves a cut 1e-7 from a token's edge in
+    doubt; the taken tokens' float64 mass plus the deep tier's float32 sum (its error some
+    1e-6 of 3e-4) settles it, so the whole row is not summed again."""
+
+    def refused(*_args):
+        raise AssertionError("summed the whole row in float64")
+
+    monkeypatch.setattr(draw_module, "_float64_cut", refused)
+    row, cut = _tiered_row(margin)
+    found = candidates(row, cut)
+    monkeypatch.undo()
+    assert len(found.ids) == (2 if margin > 0 else 1)
+    assert found.ids.tolist() == exact_candidates(row, cut).ids.tolist()
