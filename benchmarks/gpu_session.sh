@@ -10,9 +10,10 @@
 # STEPS picks the measurements (default: all of "auto host per-tick llama-server"); the build
 # and the model always come first.
 #
-# If a worker dies with SIGSEGV at model load (its log under $OUT says so), llama.cpp was not
-# its process's first native library: `echo import llama_cpp > /tmp/sc/sitecustomize.py` and
-# /tmp/sc first on PYTHONPATH was seen to fix it (docs/gpu.md).
+# A process whose first native library is not llama.cpp's dies with SIGSEGV at model load on
+# this kit's CUDA build (docs/gpu.md): a sitecustomize that imports llama_cpp makes it first in
+# every Python process the script starts (bench_sampling's crash went unseen once, under
+# 2>/dev/null).
 set -u
 R=$(pwd)
 OUT=${OUT:-/tmp/out}
@@ -43,7 +44,9 @@ source .gpu/env.sh > /dev/null
 LINKS=${LINKS:-/tmp/ls}
 mkdir -p "$LINKS/loomserve"
 for d in cli gateway protocol worker; do ln -sfn "$R/$d" "$LINKS/loomserve/$d"; done
-export PYTHONPATH=$LINKS${PYTHONPATH:+:$PYTHONPATH}
+mkdir -p /tmp/sc
+echo "import llama_cpp" > /tmp/sc/sitecustomize.py
+export PYTHONPATH=/tmp/sc:$LINKS${PYTHONPATH:+:$PYTHONPATH}
 
 bench="python3 -m benchmarks.gpu_bench --model $MODEL --bin /tmp/k/build/bin --slots 64"
 bench="$bench --concurrency 64 --prompts-per-stream 3"
@@ -59,7 +62,7 @@ if want host; then
 fi
 if want per-tick; then
     timeout 40 python3 -m benchmarks.bench_sampling --model "$MODEL" --threads 8 --slots 64 \
-        --reps 3 --ticks 10 2>/dev/null | tee "$OUT/per-tick.txt"
+        --reps 3 --ticks 10 2>"$OUT/per-tick.log" | tee "$OUT/per-tick.txt"
     stamp "per tick"
 fi
 if want llama-server; then

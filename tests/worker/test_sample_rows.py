@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.engine.sampling import HostSampler, Sampler, SamplingThreads, sample_rows
+from loomserve.worker.engine.sampling import (
+    MAX_SAMPLING_THREADS,
+    HostSampler,
+    Sampler,
+    SamplingThreads,
+    sample_rows,
+)
 
 
 class Chained:
@@ -66,3 +72,16 @@ def test_threads_draw_the_same_tokens_as_one_thread():
     finally:
         threads.close()
     assert alone[0] == 7 and alone[1] == int(np.argmax(logits[1]))
+
+
+def test_sampling_threads_stop_at_the_most_that_still_pay():
+    """A worker given 16 cores draws with at most MAX_SAMPLING_THREADS threads: past that the
+    threads queue for the GIL and a tick's draws take longer (measured, docs/gpu.md)."""
+    many, few = SamplingThreads(16), SamplingThreads(2)
+    try:
+        assert many.n == MAX_SAMPLING_THREADS < 16
+        assert many.pool is not None and many.pool._max_workers == MAX_SAMPLING_THREADS - 1
+        assert few.n == 2
+    finally:
+        many.close()
+        few.close()

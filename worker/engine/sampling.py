@@ -49,6 +49,11 @@ from loomserve.worker.sched.slots import TokenSampler
 
 # Fewer rows than this to draw on the host: threads would cost more than they save.
 PARALLEL_ROWS = 8
+# More threads than this draw a tick's rows more slowly, not faster: between numpy's calls each
+# row holds the GIL, and the threads queue for it. Measured on an H100 machine's 16 cores (64
+# rows of T 0.7 + top_p 0.95, host work per tick): 1 thread 47 ms, 4 threads 26, 8 threads
+# 32, 16 threads 40 (docs/gpu.md).
+MAX_SAMPLING_THREADS = 4
 # A greedy pick the grammar refused: this many of the next best are checked one at a time
 # before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
 GREEDY_SCAN = 32
@@ -210,10 +215,11 @@ class HostSampler:
 
 
 class SamplingThreads:
-    """n threads that draw a tick's host-sampled rows: the tick's own and n - 1 helpers."""
+    """n threads (at most MAX_SAMPLING_THREADS) that draw a tick's host-sampled rows: the
+    tick's own and n - 1 helpers."""
 
     def __init__(self, n: int) -> None:
-        self.n = max(1, n)
+        self.n = min(max(1, n), MAX_SAMPLING_THREADS)
         self.pool = (
             ThreadPoolExecutor(self.n - 1, thread_name_prefix="sampling") if self.n > 1 else None
         )
