@@ -47,7 +47,10 @@ from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComple
 from loomserve.worker.engine.logprobs import adjusted_logits
 from loomserve.worker.sched.slots import TokenSampler
 
-# Fewer rows than this to draw on the host: threads would cost more than they save.
+# Fewer rows than this to draw on the host: threads would cost more than they save. Right after
+# llama_decode, llama.cpp's OpenMP threads still spin on the other cores: at 4 top-p rows a
+# tick on this project's 2 cores, 2 threads took 4.5-5.0 ms against 4.4-4.7 on one
+# (OMP_WAIT_POLICY=PASSIVE frees the cores, 3.6-4.2 ms, but slows the forward pass 5-10 %).
 PARALLEL_ROWS = 8
 # More threads than this draw a tick's rows more slowly, not faster: between numpy's calls each
 # row holds the GIL, and the threads queue for it. Measured on an H100 machine's 16 cores (64
