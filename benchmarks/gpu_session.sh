@@ -45,7 +45,8 @@ LINKS=${LINKS:-/tmp/ls}
 mkdir -p "$LINKS/loomserve"
 for d in cli gateway protocol worker; do ln -sfn "$R/$d" "$LINKS/loomserve/$d"; done
 mkdir -p /tmp/sc
-echo "import llama_cpp" > /tmp/sc/sitecustomize.py
+# OpenMP's short spin (worker/openmp.py) before libgomp loads, as the worker has it.
+printf '%s\n' "import loomserve.worker.openmp" "import llama_cpp" > /tmp/sc/sitecustomize.py
 export PYTHONPATH=/tmp/sc:$LINKS${PYTHONPATH:+:$PYTHONPATH}
 
 bench="python3 -m benchmarks.gpu_bench --model $MODEL --bin /tmp/k/build/bin --slots 64"

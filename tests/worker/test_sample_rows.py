@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -85,3 +87,27 @@ def test_sampling_threads_stop_at_the_most_that_still_pay():
     finally:
         many.close()
         few.close()
+
+
+def test_two_host_rows_already_share_the_threads():
+    """Two host-sampled rows are already shared out: the helper thread takes one: with llama.cpp's
+    OpenMP threads no longer spinning after the decode (worker/openmp.py), two threads draw
+    even a few rows sooner than one (measured at 2 and 4 rows)."""
+
+    where: list[str] = []
+
+    class Recorded(HostSampler):
+        def sample(self, batch_index: int, logits: np.ndarray) -> int:
+            where.append(threading.current_thread().name)
+            return super().sample(batch_index, logits)
+
+    logits = np.random.default_rng(1).standard_normal((2, 500)).astype(np.float32)
+    samplers = [Recorded(SamplingParams(temperature=1.0, seed=row), 64) for row in range(2)]
+    threads = SamplingThreads(2)
+    try:
+        sample_rows(samplers, [0, 1], logits, threads)
+    finally:
+        threads.close()
+    assert len(where) == 2
+    assert threading.current_thread().name in where
+    assert any(name.startswith("sampling") for name in where)

@@ -47,11 +47,12 @@ from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComple
 from loomserve.worker.engine.logprobs import adjusted_logits
 from loomserve.worker.sched.slots import TokenSampler
 
-# Fewer rows than this to draw on the host: threads would cost more than they save. Right after
-# llama_decode, llama.cpp's OpenMP threads still spin on the other cores: at 4 top-p rows a
-# tick on this project's 2 cores, 2 threads took 4.5-5.0 ms against 4.4-4.7 on one
-# (OMP_WAIT_POLICY=PASSIVE frees the cores, 3.6-4.2 ms, but slows the forward pass 5-10 %).
-PARALLEL_ROWS = 8
+# Fewer rows than this to draw on the host: threads would cost more than they save. Two rows
+# already gain, now that llama.cpp's OpenMP threads stop spinning soon after llama_decode
+# (worker/openmp.py): on this project's 2 cores, 4 rows a tick took 3.3-3.6 ms on two threads
+# against 4.2-4.3 on one (T 0.7 + top_p 0.95), 2.0 against 2.3-2.4 at temperature 1; with
+# OpenMP's default spin the second thread had found its core busy (4.5-5.0 ms).
+PARALLEL_ROWS = 2
 # More threads than this draw a tick's rows more slowly, not faster: between numpy's calls each
 # row holds the GIL, and the threads queue for it. Measured on an H100 machine's 16 cores (64
 # rows of T 0.7 + top_p 0.95, host work per tick): 1 thread 47 ms, 4 threads 26, 8 threads
