@@ -130,6 +130,9 @@ def run_load(base_url: str, load: Load, seed: int, extra_body: dict | None) -> f
         progress=False,
         num_warmups=0,
         duration_s=600.0,
+        # llama-server serves no /metrics without --metrics, so only loomserve would be
+        # scraped (every second, by this process): the servers are compared unscraped.
+        scrape_metrics=False,
     )
     result = run_session(config, echo=lambda *a, **k: None, warn=lambda *a: None)
     return result["summary"]["output_throughput"]
