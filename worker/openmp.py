@@ -9,8 +9,9 @@ sampling threads (worker/engine/sampling.py). Measured on this project's 2-core 
 (Gemma 3 270M, 2 threads, host time per tick outside llama_decode, T 0.7 + top_p 0.95):
 16 rows 15.0 ms with the default spin, 10.4-11.5 with 1,000 to 100,000 turns; 4 rows on two
 threads 4.5 ms against 3.3-3.6. The forward pass itself (decode and a 512-token prefill) took
-the same time with any of these: the threads still spin through the short gaps between one
-operation of the graph and the next.
+the same time with any of these: inside a decode ggml's threads wait for one another at
+their own spinning barriers, so libgomp's count only decides how long they hold the cores
+between decodes.
 
 libgomp reads its settings once, when it is loaded (with llama.cpp's libraries), so importing
 this module sets them, and every process entry imports it before llama_cpp (cli/main.py, the

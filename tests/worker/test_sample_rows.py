@@ -90,9 +90,9 @@ def test_sampling_threads_stop_at_the_most_that_still_pay():
 
 
 def test_two_host_rows_already_share_the_threads():
-    """Two host-sampled rows are already shared out: the helper thread takes one: with llama.cpp's
-    OpenMP threads no longer spinning after the decode (worker/openmp.py), two threads draw
-    even a few rows sooner than one (measured at 2 and 4 rows)."""
+    """Two host-sampled rows are already shared out, one to the helper thread. With
+    llama.cpp's OpenMP threads no longer spinning after the decode (worker/openmp.py), two
+    threads draw even a few rows sooner than one (measured at 2 and 4 rows)."""
 
     where: list[str] = []
 
