@@ -77,7 +77,7 @@ def worker_loop(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -
     params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
     for i in range(n_seqs):
-        loop.submit(b"bench", Generate(f"r{i}", prompt, params))
+        loop.inbox.submit(b"bench", Generate(f"r{i}", prompt, params))
     loop.tick()
     while loop.scheduler.has_work():
         loop.tick()
