@@ -99,6 +99,11 @@ def worker_loop(engine: Engine, prompt: list[int], n_seqs: int, n_tokens: int) -
     show_default=True,
     help="Comma-separated numbers of concurrent sequences; the first is the scaling baseline.",
 )
+@click.option(
+    "--spec-ngram/--no-spec-ngram",
+    default=None,
+    help="The worker's n-gram drafting; default: the worker's (on without batch invariance).",
+)
 def main(
     model: str | None,
     runs: int,
@@ -107,6 +112,7 @@ def main(
     flash_attn: str,
     batch_invariant: bool,
     sizes: str,
+    spec_ngram: bool | None,
 ) -> None:
     """Engine alone vs the worker's tick loop at 1, 4 and 16 concurrent sequences."""
     configure_logging(level="warning")
@@ -119,6 +125,7 @@ def main(
         threads=threads,
         flash_attn=flash_attn,
         batch_invariant=batch_invariant,
+        spec_ngram=spec_ngram,
     )
     engine = Engine(config)
     # Every prompt is prefilled in one batch in both paths: keep them within the budget.
