@@ -9,9 +9,11 @@ sampling threads (worker/engine/sampling.py). Measured on this project's 2-core 
 (Gemma 3 270M, 2 threads, host time per tick outside llama_decode, T 0.7 + top_p 0.95):
 16 rows 15.0 ms with the default spin, 10.4-11.5 with 1,000 to 100,000 turns; 4 rows on two
 threads 4.5 ms against 3.3-3.6. The forward pass itself (decode and a 512-token prefill) took
-the same time with any of these: inside a decode ggml's threads wait for one another at
-their own spinning barriers, so libgomp's count only decides how long they hold the cores
-between decodes.
+the same time with any of these. Inside a decode ggml's threads meet at a barrier after each
+operation, and in an OpenMP build that is OpenMP's own (`#pragma omp barrier` in ggml-cpu.c),
+which spins the same count before it sleeps; the operations are split evenly, so the threads
+arrive close enough together that even 1,000 turns cost nothing measurable. What the count
+decides is how long the threads hold the cores between decodes.
 
 libgomp reads its settings once, when it is loaded (with llama.cpp's libraries), so importing
 this module sets them, and every process entry imports it before llama_cpp (cli/main.py, the
