@@ -78,6 +78,14 @@ def llama_server(model: Path, port: int, threads: int, binary: Path, extra: list
     return start(args, port, Path(tempfile.gettempdir()) / f"bench-sampled-llama-{port}.log")
 
 
+def prompt_seed(round_: int, load: Load) -> int:
+    """The seed of a load's prompts in a round: the same on every server (each its own
+    process, its own cache), never the same for two loads or rounds. A server keeps what it
+    prefilled in its prefix cache, so a load on an earlier load's prompts was timed on cache
+    hits: with one seed a round, every sampled load had reused the greedy load's prompts."""
+    return round_ * len(LOADS) + LOADS.index(load)
+
+
 def run_load(base_url: str, load: Load, seed: int) -> float:
     body: dict = {"ignore_eos": True}
     if load.top_p is not None:
@@ -125,7 +133,7 @@ def main(
         for round_ in range(rounds):
             for load in chosen:
                 for name, base_url in servers.items():
-                    tok_s = run_load(base_url, load, seed=round_)
+                    tok_s = run_load(base_url, load, seed=prompt_seed(round_, load))
                     runs[load.name][name].append(tok_s)
                     click.echo(f"round {round_} {load.name} {name}: {tok_s:.1f} tok/s", err=True)
     finally:

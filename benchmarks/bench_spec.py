@@ -59,6 +59,7 @@ class Load:
     temperature: float = 0.0
 
 
+RUNS_PER_SERVER = 2  # loomserve serves a load twice a round: drafts off, then on
 LOADS = (
     Load("grounded c=1", "input-grounded", 1, 4, "chat", 200, None),
     Load("grounded c=4", "input-grounded", 4, 8, "chat", 200, None),
@@ -115,6 +116,13 @@ def llama_server(model: Path, port: int, threads: int, binary: Path) -> subproce
     return start(args, port, Path(tempfile.gettempdir()) / f"bench-spec-llama-{port}.log")
 
 
+def prompt_seed(round_: int, load: Load, run_on_server: int) -> int:
+    """The seed of one run's prompts: never the same for two runs on one server. A server
+    keeps what it prefilled in its prefix cache, so a second run on the same prompts (drafts
+    on, after drafts off) was timed on cache hits and skipped its prefill."""
+    return (round_ * len(LOADS) + LOADS.index(load)) * RUNS_PER_SERVER + run_on_server
+
+
 def run_load(base_url: str, load: Load, seed: int, extra_body: dict | None) -> float:
     config = BenchConfig(
         base_url=base_url,
@@ -162,18 +170,20 @@ def main(
     """Alternate the servers on every load, `rounds` times; print medians and ratios."""
     path = resolve_model(model)
     chosen = [load for load in LOADS if load.name in loads.split(",")]
-    servers: dict[str, tuple[str, dict | None]] = {}
+    servers: dict[str, tuple[str, dict | None, int]] = {}
     procs = []
     try:
         port = free_port()
         procs.append(loomserve(path, port, threads, ["--spec-ngram", *shlex.split(loomserve_args)]))
         url = f"http://127.0.0.1:{port}"
-        servers["loomserve, no drafts"] = (url, {"speculative": False})
-        servers["loomserve"] = (url, None)
+        # The two loomserve runs share one server, so each has prompts of its own; llama-server
+        # (its own process) gets the prompts of loomserve's run with drafts.
+        servers["loomserve, no drafts"] = (url, {"speculative": False}, 0)
+        servers["loomserve"] = (url, None, 1)
         if binary.exists():
             port = free_port()
             procs.append(llama_server(path, port, threads, binary))
-            servers["llama-server ngram-simple"] = (f"http://127.0.0.1:{port}", None)
+            servers["llama-server ngram-simple"] = (f"http://127.0.0.1:{port}", None, 1)
         else:
             click.echo(f"no llama-server at {binary}: loomserve only", err=True)
         runs: dict[str, dict[str, list[float]]] = {
@@ -181,8 +191,9 @@ def main(
         }
         for round_ in range(rounds):
             for load in chosen:
-                for name, (base_url, body) in servers.items():
-                    tok_s = run_load(base_url, load, seed=round_, extra_body=body)
+                for name, (base_url, body, run_on_server) in servers.items():
+                    seed = prompt_seed(round_, load, run_on_server)
+                    tok_s = run_load(base_url, load, seed=seed, extra_body=body)
                     runs[load.name][name].append(tok_s)
                     click.echo(f"round {round_} {load.name} {name}: {tok_s:.1f} tok/s", err=True)
     finally:

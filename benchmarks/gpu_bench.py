@@ -63,6 +63,14 @@ LOADS: dict[str, dict[str, float]] = {
 }
 
 
+def prompt_seed(load: str, concurrency: int) -> int:
+    """Prompts of their own for each load and concurrency: one server serves them all and
+    keeps what it prefilled in its prefix cache, so a load on an earlier load's prompts was
+    timed on cache hits (with the concurrency as the seed, the sampled loads reused the
+    greedy load's prompts)."""
+    return concurrency * len(LOADS) + list(LOADS).index(load)
+
+
 def load_arguments(load: str) -> list[str]:
     """`loomserve bench` options that make every request of the load sample as LOADS says."""
     fields = dict(LOADS[load])
@@ -170,7 +178,7 @@ def under_load(name: str, server: list[str], port: int, settings: Settings, out:
                     *("--max-concurrency", str(concurrency)),
                     *("--num-prompts", str(settings.num_prompts(concurrency))),
                     *("--ignore-eos", "--no-progress", "--result-json", str(result_json)),
-                    *("--seed", str(concurrency), *load_arguments(load)),
+                    *("--seed", str(prompt_seed(load, concurrency)), *load_arguments(load)),
                 ]
                 subprocess.run(bench, stdout=log, stderr=subprocess.STDOUT, check=True)
                 points[load][concurrency] = json.loads(result_json.read_text())["summary"]
