@@ -194,20 +194,10 @@ def _encoder(hint: Any) -> Callable[[Any], Any] | None:
     if origin is list:
         (convert,) = converting
         return lambda value: [convert(item) for item in value]
-    if origin in (types.UnionType, typing.Union):
-        if len(args) == 2 and type(None) in args:  # X | None
-            (convert,) = converting
-            return lambda value: None if value is None else convert(value)
-        return _to_wire_any  # which option it is shows only at run time
+    if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
+        (convert,) = converting  # X | None
+        return lambda value: None if value is None else convert(value)
     raise TypeError(f"the codec cannot encode {hint}")
-
-
-def _to_wire_any(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return _to_wire(value)
-    if isinstance(value, list):
-        return [_to_wire_any(v) for v in value]
-    return value
 
 
 def _from_wire(cls: type, body: Any) -> Any:
