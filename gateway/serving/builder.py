@@ -1,9 +1,9 @@
 """One request body into one GenerationRequest: every parameter decided once, here.
 
 The heavy part (a JSON schema's grammar, the tools' grammar, the chat template, the
-tokenizer) runs in a thread and needs only the model's text; what the workers' context
-leaves for each prompt is known only after, so each prompt's SamplingParams is made then,
-once, with its max_tokens.
+tokenizer) needs only the model's text, and runs in a thread unless the body is too small
+for it to be heavy; what the workers' context leaves for each prompt is known only after,
+so each prompt's SamplingParams is made then, once, with its max_tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ from loomserve.gateway.request.params import (
 )
 from loomserve.gateway.tools.checks import ToolRequest, tool_request
 
+# A body this small (its JSON, every field) with no grammar to compile is drafted on the
+# event loop: for a short prompt the hop to a thread and back cost more than the work itself
+# (0.35 ms of the gateway's 3.9 ms of CPU for a short streamed completion, on the tiny model).
+INLINE_BODY_BYTES = 8 * 1024
+
 
 @dataclass(frozen=True, slots=True)
 class Caller:
@@ -40,6 +45,7 @@ class Caller:
     request_id: str  # X-Request-Id, or one made up
     tenant: str | None = None  # the authorising API key's
     priorities: PriorityRange | None = None  # what that key may claim
+    body_bytes: int | None = None  # its Content-Length, when it gave one
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +71,21 @@ def check_body(body: ApiBody, served: ServedModel, slot_context: int | None) -> 
     limits.check_text(chars, slot_context, served.vocab.longest_token, param)
 
 
+def drafts_inline(body: ApiBody, body_bytes: int | None) -> bool:
+    """Whether draft(body) is cheap enough for the event loop: a body of at most
+    INLINE_BODY_BYTES (None: its size is not known) with no grammar to compile (its own, a
+    JSON response_format's or its tools')."""
+    if body_bytes is None or body_bytes > INLINE_BODY_BYTES:
+        return False
+    fmt = body.response_format
+    if body.grammar or (fmt is not None and fmt.type != "text"):
+        return False
+    return not (isinstance(body, ChatCompletionRequest) and body.tools)
+
+
 def draft(served: ServedModel, body: ApiBody) -> Drafted:
-    """The thread's part: grammars, the chat template, the tokenizer."""
+    """The thread's part (drafts_inline says when it need not be): grammars, the chat
+    template, the tokenizer."""
     vocab = served.vocab
     fields = sampling_fields(body, vocab, served.sampling_defaults)
     if not isinstance(body, ChatCompletionRequest):

@@ -128,7 +128,10 @@ class ChatServing:
         info = self.workers(served.name).info
         builder.check_body(body, served, info.slot_context if info is not None else None)
         # Grammars, the template and the tokenizer: seconds for a big request, in a thread.
-        drafted = await prompts.in_thread(functools.partial(builder.draft, served, body))
+        if builder.drafts_inline(body, caller.body_bytes):
+            drafted = builder.draft(served, body)
+        else:
+            drafted = await prompts.in_thread(functools.partial(builder.draft, served, body))
         slot_context = self.worker_info(served.name).slot_context
         request = builder.build(served, body, drafted, slot_context, caller, arrived)
         if self.pool.in_use(request.id) or self.pool.in_use(f"{request.id}-0"):
@@ -217,8 +220,12 @@ class _NonStreamed:
 def _caller(http: Request) -> Caller:
     """Who sent it, as the access and auth middleware left it on the request's state."""
     state = http.state
+    length = http.headers.get("content-length", "")  # digits only: BodyLimitMiddleware
     return Caller(
-        state.request_id, getattr(state, "tenant", None), getattr(state, "priorities", None)
+        state.request_id,
+        getattr(state, "tenant", None),
+        getattr(state, "priorities", None),
+        int(length) if length.isdigit() else None,
     )
 
 
