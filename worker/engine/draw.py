@@ -1,18 +1,20 @@
 """Drawing a token from one row of logits: temperature, top-k, top-p and min-p, exact, on the
-host, at about the cost of an argmax. Plain numpy (and ggml's exponentials: row_exp.py), no state.
+host, at about the cost of reading the row. numpy, the row scan (rowscan.py: one pass for the
+blocks' maxima, then bands read from the blocks that reach them) and ggml's exponentials
+(row_exp.py); no state.
 
 llama.cpp's samplers copy all n_vocab logits into candidate structs and run each stage over
 all of them: at Gemma's 262,144 tokens that is ~2 ms a token for a temperature alone and
 ~20 ms with top_p, which sorts the whole vocabulary. Nearly all of that work is spent on
 tokens that are never drawn: one scoring 20 below the best has odds of e^-20 against it.
 
-candidates() reads the row twice, for its maximum and for the tokens within `span` of it (the
-head: from a few to a few thousand tokens on a real model), and works on the head alone.
-It stays exact, not approximately right:
-- top-k, top-p and min-p cut inside the head; when one reaches below the head the whole row
-  is worked through (`exact_candidates`). A top-p alone needs the row's whole mass: bounded
-  from counts on a peaked row, summed by ggml's kernel on a flat one (row_exp.py), the cut
-  exact either way (a cut the bounds leave in doubt is summed again, more precisely).
+candidates() reads the whole row once (its blocks' maxima), then only the tokens near the
+best: those within `span` of it (the head: from a few to a few thousand tokens on a real
+model), or the best k. It stays exact, not approximately right:
+- top-k takes the k best from the tokens that reach the k-th largest block maximum; min-p
+  cuts at its bar. A top-p alone needs the row's whole mass: bounded from counts on a peaked
+  row, summed by ggml's kernel on a flat one (row_exp.py), the cut exact either way (a cut
+  the bounds leave in doubt is summed again, more precisely).
 - When nothing cuts, the tokens under the head keep their probability by rejection
   sampling: a draw takes a head token with its exact weight, or the tail with an envelope
   of the largest weight a tail token can have, and then a uniformly chosen tail token is
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loomserve.worker.engine.row_exp import exp_sum
+from loomserve.worker.engine.rowscan import RowScan
 
 # The head's span is chosen so that the tail's envelope weighs about e^-TAIL_MARGIN of the
 # row's whole (estimated) mass: a draw goes to the tail now and then, for a few random numbers.
@@ -138,14 +141,17 @@ def candidates(
     tests narrow it so that the tail is drawn often.
     """
     n_vocab = row.shape[0]
-    peak = float(row.max())
+    scan = RowScan(row)  # the one pass over the whole row; what follows reads bands of it
+    peak = scan.peak
     if not math.isfinite(peak):  # a broken forward pass (NaN) or every token biased away
         return Candidates(np.array([int(row.argmax())]), np.ones(1), 0.0, cut.temperature)
     temperature = cut.temperature
     top_k = cut.top_k if 0 < cut.top_k < n_vocab else 0
     least = peak + math.log(cut.min_p) if cut.min_p > 0.0 else -math.inf  # min-p's bar
     if cut.top_p < 1.0 and not top_k:
-        return _nucleus_candidates(row, cut, peak, least)
+        return _nucleus_candidates(scan, cut, least)
+    if top_k:
+        return _top_k_candidates(scan, cut, top_k, least)
     if margin is not None:
         span = max(math.log(n_vocab) + margin, 1e-3)
     else:
@@ -154,46 +160,50 @@ def candidates(
     for widened in (False, True):
         # Tail tokens score under the floor: each weighs under e^-span, tempered.
         floor = np.float32(peak - span * temperature)  # compared in float32, as the row is
-        barred = cut.top_p == 1.0 and least > float(floor)
-        if barred:
+        if least > float(floor):
             # min-p keeps nothing under its bar, so no tail at all: the float32 nearest the
             # bar leaves out no float32 logit at or over it.
-            floor = np.float32(least)
-        ids = np.flatnonzero(row >= floor)
+            return _kept(scan.band(least), row, peak, temperature, least)
+        ids = scan.band(float(floor))
         n_tail = n_vocab - len(ids)
-        if top_k and len(ids) < top_k and (cut.top_p < 1.0 or not barred):
-            return exact_candidates(row, cut)  # top-k reaches under the head
-        values = row[ids].astype(np.float64)
-        # Whether every token under the floor is still a candidate (min-p may refuse some).
-        with_tail = n_tail > 0 and not top_k and not barred
-        envelope = math.exp((float(floor) - peak) / temperature)  # > any tail token's weight
-        if not with_tail:
-            break
         # Every head token is kept (nothing cuts with a tail): their weights, once.
-        weights = np.exp((values - peak) / temperature)
-        cumulative = np.cumsum(weights)
+        cumulative = np.cumsum(np.exp((row[ids].astype(np.float64) - peak) / temperature))
+        if not n_tail:
+            return Candidates(ids, cumulative, peak, temperature)
+        envelope = math.exp((float(floor) - peak) / temperature)  # > any tail token's weight
         head = float(cumulative[-1])
         if widened or margin is not None or n_tail * envelope <= ENVELOPE_LIMIT * head:
             found = Candidates(ids, cumulative, peak, temperature, row, float(floor), n_tail)
             found.envelope, found.tail_least = envelope, least
             return found
         span += math.log(n_tail * envelope / head)  # the hint was far off: once more
+    raise AssertionError("unreachable: the widened head is always taken")
 
-    if top_k and top_k < len(ids):
+
+def _top_k_candidates(scan: RowScan, cut: Truncation, top_k: int, least: float) -> Candidates:
+    """top-k, then top-p and min-p on what it keeps: the k best tokens are among those that
+    reach the k-th largest block maximum (each block's best is a token), read from the
+    blocks that reach it; its k tokens hold the whole mass a top-p after it needs."""
+    row, peak = scan.row, scan.peak
+    low = scan.kth_block_max(top_k)
+    if cut.top_p == 1.0 and least > low:
+        low = least  # min-p keeps nothing under its bar: the k best of those over it
+    ids = scan.band(low)
+    values = row[ids].astype(np.float64)
+    if top_k < len(ids):
         best = np.argpartition(values, -top_k)[-top_k:]
         ids, values = ids[best], values[best]
-    if cut.top_p < 1.0:  # after top-k: its k tokens hold the whole mass
+    if cut.top_p < 1.0:
         ids, values = _cut_nucleus(ids, values, peak, cut.top_p, float(np.exp(values - peak).sum()))
     if least > -math.inf:
         keep = values >= least
         if not keep.all():
             ids, values = ids[keep], values[keep]
+    cumulative = np.cumsum(np.exp((values - peak) / cut.temperature))
+    return Candidates(ids, cumulative, peak, cut.temperature)
 
-    cumulative = np.cumsum(np.exp((values - peak) / temperature))
-    return Candidates(ids, cumulative, peak, temperature)
 
-
-def _nucleus_candidates(row: np.ndarray, cut: Truncation, peak: float, least: float) -> Candidates:
+def _nucleus_candidates(scan: RowScan, cut: Truncation, least: float) -> Candidates:
     """top-p without top-k: the nucleus is cut where the best tokens' mass reaches top_p of
     the row's whole mass. That mass is bounded first, not summed over the whole vocabulary:
     the head's (the tokens NUCLEUS_MASS_SPAN under the best) summed exactly, and the rest's
@@ -201,19 +211,20 @@ def _nucleus_candidates(row: np.ndarray, cut: Truncation, peak: float, least: fl
     edges). Where both bounds cut at the same token the cut is exact, for the cost of a few
     counts; a cut that the bounds leave in doubt, or a row too flat for a small head, pays
     for the exponentials of the whole vocabulary (the one pass an exact top-p needs at worst)."""
+    row, peak = scan.row, scan.peak
     n_vocab = len(row)
     floor = np.float32(peak - NUCLEUS_MASS_SPAN)  # compared in float32, as the row is
     # A flat row: taking its head out token by token costs more than the whole pass. Every
     # 16th token tells (the choice costs time or saves it, it never changes the draw).
     if np.count_nonzero(row[::16] >= floor) * 16 * HEAD_SHARE > n_vocab:
-        return _summed_nucleus(row, cut, peak, least)
-    head = np.flatnonzero(row >= floor)
+        return _summed_nucleus(scan, cut, least)
+    head = scan.band(float(floor))
     head_mass = float(np.exp(row[head].astype(np.float64) - peak).sum())
     least_rest = most_rest = 0.0
     above, edge = len(head), float(floor)  # tokens at or over the band's top edge, and the edge
     for depth in NUCLEUS_BANDS:
         under = np.float32(peak - depth)
-        count = int(np.count_nonzero(row >= under))
+        count = above + len(scan.band(float(under), edge))
         least_rest += (count - above) * math.exp(float(under) - peak)
         most_rest += (count - above) * math.exp(edge - peak)
         above, edge = count, float(under)
@@ -221,38 +232,39 @@ def _nucleus_candidates(row: np.ndarray, cut: Truncation, peak: float, least: fl
     # Widened by far more than the sums' rounding, so that the bounds hold as computed.
     least_total = (head_mass + least_rest) * (1.0 - 1e-12)
     most_total = (head_mass + most_rest) * (1.0 + 1e-12)
-    ids, mass = _best_first(row, head, peak, cut.top_p * most_total)
+    ids, mass = _best_first(scan, head, cut.top_p * most_total)
     last = _settled_cut(mass, cut.top_p, least_total, most_total)
     if last is None:
-        return _summed_nucleus(row, cut, peak, least)
+        return _summed_nucleus(scan, cut, least)
     return _kept(ids[: last + 1], row, peak, cut.temperature, least)
 
 
-def _summed_nucleus(row: np.ndarray, cut: Truncation, peak: float, least: float) -> Candidates:
+def _summed_nucleus(scan: RowScan, cut: Truncation, least: float) -> Candidates:
     """The nucleus from the row's whole mass, summed over every token in float32 (row_exp:
     ggml's vectorised kernel), so known to within EXP_SUM_ERROR: the cut is exact where both
     ends of that range cut at the same token. Where not, the taken tokens' float64 mass and
     the float32 rest under them bound it far more closely; where even that leaves the cut in
     doubt, the row is summed again in float64."""
+    row, peak = scan.row, scan.peak
     # In this thread's scratch row: a fresh 1 MB array per token costs as much again in
     # page faults as the exponentials themselves.
     exps = _scratch(len(row))
     total = exp_sum(row, peak, exps)
     least_total, most_total = total * (1.0 - EXP_SUM_ERROR), total * (1.0 + EXP_SUM_ERROR)
-    ids, mass = _best_first(row, None, peak, cut.top_p * most_total)
+    ids, mass = _best_first(scan, None, cut.top_p * most_total)
     last = _settled_cut(mass, cut.top_p, least_total, most_total)
     if last is None:  # in doubt (1 row in 20 on Gemma's): the rest's sum narrows it 50-fold
         last = _settled_cut(mass, cut.top_p, *_mass_from_rest(row, ids, mass, exps))
     if last is None:  # rarer still: the whole row in float64
-        ids, last = _float64_cut(row, peak, cut.top_p)
+        ids, last = _float64_cut(scan, cut.top_p)
     return _kept(ids[: last + 1], row, peak, cut.temperature, least)
 
 
-def _float64_cut(row: np.ndarray, peak: float, top_p: float) -> tuple[np.ndarray, int]:
+def _float64_cut(scan: RowScan, top_p: float) -> tuple[np.ndarray, int]:
     """The best tokens, best first, and the last one the nucleus keeps, from the row's mass
     summed in float64 (the reference's own sum)."""
-    total = float(np.exp(row.astype(np.float64) - peak).sum())
-    ids, mass = _best_first(row, None, peak, top_p * total)
+    total = float(np.exp(scan.row.astype(np.float64) - scan.peak).sum())
+    ids, mass = _best_first(scan, None, top_p * total)
     return ids, min(int(np.searchsorted(mass, top_p * total)), len(ids) - 1)
 
 
@@ -287,10 +299,7 @@ def _settled_cut(
 
 
 def _best_first(
-    row: np.ndarray,
-    pool: np.ndarray | None,
-    peak: float,
-    wanted: float,
+    scan: RowScan, pool: np.ndarray | None, wanted: float
 ) -> tuple[np.ndarray, np.ndarray]:
     """The best tokens of `pool` (None: the whole row), best first, with their weights summed
     in that order, until they weigh `wanted` (or the pool is spent). They are taken band by
@@ -298,17 +307,19 @@ def _best_first(
     NUCLEUS_SPAN of the best, then each NUCLEUS_BAND further down (past NUCLEUS_LAST_BAND,
     all the rest). Sorting only these keeps a top-p from sorting the vocabulary, and thin
     bands keep a wide nucleus from sorting tens of thousands of tokens it does not reach."""
+    row, peak = scan.row, scan.peak
     values = row if pool is None else row[pool]
     parts: list[np.ndarray] = []
     sums: list[np.ndarray] = []
     taken, mass = 0, 0.0
-    top = None  # the band's upper edge (exclusive); the first band has none
+    top = np.float32(np.inf)  # the band's upper edge (exclusive)
     span = NUCLEUS_SPAN
     while True:
         floor = np.float32(peak - span) if span < NUCLEUS_LAST_BAND else np.float32(-np.inf)
-        in_band = values >= floor if top is None else (values >= floor) & (values < top)
-        found = np.flatnonzero(in_band)
-        ids = found if pool is None else pool[found]
+        if pool is None:
+            ids = scan.band(float(floor), float(top))
+        else:
+            ids = pool[np.flatnonzero((values >= floor) & (values < top))]
         ids = ids[np.argsort(-row[ids], kind="stable")]
         band = np.exp(row[ids].astype(np.float64) - peak)
         band[0:1] += mass  # the cumulative sum goes on from the bands before

@@ -1,0 +1,128 @@
+"""rowscan: the C scan (each instruction set this CPU runs) gives exactly what numpy gives: the
+blocks' maxima, the row's peak (NaN where it holds one), and every band's tokens in order."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import loomserve.worker.engine.rowscan as rowscan
+from loomserve.worker.engine.rowscan import BLOCK, RowScan
+
+SIZES = [1, 15, 16, 255, 256, 257, 1000, 4096 + 17, 262_144]
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+LEVELS = [level for level, flag in ((2, "avx512f"), (1, "avx2")) if flag in _cpu_flags()] + [0]
+
+
+@pytest.fixture(params=LEVELS, ids=lambda level: ["plain C", "AVX2", "AVX-512"][level])
+def isa(request):
+    """The C library limited to one instruction set (0: its plain C, used for a row's last
+    partial block and elsewhere), restored afterwards."""
+    library = rowscan.library()
+    assert library is not None
+    library.ls_limit_isa(request.param)
+    assert library.ls_isa() == request.param
+    yield request.param
+    library.ls_limit_isa(2)
+
+
+def test_the_library_is_built_and_used_on_this_machine():
+    """pip builds rowscan.c (pyproject.toml's ext-modules); on a CPU with AVX2 the sampler
+    uses it, on one without, numpy (as fast there)."""
+    assert (rowscan.library() is not None) == (len(LEVELS) > 1)
+
+
+def _row(size: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    row = rng.normal(0.0, 3.0, size).astype(np.float32)
+    row[rng.integers(size, size=size // 50)] = -np.inf  # banned tokens
+    if size > 600:
+        row[256:512] = -np.inf  # a whole block banned
+        row[700:710] = row[690]  # ties
+    return row
+
+
+def _numpy_block_max(row: np.ndarray) -> np.ndarray:
+    n_blocks = -(-len(row) // BLOCK)
+    padded = np.full(n_blocks * BLOCK, -np.inf, dtype=np.float32)
+    padded[: len(row)] = row
+    return padded.reshape(n_blocks, BLOCK).max(axis=1)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_block_maxima_peak_and_bands_match_numpy(isa, size):
+    for seed in range(3):
+        row = _row(size, seed)
+        scan = RowScan(row)
+        assert np.array_equal(scan.block_max, _numpy_block_max(row))
+        assert scan.peak == float(row.max())
+        finite = np.sort(row[np.isfinite(row)])
+        edges = [-math.inf, float(finite[0]), float(finite[len(finite) // 2]), scan.peak - 2.5]
+        edges += [scan.peak, math.inf]
+        for low in edges:
+            for high in edges:
+                expected = np.flatnonzero((row >= np.float32(low)) & (row < np.float32(high)))
+                found = scan.band(low, high)
+                assert found.tolist() == expected.tolist(), (low, high)
+        # A value is in the band that starts at it, not in the one that ends at it.
+        assert np.array_equal(scan.band(scan.peak), np.flatnonzero(row == row.max()))
+        assert len(scan.band(-math.inf, scan.peak)) == np.count_nonzero(row < row.max())
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_a_nan_anywhere_makes_the_peak_nan(isa, size):
+    for where in sorted({0, size // 2, size - 1}):
+        row = _row(size, 7)
+        row[where] = np.nan
+        assert math.isnan(RowScan(row).peak), where
+
+
+def test_rows_all_banned_or_infinite(isa):
+    row = np.full(1000, -np.inf, dtype=np.float32)
+    assert RowScan(row).peak == -math.inf
+    assert RowScan(row).band(-math.inf).tolist() == list(range(1000))
+    row[300] = np.inf
+    assert RowScan(row).peak == math.inf
+
+
+def test_the_kth_block_maximum_is_reached_by_k_tokens():
+    row = _row(262_144, 3)
+    scan = RowScan(row)
+    for k in (1, 40, 1024):
+        assert np.count_nonzero(row >= scan.kth_block_max(k)) >= k
+    assert scan.kth_block_max(1) == scan.peak
+    assert scan.kth_block_max(1025) == -math.inf  # fewer blocks than k
+
+
+def test_numpy_serves_where_the_library_is_missing(monkeypatch):
+    row = _row(4096 + 17, 5)
+    built = RowScan(row)
+    monkeypatch.setattr(rowscan, "library", lambda: None)
+    fallback = RowScan(row)
+    assert np.array_equal(fallback.block_max, built.block_max)
+    assert fallback.peak == built.peak
+    low = built.peak - 3.0
+    assert fallback.band(low).tolist() == built.band(low).tolist()
+
+
+def test_rows_numpy_must_serve_are_scanned_by_numpy():
+    """A row that is not contiguous float32 (a strided view, float64) is never handed to C."""
+    row = _row(3000, 9)
+    strided = np.repeat(row, 2)[::2]
+    as_float64 = row.astype(np.float64)
+    for other in (strided, as_float64):
+        scan = RowScan(other)
+        assert np.array_equal(scan.block_max, _numpy_block_max(row))
+        expected = np.flatnonzero(row >= row.max() - 2.0)
+        assert scan.band(scan.peak - 2.0).tolist() == expected.tolist()

@@ -1,0 +1,171 @@
+/* Reading a row of logits once: each block's largest logit, then the tokens whose logits lie
+ * in a band, read only from the blocks that reach it.
+ *
+ * Why: a token sampled from a 262,144-token vocabulary must read the whole row (1 MB), and
+ * reading it from memory is the floor of what a draw costs (about 80 us on this project's
+ * CPU). numpy reads the row again for each step of finding the tokens near the best (a
+ * compare, then a nonzero over the whole row, 150 us between them); here the first pass keeps
+ * every block's maximum, and the tokens a draw needs are then gathered from the blocks whose
+ * maximum reaches them, which that pass has just left in the cache.
+ *
+ * AVX-512 or AVX2 where the CPU has them (chosen when called: one build runs on any x86-64),
+ * plain C elsewhere. rowscan.py loads it with ctypes, which lets go of the GIL for each call,
+ * and holds numpy's version of each function, which the tests check this against. No Python
+ * API: it is a plain shared library, not an importable module.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define X86 1
+#include <immintrin.h>
+#endif
+
+/* One block (at most BLOCK tokens) in plain C: its maximum, and whether it holds a NaN. */
+static float block_max_plain(const float *x, int64_t len, int *nan) {
+    float most = x[0];
+    for (int64_t i = 0; i < len; i++) {
+        most = x[i] > most ? x[i] : most;
+        *nan |= x[i] != x[i];
+    }
+    return most;
+}
+
+#ifdef X86
+__attribute__((target("avx512f"))) static int block_max_avx512(const float *row, int64_t n,
+                                                                 float *block_max) {
+    __mmask16 nan = 0;
+    int64_t b = 0;
+    for (; (b + 1) * BLOCK <= n; b++) {
+        const float *x = row + b * BLOCK;
+        /* Four maxima side by side, so that the loads, not one chain of maxima, set the pace. */
+        __m512 m0 = _mm512_loadu_ps(x), m1 = m0, m2 = m0, m3 = m0;
+        for (int i = 0; i < BLOCK; i += 64) {
+            __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+            __m512 v2 = _mm512_loadu_ps(x + i + 32), v3 = _mm512_loadu_ps(x + i + 48);
+            m0 = _mm512_max_ps(m0, v0);
+            m1 = _mm512_max_ps(m1, v1);
+            m2 = _mm512_max_ps(m2, v2);
+            m3 = _mm512_max_ps(m3, v3);
+            /* Unordered: either of the two is a NaN. */
+            nan |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) |
+                   _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q);
+        }
+        block_max[b] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1),
+                                                          _mm512_max_ps(m2, m3)));
+    }
+    int plain_nan = 0;
+    if (b * BLOCK < n) block_max[b] = block_max_plain(row + b * BLOCK, n - b * BLOCK, &plain_nan);
+    return nan != 0 || plain_nan;
+}
+
+__attribute__((target("avx2"))) static int block_max_avx2(const float *row, int64_t n,
+                                                            float *block_max) {
+    __m256 nan = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; (b + 1) * BLOCK <= n; b++) {
+        const float *x = row + b * BLOCK;
+        __m256 most = _mm256_loadu_ps(x);
+        for (int i = 0; i < BLOCK; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            most = _mm256_max_ps(most, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, most);
+        float m = lanes[0];
+        for (int i = 1; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+        block_max[b] = m;
+    }
+    int plain_nan = 0;
+    if (b * BLOCK < n) block_max[b] = block_max_plain(row + b * BLOCK, n - b * BLOCK, &plain_nan);
+    return _mm256_movemask_ps(nan) != 0 || plain_nan;
+}
+
+__attribute__((target("avx512f"))) static int64_t gather_avx512(const float *row, int64_t n,
+                                                                  const float *block_max,
+                                                                  float low, float high,
+                                                                  int32_t *ids) {
+    const __m512 lows = _mm512_set1_ps(low), highs = _mm512_set1_ps(high);
+    const __m512i step = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    int64_t found = 0;
+    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
+        if (!(block_max[b] >= low)) continue;
+        int64_t hi = n - lo < BLOCK ? n : lo + BLOCK, i = lo;
+        for (; i + 16 <= hi; i += 16) {
+            __m512 v = _mm512_loadu_ps(row + i);
+            __mmask16 in = _mm512_cmp_ps_mask(v, lows, _CMP_GE_OQ) &
+                           _mm512_cmp_ps_mask(v, highs, _CMP_LT_OQ);
+            __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), step);
+            _mm512_mask_compressstoreu_epi32(ids + found, in, index);
+            found += __builtin_popcount(in);
+        }
+        for (; i < hi; i++) {
+            ids[found] = (int32_t)i;
+            found += (row[i] >= low) & (row[i] < high);
+        }
+    }
+    return found;
+}
+
+#endif
+
+/* The widest instructions to use: 2 AVX-512, 1 AVX2, 0 plain C (ls_limit_isa lowers it, so
+ * that the tests check every version this CPU can run). */
+static int isa_limit = 2;
+
+void ls_limit_isa(int level) {
+    isa_limit = level;
+}
+
+#ifdef X86
+static int cpu_has(int level) {
+    if (level > isa_limit) return 0;
+    __builtin_cpu_init();
+    return level == 2 ? __builtin_cpu_supports("avx512f") : __builtin_cpu_supports("avx2");
+}
+#endif
+
+/* The level the functions below run at (within ls_limit_isa's). */
+int ls_isa(void) {
+#ifdef X86
+    if (cpu_has(2)) return 2;
+    if (cpu_has(1)) return 1;
+#endif
+    return 0;
+}
+
+/* block_max[b]: the largest logit of tokens [b * BLOCK, (b + 1) * BLOCK), the last block
+ * possibly shorter. Returns 1 if the row holds a NaN (the maxima then mean nothing), else 0. */
+int ls_block_max(const float *row, int64_t n, float *block_max) {
+#ifdef X86
+    if (cpu_has(2)) return block_max_avx512(row, n, block_max);
+    if (cpu_has(1)) return block_max_avx2(row, n, block_max);
+#endif
+    int nan = 0;
+    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++)
+        block_max[b] = block_max_plain(row + lo, n - lo < BLOCK ? n - lo : BLOCK, &nan);
+    return nan;
+}
+
+/* The tokens whose logit x has low <= x < high, in order, into ids; returns how many. Only
+ * the blocks whose maximum (block_max, from ls_block_max) reaches low are read. */
+int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
+                  int32_t *ids) {
+#ifdef X86
+    if (cpu_has(2)) return gather_avx512(row, n, block_max, low, high, ids);
+#endif
+    int64_t found = 0;
+    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
+        if (!(block_max[b] >= low)) continue;
+        int64_t hi = n - lo < BLOCK ? n : lo + BLOCK;
+        for (int64_t i = lo; i < hi; i++) {
+            ids[found] = (int32_t)i;
+            found += (row[i] >= low) & (row[i] < high);
+        }
+    }
+    return found;
+}
