@@ -126,3 +126,12 @@ def test_rows_numpy_must_serve_are_scanned_by_numpy():
         assert np.array_equal(scan.block_max, _numpy_block_max(row))
         expected = np.flatnonzero(row >= row.max() - 2.0)
         assert scan.band(scan.peak - 2.0).tolist() == expected.tolist()
+
+
+def test_count_is_the_bands_length(isa):
+    row = _row(262_144, 11)
+    scan = RowScan(row)
+    for depth in (1.0, 6.0, 20.0):
+        low, high = scan.peak - depth, scan.peak - depth / 2
+        assert scan.count(low, high) == len(scan.band(low, high))
+        assert scan.count(low) == np.count_nonzero(row >= np.float32(low))

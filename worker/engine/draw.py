@@ -214,9 +214,9 @@ def _nucleus_candidates(scan: RowScan, cut: Truncation, least: float) -> Candida
     row, peak = scan.row, scan.peak
     n_vocab = len(row)
     floor = np.float32(peak - NUCLEUS_MASS_SPAN)  # compared in float32, as the row is
-    # A flat row: taking its head out token by token costs more than the whole pass. Every
-    # 16th token tells (the choice costs time or saves it, it never changes the draw).
-    if np.count_nonzero(row[::16] >= floor) * 16 * HEAD_SHARE > n_vocab:
+    # A flat row: taking its head out token by token costs more than the whole pass (the
+    # choice costs time or saves it, it never changes the draw).
+    if scan.count(float(floor)) * HEAD_SHARE > n_vocab:
         return _summed_nucleus(scan, cut, least)
     head = scan.band(float(floor))
     head_mass = float(np.exp(row[head].astype(np.float64) - peak).sum())
@@ -224,7 +224,7 @@ def _nucleus_candidates(scan: RowScan, cut: Truncation, least: float) -> Candida
     above, edge = len(head), float(floor)  # tokens at or over the band's top edge, and the edge
     for depth in NUCLEUS_BANDS:
         under = np.float32(peak - depth)
-        count = above + len(scan.band(float(under), edge))
+        count = above + scan.count(float(under), edge)
         least_rest += (count - above) * math.exp(float(under) - peak)
         most_rest += (count - above) * math.exp(edge - peak)
         above, edge = count, float(under)

@@ -111,6 +111,24 @@ __attribute__((target("avx512f"))) static int64_t gather_avx512(const float *row
     return found;
 }
 
+
+__attribute__((target("avx512f"))) static int64_t count_avx512(const float *row, int64_t n,
+                                                                 const float *block_max,
+                                                                 float low, float high) {
+    const __m512 lows = _mm512_set1_ps(low), highs = _mm512_set1_ps(high);
+    int64_t found = 0;
+    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
+        if (!(block_max[b] >= low)) continue;
+        int64_t hi = n - lo < BLOCK ? n : lo + BLOCK, i = lo;
+        for (; i + 16 <= hi; i += 16) {
+            __m512 v = _mm512_loadu_ps(row + i);
+            found += __builtin_popcount(_mm512_cmp_ps_mask(v, lows, _CMP_GE_OQ) &
+                                        _mm512_cmp_ps_mask(v, highs, _CMP_LT_OQ));
+        }
+        for (; i < hi; i++) found += (row[i] >= low) & (row[i] < high);
+    }
+    return found;
+}
 #endif
 
 /* The widest instructions to use: 2 AVX-512, 1 AVX2, 0 plain C (ls_limit_isa lowers it, so
@@ -166,6 +184,20 @@ int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low
             ids[found] = (int32_t)i;
             found += (row[i] >= low) & (row[i] < high);
         }
+    }
+    return found;
+}
+
+/* How many tokens ls_gather would find, without writing them. */
+int64_t ls_count(const float *row, int64_t n, const float *block_max, float low, float high) {
+#ifdef X86
+    if (cpu_has(2)) return count_avx512(row, n, block_max, low, high);
+#endif
+    int64_t found = 0;
+    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
+        if (!(block_max[b] >= low)) continue;
+        int64_t hi = n - lo < BLOCK ? n : lo + BLOCK;
+        for (int64_t i = lo; i < hi; i++) found += (row[i] >= low) & (row[i] < high);
     }
     return found;
 }

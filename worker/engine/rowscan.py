@@ -46,6 +46,8 @@ def library() -> Any | None:
             ctypes.c_void_p,
         ]
         found.ls_gather.restype = ctypes.c_int64
+        found.ls_count.argtypes = found.ls_gather.argtypes[:5]
+        found.ls_count.restype = ctypes.c_int64
         found.ls_limit_isa.argtypes = [ctypes.c_int]
         found.ls_isa.restype = ctypes.c_int
         return found if found.ls_isa() > 0 else None
@@ -78,18 +80,20 @@ class RowScan:
         low32, high32 = np.float32(low), np.float32(high)
         lib = library()
         if lib is None or self.row.dtype != np.float32 or not self.row.flags.c_contiguous:
-            row = self.row
-            return np.flatnonzero((row >= low32) & (row < high32))
+            return np.flatnonzero((self.row >= low32) & (self.row < high32))
         ids = _scratch(len(self.row))
-        found = lib.ls_gather(
-            self.row.ctypes.data,
-            len(self.row),
-            self.block_max.ctypes.data,
-            low32,
-            high32,
-            ids.ctypes.data,
-        )
+        found = lib.ls_gather(*self._args(), low32, high32, ids.ctypes.data)
         return ids[:found].astype(np.intp)
+
+    def count(self, low: float, high: float = math.inf) -> int:
+        """How many tokens band(low, high) holds, found without gathering them."""
+        lib = library()
+        if lib is None or self.row.dtype != np.float32 or not self.row.flags.c_contiguous:
+            return len(self.band(low, high))
+        return int(lib.ls_count(*self._args(), np.float32(low), np.float32(high)))
+
+    def _args(self) -> tuple[int, int, int]:
+        return self.row.ctypes.data, len(self.row), self.block_max.ctypes.data
 
     def kth_block_max(self, k: int) -> float:
         """A value that at least k tokens reach: the k-th largest block maximum (each is a
