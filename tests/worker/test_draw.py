@@ -173,8 +173,9 @@ def test_a_temperature_alone_keeps_every_token():
     row = np.random.default_rng(2).normal(0.0, 3.0, 262_144).astype(np.float32)
     found = candidates(row, Truncation(1.0))
     assert found.row is not None and len(found.ids) + found.n_tail == 262_144
-    # The envelope weighs less than the head: a draw goes to the tail in under half the cases.
-    assert found.n_tail * found.envelope < float(found.cumulative[-1])
+    # The envelope is held to at most ENVELOPE_LIMIT times the head's weight (the head is
+    # widened where it would weigh more): a draw takes a few tries at most on average.
+    assert found.n_tail * found.envelope <= draw_module.ENVELOPE_LIMIT * found.cumulative[-1]
 
 
 def test_rows_without_a_finite_peak_give_a_token_not_an_error():

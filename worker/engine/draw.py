@@ -18,8 +18,8 @@ model), or the best k. It stays exact, not approximately right:
 - When nothing cuts, the tokens under the head keep their probability by rejection
   sampling: a draw takes a head token with its exact weight, or the tail with an envelope
   of the largest weight a tail token can have, and then a uniformly chosen tail token is
-  kept with its true weight over that envelope (else the draw starts again). The span makes
-  the envelope's mass a small share of the best token's weight (TAIL_MARGIN).
+  kept with its true weight over that envelope (else the draw starts again). The span sets
+  the envelope's mass against the head's (TAIL_MARGIN): a narrow head, a few draws.
 
 The filters see the logits as llama.cpp's chain does (top-k, then top-p, then min-p, on the
 untempered distribution); the temperature applies to what they keep.
@@ -37,8 +37,12 @@ from loomserve.worker.engine.row_exp import exp_sum
 from loomserve.worker.engine.rowscan import RowScan
 
 # The head's span is chosen so that the tail's envelope weighs about e^-TAIL_MARGIN of the
-# row's whole (estimated) mass: a draw goes to the tail now and then, for a few random numbers.
-TAIL_MARGIN = 0.5
+# row's whole (estimated) mass: here e^1 of it, so most draws go to the tail, for a few random
+# numbers each (a few microseconds), and the head is narrow: its tokens' exponentials and
+# their sum cost more than those draws. Measured on Gemma 270M's rows (docs/sampling.md):
+# 0.5 took 160-190 us a token at temperature 1, -1 150-155 us, -1.5 180-200 us (the head
+# then often falls short of ENVELOPE_LIMIT and is widened, a second pass).
+TAIL_MARGIN = -1.0
 # With no hint of the row's mass (a request's first token), the span assumes the least mass
 # (the best token's alone): a wide head, the tail's envelope at most e^-TAIL_MARGIN of it.
 # A request's later rows take the mass of its last head as the hint; a bad hint costs draws,
