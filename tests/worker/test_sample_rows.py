@@ -10,6 +10,7 @@ import pytest
 from loomserve.protocol import SamplingParams
 from loomserve.worker.engine.sampling import (
     MAX_SAMPLING_THREADS,
+    PARALLEL_ARGMAX_ROWS,
     HostSampler,
     Sampler,
     SamplingThreads,
@@ -111,3 +112,30 @@ def test_two_host_rows_already_share_the_threads():
     assert len(where) == 2
     assert threading.current_thread().name in where
     assert any(name.startswith("sampling") for name in where)
+
+
+@pytest.mark.parametrize("n_threads", [2, 3])
+def test_many_greedy_rows_are_shared_out_and_keep_their_first_maximum(n_threads):
+    """From PARALLEL_ARGMAX_ROWS greedy rows on, each thread takes the argmax of a share of
+    them: the tokens are one argmax's, row for row, ties to the first maximum."""
+    rows = PARALLEL_ARGMAX_ROWS + 5
+    logits = np.random.default_rng(3).standard_normal((rows, 3000)).astype(np.float32)
+    logits[rows - 1, 11] = logits[rows - 1, 12] = 9.0  # a tie in the last thread's share
+    samplers = [Sampler(None, None) for _ in range(rows)]
+    threads = SamplingThreads(n_threads)
+    asked: list[str] = []
+    assert threads.pool is not None
+    submit = threads.pool.submit
+
+    def recorded(*args, **kwargs):
+        asked.append("helper")
+        return submit(*args, **kwargs)
+
+    threads.pool.submit = recorded  # type: ignore[method-assign]
+    try:
+        tokens = sample_rows(samplers, list(range(rows)), logits, threads)
+    finally:
+        threads.close()
+    assert tokens == logits.argmax(axis=1).tolist()
+    assert tokens[rows - 1] == 11
+    assert asked == ["helper"] * (n_threads - 1)
