@@ -38,6 +38,13 @@ from loomserve.worker.sched.ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
 
+
+def amx_kernels() -> bool:
+    """Whether this llama.cpp build holds ggml's AMX kernels (built for a CPU that has AMX):
+    then they, not the AVX kernels, run a quantized weight put in an extra buffer type."""
+    return b"AMX_INT8 = 1" in llama.llama_print_system_info()
+
+
 MIN_STREAM_COPY_TOKENS = 16
 KV_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0}
 FLASH_ATTN_TYPES = {
@@ -147,6 +154,18 @@ class Engine:
         params.n_gpu_layers = self._gpu_layers(config)
         # Repacked weights compute one row (gemv) differently from blocks of four (gemm).
         params.use_extra_bufts = not config.batch_invariant
+        if params.use_extra_bufts and amx_kernels():
+            # Where llama.cpp was built for a CPU with AMX (pip builds it for the machine),
+            # its AMX buffer type takes the quantized weights first, and its matmul crashes
+            # the process on a Q4_K_M model (ggml_backend_amx_mul_mat, llama.cpp issue
+            # #20824, open; seen with llama-cpp-python 0.3.36 on a Sapphire Rapids VM).
+            # Without extra buffer types the weights stay as loaded: slower, never a crash.
+            params.use_extra_bufts = False
+            log.warning(
+                "llama.cpp's AMX kernels crash on quantized weights (llama.cpp #20824): "
+                "weights are not repacked, as with --batch-invariant",
+                model=config.model_path.name,
+            )
         progress = LoadProgress(config.model_path)
         params.progress_callback = progress.callback
         model = llama.llama_model_load_from_file(str(config.model_path).encode(), params)
