@@ -36,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_spec import llama_server_cpu_args
 from loomserve.cli.default_model import resolve_model
 
 LLAMA_SERVER = "/work/llama-server/build/bin/llama-server"
@@ -108,7 +109,7 @@ def start_loomserve(model: Path, port: int, log: Path) -> subprocess.Popen:
 def start_llama_server(binary: str, model: Path, port: int, log: Path) -> subprocess.Popen:
     argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-np", str(SLOTS), "-t", str(THREADS), "-tb", str(THREADS)]
-    argv += ["-c", str(SLOTS * SLOT_CONTEXT), "--jinja", "--no-webui"]
+    argv += ["-c", str(SLOTS * SLOT_CONTEXT), "--jinja", "--no-webui", *llama_server_cpu_args()]
     with log.open("ab") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
 

@@ -74,7 +74,7 @@ def loomserve(model: Path, port: int, threads: int) -> object:
 def llama_server(model: Path, port: int, threads: int, binary: Path, extra: list[str]) -> object:
     args = [str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1"]
     args += ["-t", str(threads), "-tb", str(threads), "-np", str(SLOTS)]
-    args += ["-c", str(SLOTS * CTX_PER_SLOT), "--no-webui", *extra]
+    args += ["-c", str(SLOTS * CTX_PER_SLOT), "--no-webui", *spec.llama_server_cpu_args(), *extra]
     return start(args, port, Path(tempfile.gettempdir()) / f"bench-sampled-llama-{port}.log")
 
 

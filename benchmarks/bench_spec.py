@@ -109,10 +109,20 @@ def loomserve(model: Path, port: int, threads: int, extra: list[str]) -> subproc
     return start(args, port, Path(tempfile.gettempdir()) / f"bench-spec-loom-{port}.log")
 
 
+def llama_server_cpu_args() -> list[str]:
+    """What llama-server needs on this CPU: where llama.cpp is built with its AMX kernels
+    (built here for a CPU with AMX), they crash on a Q4_K_M model's repacked weights
+    (llama.cpp #20824), so no repacking (`--no-repack`), as loomserve's engine does itself."""
+    from loomserve.worker.engine.engine import amx_kernels  # loads llama.cpp: only when asked
+
+    return ["--no-repack"] if amx_kernels() else []
+
+
 def llama_server(model: Path, port: int, threads: int, binary: Path) -> subprocess.Popen:
     args = [str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1"]
     args += ["-t", str(threads), "-tb", str(threads), "-np", str(SLOTS)]
     args += ["-c", str(SLOTS * CTX_PER_SLOT), "--spec-type", "ngram-simple", "--no-webui"]
+    args += llama_server_cpu_args()
     return start(args, port, Path(tempfile.gettempdir()) / f"bench-spec-llama-{port}.log")
 
 
