@@ -324,7 +324,7 @@ def _best_first(
             ids = scan.band(float(floor), float(top))
         else:
             ids = pool[np.flatnonzero((values >= floor) & (values < top))]
-        ids = ids[np.argsort(-row[ids], kind="stable")]
+        ids = _best_first_order(ids, row[ids])
         band = np.exp(row[ids].astype(np.float64) - peak)
         band[0:1] += mass  # the cumulative sum goes on from the bands before
         band = np.cumsum(band)
@@ -335,6 +335,18 @@ def _best_first(
         if mass >= wanted or taken == len(values):
             return np.concatenate(parts), np.concatenate(sums)
         top, span = floor, span + NUCLEUS_BAND
+
+
+def _best_first_order(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`ids` (ascending) by their float32 `values`, best first, ties in id order: what a
+    stable argsort of -values gives, by one sort of 64-bit keys (the value's bits made to
+    order as integers, then the id), which numpy sorts several times faster."""
+    negated = np.negative(values, dtype=np.float32) + np.float32(0.0)  # -0.0 ties 0.0
+    bits = negated.view(np.int32)
+    ordered = bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))  # a negative float's bits reversed
+    keys = (ordered.astype(np.int64) << 32) | ids.astype(np.int64)
+    keys.sort()
+    return (keys & 0xFFFFFFFF).astype(np.intp)
 
 
 def _kept(
