@@ -1,12 +1,15 @@
-"""row_exp.py: a row's exponentials and their sum by ggml's vectorised kernel (llama.cpp's CPU
-library, as built here), within draw.EXP_SUM_ERROR of the float64 sum."""
+"""row_exp.py: a row's exponentials and their sum, by the row scan's AVX-512 kernel
+(rowscan.c) or by ggml's vectorised one (llama.cpp's CPU library, as built here): each
+exponential within 2 ulps, the sum within draw.EXP_SUM_ERROR of the float64 sum."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loomserve.worker.engine import row_exp
+from loomserve.worker.engine import row_exp, rowscan
 from loomserve.worker.engine.draw import EXP_SUM_ERROR
 
 
@@ -16,9 +19,28 @@ def test_llama_cpps_cpu_library_gives_the_kernel():
     assert row_exp.kernel() is not None
 
 
-@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])
-@pytest.mark.parametrize("size", [262_144, 1_001])  # a length that is no multiple of 8
-def test_the_sum_and_each_exponential_match_float64(spread, size):
+@pytest.fixture(params=["row scan", "ggml"])
+def kernel_in_use(request, monkeypatch):
+    """Each kernel in turn: the row scan's AVX-512 one where this CPU has AVX-512, and ggml's
+    (what serves without it)."""
+    if request.param == "ggml":
+        monkeypatch.setattr(rowscan, "exp_sum", lambda row, peak, out: None)
+    else:
+        probe = np.zeros(16, dtype=np.float32)
+        assert (rowscan.exp_sum(probe, 0.0, np.empty_like(probe)) is not None) == _has_avx512()
+    return request.param
+
+
+def _has_avx512() -> bool:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return "avx512f" in line.split()
+    return False
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0, 40.0])
+@pytest.mark.parametrize("size", [262_144, 1_001, 63])  # lengths that are no multiple of 16
+def test_the_sum_and_each_exponential_match_float64(kernel_in_use, spread, size):
     rng = np.random.default_rng(int(spread * 10) + size)
     row = rng.normal(0.0, spread, size).astype(np.float32)
     peak = float(row.max())

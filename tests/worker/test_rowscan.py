@@ -135,3 +135,13 @@ def test_count_is_the_bands_length(isa):
         low, high = scan.peak - depth, scan.peak - depth / 2
         assert scan.count(low, high) == len(scan.band(low, high))
         assert scan.count(low) == np.count_nonzero(row >= np.float32(low))
+
+
+def test_sum_below_is_numpys_masked_sum(isa):
+    rng = np.random.default_rng(13)
+    for size in SIZES:
+        row = _row(size, 17)
+        values = rng.random(size).astype(np.float32)
+        for below in (-math.inf, float(np.median(row)), float(row.max()), math.inf):
+            expected = float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
+            assert rowscan.sum_below(values, row, below) == pytest.approx(expected, rel=1e-12)

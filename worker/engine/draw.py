@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loomserve.worker.engine.row_exp import exp_sum
-from loomserve.worker.engine.rowscan import RowScan
+from loomserve.worker.engine.rowscan import RowScan, sum_below
 
 # The head's span is chosen so that the tail's envelope weighs about e^-TAIL_MARGIN of the
 # row's whole (estimated) mass: here e^1 of it, so most draws go to the tail, for a few random
@@ -282,7 +282,7 @@ def _mass_from_rest(
     the best), and since a term's depth is ln(1 / its weight), their weighted sum is at most
     rest * ln(n_vocab / rest) (the weights' entropy bound)."""
     # Every token at or over the least taken one is taken: the bands are taken whole.
-    rest = float(np.sum(exps, where=row < row[ids[-1]], dtype=np.float64))
+    rest = sum_below(exps, row, float(row[ids[-1]]))
     error = rest * EXP_ERROR
     if rest > 0.0:
         error += DEPTH_ERROR * rest * max(math.log(len(row) / rest), 0.0)

@@ -14,6 +14,7 @@
  * API: it is a plain shared library, not an importable module.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -129,6 +130,76 @@ __attribute__((target("avx512f"))) static int64_t count_avx512(const float *row,
     }
     return found;
 }
+
+/* e^d for 16 float32 differences d = x - peak <= 0, within 2 ulps (tests/worker/test_row_exp.py
+ * holds it to that): Cephes' expf, e^d = 2^k e^r with k = round(d / ln 2) and r = d - k ln 2
+ * in two parts (exact with fused multiply-adds), e^r by its polynomial. Under e^-104 (below
+ * float32's least denormal), and for -inf or NaN, 0. */
+__attribute__((target("avx512f"))) static inline __m512 exp_of_depth_avx512(__m512 d) {
+    __mmask16 live = _mm512_cmp_ps_mask(d, _mm512_set1_ps(-104.0f), _CMP_GE_OQ);
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), d);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, k));
+}
+
+/* The lanes of 16 floats added to two vectors of 8 doubles. */
+__attribute__((target("avx512f"))) static inline void add_as_double(__m512 v, __m512d *low,
+                                                                     __m512d *high) {
+    *low = _mm512_add_pd(*low, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    *high = _mm512_add_pd(*high, _mm512_cvtps_pd(upper));
+}
+
+/* The mask of the lanes of 16 tokens from `at` that lie before n. */
+static inline __mmask16 lanes_before(int64_t at, int64_t n) {
+    int64_t left = n - at;
+    return left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
+
+/* ls_exp_sum: 64 exponentials at a time, summed in float32 as a tree (two roundings), then in
+ * float64, in vectors: no chain of scalar additions sets the pace. */
+__attribute__((target("avx512f"))) static double exp_sum_avx512(const float *row, int64_t n,
+                                                                  float peak, float *out) {
+    const __m512 peaks = _mm512_set1_ps(peak), none = _mm512_set1_ps(-INFINITY);
+    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 64) {
+        __m512 e[4];
+        for (int j = 0; j < 4; j++) {
+            int64_t at = i + 16 * j;
+            __mmask16 in = lanes_before(at, n);
+            __m512 x = in ? _mm512_mask_loadu_ps(none, in, row + at) : none;
+            e[j] = exp_of_depth_avx512(_mm512_sub_ps(x, peaks));
+            if (in) _mm512_mask_storeu_ps(out + at, in, e[j]);
+        }
+        add_as_double(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])), &low,
+                      &high);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+}
+
+/* ls_sum_below: each term converted to float64 before it is added, as numpy's sum does. */
+__attribute__((target("avx512f"))) static double sum_below_avx512(const float *values,
+                                                                    const float *row, int64_t n,
+                                                                    float below) {
+    const __m512 bar = _mm512_set1_ps(below);
+    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+    for (int64_t at = 0; at < n; at += 16) {
+        __mmask16 in = lanes_before(at, n);
+        __mmask16 under = _mm512_mask_cmp_ps_mask(in, _mm512_maskz_loadu_ps(in, row + at), bar,
+                                                  _CMP_LT_OQ);
+        add_as_double(_mm512_maskz_loadu_ps(under, values + at), &low, &high);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+}
 #endif
 
 /* The widest instructions to use: 2 AVX-512, 1 AVX2, 0 plain C (ls_limit_isa lowers it, so
@@ -200,4 +271,25 @@ int64_t ls_count(const float *row, int64_t n, const float *block_max, float low,
         for (int64_t i = lo; i < hi; i++) found += (row[i] >= low) & (row[i] < high);
     }
     return found;
+}
+
+/* out[i] = e^(row[i] - peak) in float32 (peak: the row's largest logit), and their sum in
+ * float64. Returns -1 where the CPU lacks AVX-512: ggml's kernel serves there (row_exp.py). */
+double ls_exp_sum(const float *row, int64_t n, float peak, float *out) {
+#ifdef X86
+    if (cpu_has(2)) return exp_sum_avx512(row, n, peak, out);
+#endif
+    (void)row, (void)n, (void)peak, (void)out;
+    return -1.0;
+}
+
+/* The sum, in float64, of values[i] over the tokens whose logit row[i] is under `below`. */
+double ls_sum_below(const float *values, const float *row, int64_t n, float below) {
+#ifdef X86
+    if (cpu_has(2)) return sum_below_avx512(values, row, n, below);
+#endif
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        if (row[i] < below) sum += values[i];
+    return sum;
 }

@@ -48,6 +48,20 @@ def library() -> Any | None:
         found.ls_gather.restype = ctypes.c_int64
         found.ls_count.argtypes = found.ls_gather.argtypes[:5]
         found.ls_count.restype = ctypes.c_int64
+        found.ls_exp_sum.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_float,
+            ctypes.c_void_p,
+        ]
+        found.ls_exp_sum.restype = ctypes.c_double
+        found.ls_sum_below.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_float,
+        ]
+        found.ls_sum_below.restype = ctypes.c_double
         found.ls_limit_isa.argtypes = [ctypes.c_int]
         found.ls_isa.restype = ctypes.c_int
         return found if found.ls_isa() > 0 else None
@@ -109,3 +123,26 @@ def _scratch(size: int) -> np.ndarray:
     if ids is None or len(ids) < size:
         ids = _SCRATCH.ids = np.empty(size, dtype=np.int32)
     return ids
+
+
+def exp_sum(row: np.ndarray, peak: float, out: np.ndarray) -> float | None:
+    """out[i] = e^(row[i] - peak) in float32 and their sum in float64, by the AVX-512 kernel;
+    None where it cannot serve (no AVX-512, or a row that is not contiguous float32)."""
+    lib = library()
+    if lib is None or not _plain(row) or not _plain(out):
+        return None
+    total = float(lib.ls_exp_sum(row.ctypes.data, len(row), np.float32(peak), out.ctypes.data))
+    return total if total >= 0.0 else None
+
+
+def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
+    """The float64 sum of values[i] over the tokens whose logit row[i] < below (float32
+    compares): np.sum(values, where=row < below, dtype=np.float64), in one pass."""
+    lib = library()
+    if lib is None or not _plain(values) or not _plain(row):
+        return float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
+    return float(lib.ls_sum_below(values.ctypes.data, row.ctypes.data, len(row), np.float32(below)))
+
+
+def _plain(array: np.ndarray) -> bool:
+    return array.dtype == np.float32 and array.flags.c_contiguous
