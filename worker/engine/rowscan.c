@@ -35,6 +35,19 @@ static float block_max_plain(const float *x, int64_t len, int *nan) {
     return most;
 }
 
+/* The tokens of row[0..len) (ids first_id on) in the band low <= x < high: their ids into ids
+ * (unless NULL); returns how many. */
+static int64_t band_plain(const float *row, int64_t len, int32_t first_id, float low, float high,
+                          int32_t *ids) {
+    int64_t found = 0;
+    for (int64_t i = 0; i < len; i++) {
+        int in = (row[i] >= low) & (row[i] < high);
+        if (ids) ids[found] = first_id + (int32_t)i;
+        found += in;
+    }
+    return found;
+}
+
 #ifdef X86
 __attribute__((target("avx512f"))) static int block_max_avx512(const float *row, int64_t n,
                                                                  float *block_max) {
@@ -86,10 +99,12 @@ __attribute__((target("avx2"))) static int block_max_avx2(const float *row, int6
     return _mm256_movemask_ps(nan) != 0 || plain_nan;
 }
 
-__attribute__((target("avx512f"))) static int64_t gather_avx512(const float *row, int64_t n,
-                                                                  const float *block_max,
-                                                                  float low, float high,
-                                                                  int32_t *ids) {
+/* ls_gather (ls_count where ids is NULL) with AVX-512: 16 tokens compared at a time, the ids
+ * of those in the band stored side by side (a compress store). */
+__attribute__((target("avx512f"))) static int64_t band_avx512(const float *row, int64_t n,
+                                                                const float *block_max,
+                                                                float low, float high,
+                                                                int32_t *ids) {
     const __m512 lows = _mm512_set1_ps(low), highs = _mm512_set1_ps(high);
     const __m512i step = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     int64_t found = 0;
@@ -100,36 +115,18 @@ __attribute__((target("avx512f"))) static int64_t gather_avx512(const float *row
             __m512 v = _mm512_loadu_ps(row + i);
             __mmask16 in = _mm512_cmp_ps_mask(v, lows, _CMP_GE_OQ) &
                            _mm512_cmp_ps_mask(v, highs, _CMP_LT_OQ);
-            __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), step);
-            _mm512_mask_compressstoreu_epi32(ids + found, in, index);
+            if (ids) {
+                __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), step);
+                _mm512_mask_compressstoreu_epi32(ids + found, in, index);
+            }
             found += __builtin_popcount(in);
         }
-        for (; i < hi; i++) {
-            ids[found] = (int32_t)i;
-            found += (row[i] >= low) & (row[i] < high);
-        }
+        found += band_plain(row + i, hi - i, (int32_t)i, low, high, ids ? ids + found : NULL);
     }
     return found;
 }
 
 
-__attribute__((target("avx512f"))) static int64_t count_avx512(const float *row, int64_t n,
-                                                                 const float *block_max,
-                                                                 float low, float high) {
-    const __m512 lows = _mm512_set1_ps(low), highs = _mm512_set1_ps(high);
-    int64_t found = 0;
-    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
-        if (!(block_max[b] >= low)) continue;
-        int64_t hi = n - lo < BLOCK ? n : lo + BLOCK, i = lo;
-        for (; i + 16 <= hi; i += 16) {
-            __m512 v = _mm512_loadu_ps(row + i);
-            found += __builtin_popcount(_mm512_cmp_ps_mask(v, lows, _CMP_GE_OQ) &
-                                        _mm512_cmp_ps_mask(v, highs, _CMP_LT_OQ));
-        }
-        for (; i < hi; i++) found += (row[i] >= low) & (row[i] < high);
-    }
-    return found;
-}
 
 /* e^d for 16 float32 differences d = x - peak <= 0, within 2 ulps (tests/worker/test_row_exp.py
  * holds it to that): Cephes' expf, e^d = 2^k e^r with k = round(d / ln 2) and r = d - k ln 2
@@ -245,32 +242,20 @@ int ls_block_max(const float *row, int64_t n, float *block_max) {
 int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
                   int32_t *ids) {
 #ifdef X86
-    if (cpu_has(2)) return gather_avx512(row, n, block_max, low, high, ids);
+    if (cpu_has(2)) return band_avx512(row, n, block_max, low, high, ids);
 #endif
     int64_t found = 0;
     for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
         if (!(block_max[b] >= low)) continue;
-        int64_t hi = n - lo < BLOCK ? n : lo + BLOCK;
-        for (int64_t i = lo; i < hi; i++) {
-            ids[found] = (int32_t)i;
-            found += (row[i] >= low) & (row[i] < high);
-        }
+        int64_t len = n - lo < BLOCK ? n - lo : BLOCK;
+        found += band_plain(row + lo, len, (int32_t)lo, low, high, ids ? ids + found : NULL);
     }
     return found;
 }
 
 /* How many tokens ls_gather would find, without writing them. */
 int64_t ls_count(const float *row, int64_t n, const float *block_max, float low, float high) {
-#ifdef X86
-    if (cpu_has(2)) return count_avx512(row, n, block_max, low, high);
-#endif
-    int64_t found = 0;
-    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
-        if (!(block_max[b] >= low)) continue;
-        int64_t hi = n - lo < BLOCK ? n : lo + BLOCK;
-        for (int64_t i = lo; i < hi; i++) found += (row[i] >= low) & (row[i] < high);
-    }
-    return found;
+    return ls_gather(row, n, block_max, low, high, NULL);
 }
 
 /* out[i] = e^(row[i] - peak) in float32 (peak: the row's largest logit), and their sum in

@@ -22,6 +22,18 @@ from typing import Any
 import numpy as np
 
 BLOCK = 256  # rowscan.c's
+_ROW, _LENGTH = ctypes.c_void_p, ctypes.c_int64  # an array's address, its length
+_BAND = [_ROW, _LENGTH, _ROW, ctypes.c_float, ctypes.c_float]  # row, n, block_max, low, high
+# rowscan.c's functions: their arguments' C types and their result's.
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "ls_block_max": ([_ROW, _LENGTH, _ROW], ctypes.c_int),
+    "ls_gather": ([*_BAND, _ROW], ctypes.c_int64),
+    "ls_count": (_BAND, ctypes.c_int64),
+    "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], ctypes.c_double),
+    "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], ctypes.c_double),
+    "ls_limit_isa": ([ctypes.c_int], None),
+    "ls_isa": ([], ctypes.c_int),
+}
 _SCRATCH = threading.local()
 
 
@@ -35,35 +47,9 @@ def library() -> Any | None:
         if not path.exists():
             continue
         found = ctypes.CDLL(str(path))
-        found.ls_block_max.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-        found.ls_block_max.restype = ctypes.c_int
-        found.ls_gather.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_float,
-            ctypes.c_float,
-            ctypes.c_void_p,
-        ]
-        found.ls_gather.restype = ctypes.c_int64
-        found.ls_count.argtypes = found.ls_gather.argtypes[:5]
-        found.ls_count.restype = ctypes.c_int64
-        found.ls_exp_sum.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_float,
-            ctypes.c_void_p,
-        ]
-        found.ls_exp_sum.restype = ctypes.c_double
-        found.ls_sum_below.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_float,
-        ]
-        found.ls_sum_below.restype = ctypes.c_double
-        found.ls_limit_isa.argtypes = [ctypes.c_int]
-        found.ls_isa.restype = ctypes.c_int
+        for name, (arguments, result) in _SIGNATURES.items():
+            function = getattr(found, name)
+            function.argtypes, function.restype = arguments, result
         return found if found.ls_isa() > 0 else None
     return None
 
