@@ -1,6 +1,7 @@
 """One row of logits, read once: each block's largest logit, then the tokens whose logits lie
 in a band, from the blocks that reach it (rowscan.c, with AVX-512 or AVX2; numpy where that
-library is not built or the CPU has neither).
+library is not built or the CPU has neither). Also the row's exponentials and their sum, and a
+masked sum, for top-p's mass (AVX-512 only; row_exp.py and draw.py fall back).
 
 Why: the host sampler's draw is bound by reading its row, 1 MB at Gemma's 262,144 tokens. A
 numpy max, then a compare and a nonzero over the whole row for the tokens near the best, read
@@ -58,13 +59,13 @@ class RowScan:
     """A row of logits (float32) and its blocks' maxima: `peak` is the row's largest logit
     (NaN if it holds one, as numpy's max), `band` the tokens between two values."""
 
-    __slots__ = ("block_max", "peak", "row")
+    __slots__ = ("_lib", "block_max", "peak", "row")
 
     def __init__(self, row: np.ndarray) -> None:
         self.row = row
         n_blocks = -(-len(row) // BLOCK)
-        lib = library()
-        if lib is None or row.dtype != np.float32 or not row.flags.c_contiguous:
+        self._lib = lib = library() if _plain(row) else None
+        if lib is None:
             padded = np.full(n_blocks * BLOCK, -np.inf, dtype=np.float32)
             padded[: len(row)] = row
             self.block_max = padded.reshape(n_blocks, BLOCK).max(axis=1)
@@ -78,19 +79,17 @@ class RowScan:
         """The tokens whose logit x has low <= x < high (compared in float32, as the row
         is), in order: np.flatnonzero((row >= low) & (row < high))."""
         low32, high32 = np.float32(low), np.float32(high)
-        lib = library()
-        if lib is None or self.row.dtype != np.float32 or not self.row.flags.c_contiguous:
+        if self._lib is None:
             return np.flatnonzero((self.row >= low32) & (self.row < high32))
         ids = _scratch(len(self.row))
-        found = lib.ls_gather(*self._args(), low32, high32, ids.ctypes.data)
+        found = self._lib.ls_gather(*self._args(), low32, high32, ids.ctypes.data)
         return ids[:found].astype(np.intp)
 
     def count(self, low: float, high: float = math.inf) -> int:
         """How many tokens band(low, high) holds, found without gathering them."""
-        lib = library()
-        if lib is None or self.row.dtype != np.float32 or not self.row.flags.c_contiguous:
+        if self._lib is None:
             return len(self.band(low, high))
-        return int(lib.ls_count(*self._args(), np.float32(low), np.float32(high)))
+        return int(self._lib.ls_count(*self._args(), np.float32(low), np.float32(high)))
 
     def _args(self) -> tuple[int, int, int]:
         return self.row.ctypes.data, len(self.row), self.block_max.ctypes.data
@@ -131,4 +130,5 @@ def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
 
 
 def _plain(array: np.ndarray) -> bool:
+    """Whether the C can read the array as it is: contiguous float32."""
     return array.dtype == np.float32 and array.flags.c_contiguous
