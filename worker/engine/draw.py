@@ -1,7 +1,7 @@
 """Drawing a token from one row of logits: temperature, top-k, top-p and min-p, exact, on the
 host, at about the cost of reading the row. numpy, the row scan (rowscan.py: one pass for the
-blocks' maxima, then bands read from the blocks that reach them) and ggml's exponentials
-(row_exp.py); no state.
+blocks' maxima, then bands read from the blocks that reach them) and a vectorised kernel's
+exponentials (row_exp.py); no state.
 
 llama.cpp's samplers copy all n_vocab logits into candidate structs and run each stage over
 all of them: at Gemma's 262,144 tokens that is ~2 ms a token for a temperature alone and
@@ -13,8 +13,8 @@ best: those within `span` of it (the head: from a few to a few thousand tokens o
 model), or the best k. It stays exact, not approximately right:
 - top-k takes the k best from the tokens that reach the k-th largest block maximum; min-p
   cuts at its bar. A top-p alone needs the row's whole mass: bounded from counts on a peaked
-  row, summed by ggml's kernel on a flat one (row_exp.py), the cut exact either way (a cut
-  the bounds leave in doubt is summed again, more precisely).
+  row, summed by a vectorised kernel on a flat one (row_exp.py), the cut exact either way (a
+  cut the bounds leave in doubt is summed again, more precisely).
 - When nothing cuts, the tokens under the head keep their probability by rejection
   sampling: a draw takes a head token with its exact weight, or the tail with an envelope
   of the largest weight a tail token can have, and then a uniformly chosen tail token is
@@ -61,10 +61,11 @@ NUCLEUS_LAST_BAND = 40.0
 NUCLEUS_MASS_SPAN = 16.0
 NUCLEUS_BANDS = (20.0, 24.0)
 # How far a row's mass summed in float32 may be from the float64 sum, relatively: each
-# exponential within 2 ulps (2.4e-7; test_row_exp checks it), 8 summed in float32 (1.8e-7), of
-# a float32 difference to the best (6e-8 per logit of depth; by the weights' entropy bound the
-# mass sits at most ln(n_vocab) = 12.5 deep on average): 1.17e-6 at worst, with room to spare.
-# Gemma 270M's rows showed at most 8e-8.
+# exponential within 2 ulps (2.4e-7; test_row_exp checks it), summed in float32 by at most 4
+# levels of a tree before float64 takes over (2.4e-7: ggml's kernel adds 16 lanes, the row
+# scan's 4), of a float32 difference to the best (6e-8 per logit of depth; by the weights'
+# entropy bound the mass sits at most ln(n_vocab) = 12.5 deep on average): 1.23e-6 at worst,
+# with room to spare. Gemma 270M's rows showed at most 8e-8.
 EXP_SUM_ERROR = 2e-6
 # One float32 exponential against float64's e^(x - peak): within 4 ulps (twice what
 # test_row_exp allows) of e^ of the float32 difference, which is itself off by half an ulp, up
@@ -244,8 +245,8 @@ def _nucleus_candidates(scan: RowScan, cut: Truncation, least: float) -> Candida
 
 
 def _summed_nucleus(scan: RowScan, cut: Truncation, least: float) -> Candidates:
-    """The nucleus from the row's whole mass, summed over every token in float32 (row_exp:
-    ggml's vectorised kernel), so known to within EXP_SUM_ERROR: the cut is exact where both
+    """The nucleus from the row's whole mass, summed over every token in float32 (row_exp: a
+    vectorised kernel), so known to within EXP_SUM_ERROR: the cut is exact where both
     ends of that range cut at the same token. Where not, the taken tokens' float64 mass and
     the float32 rest under them bound it far more closely; where even that leaves the cut in
     doubt, the row is summed again in float64."""
