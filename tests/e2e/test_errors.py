@@ -211,6 +211,9 @@ def test_queue_full_is_503_with_retry_after(gateway: Proc) -> None:
         assert int(response.headers["Retry-After"]) >= 1
         queued.close()
     # Both streams were dropped, so their requests were cancelled: the slot serves again.
+    # The queued one leaves the queue when the worker hears of the cancel, a moment after the
+    # socket closed (a request sent at once could still meet the full queue, on a fast CPU).
+    wait_until_queued(gateway, 0)
     assert post(gateway, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
