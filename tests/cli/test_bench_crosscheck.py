@@ -108,6 +108,7 @@ def test_the_figures_follow_vllms_definitions() -> None:
 
 SLOTS = 16
 REQUESTS = 96
+ATTEMPTS = 2
 
 
 def test_the_bench_agrees_with_the_wire_within_5_percent(tiny_model_path: Path) -> None:
@@ -118,31 +119,40 @@ def test_the_bench_agrees_with_the_wire_within_5_percent(tiny_model_path: Path) 
     # tokens, on an Intel Xeon: ITLs of 1-2 ms and TTFTs of 100, which those stalls moved by
     # 5-17 % in 3 runs of 7). Warm-ups at the run's concurrency open the connections the run
     # reuses.
+    # Where a run disagrees it is run once more on the same servers: a one-off stall of the
+    # client (about 0.3 s before a run's first request, in 2 of 3 CI runs on the Xeon, never
+    # when this test ran alone) lengthens that run alone, where a bench that measured wrongly
+    # would disagree every time.
+    tables: list[str] = []
     with (
         start_worker(tiny_model_path, slots=SLOTS, ctx_size=512) as worker,
         start_gateway(tiny_model_path, worker.endpoint) as gateway,
-        tapped(gateway.url) as tap,
     ):
-        config = BenchConfig(
-            base_url=tap.url,
-            num_prompts=REQUESTS,
-            input_len=64,
-            output_len=256,
-            shape=LoadShape(max_concurrency=2 * SLOTS),
-            num_warmups=2 * SLOTS,
-            duration_s=120.0,
-            progress=False,
-            save_detailed=True,
-            scrape_metrics=False,
-        )
-        result = run_session(config, echo=lambda *a, **k: None, warn=lambda message: None)
-    ids = [r["request_id"] for r in result["requests"]]
-    exchanges = generation_exchanges(tap.exchanges(), ids)
-    assert len(exchanges) == REQUESTS and all(e.complete for e in exchanges)
-    figures = independent_figures(exchanges)
-    summary = result["summary"]
-    assert summary["completed"] == figures["completed"] == REQUESTS
-    assert summary["total_output_tokens"] == sum(e.output_tokens for e in exchanges)
-    rows = agreements(summary, figures)
-    print(format_agreements(rows))  # with -s: the table docs/benchmarks.md shows
-    assert all(row.agrees for row in rows), format_agreements(rows)
+        for _ in range(ATTEMPTS):
+            with tapped(gateway.url) as tap:  # the proxy's capture is read once it stops
+                config = BenchConfig(
+                    base_url=tap.url,
+                    num_prompts=REQUESTS,
+                    input_len=64,
+                    output_len=256,
+                    shape=LoadShape(max_concurrency=2 * SLOTS),
+                    num_warmups=2 * SLOTS,
+                    duration_s=120.0,
+                    progress=False,
+                    save_detailed=True,
+                    scrape_metrics=False,
+                )
+                result = run_session(config, echo=lambda *a, **k: None, warn=lambda m: None)
+            ids = [r["request_id"] for r in result["requests"]]
+            exchanges = generation_exchanges(tap.exchanges(), ids)
+            assert len(exchanges) == REQUESTS and all(e.complete for e in exchanges)
+            figures = independent_figures(exchanges)
+            summary = result["summary"]
+            assert summary["completed"] == figures["completed"] == REQUESTS
+            assert summary["total_output_tokens"] == sum(e.output_tokens for e in exchanges)
+            rows = agreements(summary, figures)
+            tables.append(format_agreements(rows))
+            print(tables[-1])  # with -s: the table docs/benchmarks.md shows
+            if all(row.agrees for row in rows):
+                return
+    pytest.fail("no run agreed with the wire within 5 %:\n" + "\n\n".join(tables))
