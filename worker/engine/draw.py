@@ -382,8 +382,8 @@ def _cut_nucleus(
 
 
 def exact_candidates(row: np.ndarray, cut: Truncation) -> Candidates:
-    """The same over the whole row, with no head: the reference, and the path for filters
-    that reach under the head."""
+    """The same over the whole row, with no head: the reference the tests hold candidates()
+    to (the sampler itself never reads the whole row this way)."""
     values = row.astype(np.float64)
     ids = np.arange(len(values))
     if 0 < cut.top_k < len(values):

@@ -8,15 +8,15 @@
  * every block's maximum, and the tokens a draw needs are then gathered from the blocks whose
  * maximum reaches them, which that pass has just left in the cache.
  *
- * AVX-512 or AVX2 where the CPU has them (chosen when called: one build runs on any x86-64),
- * plain C elsewhere. rowscan.py loads it with ctypes, which lets go of the GIL for each call,
- * and holds numpy's version of each function, which the tests check this against. No Python
- * API: it is a plain shared library, not an importable module.
+ * AVX-512 or AVX2 where the CPU has them (chosen when called: one build runs on any x86-64);
+ * plain C for a row's last, partial block, for what AVX2 has no version of, and where the tests
+ * limit the instruction set. rowscan.py loads it with ctypes, which lets go of the GIL for each
+ * call, and serves with numpy on a CPU with neither; the tests hold every version here to
+ * numpy's answers. No Python API: it is a plain shared library, not an importable module.
  */
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #define BLOCK 256
 
@@ -125,8 +125,6 @@ __attribute__((target("avx512f"))) static int64_t band_avx512(const float *row, 
     }
     return found;
 }
-
-
 
 /* e^d for 16 float32 differences d = x - peak <= 0, within 2 ulps (tests/worker/test_row_exp.py
  * holds it to that): Cephes' expf, e^d = 2^k e^r with k = round(d / ln 2) and r = d - k ln 2
