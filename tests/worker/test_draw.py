@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 import loomserve.worker.engine.draw as draw_module
-from loomserve.worker.engine.draw import Candidates, Truncation, candidates, draw, exact_candidates
+from loomserve.worker.engine import rowscan
+from loomserve.worker.engine.draw import (
+    Candidates,
+    Truncation,
+    candidates,
+    draw,
+    draw_token,
+    exact_candidates,
+)
 
 DRAWS = 100_000
 N_VOCAB = 300
@@ -322,3 +330,82 @@ def test_the_nucleus_order_is_a_stable_sort_best_first():
         values[rng.integers(n, size=n // 8)] = rng.normal(0.0, 20.0, n // 8).astype(np.float32)
         expected = ids[np.argsort(-values, kind="stable")]
         assert draw_module._best_first_order(ids, values).tolist() == expected.tolist()
+
+
+# rowdraw.c: the same draws in one C call (draw_token), for all but a top-p alone.
+
+
+def _token_counts(logits: np.ndarray, cut: Truncation, margin: float | None = None) -> np.ndarray:
+    """How often draw_token picks each token in DRAWS draws, the head's mass fed back as a
+    request's sampler feeds it."""
+    rng, counts, mass = np.random.default_rng(99), np.zeros(len(logits)), 1.0
+    for _ in range(DRAWS):
+        token, mass = draw_token(logits, cut, rng, mass, margin)
+        counts[token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("name", list(CUTS))
+def test_draw_token_follows_the_tempered_softmax_over_the_kept_tokens(name):
+    (cut, margin), logits = CUTS[name], _logits(8)
+    expected = _expected(logits, cut)
+    counts = _token_counts(logits, cut, margin)
+    assert counts[expected == 0].sum() == 0
+    assert (counts[expected > 2e-4] > 0).all()
+    assert _chi_square_p(counts, expected * DRAWS) > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CUTS))
+def test_the_c_draw_serves_every_cut_but_a_top_p_alone(name):
+    (cut, _), logits = CUTS[name], _logits()
+    served = rowscan.draw(logits, cut.temperature, cut.top_k, cut.top_p, cut.min_p, 5.0, 1)
+    top_p_alone = cut.top_p < 1.0 and not cut.top_k
+    assert (served is None) == (top_p_alone or rowscan.library() is None)
+
+
+def test_draw_token_top_k_ties_at_the_kth_token_go_to_the_lowest_ids():
+    """Quantized logits tie often: the k kept are the stable sort's first k."""
+    logits = _logits(4)
+    logits[[7, 50, 120, 121, 299]] = 30.0  # five tied best tokens, three kept
+    cut = Truncation(1.0, top_k=3)
+    counts = _token_counts(logits, cut)
+    assert counts.nonzero()[0].tolist() == [7, 50, 120]
+    assert _chi_square_p(counts, _expected(logits, cut) * DRAWS) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [Truncation(1.0, top_k=20), Truncation(0.9, top_k=60, top_p=0.8, min_p=0.01)],
+    ids=["top-k", "top-k, top-p, min-p"],
+)
+def test_draw_token_top_k_among_more_blocks_than_k(cut):
+    """k under the row's number of blocks: the k best are gathered only from the blocks that
+    reach the k-th largest block maximum."""
+    rng = np.random.default_rng(17)
+    logits = rng.normal(0.0, 2.0, 40_000).astype(np.float32)  # 157 blocks
+    logits[rng.choice(40_000, 80, replace=False)] += rng.uniform(3.0, 6.0, 80).astype(np.float32)
+    expected = _expected(logits, cut)
+    counts = _token_counts(logits, cut)
+    assert counts[expected == 0].sum() == 0
+    assert _chi_square_p(counts, expected * DRAWS) > 1e-3
+
+
+def test_draw_token_is_the_same_from_the_same_generator_state():
+    logits = _logits()
+    for cut in (Truncation(1.0), Truncation(0.8, top_k=40, top_p=0.95, min_p=0.05)):
+        runs = []
+        for _ in range(2):
+            rng, mass, tokens = np.random.default_rng(42), 1.0, []
+            for _ in range(50):
+                token, mass = draw_token(logits, cut, rng, mass)
+                tokens.append(token)
+            runs.append(tokens)
+        assert runs[0] == runs[1]
+        assert len(set(runs[0])) > 5  # drawn, not the argmax again and again
+
+
+def test_draw_token_on_rows_without_a_finite_peak():
+    rng = np.random.default_rng(0)
+    for row in (np.full(N_VOCAB, np.nan, np.float32), np.full(N_VOCAB, -np.inf, np.float32)):
+        for cut in (Truncation(1.0), Truncation(1.0, top_k=5)):
+            assert 0 <= draw_token(row, cut, rng)[0] < N_VOCAB

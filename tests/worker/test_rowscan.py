@@ -145,3 +145,21 @@ def test_sum_below_is_numpys_masked_sum(isa):
         for below in (-math.inf, float(np.median(row)), float(row.max()), math.inf):
             expected = float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
             assert rowscan.sum_below(values, row, below) == pytest.approx(expected, rel=1e-12)
+
+
+def test_draws_are_the_same_under_every_instruction_set(isa):
+    """rowdraw.c reads the row through the scan: the same seeds draw the same tokens whatever
+    instruction set scans it (the AVX-512 draws are the reference)."""
+    library = rowscan.library()
+    rows = [_row(size, seed) for seed, size in enumerate((300, 4096 + 17, 262_144))]
+    cuts = [(1.0, 0, 1.0, 0.0), (0.8, 40, 0.95, 0.05), (1.0, 0, 1.0, 0.1), (1.2, 3, 1.0, 0.0)]
+
+    def draws() -> list:
+        return [
+            rowscan.draw(row, *cut, 4.0, seed) for row in rows for cut in cuts for seed in range(20)
+        ]
+
+    here = draws()
+    library.ls_limit_isa(2)
+    assert here == draws()
+    assert len({drawn[0] for drawn in here}) > 20

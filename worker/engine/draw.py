@@ -21,6 +21,9 @@ model), or the best k. It stays exact, not approximately right:
   kept with its true weight over that envelope (else the draw starts again). The span sets
   the envelope's mass against the head's (TAIL_MARGIN): a narrow head, a few draws.
 
+draw_token() runs all of this in one call to rowdraw.c (the same steps in C, no GIL held)
+where it serves: everything but a top-p with no top-k before it, which stays here.
+
 The filters see the logits as llama.cpp's chain does (top-k, then top-p, then min-p, on the
 untempered distribution); the temperature applies to what they keep.
 """
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.row_exp import exp_sum
 from loomserve.worker.engine.rowscan import RowScan, sum_below
 
@@ -134,6 +138,35 @@ def draw(
     return candidates(row, cut, margin).pick(rng)
 
 
+def draw_token(
+    row: np.ndarray,
+    cut: Truncation,
+    rng: np.random.Generator,
+    mass_hint: float = 1.0,
+    margin: float | None = None,
+) -> tuple[int, float]:
+    """draw(), and the head's mass (the hint for the request's next row): in one call to
+    rowdraw.c where it serves (all but a top-p with no top-k before it), which takes one 64-bit
+    seed from `rng` for the token's random numbers; else by candidates() and pick()."""
+    span = _span(len(row), margin, mass_hint)
+    seed = int(rng.bit_generator.random_raw())
+    drawn = rowscan.draw(row, cut.temperature, cut.top_k, cut.top_p, cut.min_p, span, seed)
+    if drawn is not None:
+        return drawn
+    found = candidates(row, cut, margin, mass_hint)
+    return found.pick(rng), found.head_mass
+
+
+def _span(n_vocab: int, margin: float | None, mass_hint: float) -> float:
+    """How far under the best (tempered) the head reaches when nothing cuts: its tail's
+    envelope then weighs about e^-TAIL_MARGIN of the row's mass, by the hint; `margin` fixes
+    it instead (ln(n_vocab) + margin)."""
+    if margin is not None:
+        return max(math.log(n_vocab) + margin, 1e-3)
+    mass = min(max(mass_hint, 1.0), float(n_vocab))  # the best token alone weighs 1
+    return math.log(n_vocab / mass) + TAIL_MARGIN
+
+
 def candidates(
     row: np.ndarray, cut: Truncation, margin: float | None = None, mass_hint: float = 1.0
 ) -> Candidates:
@@ -157,11 +190,7 @@ def candidates(
         return _nucleus_candidates(scan, cut, least)
     if top_k:
         return _top_k_candidates(scan, cut, top_k, least)
-    if margin is not None:
-        span = max(math.log(n_vocab) + margin, 1e-3)
-    else:
-        mass = min(max(mass_hint, 1.0), float(n_vocab))  # the best token alone weighs 1
-        span = math.log(n_vocab / mass) + TAIL_MARGIN
+    span = _span(n_vocab, margin, mass_hint)
     for widened in (False, True):
         # Tail tokens score under the floor: each weighs under e^-span, tempered.
         floor = np.float32(peak - span * temperature)  # compared in float32, as the row is

@@ -55,6 +55,10 @@ __attribute__((target("avx512f"))) static int block_max_avx512(const float *row,
     int64_t b = 0;
     for (; (b + 1) * BLOCK <= n; b++) {
         const float *x = row + b * BLOCK;
+        /* Four blocks ahead, asked for now: without it the scan ran 10 % slower than numpy's
+         * max on rows fresh from a forward pass (a prefetch past the row's end is harmless). */
+        for (int line = 0; line < BLOCK; line += 16)
+            _mm_prefetch((const char *)(x + 4 * BLOCK + line), _MM_HINT_T0);
         /* Four maxima side by side, so that the loads, not one chain of maxima, set the pace. */
         __m512 m0 = _mm512_loadu_ps(x), m1 = m0, m2 = m0, m3 = m0;
         for (int i = 0; i < BLOCK; i += 64) {

@@ -32,6 +32,12 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_count": (_BAND, ctypes.c_int64),
     "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], ctypes.c_double),
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], ctypes.c_double),
+    # row, n, temperature, top_k, top_p, min_p, span, seed, then scratch and the head's mass
+    "ls_draw": (
+        [_ROW, _LENGTH, ctypes.c_double, _LENGTH, *[ctypes.c_double] * 3, ctypes.c_uint64]
+        + [_ROW] * 4,
+        ctypes.c_int64,
+    ),
     "ls_limit_isa": ([ctypes.c_int], None),
     "ls_isa": ([], ctypes.c_int),
 }
@@ -127,6 +133,51 @@ def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
     if lib is None or not _plain(values) or not _plain(row):
         return float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
     return float(lib.ls_sum_below(values.ctypes.data, row.ctypes.data, len(row), np.float32(below)))
+
+
+def draw(
+    row: np.ndarray,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    span: float,
+    seed: int,
+) -> tuple[int, float] | None:
+    """A token drawn from the row (rowdraw.c: draw.py's candidates() and pick() in one call),
+    and its head's tempered mass; None where that cannot serve: no library, a row that is not
+    contiguous float32, a top-p with no top-k, a row whose best logit is not finite."""
+    lib = library()
+    if lib is None or not _plain(row):
+        return None
+    scratch = _draw_scratch(len(row))
+    head_mass = ctypes.c_double(0.0)
+    token = lib.ls_draw(
+        row.ctypes.data,
+        len(row),
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        span,
+        seed,
+        *(array.ctypes.data for array in scratch),
+        ctypes.byref(head_mass),
+    )
+    return None if token < 0 else (int(token), head_mass.value)
+
+
+def _draw_scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's room for a draw: the blocks' maxima, token ids, their weights."""
+    scratch = getattr(_SCRATCH, "draw", None)
+    if scratch is None or len(scratch[1]) < size:
+        n_blocks = -(-size // BLOCK)
+        scratch = _SCRATCH.draw = (
+            np.empty(n_blocks, dtype=np.float32),
+            np.empty(size, dtype=np.int32),
+            np.empty(size, dtype=np.float64),
+        )
+    return scratch
 
 
 def _plain(array: np.ndarray) -> bool:

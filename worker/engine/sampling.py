@@ -2,7 +2,8 @@
 so grammar, penalty and RNG state never leak from one request to the next in a slot.
 
 A request without a grammar gets a HostSampler: its token is drawn on the host from the row
-of logits the loop hands it (draw.py: exact, at about the cost of an argmax), with the
+of logits the loop hands it (draw.py: exact, at about the cost of an argmax; most mixes in one
+call to rowdraw.c, which holds no GIL, so the sampling threads draw side by side), with the
 request's own random generator, so a seeded request gives the same text alone, batched and
 after a restart. Logit bias and penalties are applied to a copy of its row first, as
 llama.cpp's samplers apply them (logprobs.adjusted_logits). Plain greedy requests take the
@@ -43,7 +44,7 @@ from loomserve.worker.engine.backend_sampling import (
     drawing_stages,
     sampler_chain,
 )
-from loomserve.worker.engine.draw import Truncation, candidates
+from loomserve.worker.engine.draw import Truncation, draw_token
 from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
 from loomserve.worker.engine.logprobs import adjusted_logits
 from loomserve.worker.sched.slots import TokenSampler
@@ -212,9 +213,7 @@ class HostSampler:
         if self._cut is None:
             token = int(scores.argmax())
         else:
-            found = candidates(scores, self._cut, mass_hint=self._mass)
-            self._mass = found.head_mass
-            token = found.pick(self._rng)
+            token, self._mass = draw_token(scores, self._cut, self._rng, self._mass)
         if self._adjusts:
             self._generated.append(token)
         return token
