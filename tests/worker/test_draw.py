@@ -356,11 +356,10 @@ def test_draw_token_follows_the_tempered_softmax_over_the_kept_tokens(name):
 
 
 @pytest.mark.parametrize("name", list(CUTS))
-def test_the_c_draw_serves_every_cut_but_a_top_p_alone(name):
+def test_the_c_draw_serves_every_cut(name):
     (cut, _), logits = CUTS[name], _logits()
     served = rowscan.draw(logits, cut.temperature, cut.top_k, cut.top_p, cut.min_p, 5.0, 1)
-    top_p_alone = cut.top_p < 1.0 and not cut.top_k
-    assert (served is None) == (top_p_alone or rowscan.library() is None)
+    assert (served is None) == (rowscan.library() is None)
 
 
 def test_draw_token_top_k_ties_at_the_kth_token_go_to_the_lowest_ids():
@@ -409,3 +408,71 @@ def test_draw_token_on_rows_without_a_finite_peak():
     for row in (np.full(N_VOCAB, np.nan, np.float32), np.full(N_VOCAB, -np.inf, np.float32)):
         for cut in (Truncation(1.0), Truncation(1.0, top_k=5)):
             assert 0 <= draw_token(row, cut, rng)[0] < N_VOCAB
+
+
+def _c_kept(row: np.ndarray, cut: Truncation) -> np.ndarray | None:
+    return rowscan.draw_candidates(row, cut.temperature, cut.top_k, cut.top_p, cut.min_p)
+
+
+needs_c = pytest.mark.skipif(rowscan.library() is None, reason="rowdraw.c needs AVX2")
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "cut",
+    [
+        Truncation(1.0, top_k=40),
+        Truncation(0.7, top_p=0.95),
+        Truncation(1.0, top_p=0.9999),
+        Truncation(1.0, min_p=0.05),
+        Truncation(0.8, top_k=40, top_p=0.95, min_p=0.05),
+        Truncation(1.0, top_k=3000, min_p=0.001),
+    ],
+    ids=["top-k", "top-p", "top-p near 1", "min-p", "all three", "wide top-k"],
+)
+def test_the_c_draw_keeps_what_the_whole_row_keeps_at_a_262k_vocabulary(cut):
+    rng = np.random.default_rng(11)
+    row = rng.normal(0.0, 3.0, 262_144).astype(np.float32)
+    row[rng.choice(262_144, 300, replace=False)] += rng.uniform(4.0, 18.0, 300).astype(np.float32)
+    kept, whole = _c_kept(row, cut), exact_candidates(row, cut).ids
+    assert kept is not None
+    if cut.top_p < 1.0:
+        assert kept.tolist()[: len(whole)] == sorted(whole.tolist(), key=lambda t: (-row[t], t))
+    assert sorted(kept.tolist()) == sorted(whole.tolist())
+
+
+@needs_c
+@pytest.mark.parametrize("spread", [1.0, 3.0, 6.0, 45.0])
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.999])
+def test_the_c_top_p_alone_keeps_what_the_whole_row_keeps_at_any_spread(spread, top_p):
+    for seed in range(3):
+        row, cut = _spread_row(seed, spread), Truncation(0.7, top_p=top_p)
+        assert _c_kept(row, cut).tolist() == exact_candidates(row, cut).ids.tolist()
+
+
+@needs_c
+def test_the_c_top_p_sums_the_row_where_the_counts_leave_the_cut_in_doubt():
+    """The row of test_a_cut_the_bounds_leave_in_doubt_sums_the_whole_row: two tokens."""
+    row = np.full(262_144, -50.0, dtype=np.float32)
+    row[:200_000] = -18.0
+    row[200_000], row[200_001] = 0.0, -1.0
+    total = 1.0 + math.exp(-1.0) + 200_000 * math.exp(-18.0) + 62_142 * math.exp(-50.0)
+    cut = Truncation(1.0, top_p=1.0 / total + 2e-4)
+    assert _c_kept(row, cut).tolist() == [200_000, 200_001]
+
+
+@needs_c
+@pytest.mark.parametrize("margin", [1e-7, -1e-7, 1e-10, -1e-10])
+def test_the_c_top_p_cut_is_exact_or_left_to_the_float64_sum(margin):
+    """Cuts 1e-7 from a token's edge are settled in C (the rest's sum narrows the float32
+    bound); at 1e-10 only a float64 sum can tell, so C leaves them to draw.py, which does."""
+    row, cut = _tiered_row(margin)
+    kept = _c_kept(row, cut)
+    if abs(margin) < 1e-9:
+        assert kept is None
+    else:
+        assert kept.tolist() == exact_candidates(row, cut).ids.tolist()
+    rng = np.random.default_rng(5)
+    assert {draw_token(row, cut, rng)[0] for _ in range(200)} <= set(
+        exact_candidates(row, cut).ids.tolist()
+    )

@@ -21,8 +21,9 @@ model), or the best k. It stays exact, not approximately right:
   kept with its true weight over that envelope (else the draw starts again). The span sets
   the envelope's mass against the head's (TAIL_MARGIN): a narrow head, a few draws.
 
-draw_token() runs all of this in one call to rowdraw.c (the same steps in C, no GIL held)
-where it serves: everything but a top-p with no top-k before it, which stays here.
+draw_token() runs all of this in one call to rowdraw.c (the same steps in C, no GIL held);
+what it leaves (a row with no finite best logit, a cut still in doubt after the float32 sums'
+bounds) is served here.
 
 The filters see the logits as llama.cpp's chain does (top-k, then top-p, then min-p, on the
 untempered distribution); the temperature applies to what they keep.
@@ -146,8 +147,8 @@ def draw_token(
     margin: float | None = None,
 ) -> tuple[int, float]:
     """draw(), and the head's mass (the hint for the request's next row): in one call to
-    rowdraw.c where it serves (all but a top-p with no top-k before it), which takes one 64-bit
-    seed from `rng` for the token's random numbers; else by candidates() and pick()."""
+    rowdraw.c, which takes one 64-bit seed from `rng` for the token's random numbers; where that
+    does not serve, by candidates() and pick()."""
     span = _span(len(row), margin, mass_hint)
     seed = int(rng.bit_generator.random_raw())
     drawn = rowscan.draw(row, cut.temperature, cut.top_k, cut.top_p, cut.min_p, span, seed)

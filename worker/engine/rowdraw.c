@@ -1,7 +1,7 @@
-/* A token drawn from one row of logits in one call: temperature, top-k, min-p, and a top-p
- * after a top-k, exact, by the same steps as draw.py's candidates() and pick() (read that
- * file's docstring first: the head, the tail drawn by rejection, the bars), with no Python
- * between them.
+/* A token drawn from one row of logits in one call: temperature, top-k, top-p and min-p,
+ * exact, by the same steps as draw.py's candidates() and pick() (read that file's docstrings
+ * first: the head, the tail drawn by rejection, the nucleus cut from bounds on the row's mass),
+ * with no Python between them.
  *
  * Why: draw.py's steps are numpy calls, each cheap, but a dozen of them a token, each taking
  * and giving back the GIL, cost as much as reading the row itself (~190 us a token at Gemma's
@@ -9,9 +9,10 @@
  * threads then queue for the GIL instead of drawing side by side. Here a token is one ctypes
  * call, which lets go of the GIL for all of it.
  *
- * Not here: a top-p with no top-k before it (its exact cut needs the whole row's mass, with
- * error bounds and fallbacks draw.py keeps in one place), and a row holding a NaN: ls_draw
- * returns LS_NOT_SERVED and draw.py serves them.
+ * Left to draw.py (ls_draw returns LS_NOT_SERVED): a row whose best logit is not finite (a
+ * NaN, or every token biased away), and the rare top-p cut that even the bounds from the
+ * float32 exponentials leave in doubt (draw.py sums the row in float64), or that needs them on
+ * a CPU without AVX-512.
  *
  * Random numbers come from splitmix64 seeded with one 64-bit number per token from the
  * request's own generator, so a seeded request draws the same tokens alone, batched and
@@ -29,10 +30,20 @@
 int ls_block_max(const float *row, int64_t n, float *block_max);
 int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
                   int32_t *ids);
+double ls_exp_sum_below(const float *row, int64_t n, float peak, float below);
 
-/* draw.py's ENVELOPE_LIMIT: a head whose tail envelope outweighs it this many times over is
- * widened once. */
+/* draw.py's constants, which say why each is what it is. */
 static const double ENVELOPE_LIMIT = 4.0;
+static const double NUCLEUS_SPAN = 8.0, NUCLEUS_BAND = 2.0, NUCLEUS_LAST_BAND = 40.0;
+static const double NUCLEUS_MASS_SPAN = 16.0, NUCLEUS_BANDS[] = {20.0, 24.0};
+static const double EXP_SUM_ERROR = 2e-6, EXP_ERROR = 4.8e-7, DEPTH_ERROR = 6e-8;
+/* rowscan.c sums its float32 exponentials four to a lane in float32 before float64: two
+ * roundings of 2^-24 each. */
+static const double SUM32_ERROR = 1.2e-7;
+static const int64_t HEAD_SHARE = 16;
+/* Bounds on a mass are widened by this much of it, more than a float64 sum of a whole row's
+ * terms in any order can be off by (262,144 additions: 3e-11 at worst). */
+static const double SUM_SLACK = 1e-10;
 
 typedef struct {
     uint64_t state;
@@ -59,12 +70,36 @@ static int64_t uniform_below(Rng *rng, uint64_t n) {
     }
 }
 
-/* Where the caller's scratch goes: room for a whole row of each. */
+/* One draw: the row, its scan, the caller's scratch and the random numbers. */
 typedef struct {
-    float *block_max;    /* one per block */
-    int32_t *ids;        /* token ids */
-    double *weights;     /* their (cumulative) weights */
-} Scratch;
+    const float *row;
+    int64_t n;
+    float peak;          /* the row's best logit */
+    float *block_max;    /* one per block (rowscan.c's ls_block_max) */
+    int32_t *ids;        /* the candidates */
+    int32_t *pool;       /* a head the nucleus is taken from */
+    double *weights;     /* the candidates' weights, summed in order */
+    uint64_t *keys;      /* sort keys */
+    float *values;       /* logits copied out, for quickselect to reorder */
+    Rng rng;
+    double head_mass;    /* the candidates' tempered weight, in units of the best token's */
+    int64_t kept;        /* how many candidates ids holds; -1 when a tail was kept too */
+} Draw;
+
+static int64_t align64(int64_t bytes) {
+    return (bytes + 63) & ~(int64_t)63;
+}
+
+/* The bytes of scratch ls_draw needs for a row of n logits, and where in it the candidates'
+ * ids are left (after the blocks' maxima). */
+int64_t ls_draw_scratch_bytes(int64_t n) {
+    int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    return align64(n_blocks * 4) + 2 * align64(n * 4) + 2 * align64(n * 8) + align64(n * 4);
+}
+
+int64_t ls_draw_ids_at(int64_t n) {
+    return align64((n + BLOCK - 1) / BLOCK * 4);
+}
 
 /* The index of the interval of the cumulative weights that holds u (0 <= u < total): numpy's
  * searchsorted(side="right"), kept within the array. */
@@ -78,86 +113,115 @@ static int64_t interval_of(const double *cumulative, int64_t n, double u) {
     return lo < n ? lo : n - 1;
 }
 
-/* The tempered weights of ids[0..n) summed in order, into weights; returns the total. */
-static double cumulate(const float *row, const int32_t *ids, int64_t n, double peak,
-                       double temperature, double *weights) {
+/* The first index whose cumulative weight reaches v (n if none): searchsorted(side="left"). */
+static int64_t first_reaching(const double *cumulative, int64_t n, double v) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (cumulative[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The weights of ids[0..n) over `temperature`, summed in order into weights; returns the
+ * total. */
+static double cumulate(const Draw *d, int64_t n, double temperature) {
     double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) weights[i] = sum += exp(((double)row[ids[i]] - peak) / temperature);
+    for (int64_t i = 0; i < n; i++)
+        d->weights[i] = sum += exp(((double)d->row[d->ids[i]] - d->peak) / temperature);
     return sum;
 }
 
-/* A token from ids[0..n) by their weights (draw.py's pick without a tail). */
-static int32_t pick_head(const float *row, const int32_t *ids, int64_t n, double peak,
-                         double temperature, double *weights, Rng *rng, double *head_mass) {
-    double total = cumulate(row, ids, n, peak, temperature, weights);
-    *head_mass = total;
-    return ids[interval_of(weights, n, uniform(rng) * total)];
+/* A token from ids[0..n) by their tempered weights (draw.py's pick without a tail). */
+static int32_t pick_head(Draw *d, int64_t n, double temperature) {
+    double total = cumulate(d, n, temperature);
+    d->head_mass = total;
+    d->kept = n;
+    return d->ids[interval_of(d->weights, n, uniform(&d->rng) * total)];
 }
 
-/* Drops the ids whose logit is under `least` (min-p's bar, compared in float64 as draw.py's
- * _kept does); returns how many are left. */
-static int64_t keep_over(const float *row, int32_t *ids, int64_t n, double least) {
+/* Drops the ids under `least` (min-p's bar, compared in float64 as draw.py's _kept does);
+ * returns how many are left. */
+static int64_t keep_over(const Draw *d, int64_t n, double least) {
     int64_t kept = 0;
     for (int64_t i = 0; i < n; i++)
-        if ((double)row[ids[i]] >= least) ids[kept++] = ids[i];
+        if ((double)d->row[d->ids[i]] >= least) d->ids[kept++] = d->ids[i];
     return kept;
+}
+
+/* The tokens of the row in the band low <= x < high, into ids (NULL: only counted). */
+static int64_t gather(const Draw *d, float low, float high, int32_t *ids) {
+    return ls_gather(d->row, d->n, d->block_max, low, high, ids);
 }
 
 /* temperature (and min-p) over the whole row: draw.py's candidates() without top-k or top-p,
  * then pick(). */
-static int32_t draw_tempered(const float *row, int64_t n, float peak, double temperature,
-                             double least, double span, Scratch *s, Rng *rng, double *head_mass) {
+static int32_t draw_tempered(Draw *d, double temperature, double least, double span) {
+    const float *row = d->row;
     for (int widened = 0;; widened = 1) {
         /* Tail tokens score under the floor: each weighs under e^-span, tempered. */
-        float floor = (float)((double)peak - span * temperature);
+        float floor = (float)((double)d->peak - span * temperature);
         if (least > (double)floor) {
             /* min-p keeps nothing under its bar, so there is no tail. */
-            int64_t found = ls_gather(row, n, s->block_max, (float)least, INFINITY, s->ids);
-            found = keep_over(row, s->ids, found, least);
-            return pick_head(row, s->ids, found, peak, temperature, s->weights, rng, head_mass);
+            int64_t found = keep_over(d, gather(d, (float)least, INFINITY, d->ids), least);
+            return pick_head(d, found, temperature);
         }
-        int64_t found = ls_gather(row, n, s->block_max, floor, INFINITY, s->ids);
-        int64_t n_tail = n - found;
-        if (!n_tail) return pick_head(row, s->ids, found, peak, temperature, s->weights, rng, head_mass);
-        double head = cumulate(row, s->ids, found, peak, temperature, s->weights);
-        double envelope = exp(((double)floor - peak) / temperature); /* > any tail token's */
+        int64_t found = gather(d, floor, INFINITY, d->ids);
+        int64_t n_tail = d->n - found;
+        if (!n_tail) return pick_head(d, found, temperature);
+        double head = cumulate(d, found, temperature);
+        double envelope = exp(((double)floor - d->peak) / temperature); /* > any tail token's */
         if (!widened && (double)n_tail * envelope > ENVELOPE_LIMIT * head) {
             span += log((double)n_tail * envelope / head); /* the hint was far off: once more */
             continue;
         }
-        *head_mass = head;
+        d->head_mass = head;
+        d->kept = -1;
         double tail = (double)n_tail * envelope;
         for (;;) {
-            double u = uniform(rng) * (head + tail);
-            if (u < head) return s->ids[interval_of(s->weights, found, u)];
+            double u = uniform(&d->rng) * (head + tail);
+            if (u < head) return d->ids[interval_of(d->weights, found, u)];
             int64_t token;
-            do token = uniform_below(rng, (uint64_t)n);
+            do token = uniform_below(&d->rng, (uint64_t)d->n);
             while (!(row[token] < floor));
             double value = row[token];
             if (value < least) continue; /* min-p refuses it: draw again from the start */
-            if (uniform(rng) * envelope < exp((value - peak) / temperature)) return (int32_t)token;
+            if (uniform(&d->rng) * envelope < exp((value - d->peak) / temperature))
+                return (int32_t)token;
         }
     }
 }
 
 /* ids[0..n) best first: by logit, higher first, ties by id (what a stable argsort of -logits
- * gives), as draw.py's _best_first_order: one sort of 64-bit keys, the logit's bits made to
- * order as integers over the id. keys: room for n. */
-static int by_key(const void *a, const void *b) {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return (x > y) - (x < y);
-}
-
-static void best_first(const float *row, int32_t *ids, int64_t n, uint64_t *keys) {
+ * gives), as draw.py's _best_first_order. The ids come in ascending order (every caller
+ * gathers them so), so a stable sort by logit alone leaves ties in id order: a radix sort of
+ * the logits' bits made to order as integers, a byte at a time, between keys and `spare` (room
+ * for n each). qsort with a comparison function took 60-120 us for the 1,000-2,000 tokens of
+ * a top-p's first band on Gemma's rows; this takes a few. */
+static void best_first(const Draw *d, int32_t *ids, int64_t n, uint64_t *spare) {
+    uint64_t *keys = d->keys, *into = spare;
     for (int64_t i = 0; i < n; i++) {
-        float negated = -row[ids[i]] + 0.0f; /* -0.0 ties 0.0 */
-        union { float f; uint32_t u; } bits = {negated};
+        float negated = -d->row[ids[i]] + 0.0f; /* -0.0 ties 0.0 */
+        union {
+            float f;
+            uint32_t u;
+        } bits = {negated};
         /* A float's bits order as unsigned integers once the sign bit is flipped, and a
          * negative float's other bits reversed. */
         uint32_t ordered = bits.u & 0x80000000u ? ~bits.u : bits.u | 0x80000000u;
         keys[i] = (uint64_t)ordered << 32 | (uint32_t)ids[i];
     }
-    qsort(keys, (size_t)n, sizeof(uint64_t), by_key);
+    for (int shift = 32; shift < 64; shift += 8) {
+        int64_t starts[257] = {0};
+        for (int64_t i = 0; i < n; i++) starts[(keys[i] >> shift & 0xff) + 1]++;
+        if (n && starts[(keys[0] >> shift & 0xff) + 1] == n) continue; /* one byte for all */
+        for (int b = 0; b < 256; b++) starts[b + 1] += starts[b];
+        for (int64_t i = 0; i < n; i++) into[starts[keys[i] >> shift & 0xff]++] = keys[i];
+        uint64_t *swap = keys;
+        keys = into;
+        into = swap;
+    }
     for (int64_t i = 0; i < n; i++) ids[i] = (int32_t)(uint32_t)keys[i];
 }
 
@@ -186,65 +250,172 @@ static float kth_largest(float *values, int64_t n, int64_t k) {
 /* top-k, then top-p and min-p on what it keeps: draw.py's _top_k_candidates, then pick(). The
  * k best are among the tokens that reach the k-th largest block maximum (each block's maximum
  * is a token's logit). */
-static int32_t draw_top_k(const float *row, int64_t n, float peak, double temperature,
-                          int64_t top_k, double top_p, double least, Scratch *s, Rng *rng,
-                          double *head_mass) {
-    int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+static int32_t draw_top_k(Draw *d, double temperature, int64_t top_k, double top_p,
+                          double least) {
+    const float *row = d->row;
+    int64_t n_blocks = (d->n + BLOCK - 1) / BLOCK;
     float low = -INFINITY;
     if (top_k <= n_blocks) {
-        /* weights' room, as floats, for the maxima's copy that quickselect reorders */
-        float *maxima = (float *)s->weights;
-        for (int64_t b = 0; b < n_blocks; b++) maxima[b] = s->block_max[b];
+        float *maxima = d->values;
+        for (int64_t b = 0; b < n_blocks; b++) maxima[b] = d->block_max[b];
         low = kth_largest(maxima, n_blocks, top_k);
     }
-    if (top_p == 1.0 && least > (double)low) low = (float)least; /* min-p keeps nothing under it */
-    int64_t found = ls_gather(row, n, s->block_max, low, INFINITY, s->ids);
+    if (top_p == 1.0 && least > (double)low) low = (float)least; /* min-p keeps none under it */
+    int64_t found = gather(d, low, INFINITY, d->ids);
     if (top_k < found) {
         /* The k best: those over the k-th best logit, then its ties by id. */
-        float *values = (float *)s->weights;
-        for (int64_t i = 0; i < found; i++) values[i] = row[s->ids[i]];
+        float *values = d->values;
+        for (int64_t i = 0; i < found; i++) values[i] = row[d->ids[i]];
         float kth = kth_largest(values, found, top_k);
         int64_t over = 0;
-        for (int64_t i = 0; i < found; i++) over += row[s->ids[i]] > kth;
+        for (int64_t i = 0; i < found; i++) over += row[d->ids[i]] > kth;
         int64_t kept = 0, ties = top_k - over;
         for (int64_t i = 0; i < found; i++) {
-            float x = row[s->ids[i]];
-            if (x > kth || (x == kth && ties-- > 0)) s->ids[kept++] = s->ids[i];
+            float x = row[d->ids[i]];
+            if (x > kth || (x == kth && ties-- > 0)) d->ids[kept++] = d->ids[i];
         }
         found = kept;
     }
     if (top_p < 1.0) {
         /* The smallest set of the best whose (untempered) mass reaches top_p of the k's. */
-        best_first(row, s->ids, found, (uint64_t *)s->weights);
-        double mass = cumulate(row, s->ids, found, peak, 1.0, s->weights);
-        int64_t last = 0;
-        while (last < found - 1 && s->weights[last] < top_p * mass) last++;
-        found = last + 1;
+        best_first(d, d->ids, found, (uint64_t *)d->weights);
+        double mass = cumulate(d, found, 1.0);
+        int64_t last = first_reaching(d->weights, found, top_p * mass);
+        found = (last < found ? last : found - 1) + 1;
     }
-    if (least > -INFINITY) found = keep_over(row, s->ids, found, least);
-    return pick_head(row, s->ids, found, peak, temperature, s->weights, rng, head_mass);
+    if (least > -INFINITY) found = keep_over(d, found, least);
+    return pick_head(d, found, temperature);
+}
+
+/* The best tokens of the pool (pool NULL: of the whole row), best first into ids, their
+ * (untempered) weights summed in that order into weights, until they weigh `wanted` or the
+ * pool is spent; returns how many. draw.py's _best_first: band by band, each sorted alone. */
+static int64_t take_best_first(Draw *d, const int32_t *pool, int64_t pool_size, double wanted) {
+    const float *row = d->row;
+    int64_t taken = 0, size = pool ? pool_size : d->n;
+    double mass = 0.0, span = NUCLEUS_SPAN;
+    float top = INFINITY; /* the band's upper edge (exclusive) */
+    for (;;) {
+        float floor = span < NUCLEUS_LAST_BAND ? (float)((double)d->peak - span) : -INFINITY;
+        int32_t *band = d->ids + taken;
+        int64_t got = 0;
+        if (!pool) got = gather(d, floor, top, band);
+        else
+            for (int64_t i = 0; i < pool_size; i++) {
+                float x = row[pool[i]];
+                if (x >= floor && x < top) band[got++] = pool[i];
+            }
+        best_first(d, band, got, (uint64_t *)(d->weights + taken));
+        for (int64_t i = 0; i < got; i++)
+            d->weights[taken + i] = mass += exp((double)row[band[i]] - d->peak);
+        taken += got;
+        if (mass >= wanted || taken == size) return taken;
+        top = floor;
+        span += NUCLEUS_BAND;
+    }
+}
+
+/* The last token the nucleus keeps, of `taken` summed best first, if the row's whole mass
+ * known only to lie between the two totals settles it; else -1. draw.py's _settled_cut. */
+static int64_t settled_cut(const Draw *d, int64_t taken, double top_p, double least_total,
+                           double most_total) {
+    int64_t last = first_reaching(d->weights, taken, top_p * least_total);
+    if (last < taken && last == first_reaching(d->weights, taken, top_p * most_total)) return last;
+    return -1;
+}
+
+/* The nucleus from the whole row's float32 exponentials: draw.py's _summed_nucleus and
+ * _mass_from_rest; how many tokens it keeps (in ids, best first), or LS_NOT_SERVED where its
+ * cut is still in doubt, or the CPU lacks AVX-512 for the sum. */
+static int64_t summed_nucleus(Draw *d, double top_p) {
+    double total = ls_exp_sum_below(d->row, d->n, d->peak, INFINITY);
+    if (total < 0.0) return LS_NOT_SERVED;
+    double least_total = total * (1.0 - EXP_SUM_ERROR), most_total = total * (1.0 + EXP_SUM_ERROR);
+    int64_t taken = take_best_first(d, NULL, 0, top_p * most_total);
+    int64_t last = settled_cut(d, taken, top_p, least_total, most_total);
+    if (last >= 0) return last + 1;
+    /* In doubt: the taken tokens' float64 mass, plus the float32 sum of the rest under them
+     * with its own error bound (much the smaller), narrows it. */
+    double rest = ls_exp_sum_below(d->row, d->n, d->peak, d->row[d->ids[taken - 1]]);
+    double error = rest * (EXP_ERROR + SUM32_ERROR);
+    if (rest > 0.0) {
+        double depth = log((double)d->n / rest);
+        error += DEPTH_ERROR * rest * (depth > 0.0 ? depth : 0.0);
+    }
+    double taken_mass = d->weights[taken - 1];
+    least_total = (taken_mass + rest - error) * (1.0 - SUM_SLACK);
+    most_total = (taken_mass + rest + error) * (1.0 + SUM_SLACK);
+    last = settled_cut(d, taken, top_p, least_total, most_total);
+    return last >= 0 ? last + 1 : LS_NOT_SERVED;
+}
+
+/* top-p without top-k: draw.py's _nucleus_candidates. How many tokens the nucleus keeps (in
+ * ids, best first), or LS_NOT_SERVED. */
+static int64_t nucleus(Draw *d, double top_p) {
+    const float *row = d->row;
+    float floor = (float)((double)d->peak - NUCLEUS_MASS_SPAN);
+    /* A flat row: most blocks reach the head, and counting its tokens would read them all
+     * again (70 us on Gemma's rows) for an answer the blocks already make near certain. */
+    int64_t n_blocks = (d->n + BLOCK - 1) / BLOCK, reaching = 0;
+    for (int64_t b = 0; b < n_blocks; b++) reaching += d->block_max[b] >= floor;
+    if (2 * reaching > n_blocks) return summed_nucleus(d, top_p);
+    if (gather(d, floor, INFINITY, NULL) * HEAD_SHARE > d->n) return summed_nucleus(d, top_p);
+    int64_t n_head = gather(d, floor, INFINITY, d->pool);
+    double head_mass = 0.0;
+    for (int64_t i = 0; i < n_head; i++) head_mass += exp((double)row[d->pool[i]] - d->peak);
+    /* The rest's mass bounded by counts: each token in a band weighs between its edges. */
+    double least_rest = 0.0, most_rest = 0.0;
+    int64_t above = n_head;
+    float edge = floor;
+    for (int band = 0; band < 2; band++) {
+        float under = (float)((double)d->peak - NUCLEUS_BANDS[band]);
+        int64_t count = above + gather(d, under, edge, NULL);
+        least_rest += (double)(count - above) * exp((double)under - d->peak);
+        most_rest += (double)(count - above) * exp((double)edge - d->peak);
+        above = count;
+        edge = under;
+    }
+    most_rest += (double)(d->n - above) * exp((double)edge - d->peak);
+    double least_total = (head_mass + least_rest) * (1.0 - SUM_SLACK);
+    double most_total = (head_mass + most_rest) * (1.0 + SUM_SLACK);
+    int64_t taken = take_best_first(d, d->pool, n_head, top_p * most_total);
+    int64_t last = settled_cut(d, taken, top_p, least_total, most_total);
+    return last >= 0 ? last + 1 : summed_nucleus(d, top_p);
 }
 
 /* A token drawn from softmax(row / temperature) over what top-k, top-p and min-p keep (top_k 0
- * and top_p 1: off; least: min-p's bar, peak + ln(min_p), -inf when off), seeded by `seed`.
- * `span`: how far under the best (in untempered logits, over the temperature) the head reaches
- * when nothing cuts (draw.py chooses it). head_mass gets the head's tempered weight in units of
- * the best token's (the hint for the request's next row). Returns the token, or LS_NOT_SERVED:
- * a top-p without top-k, or a row whose largest logit is not finite (a NaN, every token
- * biased away). */
+ * and top_p 1: off; min_p 0: off), seeded by `seed`. `span`: how far under the best (in
+ * untempered logits, over the temperature) the head reaches when nothing cuts (draw.py chooses
+ * it). scratch: ls_draw_scratch_bytes(n) bytes, 64-byte aligned; the candidates' ids are left
+ * ls_draw_ids_at(n) bytes in. found[0] gets the candidates' tempered weight in units of the
+ * best token's (the hint for the request's next row), found[1] how many there are (-1 when the
+ * tail was kept too: every token is a candidate). Returns the token, or LS_NOT_SERVED (see
+ * the top of this file). */
 int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, double top_p,
-                double min_p, double span, uint64_t seed, float *block_max, int32_t *ids,
-                double *weights, double *head_mass) {
-    if (top_p < 1.0 && !(top_k > 0 && top_k < n)) return LS_NOT_SERVED;
-    Scratch s = {block_max, ids, weights};
-    if (ls_block_max(row, n, block_max)) return LS_NOT_SERVED;
+                double min_p, double span, uint64_t seed, char *scratch, double *found) {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
-    float peak = -INFINITY;
-    for (int64_t b = 0; b < n_blocks; b++) peak = block_max[b] > peak ? block_max[b] : peak;
-    if (!isfinite(peak)) return LS_NOT_SERVED;
-    double least = min_p > 0.0 ? (double)peak + log(min_p) : -INFINITY;
-    Rng rng = {seed};
-    if (top_k > 0 && top_k < n)
-        return draw_top_k(row, n, peak, temperature, top_k, top_p, least, &s, &rng, head_mass);
-    return draw_tempered(row, n, peak, temperature, least, span, &s, &rng, head_mass);
+    Draw d = {.row = row, .n = n, .rng = {seed}};
+    d.block_max = (float *)scratch;
+    d.ids = (int32_t *)(scratch += ls_draw_ids_at(n));
+    d.pool = (int32_t *)(scratch += align64(n * 4));
+    d.weights = (double *)(scratch += align64(n * 4));
+    d.keys = (uint64_t *)(scratch += align64(n * 8));
+    d.values = (float *)(scratch + align64(n * 8));
+    if (ls_block_max(row, n, d.block_max)) return LS_NOT_SERVED;
+    d.peak = -INFINITY;
+    for (int64_t b = 0; b < n_blocks; b++) d.peak = d.block_max[b] > d.peak ? d.block_max[b] : d.peak;
+    if (!isfinite(d.peak)) return LS_NOT_SERVED;
+    double least = min_p > 0.0 ? (double)d.peak + log(min_p) : -INFINITY;
+    int64_t token;
+    if (0 < top_k && top_k < n) token = draw_top_k(&d, temperature, top_k, top_p, least);
+    else if (top_p == 1.0) token = draw_tempered(&d, temperature, least, span);
+    else {
+        int64_t kept = nucleus(&d, top_p);
+        if (kept < 0) return LS_NOT_SERVED;
+        if (least > -INFINITY) kept = keep_over(&d, kept, least);
+        token = pick_head(&d, kept, temperature);
+    }
+    found[0] = d.head_mass;
+    found[1] = (double)d.kept;
+    return token;
 }

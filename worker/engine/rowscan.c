@@ -165,10 +165,13 @@ static inline __mmask16 lanes_before(int64_t at, int64_t n) {
 }
 
 /* ls_exp_sum: 64 exponentials at a time, summed in float32 as a tree (two roundings), then in
- * float64, in vectors: no chain of scalar additions sets the pace. */
+ * float64, in vectors: no chain of scalar additions sets the pace. Only the tokens whose logit
+ * is under `below` count (+inf: all); out (unless NULL) gets every token's exponential. */
 __attribute__((target("avx512f"))) static double exp_sum_avx512(const float *row, int64_t n,
-                                                                  float peak, float *out) {
+                                                                  float peak, float below,
+                                                                  float *out) {
     const __m512 peaks = _mm512_set1_ps(peak), none = _mm512_set1_ps(-INFINITY);
+    const __m512 bars = _mm512_set1_ps(below);
     __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
     for (int64_t i = 0; i < n; i += 64) {
         __m512 e[4];
@@ -177,7 +180,8 @@ __attribute__((target("avx512f"))) static double exp_sum_avx512(const float *row
             __mmask16 in = lanes_before(at, n);
             __m512 x = in ? _mm512_mask_loadu_ps(none, in, row + at) : none;
             e[j] = exp_of_depth_avx512(_mm512_sub_ps(x, peaks));
-            if (in) _mm512_mask_storeu_ps(out + at, in, e[j]);
+            if (out && in) _mm512_mask_storeu_ps(out + at, in, e[j]);
+            e[j] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, bars, _CMP_LT_OQ), e[j]);
         }
         add_as_double(_mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3])), &low,
                       &high);
@@ -264,9 +268,18 @@ int64_t ls_count(const float *row, int64_t n, const float *block_max, float low,
  * float64. Returns -1 where the CPU lacks AVX-512: ggml's kernel serves there (row_exp.py). */
 double ls_exp_sum(const float *row, int64_t n, float peak, float *out) {
 #ifdef X86
-    if (cpu_has(2)) return exp_sum_avx512(row, n, peak, out);
+    if (cpu_has(2)) return exp_sum_avx512(row, n, peak, INFINITY, out);
 #endif
     (void)row, (void)n, (void)peak, (void)out;
+    return -1.0;
+}
+
+/* The same sum over the tokens whose logit is under `below`, and none stored. */
+double ls_exp_sum_below(const float *row, int64_t n, float peak, float below) {
+#ifdef X86
+    if (cpu_has(2)) return exp_sum_avx512(row, n, peak, below, NULL);
+#endif
+    (void)row, (void)n, (void)peak, (void)below;
     return -1.0;
 }
 

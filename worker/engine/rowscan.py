@@ -24,6 +24,7 @@ import numpy as np
 
 BLOCK = 256  # rowscan.c's
 _ROW, _LENGTH = ctypes.c_void_p, ctypes.c_int64  # an array's address, its length
+_REAL = ctypes.c_double
 _BAND = [_ROW, _LENGTH, _ROW, ctypes.c_float, ctypes.c_float]  # row, n, block_max, low, high
 # rowscan.c's functions: their arguments' C types and their result's.
 _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
@@ -32,12 +33,13 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_count": (_BAND, ctypes.c_int64),
     "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], ctypes.c_double),
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], ctypes.c_double),
-    # row, n, temperature, top_k, top_p, min_p, span, seed, then scratch and the head's mass
+    # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
-        [_ROW, _LENGTH, ctypes.c_double, _LENGTH, *[ctypes.c_double] * 3, ctypes.c_uint64]
-        + [_ROW] * 4,
+        [_ROW, _LENGTH, ctypes.c_double, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
         ctypes.c_int64,
     ),
+    "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
+    "ls_draw_ids_at": ([_LENGTH], _LENGTH),
     "ls_limit_isa": ([ctypes.c_int], None),
     "ls_isa": ([], ctypes.c_int),
 }
@@ -145,13 +147,40 @@ def draw(
     seed: int,
 ) -> tuple[int, float] | None:
     """A token drawn from the row (rowdraw.c: draw.py's candidates() and pick() in one call),
-    and its head's tempered mass; None where that cannot serve: no library, a row that is not
-    contiguous float32, a top-p with no top-k, a row whose best logit is not finite."""
+    and its candidates' tempered mass; None where that cannot serve: no library, a row that is
+    not contiguous float32, one whose best logit is not finite, a top-p cut left in doubt."""
+    drawn = _draw(row, temperature, top_k, top_p, min_p, span, seed)
+    return None if drawn is None else (drawn[0], drawn[1])
+
+
+def draw_candidates(
+    row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+) -> np.ndarray | None:
+    """The tokens rowdraw.c draws from (in its order: best first for a top-p), for the tests
+    to hold to the whole row's; None where it does not serve, or keeps a tail (every token)."""
+    drawn = _draw(row, temperature, top_k, top_p, min_p, 1.0, 0)
+    if drawn is None or drawn[2] < 0:
+        return None
+    lib = library()
+    scratch = _SCRATCH.draw[1]
+    start = _SCRATCH.draw[2] - scratch.ctypes.data + lib.ls_draw_ids_at(len(row))
+    return scratch[start : start + 4 * drawn[2]].view(np.int32).astype(np.intp)
+
+
+def _draw(
+    row: np.ndarray,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    span: float,
+    seed: int,
+) -> tuple[int, float, int] | None:
+    """ls_draw's token, and what it found: the candidates' mass and how many there are."""
     lib = library()
     if lib is None or not _plain(row):
         return None
-    scratch = _draw_scratch(len(row))
-    head_mass = ctypes.c_double(0.0)
+    found = (ctypes.c_double * 2)()
     token = lib.ls_draw(
         row.ctypes.data,
         len(row),
@@ -161,23 +190,20 @@ def draw(
         min_p,
         span,
         seed,
-        *(array.ctypes.data for array in scratch),
-        ctypes.byref(head_mass),
+        _draw_scratch(lib, len(row)),
+        found,
     )
-    return None if token < 0 else (int(token), head_mass.value)
+    return None if token < 0 else (int(token), found[0], int(found[1]))
 
 
-def _draw_scratch(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This thread's room for a draw: the blocks' maxima, token ids, their weights."""
+def _draw_scratch(lib: Any, size: int) -> int:
+    """The address of this thread's room for a draw over `size` logits, 64-byte aligned."""
     scratch = getattr(_SCRATCH, "draw", None)
-    if scratch is None or len(scratch[1]) < size:
-        n_blocks = -(-size // BLOCK)
-        scratch = _SCRATCH.draw = (
-            np.empty(n_blocks, dtype=np.float32),
-            np.empty(size, dtype=np.int32),
-            np.empty(size, dtype=np.float64),
-        )
-    return scratch
+    if scratch is None or scratch[0] < size:
+        buffer = np.empty(lib.ls_draw_scratch_bytes(size) + 64, dtype=np.uint8)
+        address = -(-buffer.ctypes.data // 64) * 64
+        scratch = _SCRATCH.draw = (size, buffer, address)
+    return scratch[2]
 
 
 def _plain(array: np.ndarray) -> bool:
