@@ -67,3 +67,19 @@ def test_a_row_the_kernel_cannot_take_is_summed_by_numpy():
         exact = np.exp(view.astype(np.float64) - float(view.max()))
         assert total == pytest.approx(float(exact.sum()), rel=1e-7)
         _within_float32(out, exact, float(view.max()) - view.astype(np.float64))
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the row scan's exp kernel is AVX-512 only")
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])
+@pytest.mark.parametrize("size", [262_144, 1_001, 63])
+def test_the_sum_under_a_bar_matches_float64(spread, size):
+    """ls_exp_sum_below (rowdraw.c's rest under a top-p's taken tokens): the float32
+    exponentials of the tokens under the bar, within draw.EXP_SUM_ERROR of the float64 sum."""
+    rng = np.random.default_rng(size)
+    row = rng.normal(0.0, spread, size).astype(np.float32)
+    peak = float(row.max())
+    library = rowscan.library()
+    for bar in (np.inf, float(np.quantile(row, 0.9)), float(np.quantile(row, 0.1)), -np.inf):
+        total = library.ls_exp_sum_below(row.ctypes.data, size, np.float32(peak), np.float32(bar))
+        exact = np.exp(row.astype(np.float64) - peak)[row < np.float32(bar)].sum()
+        assert total == pytest.approx(float(exact), rel=EXP_SUM_ERROR / 10, abs=1e-300)

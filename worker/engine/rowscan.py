@@ -1,7 +1,8 @@
 """One row of logits, read once: each block's largest logit, then the tokens whose logits lie
 in a band, from the blocks that reach it (rowscan.c, with AVX-512 or AVX2; numpy where that
 library is not built or the CPU has neither). Also the row's exponentials and their sum, and a
-masked sum, for top-p's mass (AVX-512 only; row_exp.py and draw.py fall back).
+masked sum, for top-p's mass (AVX-512 only; row_exp.py and draw.py fall back). And draw(): a
+whole token drawn in one call (rowdraw.c, which reads the row through this scan).
 
 Why: the host sampler's draw is bound by reading its row, 1 MB at Gemma's 262,144 tokens. A
 numpy max, then a compare and a nonzero over the whole row for the tokens near the best, read
@@ -33,6 +34,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_count": (_BAND, ctypes.c_int64),
     "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], ctypes.c_double),
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], ctypes.c_double),
+    "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], ctypes.c_double),
     # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
         [_ROW, _LENGTH, ctypes.c_double, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
