@@ -59,10 +59,11 @@ PARALLEL_ROWS = 2
 # in ~100 us and waking a helper costs ~250 us. At 64 rows of 262,144 logits: 4.2 ms on two
 # threads against 6.8 on one; at 16, 0.8 against 1.1; under that one thread is quicker.
 PARALLEL_ARGMAX_ROWS = 16
-# More threads than this draw a tick's rows more slowly, not faster: between numpy's calls each
-# row holds the GIL, and the threads queue for it. Measured on an H100 machine's 16 cores (64
-# rows of T 0.7 + top_p 0.95, host work per tick): 1 thread 47 ms, 4 threads 26, 8 threads
-# 32, 16 threads 40 (docs/gpu.md).
+# More threads than this drew a tick's rows more slowly, not faster, when a draw was numpy's
+# calls with the GIL held between them and the threads queued for it. Measured on an H100
+# machine's 16 cores (64 rows of T 0.7 + top_p 0.95, host work per tick): 1 thread 47 ms, 4
+# threads 26, 8 threads 32, 16 threads 40 (docs/gpu.md). A draw is now one call into C that
+# holds no GIL (rowdraw.c), so more might pay there: not measured since.
 MAX_SAMPLING_THREADS = 4
 # A greedy pick the grammar refused: this many of the next best are checked one at a time
 # before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
@@ -250,8 +251,8 @@ def sample_rows(
     When at least half the rows are plain greedy, one argmax over all rows serves them (the
     rest is wasted work, cheaper than copying the greedy rows out); the others, and every
     row otherwise, go through their own sampler. With threads, the host sampler's rows are
-    shared out among them: numpy lets go of the GIL while it reads a row, and each row's
-    sampler is its own (no two threads touch one).
+    shared out among them: a draw lets go of the GIL (rowdraw.c; numpy while it reads a row),
+    and each row's sampler is its own (no two threads touch one).
     """
     n_greedy = sum(sampler.plain_greedy for sampler in samplers)
     if 2 * n_greedy < len(samplers):
