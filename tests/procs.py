@@ -36,11 +36,24 @@ START_TIMEOUT = 60.0
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
+# Every port free_port has handed out in this test run.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, and that this run has not
+    handed out before. A process binds its port only once it has started, and meanwhile the
+    kernel may give the same free port out again: two of three gateways started at once could
+    share one (the second fails to bind), and a test read one's health at the other's
+    address (the likeliest cause of a CURVE test's rare "requires CURVE" from the gateway
+    that had keys)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def scrape_metrics(url: str) -> Samples:
