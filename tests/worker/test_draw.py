@@ -476,3 +476,30 @@ def test_the_c_top_p_cut_is_exact_or_left_to_the_float64_sum(margin):
     assert {draw_token(row, cut, rng)[0] for _ in range(200)} <= set(
         exact_candidates(row, cut).ids.tolist()
     )
+
+
+@needs_c
+@pytest.mark.parametrize("spread", [1.0, 6.0, 45.0])
+def test_without_avx512_the_c_top_p_counts_bounds_or_leaves_the_row(spread):
+    """With AVX2 alone the C has no exponential kernel: a peaked row's cut comes from the
+    counted bounds (exactly the whole row's), a flat one is left to draw.py."""
+    library = rowscan.library()
+    library.ls_limit_isa(1)
+    try:
+        found = [
+            (
+                _c_kept(_spread_row(seed, spread), cut),
+                exact_candidates(_spread_row(seed, spread), cut),
+            )
+            for seed in range(3)
+            for cut in (Truncation(0.7, top_p=0.95), Truncation(1.0, top_p=0.5))
+        ]
+    finally:
+        library.ls_limit_isa(2)
+    for kept, whole in found:
+        assert kept is None or kept.tolist() == whole.ids.tolist()
+    served = sum(kept is not None for kept, _ in found)
+    if spread == 45.0:  # peaked: every cut settled by counts
+        assert served == len(found)
+    if spread == 1.0:  # flat: every row left to draw.py
+        assert served == 0

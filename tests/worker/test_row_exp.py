@@ -4,6 +4,7 @@ exponential within 2 ulps, the sum within draw.EXP_SUM_ERROR of the float64 sum.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +88,32 @@ def test_the_sum_under_a_bar_matches_float64(spread, size):
         depth = peak - row[under].astype(np.float64)
         bound = float((terms * (2.4e-7 + 1.2e-7 + 6e-8 * depth)).sum())
         assert abs(total - float(terms.sum())) <= bound
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the row scan's exp kernel is AVX-512 only")
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0, 40.0])
+@pytest.mark.parametrize("size", [262_144, 1_001, 63, 256])
+def test_the_scan_and_the_sum_in_one_pass(spread, size):
+    """ls_scan_exp_sum (a top-p's first pass in rowdraw.c): the blocks' maxima as
+    ls_block_max gives them, and the sum of e^(x - peak) within draw.EXP_SUM_ERROR of the
+    float64 one, though each block's terms are taken against the largest logit so far (here
+    rising block after block, the order that rescales the sum most often)."""
+    rng = np.random.default_rng(size + 7)
+    row = np.sort(rng.normal(0.0, spread, size)).astype(np.float32)
+    library = rowscan.library()
+    for logits in (row, row[::-1].copy(), rng.permutation(row)):
+        maxima = np.empty(-(-size // rowscan.BLOCK), dtype=np.float32)
+        reference = np.empty_like(maxima)
+        total = ctypes.c_double()
+        has_nan = library.ls_scan_exp_sum(
+            logits.ctypes.data, size, maxima.ctypes.data, ctypes.byref(total)
+        )
+        assert has_nan == library.ls_block_max(logits.ctypes.data, size, reference.ctypes.data)
+        assert has_nan == 0 and maxima.tolist() == reference.tolist()
+        exact = float(np.exp(logits.astype(np.float64) - float(logits.max())).sum())
+        assert total.value == pytest.approx(exact, rel=EXP_SUM_ERROR / 10)
+    logits = row.copy()
+    logits[size // 2] = np.nan
+    assert library.ls_scan_exp_sum(
+        logits.ctypes.data, size, maxima.ctypes.data, ctypes.byref(total)
+    )

@@ -31,6 +31,7 @@ int ls_block_max(const float *row, int64_t n, float *block_max);
 int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
                   int32_t *ids);
 double ls_exp_sum_below(const float *row, int64_t n, float peak, float below);
+int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total);
 
 /* draw.py's constants, which say why each is what it is. */
 static const double ENVELOPE_LIMIT = 4.0;
@@ -324,11 +325,11 @@ static int64_t settled_cut(const Draw *d, int64_t taken, double top_p, double le
     return -1;
 }
 
-/* The nucleus from the whole row's float32 exponentials: draw.py's _summed_nucleus and
- * _mass_from_rest; how many tokens it keeps (in ids, best first), or LS_NOT_SERVED where its
- * cut is still in doubt, or the CPU lacks AVX-512 for the sum. */
-static int64_t summed_nucleus(Draw *d, double top_p) {
-    double total = ls_exp_sum_below(d->row, d->n, d->peak, INFINITY);
+/* The nucleus from the whole row's float32 exponentials, summed as `total` (negative where
+ * the CPU lacks AVX-512 for them): draw.py's _summed_nucleus and _mass_from_rest. How many
+ * tokens it keeps (in ids, best first), or LS_NOT_SERVED where its cut is still in doubt, or
+ * there is no sum. */
+static int64_t summed_nucleus(Draw *d, double top_p, double total) {
     if (total < 0.0) return LS_NOT_SERVED;
     double least_total = total * (1.0 - EXP_SUM_ERROR), most_total = total * (1.0 + EXP_SUM_ERROR);
     int64_t taken = take_best_first(d, NULL, 0, top_p * most_total);
@@ -349,6 +350,11 @@ static int64_t summed_nucleus(Draw *d, double top_p) {
     return last >= 0 ? last + 1 : LS_NOT_SERVED;
 }
 
+/* The row's exponentials summed (rowscan.c's AVX-512 kernel; negative without it). */
+static double whole_sum(const Draw *d) {
+    return ls_exp_sum_below(d->row, d->n, d->peak, INFINITY);
+}
+
 /* top-p without top-k: draw.py's _nucleus_candidates. How many tokens the nucleus keeps (in
  * ids, best first), or LS_NOT_SERVED. */
 static int64_t nucleus(Draw *d, double top_p) {
@@ -358,8 +364,8 @@ static int64_t nucleus(Draw *d, double top_p) {
      * again (70 us on Gemma's rows) for an answer the blocks already make near certain. */
     int64_t n_blocks = (d->n + BLOCK - 1) / BLOCK, reaching = 0;
     for (int64_t b = 0; b < n_blocks; b++) reaching += d->block_max[b] >= floor;
-    if (2 * reaching > n_blocks) return summed_nucleus(d, top_p);
-    if (gather(d, floor, INFINITY, NULL) * HEAD_SHARE > d->n) return summed_nucleus(d, top_p);
+    if (2 * reaching > n_blocks || gather(d, floor, INFINITY, NULL) * HEAD_SHARE > d->n)
+        return summed_nucleus(d, top_p, whole_sum(d));
     int64_t n_head = gather(d, floor, INFINITY, d->pool);
     double head_mass = 0.0;
     for (int64_t i = 0; i < n_head; i++) head_mass += exp((double)row[d->pool[i]] - d->peak);
@@ -380,7 +386,7 @@ static int64_t nucleus(Draw *d, double top_p) {
     double most_total = (head_mass + most_rest) * (1.0 + SUM_SLACK);
     int64_t taken = take_best_first(d, d->pool, n_head, top_p * most_total);
     int64_t last = settled_cut(d, taken, top_p, least_total, most_total);
-    return last >= 0 ? last + 1 : summed_nucleus(d, top_p);
+    return last >= 0 ? last + 1 : summed_nucleus(d, top_p, whole_sum(d));
 }
 
 /* A token drawn from softmax(row / temperature) over what top-k, top-p and min-p keep (top_k 0
@@ -395,13 +401,19 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
                 double min_p, double span, uint64_t seed, char *scratch, double *found) {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
     Draw d = {.row = row, .n = n, .rng = {seed}};
+    int top_p_alone = top_p < 1.0 && !(0 < top_k && top_k < n);
     d.block_max = (float *)scratch;
     d.ids = (int32_t *)(scratch += ls_draw_ids_at(n));
     d.pool = (int32_t *)(scratch += align64(n * 4));
     d.weights = (double *)(scratch += align64(n * 4));
     d.keys = (uint64_t *)(scratch += align64(n * 8));
     d.values = (float *)(scratch + align64(n * 8));
-    if (ls_block_max(row, n, d.block_max)) return LS_NOT_SERVED;
+    /* A top-p alone needs the row's mass on most of Gemma's rows (flat ones): summed in the
+     * scan's own pass where the CPU can, so the bounds from counts are not needed. */
+    double total = -1.0;
+    int has_nan = top_p_alone ? ls_scan_exp_sum(row, n, d.block_max, &total) : -1;
+    if (has_nan < 0) has_nan = ls_block_max(row, n, d.block_max);
+    if (has_nan) return LS_NOT_SERVED;
     d.peak = -INFINITY;
     for (int64_t b = 0; b < n_blocks; b++) d.peak = d.block_max[b] > d.peak ? d.block_max[b] : d.peak;
     if (!isfinite(d.peak)) return LS_NOT_SERVED;
@@ -410,7 +422,7 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
     if (0 < top_k && top_k < n) token = draw_top_k(&d, temperature, top_k, top_p, least);
     else if (top_p == 1.0) token = draw_tempered(&d, temperature, least, span);
     else {
-        int64_t kept = nucleus(&d, top_p);
+        int64_t kept = total >= 0.0 ? summed_nucleus(&d, top_p, total) : nucleus(&d, top_p);
         if (kept < 0) return LS_NOT_SERVED;
         if (least > -INFINITY) kept = keep_over(&d, kept, least);
         token = pick_head(&d, kept, temperature);

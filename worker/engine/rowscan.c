@@ -189,6 +189,50 @@ __attribute__((target("avx512f"))) static double exp_sum_avx512(const float *row
     return _mm512_reduce_add_pd(_mm512_add_pd(low, high));
 }
 
+/* ls_scan_exp_sum: ls_block_max and ls_exp_sum's total in one pass, for a top-p that will
+ * need both. Each block's exponentials are taken against the largest logit so far, and the
+ * sum is scaled down (in float64) whenever a block raises it: the terms and their error bounds
+ * are those of exp_sum_avx512, and the row is read once, the exponentials' arithmetic hiding
+ * the read (about 100 us for both on Gemma's rows, against 90 + 85 apart). */
+__attribute__((target("avx512f"))) static int scan_exp_sum_avx512(const float *row, int64_t n,
+                                                                   float *block_max,
+                                                                   double *total) {
+    const __m512 none = _mm512_set1_ps(-INFINITY);
+    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+    __mmask16 nan = 0;
+    float running = -INFINITY; /* the largest logit so far */
+    for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
+        for (int line = 0; line < BLOCK; line += 16)
+            _mm_prefetch((const char *)(row + lo + 4 * BLOCK + line), _MM_HINT_T0);
+        __m512 x[BLOCK / 16];
+        __m512 most = none;
+        for (int j = 0; j < BLOCK / 16; j++) {
+            __mmask16 in = lanes_before(lo + 16 * j, n);
+            x[j] = in ? _mm512_mask_loadu_ps(none, in, row + lo + 16 * j) : none;
+            most = _mm512_max_ps(most, x[j]);
+            nan |= _mm512_cmp_ps_mask(x[j], x[j], _CMP_UNORD_Q);
+        }
+        float block = block_max[b] = _mm512_reduce_max_ps(most);
+        if (block > running) {
+            __m512d scale = _mm512_set1_pd(exp((double)running - (double)block));
+            low = _mm512_mul_pd(low, scale);
+            high = _mm512_mul_pd(high, scale);
+            running = block;
+        }
+        const __m512 peaks = _mm512_set1_ps(running);
+        for (int j = 0; j < BLOCK / 16; j += 4) {
+            __m512 e0 = exp_of_depth_avx512(_mm512_sub_ps(x[j], peaks));
+            __m512 e1 = exp_of_depth_avx512(_mm512_sub_ps(x[j + 1], peaks));
+            __m512 e2 = exp_of_depth_avx512(_mm512_sub_ps(x[j + 2], peaks));
+            __m512 e3 = exp_of_depth_avx512(_mm512_sub_ps(x[j + 3], peaks));
+            add_as_double(_mm512_add_ps(_mm512_add_ps(e0, e1), _mm512_add_ps(e2, e3)), &low,
+                          &high);
+        }
+    }
+    *total = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+    return nan != 0;
+}
+
 /* ls_sum_below: each term converted to float64 before it is added, as numpy's sum does. */
 __attribute__((target("avx512f"))) static double sum_below_avx512(const float *values,
                                                                     const float *row, int64_t n,
@@ -241,6 +285,16 @@ int ls_block_max(const float *row, int64_t n, float *block_max) {
     for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++)
         block_max[b] = block_max_plain(row + lo, n - lo < BLOCK ? n - lo : BLOCK, &nan);
     return nan;
+}
+
+/* ls_block_max, and into total the sum of e^(x - peak) over the row (peak: its largest logit)
+ * as ls_exp_sum gives it, in one pass; -1 (and nothing done) where the CPU lacks AVX-512. */
+int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total) {
+#ifdef X86
+    if (cpu_has(2)) return scan_exp_sum_avx512(row, n, block_max, total);
+#endif
+    (void)row, (void)n, (void)block_max, (void)total;
+    return -1;
 }
 
 /* The tokens whose logit x has low <= x < high, in order, into ids; returns how many. Only

@@ -35,6 +35,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], ctypes.c_double),
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], ctypes.c_double),
     "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], ctypes.c_double),
+    "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW], ctypes.c_int),
     # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
         [_ROW, _LENGTH, ctypes.c_double, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
