@@ -148,23 +148,29 @@ def test_the_same_generator_state_gives_the_same_tokens():
     assert first == again
 
 
-@pytest.mark.parametrize(
-    "cut",
-    [
-        Truncation(1.0, top_k=40),
-        Truncation(0.7, top_p=0.95),
-        Truncation(1.0, top_p=0.9999),
-        Truncation(1.0, min_p=0.05),
-        Truncation(0.8, top_k=40, top_p=0.95, min_p=0.05),
-    ],
-    ids=["top-k", "top-p", "top-p near 1", "min-p", "all three"],
-)
-def test_at_a_262k_vocabulary_the_filters_keep_what_the_whole_row_keeps(cut):
-    """The head's cuts against the whole row's, token for token, at Gemma's vocabulary size
-    (a spread like a model's: a peaked few over a broad tail)."""
+# Cuts at Gemma's vocabulary size, on _peaked_262k rows.
+CUTS_262K = {
+    "top-k": Truncation(1.0, top_k=40),
+    "top-p": Truncation(0.7, top_p=0.95),
+    "top-p near 1": Truncation(1.0, top_p=0.9999),
+    "min-p": Truncation(1.0, min_p=0.05),
+    "all three": Truncation(0.8, top_k=40, top_p=0.95, min_p=0.05),
+}
+
+
+def _peaked_262k() -> np.ndarray:
+    """A spread like a model's at Gemma's vocabulary size: a peaked few over a broad tail."""
     rng = np.random.default_rng(11)
     row = rng.normal(0.0, 3.0, 262_144).astype(np.float32)
     row[rng.choice(262_144, 300, replace=False)] += rng.uniform(4.0, 18.0, 300).astype(np.float32)
+    return row
+
+
+@pytest.mark.parametrize("cut", list(CUTS_262K.values()), ids=list(CUTS_262K))
+def test_at_a_262k_vocabulary_the_filters_keep_what_the_whole_row_keeps(cut):
+    """The head's cuts against the whole row's, token for token, at Gemma's vocabulary size
+    (a spread like a model's: a peaked few over a broad tail)."""
+    row = _peaked_262k()
     found, whole = candidates(row, cut), exact_candidates(row, cut)
     assert found.row is None  # a cut inside the head: no tail to draw by rejection
     assert sorted(found.ids.tolist()) == sorted(whole.ids.tolist())
@@ -417,23 +423,13 @@ def _c_kept(row: np.ndarray, cut: Truncation) -> np.ndarray | None:
 needs_c = pytest.mark.skipif(rowscan.library() is None, reason="rowdraw.c needs AVX2")
 
 
+C_CUTS_262K = {**CUTS_262K, "wide top-k": Truncation(1.0, top_k=3000, min_p=0.001)}
+
+
 @needs_c
-@pytest.mark.parametrize(
-    "cut",
-    [
-        Truncation(1.0, top_k=40),
-        Truncation(0.7, top_p=0.95),
-        Truncation(1.0, top_p=0.9999),
-        Truncation(1.0, min_p=0.05),
-        Truncation(0.8, top_k=40, top_p=0.95, min_p=0.05),
-        Truncation(1.0, top_k=3000, min_p=0.001),
-    ],
-    ids=["top-k", "top-p", "top-p near 1", "min-p", "all three", "wide top-k"],
-)
+@pytest.mark.parametrize("cut", list(C_CUTS_262K.values()), ids=list(C_CUTS_262K))
 def test_the_c_draw_keeps_what_the_whole_row_keeps_at_a_262k_vocabulary(cut):
-    rng = np.random.default_rng(11)
-    row = rng.normal(0.0, 3.0, 262_144).astype(np.float32)
-    row[rng.choice(262_144, 300, replace=False)] += rng.uniform(4.0, 18.0, 300).astype(np.float32)
+    row = _peaked_262k()
     kept, whole = _c_kept(row, cut), exact_candidates(row, cut).ids
     assert kept is not None
     if cut.top_p < 1.0:

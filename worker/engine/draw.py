@@ -153,7 +153,7 @@ def draw_token(
     seed = int(rng.bit_generator.random_raw())
     drawn = rowscan.draw(row, cut.temperature, cut.top_k, cut.top_p, cut.min_p, span, seed)
     if drawn is not None:
-        return drawn
+        return drawn.token, drawn.head_mass
     found = candidates(row, cut, margin, mass_hint)
     return found.pick(rng), found.head_mass
 

@@ -19,7 +19,7 @@ import importlib.machinery
 import math
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -140,6 +140,15 @@ def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
     return float(lib.ls_sum_below(values.ctypes.data, row.ctypes.data, len(row), np.float32(below)))
 
 
+class Drawn(NamedTuple):
+    """What ls_draw found: the token, its candidates' tempered mass (in units of the best
+    token's weight), and how many candidates it kept (-1: every token, a tail too)."""
+
+    token: int
+    head_mass: float
+    kept: int
+
+
 def draw(
     row: np.ndarray,
     temperature: float,
@@ -148,38 +157,10 @@ def draw(
     min_p: float,
     span: float,
     seed: int,
-) -> tuple[int, float] | None:
-    """A token drawn from the row (rowdraw.c: draw.py's candidates() and pick() in one call),
-    and its candidates' tempered mass; None where that cannot serve: no library, a row that is
-    not contiguous float32, one whose best logit is not finite, a top-p cut left in doubt."""
-    drawn = _draw(row, temperature, top_k, top_p, min_p, span, seed)
-    return None if drawn is None else (drawn[0], drawn[1])
-
-
-def draw_candidates(
-    row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
-) -> np.ndarray | None:
-    """The tokens rowdraw.c draws from (in its order: best first for a top-p), for the tests
-    to hold to the whole row's; None where it does not serve, or keeps a tail (every token)."""
-    drawn = _draw(row, temperature, top_k, top_p, min_p, 1.0, 0)
-    if drawn is None or drawn[2] < 0:
-        return None
-    lib = library()
-    scratch = _SCRATCH.draw[1]
-    start = _SCRATCH.draw[2] - scratch.ctypes.data + lib.ls_draw_ids_at(len(row))
-    return scratch[start : start + 4 * drawn[2]].view(np.int32).astype(np.intp)
-
-
-def _draw(
-    row: np.ndarray,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    min_p: float,
-    span: float,
-    seed: int,
-) -> tuple[int, float, int] | None:
-    """ls_draw's token, and what it found: the candidates' mass and how many there are."""
+) -> Drawn | None:
+    """A token drawn from the row (rowdraw.c: draw.py's candidates() and pick() in one call);
+    None where that cannot serve: no library, a row that is not contiguous float32, one whose
+    best logit is not finite, a top-p cut left in doubt."""
     lib = library()
     if lib is None or not _plain(row):
         return None
@@ -196,7 +177,21 @@ def _draw(
         _draw_scratch(lib, len(row)),
         found,
     )
-    return None if token < 0 else (int(token), found[0], int(found[1]))
+    return None if token < 0 else Drawn(int(token), found[0], int(found[1]))
+
+
+def draw_candidates(
+    row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+) -> np.ndarray | None:
+    """The tokens rowdraw.c draws from (in its order: best first for a top-p), for the tests
+    to hold to the whole row's; None where it does not serve, or keeps a tail (every token)."""
+    drawn = draw(row, temperature, top_k, top_p, min_p, 1.0, 0)
+    lib = library()
+    if drawn is None or drawn.kept < 0 or lib is None:
+        return None
+    _, scratch, address = _SCRATCH.draw
+    start = address - scratch.ctypes.data + lib.ls_draw_ids_at(len(row))
+    return scratch[start : start + 4 * drawn.kept].view(np.int32).astype(np.intp)
 
 
 def _draw_scratch(lib: Any, size: int) -> int:
