@@ -163,3 +163,23 @@ def test_draws_are_the_same_under_every_instruction_set(isa):
     library.ls_limit_isa(2)
     assert here == draws()
     assert len({drawn[0] for drawn in here}) > 20
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_argmax_rows_is_numpys_argmax(isa, size):
+    """The first largest logit's index, or the first NaN's, as numpy's argmax gives it: ties
+    (within a block and across blocks), banned tokens, infinities and NaNs."""
+    rows = np.stack([_row(size, seed) for seed in range(6)])
+    rows[1, :] = -np.inf  # every token banned: the first
+    rows[2, size // 3] = rows[2, -1] = rows[2].max() + 1.0  # a tie across blocks
+    rows[3, size // 2] = np.nan
+    rows[3, -1] = np.nan
+    rows[4, size - 1] = np.inf
+    rows[5, :] = 1.5  # all tied
+    assert rowscan.argmax_rows(rows).tolist() == rows.argmax(axis=1).tolist()
+
+
+def test_argmax_rows_numpy_serves_what_the_library_cannot():
+    rows = np.random.default_rng(3).normal(size=(4, 600))
+    for array in (rows, rows.astype(np.float32)[:, ::2]):  # float64; strided
+        assert rowscan.argmax_rows(array).tolist() == array.argmax(axis=1).tolist()

@@ -36,6 +36,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], ctypes.c_double),
     "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], ctypes.c_double),
     "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW], ctypes.c_int),
+    "ls_argmax_rows": ([_ROW, _LENGTH, _LENGTH, _ROW, _ROW], None),
     # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
         [_ROW, _LENGTH, ctypes.c_double, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
@@ -138,6 +139,19 @@ def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
     if lib is None or not _plain(values) or not _plain(row):
         return float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
     return float(lib.ls_sum_below(values.ctypes.data, row.ctypes.data, len(row), np.float32(below)))
+
+
+def argmax_rows(rows: np.ndarray) -> np.ndarray:
+    """Each row's argmax (numpy's: the first largest, or the first NaN), in one call that lets
+    go of the GIL; by numpy where the library cannot serve."""
+    lib = library()
+    if lib is None or rows.ndim != 2 or not _plain(rows):
+        return rows.argmax(axis=1)
+    n_rows, n = rows.shape
+    out = np.empty(n_rows, dtype=np.int64)
+    block_max = np.empty(-(-n // BLOCK), dtype=np.float32)
+    lib.ls_argmax_rows(rows.ctypes.data, n_rows, n, block_max.ctypes.data, out.ctypes.data)
+    return out
 
 
 class Drawn(NamedTuple):

@@ -7,7 +7,7 @@ call to rowdraw.c, which holds no GIL, so the sampling threads draw side by side
 request's own random generator, so a seeded request gives the same text alone, batched and
 after a restart. Logit bias and penalties are applied to a copy of its row first, as
 llama.cpp's samplers apply them (logprobs.adjusted_logits). Plain greedy requests take the
-argmax; sample_rows takes those for a whole tick in one numpy call.
+argmax; sample_rows takes those for a whole tick at once (rowscan's argmax, in C).
 
 With backend sampling on (backend_sampling.py), a request the graph samples exactly gets a
 BackendSampler instead: llama_decode draws its token, the host only reads it.
@@ -37,6 +37,7 @@ import numpy as np
 from loomserve.protocol import SamplingParams
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
+from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.backend_sampling import (
     BackendSampler,
     GraphChains,
@@ -56,8 +57,9 @@ from loomserve.worker.sched.slots import TokenSampler
 # OpenMP's default spin the second thread had found its core busy (4.5-5.0 ms).
 PARALLEL_ROWS = 2
 # Greedy rows are shared out for one argmax per thread from this many: an argmax reads a row
-# in ~100 us and waking a helper costs ~250 us. At 64 rows of 262,144 logits: 4.2 ms on two
-# threads against 6.8 on one; at 16, 0.8 against 1.1; under that one thread is quicker.
+# in ~100 us and waking a helper costs ~250 us. At 64 rows of 262,144 logits (numpy's argmax):
+# 4.2 ms on two threads against 6.8 on one; at 16, 0.8 against 1.1; under that one thread is
+# quicker. rowscan's argmax in C since: a greedy tick of 64 rows 4.4 ms against 5.3-5.5.
 PARALLEL_ARGMAX_ROWS = 16
 # More threads than this drew a tick's rows more slowly, not faster, when a draw was numpy's
 # calls with the GIL held between them and the threads queued for it. Measured on an H100
@@ -280,17 +282,17 @@ def sample_rows(
 
 
 def _argmax_rows(logits: np.ndarray, threads: SamplingThreads | None) -> list[int]:
-    """Every row's argmax, the rows shared out among the threads (numpy lets go of the GIL
-    while it reads them)."""
+    """Every row's argmax, the rows shared out among the threads (rowscan's argmax lets go of
+    the GIL while it reads them)."""
     n_rows = len(logits)
     if threads is None or threads.pool is None or n_rows < PARALLEL_ARGMAX_ROWS:
-        return logits.argmax(axis=1).tolist()
+        return rowscan.argmax_rows(logits).tolist()
     bounds = [n_rows * i // threads.n for i in range(threads.n + 1)]
     futures = [
-        threads.pool.submit(logits[start:end].argmax, 1)
+        threads.pool.submit(rowscan.argmax_rows, logits[start:end])
         for start, end in itertools.pairwise(bounds[1:])
     ]
-    first = logits[: bounds[1]].argmax(axis=1)
+    first = rowscan.argmax_rows(logits[: bounds[1]])
     return np.concatenate([first, *(future.result() for future in futures)]).tolist()
 
 
