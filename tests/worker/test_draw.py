@@ -5,6 +5,8 @@ span: a narrow one makes the rejection-sampled tail carry a tenth of the mass. P
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -499,3 +501,18 @@ def test_without_avx512_the_c_top_p_counts_bounds_or_leaves_the_row(spread):
         assert served == len(found)
     if spread == 1.0:  # flat: every row left to draw.py
         assert served == 0
+
+
+def test_the_c_draw_has_draw_pys_constants():
+    """rowdraw.c keeps its own copies of draw.py's constants: the two must not drift."""
+    source = (Path(draw_module.__file__).parent / "rowdraw.c").read_text()
+    names = (
+        "ENVELOPE_LIMIT NUCLEUS_SPAN NUCLEUS_BAND NUCLEUS_LAST_BAND NUCLEUS_MASS_SPAN "
+        "EXP_SUM_ERROR EXP_ERROR DEPTH_ERROR HEAD_SHARE"
+    ).split()
+    for name in names:
+        found = re.search(rf"\b{name} = ([0-9.e-]+)", source)
+        assert found, name
+        assert float(found.group(1)) == getattr(draw_module, name), name
+    bands = re.search(r"NUCLEUS_BANDS\[\] = \{([^}]*)\}", source)
+    assert bands and tuple(map(float, bands.group(1).split(","))) == draw_module.NUCLEUS_BANDS
