@@ -422,13 +422,9 @@ def _c_kept(row: np.ndarray, cut: Truncation) -> np.ndarray | None:
     return rowscan.draw_candidates(row, cut.temperature, cut.top_k, cut.top_p, cut.min_p)
 
 
-needs_c = pytest.mark.skipif(rowscan.library() is None, reason="rowdraw.c needs AVX2")
-
-
 C_CUTS_262K = {**CUTS_262K, "wide top-k": Truncation(1.0, top_k=3000, min_p=0.001)}
 
 
-@needs_c
 @pytest.mark.parametrize("cut", list(C_CUTS_262K.values()), ids=list(C_CUTS_262K))
 def test_the_c_draw_keeps_what_the_whole_row_keeps_at_a_262k_vocabulary(cut):
     row = _peaked_262k()
@@ -439,7 +435,6 @@ def test_the_c_draw_keeps_what_the_whole_row_keeps_at_a_262k_vocabulary(cut):
     assert sorted(kept.tolist()) == sorted(whole.tolist())
 
 
-@needs_c
 @pytest.mark.parametrize("spread", [1.0, 3.0, 6.0, 45.0])
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.999])
 def test_the_c_top_p_alone_keeps_what_the_whole_row_keeps_at_any_spread(spread, top_p):
@@ -448,7 +443,6 @@ def test_the_c_top_p_alone_keeps_what_the_whole_row_keeps_at_any_spread(spread, 
         assert _c_kept(row, cut).tolist() == exact_candidates(row, cut).ids.tolist()
 
 
-@needs_c
 def test_the_c_top_p_sums_the_row_where_the_counts_leave_the_cut_in_doubt():
     """The row of test_a_cut_the_bounds_leave_in_doubt_sums_the_whole_row: two tokens."""
     row = np.full(262_144, -50.0, dtype=np.float32)
@@ -459,7 +453,6 @@ def test_the_c_top_p_sums_the_row_where_the_counts_leave_the_cut_in_doubt():
     assert _c_kept(row, cut).tolist() == [200_000, 200_001]
 
 
-@needs_c
 @pytest.mark.parametrize("margin", [1e-7, -1e-7, 1e-10, -1e-10])
 def test_the_c_top_p_cut_is_exact_or_left_to_the_float64_sum(margin):
     """Cuts 1e-7 from a token's edge are settled in C (the rest's sum narrows the float32
@@ -476,7 +469,6 @@ def test_the_c_top_p_cut_is_exact_or_left_to_the_float64_sum(margin):
     )
 
 
-@needs_c
 @pytest.mark.parametrize("spread", [1.0, 6.0, 45.0])
 def test_without_avx512_the_c_top_p_counts_bounds_or_leaves_the_row(spread):
     """With AVX2 alone the C has no exponential kernel: a peaked row's cut comes from the
