@@ -23,7 +23,7 @@ model), or the best k. It stays exact, not approximately right:
 
 draw_token() runs all of this in one call to rowdraw.c (the same steps in C, no GIL held);
 what it leaves (a row with no finite best logit, a cut still in doubt after the float32 sums'
-bounds) is served here.
+bounds, a flat row's top-p on a CPU without AVX-512) is served here.
 
 The filters see the logits as llama.cpp's chain does (top-k, then top-p, then min-p, on the
 untempered distribution); the temperature applies to what they keep.

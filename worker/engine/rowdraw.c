@@ -415,7 +415,8 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
     if (has_nan < 0) has_nan = ls_block_max(row, n, d.block_max);
     if (has_nan) return LS_NOT_SERVED;
     d.peak = -INFINITY;
-    for (int64_t b = 0; b < n_blocks; b++) d.peak = d.block_max[b] > d.peak ? d.block_max[b] : d.peak;
+    for (int64_t b = 0; b < n_blocks; b++)
+        if (d.block_max[b] > d.peak) d.peak = d.block_max[b];
     if (!isfinite(d.peak)) return LS_NOT_SERVED;
     double least = min_p > 0.0 ? (double)d.peak + log(min_p) : -INFINITY;
     int64_t token;

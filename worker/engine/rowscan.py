@@ -32,14 +32,14 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_block_max": ([_ROW, _LENGTH, _ROW], ctypes.c_int),
     "ls_gather": ([*_BAND, _ROW], ctypes.c_int64),
     "ls_count": (_BAND, ctypes.c_int64),
-    "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], ctypes.c_double),
-    "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], ctypes.c_double),
-    "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], ctypes.c_double),
+    "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], _REAL),
+    "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], _REAL),
+    "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], _REAL),
     "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW], ctypes.c_int),
     "ls_argmax_rows": ([_ROW, _LENGTH, _LENGTH, _ROW, _ROW], None),
     # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
-        [_ROW, _LENGTH, ctypes.c_double, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
+        [_ROW, _LENGTH, _REAL, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
         ctypes.c_int64,
     ),
     "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
