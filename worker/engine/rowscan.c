@@ -36,14 +36,15 @@ static float block_max_plain(const float *x, int64_t len, int *nan) {
 }
 
 /* The tokens of row[0..len) (ids first_id on) in the band low <= x < high: their ids into ids
- * (unless NULL); returns how many. */
+ * (unless NULL); returns how many. Only those ids are written: rowdraw.c gathers bands one
+ * after another into one array, whose room ends with the last of them. */
 static int64_t band_plain(const float *row, int64_t len, int32_t first_id, float low, float high,
                           int32_t *ids) {
     int64_t found = 0;
     for (int64_t i = 0; i < len; i++) {
-        int in = (row[i] >= low) & (row[i] < high);
+        if (!((row[i] >= low) & (row[i] < high))) continue;
         if (ids) ids[found] = first_id + (int32_t)i;
-        found += in;
+        found++;
     }
     return found;
 }
