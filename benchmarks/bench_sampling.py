@@ -38,7 +38,13 @@ from loomserve.cli.default_model import resolve_model
 from loomserve.protocol import Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
-from loomserve.worker.engine.sampling import HostSampler, Sampler, llama_chain
+from loomserve.worker.engine.sampling import (
+    MAX_SAMPLING_THREADS,
+    HostSampler,
+    Sampler,
+    SamplingThreads,
+    llama_chain,
+)
 from loomserve.worker.tick.loop import TickLoop
 
 MIXES: dict[str, dict] = {
@@ -154,9 +160,19 @@ def per_token(
     return results
 
 
-def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> tuple[float, float]:
-    """Median milliseconds per tick (outside llama_decode, in it), every slot generating."""
+def per_tick(
+    engine: Engine,
+    config: WorkerConfig,
+    fields: dict,
+    ticks: int,
+    sampling_threads: int | None = None,
+) -> tuple[float, float]:
+    """Median milliseconds per tick (outside llama_decode, in it), every slot generating;
+    `sampling_threads` draw the host's rows where given (else the worker's own number)."""
     loop = TickLoop(engine, config, Nowhere())
+    if sampling_threads is not None:
+        loop.sampling_threads.close()
+        loop.sampling_threads = SamplingThreads(sampling_threads, limit=sampling_threads)
     decode_seconds = [0.0]
     decode = engine.decode
 
@@ -185,6 +201,7 @@ def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> 
         loop.tick(block=False)
     finally:
         engine.decode = decode  # type: ignore[method-assign]
+        loop.sampling_threads.close()
     return statistics.median(host) * 1000, statistics.median(in_decode) * 1000
 
 
@@ -194,7 +211,15 @@ def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> 
 @click.option("--slots", type=int, default=64, help="Rows per tick, and slots of the loop.")
 @click.option("--reps", type=int, default=5, help="Runs per per-token figure (median shown).")
 @click.option("--ticks", type=int, default=20, help="Ticks per per-tick figure (median).")
-def main(model: str | None, threads: int, slots: int, reps: int, ticks: int) -> None:
+@click.option(
+    "--sampling-threads",
+    default="",
+    help="Also the host sampler's time per tick with each of these numbers of sampling "
+    f"threads, comma-separated (the worker's: --threads, at most {MAX_SAMPLING_THREADS}).",
+)
+def main(
+    model: str | None, threads: int, slots: int, reps: int, ticks: int, sampling_threads: str
+) -> None:
     # The loop logs every finish; only the figures belong on the screen.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     config = WorkerConfig(
@@ -230,6 +255,10 @@ def main(model: str | None, threads: int, slots: int, reps: int, ticks: int) -> 
         figures = (host, host_decode, graph, graph_decode)
         print(f"{name:42} " + " ".join(f"{figure:17.2f}" for figure in figures))
     backend_engine.close()
+    for n in [int(part) for part in sampling_threads.split(",") if part]:
+        print(f"\nper tick, host sampler, {n} sampling threads (ms outside llama_decode)")
+        for name, fields in MIXES.items():
+            print(f"{name:42} {per_tick(engine, config, fields, ticks, n)[0]:17.2f}")
     engine.close()
 
 

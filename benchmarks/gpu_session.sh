@@ -31,6 +31,15 @@ if [ ! -f "$MODEL" ]; then
     PYTHONPATH=/tmp/site:$R python3 -m benchmarks.gpu_model "$MODEL" > "$OUT/model.log" 2>&1 &
     model_writer=$!
 fi
+# The host sampler's C draw (worker/engine/rowscan.c, rowdraw.c; pip builds it elsewhere) for
+# this machine's Python, and what its CPU offers it (a flat row's top-p wants AVX-512).
+if [ -f worker/engine/rowscan.c ]; then
+    suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+    gcc -O3 -shared -fPIC -o "worker/engine/_rowscan$suffix" worker/engine/rowscan.c \
+        worker/engine/rowdraw.c -lm || exit 1
+fi
+grep -m1 'model name' /proc/cpuinfo
+grep -o -m1 -w 'avx512f' /proc/cpuinfo || echo "no avx512f"
 bash .gpu/build.sh || exit 1
 # Its own PID: a bare `wait` (bash 5.1 on) also waits for the `tee` above, which never ends;
 # that hung a whole 10-minute call once.
@@ -62,8 +71,9 @@ if want host; then
     stamp "loomserve, host sampler"
 fi
 if want per-tick; then
-    timeout 40 python3 -m benchmarks.bench_sampling --model "$MODEL" --threads 8 --slots 64 \
-        --reps 3 --ticks 10 2>"$OUT/per-tick.log" | tee "$OUT/per-tick.txt"
+    python3 -c 'from loomserve.worker.engine import rowscan; print("rowscan isa", rowscan.library() and rowscan.library().ls_isa())'
+    timeout 120 python3 -m benchmarks.bench_sampling --model "$MODEL" --threads 8 --slots 64 \
+        --reps 3 --ticks 10 --sampling-threads 1,8,16 2>"$OUT/per-tick.log" | tee "$OUT/per-tick.txt"
     stamp "per tick"
 fi
 if want llama-server; then

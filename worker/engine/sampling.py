@@ -226,11 +226,11 @@ class HostSampler:
 
 
 class SamplingThreads:
-    """n threads (at most MAX_SAMPLING_THREADS) that draw a tick's host-sampled rows: the
-    tick's own and n - 1 helpers."""
+    """n threads (at most `limit`) that draw a tick's host-sampled rows: the tick's own and
+    n - 1 helpers."""
 
-    def __init__(self, n: int) -> None:
-        self.n = min(max(1, n), MAX_SAMPLING_THREADS)
+    def __init__(self, n: int, limit: int = MAX_SAMPLING_THREADS) -> None:
+        self.n = min(max(1, n), limit)
         self.pool = (
             ThreadPoolExecutor(self.n - 1, thread_name_prefix="sampling") if self.n > 1 else None
         )
