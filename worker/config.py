@@ -66,7 +66,8 @@ class WorkerConfig:
         help=(
             "Sample inside llama_decode, on the device (llama.cpp's backend sampling) for "
             "requests without a grammar, logprobs, logit bias or penalties; auto: where the "
-            "whole model runs on a GPU."
+            "whole model runs on a GPU and the host has no C draw (x86-64 with AVX2 or "
+            "AVX-512 has one, and it is the faster: docs/gpu.md)."
         ),
         choices=BACKEND_SAMPLING_MODES,
     )

@@ -61,21 +61,22 @@ def test_auto_keeps_a_cpu_model_on_the_host_sampler(tiny_model_path):
 
 
 @pytest.mark.parametrize(
-    ("mode", "gpu_layers", "expected"),
+    ("mode", "gpu_layers", "draws_in_c", "expected"),
     [
-        ("auto", 0, False),  # a CPU build
-        ("auto", 3, False),  # part of the model offloaded: the output layer stays on the CPU
-        ("auto", 5, True),  # every layer and the output (n_layers + 1)
-        ("on", 0, True),
-        ("off", 5, False),
+        ("auto", 0, False, False),  # a CPU build
+        ("auto", 3, False, False),  # part of the model offloaded: the output stays on the CPU
+        ("auto", 5, False, True),  # every layer and the output (n_layers + 1), numpy's draw
+        ("auto", 5, True, False),  # the same, but the host draws in C: faster than the graph
+        ("on", 0, True, True),
+        ("off", 5, False, False),
     ],
 )
-def test_auto_samples_in_the_graph_only_where_the_whole_model_is_on_a_gpu(
-    tiny_model_path, mode, gpu_layers, expected
+def test_auto_samples_in_the_graph_only_where_the_graph_is_the_faster(
+    tiny_model_path, mode, gpu_layers, draws_in_c, expected
 ):
     model = ModelDescription("m", "llama", "", 0, 0, 4, 300, 256, gpu_layers)
     config = WorkerConfig(model_path=tiny_model_path, backend_sampling=mode)
-    assert Engine._backend_sampling(config, model) is expected
+    assert Engine._backend_sampling(config, model, draws_in_c) is expected
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ import structlog
 
 from loomserve.protocol import SamplingParams
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.backend_sampling import (
     BackendSampler,
     GraphChains,
@@ -102,7 +103,7 @@ class Engine:
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
         self._eval_callback = eval_callback  # held: the C side keeps only a pointer
-        in_graph = self._backend_sampling(config, self.description)
+        in_graph = self._backend_sampling(config, self.description, rowscan.library() is not None)
         self.ctx = self._new_context(config, in_graph)
         # Which sampler chain each sequence has in the graph (backend sampling only).
         self.graph_chains = GraphChains(self.ctx) if in_graph else None
@@ -135,13 +136,15 @@ class Engine:
         return 999 if config.gpu_layers < 0 else config.gpu_layers
 
     @staticmethod
-    def _backend_sampling(config: WorkerConfig, model: ModelDescription) -> bool:
+    def _backend_sampling(config: WorkerConfig, model: ModelDescription, draws_in_c: bool) -> bool:
         """Whether eligible requests sample inside llama_decode (backend_sampling.py): on, or
-        auto where the whole model runs on a GPU. The logits come from the output layer,
-        which llama.cpp offloads only with every layer; where it stays on the CPU, so would
-        the graph's sampling, and on a CPU the host sampler is faster."""
+        auto where the whole model runs on a GPU and the host has no C draw (rowscan.c: x86-64
+        with AVX2 or AVX-512). The logits come from the output layer, which llama.cpp
+        offloads only with every layer; where it stays on the CPU, so would the graph's
+        sampling, and on a CPU the host sampler is faster. On a GPU the C draw beat the graph
+        too, at every mix (an H100, 64 slots: docs/gpu.md); numpy's draw did not."""
         mode = config.backend_sampling
-        if mode == "off" or (mode == "auto" and model.gpu_layers <= model.n_layers):
+        if mode == "off" or (mode == "auto" and (model.gpu_layers <= model.n_layers or draws_in_c)):
             return False
         if not backend_sampling_available():
             if mode == "on":
