@@ -411,6 +411,32 @@ def test_draw_token_is_the_same_from_the_same_generator_state():
         assert len(set(runs[0])) > 5  # drawn, not the argmax again and again
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_draw_tokens_are_draw_token_row_by_row(strided):
+    """draw_tokens (a tick's plain rows in one call) gives each row the token and head mass
+    that draw_token gives it, from the same generator state, tick after tick: through
+    ls_draw_rows, through a call per row where the logits are not contiguous, and through
+    candidates() for a row the C leaves (NaN)."""
+    cuts = [cut for cut, margin in CUTS.values() if margin is None]
+    logits = np.stack([_logits(seed) for seed in range(len(cuts))])
+    logits[2, 5] = np.nan
+    if strided:
+        logits = np.repeat(logits, 2, axis=1)[:, ::2]
+    rows = list(range(len(cuts)))[::-1]  # not in the logits' order
+    cuts = cuts[::-1]
+    batched = [np.random.default_rng(row) for row in rows]
+    each = [np.random.default_rng(row) for row in rows]
+    hints = [1.0] * len(rows)
+    for _ in range(5):
+        drawn = draw_module.draw_tokens(logits, rows, cuts, batched, hints)
+        expected = [
+            draw_token(logits[row], cut, rng, hint)
+            for row, cut, rng, hint in zip(rows, cuts, each, hints, strict=True)
+        ]
+        assert drawn == expected
+        hints = [mass for _, mass in drawn]
+
+
 def test_draw_token_on_rows_without_a_finite_peak():
     rng = np.random.default_rng(0)
     for row in (np.full(N_VOCAB, np.nan, np.float32), np.full(N_VOCAB, -np.inf, np.float32)):

@@ -165,6 +165,30 @@ def test_draws_are_the_same_under_every_instruction_set(isa):
     assert len({drawn[0] for drawn in here}) > 20
 
 
+def test_rows_drawn_in_one_call_are_each_rows_draw(isa):
+    """ls_draw_rows: each row's token and head mass are ls_draw's for that row, seed and
+    settings, in any order of rows and with a row twice; a row ls_draw leaves gives -1."""
+    logits = np.stack([_row(4096 + 17, seed) for seed in range(6)])
+    logits[4, 100] = np.nan
+    rows = np.array([3, 0, 4, 5, 3, 1, 2])
+    cuts = [(1.0, 0, 1.0, 0.0, 4.0), (0.8, 40, 0.95, 0.05, 4.0), (0.7, 0, 0.95, 0.0, 4.0),
+            (1.0, 0, 1.0, 0.1, 2.0), (1.2, 3, 1.0, 0.0, 4.0), (1.0, 0, 1.0, 0.0, 9.0),
+            (0.5, 0, 0.5, 0.0, 4.0)]  # fmt: skip
+    seeds = np.arange(7, dtype=np.uint64) * 1_000_003
+    drawn = rowscan.draw_rows(logits, rows, np.array(cuts), seeds)
+    assert drawn is not None
+    for i, row in enumerate(rows):
+        alone = rowscan.draw(logits[row], *cuts[i], int(seeds[i]))
+        if alone is None:  # the NaN row; without AVX-512 a flat row's top-p alone too
+            assert drawn.tokens[i] == -1
+        else:
+            assert (drawn.tokens[i], drawn.head_mass[i]) == (alone.token, alone.head_mass)
+    assert drawn.tokens[2] == -1  # row 4: NaN
+    with pytest.raises(ValueError, match="outside"):
+        rowscan.draw_rows(logits, np.array([6]), np.array(cuts[:1]), seeds[:1])
+    assert rowscan.draw_rows(logits[:, ::2], rows, np.array(cuts), seeds) is None  # strided
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_argmax_rows_is_numpys_argmax(isa, size):
     """The first largest logit's index, or the first NaN's, as numpy's argmax gives it: ties

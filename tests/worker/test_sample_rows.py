@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from loomserve.protocol import SamplingParams
+from loomserve.worker.engine import sampling
+from loomserve.worker.engine.draw import draw_tokens
 from loomserve.worker.engine.sampling import (
     MAX_SAMPLING_THREADS,
     PARALLEL_ARGMAX_ROWS,
@@ -90,28 +92,70 @@ def test_sampling_threads_stop_at_the_most_that_still_pay():
         few.close()
 
 
-def test_two_host_rows_already_share_the_threads():
+def test_two_host_rows_already_share_the_threads(monkeypatch):
     """Two host-sampled rows are already shared out, one to the helper thread. With
     llama.cpp's OpenMP threads no longer spinning after the decode (worker/openmp.py), two
     threads draw even a few rows sooner than one (measured at 2 and 4 rows)."""
 
-    where: list[str] = []
+    where: list[tuple[str, int]] = []
 
-    class Recorded(HostSampler):
-        def sample(self, batch_index: int, logits: np.ndarray) -> int:
-            where.append(threading.current_thread().name)
-            return super().sample(batch_index, logits)
+    def recorded(logits, rows, *rest):
+        where.append((threading.current_thread().name, len(rows)))
+        return draw_tokens(logits, rows, *rest)
 
+    monkeypatch.setattr(sampling, "draw_tokens", recorded)
     logits = np.random.default_rng(1).standard_normal((2, 500)).astype(np.float32)
-    samplers = [Recorded(SamplingParams(temperature=1.0, seed=row), 64) for row in range(2)]
+    samplers = [HostSampler(SamplingParams(temperature=1.0, seed=row), 64) for row in range(2)]
     threads = SamplingThreads(2)
     try:
         sample_rows(samplers, [0, 1], logits, threads)
     finally:
         threads.close()
-    assert len(where) == 2
-    assert threading.current_thread().name in where
-    assert any(name.startswith("sampling") for name in where)
+    assert sorted(n for _, n in where) == [1, 1]
+    assert threading.current_thread().name in [name for name, _ in where]
+    assert any(name.startswith("sampling") for name, _ in where)
+
+
+def test_a_threads_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeypatch):
+    """Each thread draws its share of the plain rows (sampled, no bias or penalties) in one
+    call into C; the tokens are those each sampler's sample() gives its row alone, tick after
+    tick, beside rows with penalties and a logit bias (drawn one by one) and greedy rows."""
+    calls: list[int] = []
+
+    def counted(logits, rows, *rest):
+        calls.append(len(rows))
+        return draw_tokens(logits, rows, *rest)
+
+    monkeypatch.setattr(sampling, "draw_tokens", counted)
+    mixes = [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_p": 0.95},
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+        {"temperature": 1.0, "min_p": 0.1},
+        {"temperature": 1.0, "frequency_penalty": 0.5},
+        {"temperature": 1.0, "logit_bias": {3: 2.0}},
+        {"temperature": 0.0},
+    ]
+    n_rows = 2 * len(mixes)
+
+    def samplers() -> list[HostSampler]:
+        return [
+            HostSampler(SamplingParams(seed=row, **mixes[row % len(mixes)]), 256)
+            for row in range(n_rows)
+        ]
+
+    alone, together = samplers(), samplers()
+    rng = np.random.default_rng(9)
+    threads = SamplingThreads(3)
+    try:
+        for _ in range(4):
+            logits = (rng.standard_normal((n_rows, 3000)) * 3).astype(np.float32)
+            calls.clear()
+            tokens = sample_rows(together, list(range(n_rows)), logits, threads)
+            assert tokens == [s.sample(0, row) for s, row in zip(alone, logits, strict=True)]
+            assert sorted(calls) == [2, 3, 3]  # 8 plain rows over 3 threads, a call each
+    finally:
+        threads.close()
 
 
 @pytest.mark.parametrize("n_threads", [2, 3])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,6 +157,44 @@ def draw_token(
         return drawn.token, drawn.head_mass
     found = candidates(row, cut, margin, mass_hint)
     return found.pick(rng), found.head_mass
+
+
+def draw_tokens(
+    logits: np.ndarray,
+    rows: Sequence[int],
+    cuts: Sequence[Truncation],
+    rngs: Sequence[np.random.Generator],
+    mass_hints: Sequence[float],
+) -> list[tuple[int, float]]:
+    """draw_token() for rows[i] of `logits` with cuts[i], rngs[i] and mass_hints[i], the same
+    tokens: one call to rowdraw.c for them all (one GIL hand-over, not one a row), then
+    candidates() and pick() for any row it left."""
+    n_vocab = logits.shape[1]
+    seeds = np.array([rng.bit_generator.random_raw() for rng in rngs], dtype=np.uint64)
+    settings = np.array(
+        [
+            (cut.temperature, cut.top_k, cut.top_p, cut.min_p, _span(n_vocab, None, hint))
+            for cut, hint in zip(cuts, mass_hints, strict=True)
+        ],
+        dtype=np.float64,
+    ).reshape(len(rows), 5)
+    drawn = rowscan.draw_rows(logits, np.asarray(rows, dtype=np.int64), settings, seeds)
+    tokens = [-1] * len(rows) if drawn is None else drawn.tokens.tolist()
+    masses = [0.0] * len(rows) if drawn is None else drawn.head_mass.tolist()
+    results = []
+    for i, row in enumerate(rows):
+        cut, token, mass = cuts[i], tokens[i], masses[i]
+        if drawn is None:  # logits the batched call cannot read: a call for the row alone
+            one = rowscan.draw(
+                logits[row], cut.temperature, cut.top_k, cut.top_p, cut.min_p,
+                float(settings[i, 4]), int(seeds[i]),
+            )  # fmt: skip
+            token, mass = (one.token, one.head_mass) if one is not None else (-1, 0.0)
+        if token < 0:
+            found = candidates(logits[row], cut, None, mass_hints[i])
+            token, mass = found.pick(rngs[i]), found.head_mass
+        results.append((token, mass))
+    return results
 
 
 def _span(n_vocab: int, margin: float | None, mass_hint: float) -> float:

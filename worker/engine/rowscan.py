@@ -42,6 +42,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         [_ROW, _LENGTH, _REAL, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
         ctypes.c_int64,
     ),
+    # logits, n, count, rows, settings, seeds, scratch, tokens, what each found
+    "ls_draw_rows": ([_ROW, _LENGTH, _LENGTH, _ROW, _ROW, _ROW, _ROW, _ROW, _ROW], None),
     "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
     "ls_draw_ids_at": ([_LENGTH], _LENGTH),
     "ls_limit_isa": ([ctypes.c_int], None),
@@ -192,6 +194,47 @@ def draw(
         found,
     )
     return None if token < 0 else Drawn(int(token), found[0], int(found[1]))
+
+
+class DrawnRows(NamedTuple):
+    """What ls_draw_rows found, a row each."""
+
+    tokens: np.ndarray  # int64, one a row; -1 where draw() would have given None
+    head_mass: np.ndarray  # float64, as Drawn's
+
+
+def draw_rows(
+    logits: np.ndarray, rows: np.ndarray, settings: np.ndarray, seeds: np.ndarray
+) -> DrawnRows | None:
+    """draw() for several rows of `logits` (one row of logits each) in one call: rows[i]'s
+    token with settings[i] (temperature, top_k, top_p, min_p, span: float64) and seeds[i]
+    (uint64). None where it cannot serve at all: no library, or logits that are not
+    contiguous float32."""
+    lib = library()
+    if lib is None or not _plain(logits) or logits.ndim != 2:
+        return None
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    settings = np.ascontiguousarray(settings, dtype=np.float64)
+    seeds = np.ascontiguousarray(seeds, dtype=np.uint64)
+    if settings.shape != (len(rows), 5) or seeds.shape != rows.shape:
+        raise ValueError("a row's settings are five numbers, and its seed one")
+    if rows.size and not (rows.min() >= 0 and rows.max() < len(logits)):
+        raise ValueError("rows outside the logits")  # C would read past them
+    n = logits.shape[1]
+    tokens = np.empty(len(rows), dtype=np.int64)
+    found = np.empty((len(rows), 2), dtype=np.float64)
+    lib.ls_draw_rows(
+        logits.ctypes.data,
+        n,
+        len(rows),
+        rows.ctypes.data,
+        settings.ctypes.data,
+        seeds.ctypes.data,
+        _draw_scratch(lib, n),
+        tokens.ctypes.data,
+        found.ctypes.data,
+    )
+    return DrawnRows(tokens, found[:, 0])
 
 
 def draw_candidates(

@@ -45,7 +45,7 @@ from loomserve.worker.engine.backend_sampling import (
     drawing_stages,
     sampler_chain,
 )
-from loomserve.worker.engine.draw import Truncation, draw_token
+from loomserve.worker.engine.draw import Truncation, draw_token, draw_tokens
 from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
 from loomserve.worker.engine.logprobs import adjusted_logits
 from loomserve.worker.sched.slots import TokenSampler
@@ -208,6 +208,31 @@ class HostSampler:
     def plain_greedy(self) -> bool:
         return self._cut is None and not self._adjusts
 
+    @property
+    def draws_plain(self) -> bool:
+        """Whether its rows are drawn as they come (sampled, with no bias or penalties): such
+        rows of a tick are drawn together (draw_rows)."""
+        return self._cut is not None and not self._adjusts
+
+    @staticmethod
+    def draw_rows(
+        samplers: Sequence[HostSampler], rows: Sequence[int], logits: np.ndarray
+    ) -> list[int]:
+        """sample() for each of `samplers` (all draws_plain) with its row of `logits`, the
+        same tokens, in one call into C for them all."""
+        if not samplers:
+            return []
+        drawn = draw_tokens(
+            logits,
+            rows,
+            [sampler._cut for sampler in samplers if sampler._cut is not None],
+            [sampler._rng for sampler in samplers],
+            [sampler._mass for sampler in samplers],
+        )
+        for sampler, (_, mass) in zip(samplers, drawn, strict=True):
+            sampler._mass = mass
+        return [token for token, _ in drawn]
+
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token for this row of logits (batch_index is not needed: the row is given)."""
         scores = logits
@@ -252,9 +277,9 @@ def sample_rows(
 
     When at least half the rows are plain greedy, one argmax over all rows serves them (the
     rest is wasted work, cheaper than copying the greedy rows out); the others, and every
-    row otherwise, go through their own sampler. With threads, the host sampler's rows are
-    shared out among them: a draw lets go of the GIL (rowdraw.c; numpy while it reads a row),
-    and each row's sampler is its own (no two threads touch one).
+    row otherwise, go through their own sampler. The host sampler's rows are shared out
+    among the threads, each thread's plain draws in one call into C (HostSampler.draw_rows),
+    which holds no GIL; no two threads touch one sampler.
     """
     n_greedy = sum(sampler.plain_greedy for sampler in samplers)
     if 2 * n_greedy < len(samplers):
@@ -263,19 +288,32 @@ def sample_rows(
     else:
         tokens = _argmax_rows(logits, threads)
         rest = [row for row, sampler in enumerate(samplers) if not sampler.plain_greedy]
+    plain: list[tuple[int, HostSampler]] = []  # drawn together
+    one_by_one: list[int] = []  # a bias or penalties: a copy of the row each
+    for row in rest:
+        sampler = samplers[row]
+        if isinstance(sampler, HostSampler):
+            if sampler.draws_plain:
+                plain.append((row, sampler))
+            else:
+                one_by_one.append(row)
 
-    def sample(rows: Sequence[int]) -> None:
-        for row in rows:
+    def sample(share: int, n_shares: int) -> None:
+        drawn = plain[share::n_shares]
+        rows = [row for row, _ in drawn]
+        chosen = HostSampler.draw_rows([sampler for _, sampler in drawn], rows, logits)
+        for row, token in zip(rows, chosen, strict=True):
+            tokens[row] = token
+        for row in one_by_one[share::n_shares]:
             tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
 
-    if threads is None or threads.pool is None or len(rest) < PARALLEL_ROWS:
-        sample(rest)
-        return tokens
-    host = [row for row in rest if isinstance(samplers[row], HostSampler)]
-    parts = [host[i :: threads.n] for i in range(threads.n)]
-    futures = [threads.pool.submit(sample, part) for part in parts[1:] if part]
-    sample(parts[0])
-    sample([row for row in rest if not isinstance(samplers[row], HostSampler)])
+    pool = None if threads is None or len(plain) + len(one_by_one) < PARALLEL_ROWS else threads.pool
+    n_shares = 1 if threads is None or pool is None else threads.n
+    futures = [pool.submit(sample, share, n_shares) for share in range(1, n_shares)] if pool else []
+    sample(0, n_shares)
+    for row in rest:  # grammars' and the graph's rows: llama.cpp's, on the tick's thread
+        if not isinstance(samplers[row], HostSampler):
+            tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
     for future in futures:
         future.result()
     return tokens
