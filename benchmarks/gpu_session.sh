@@ -7,7 +7,7 @@
 #   here:  bash ../shared/gpu/make-kit.sh
 #   there: bash benchmarks/gpu_session.sh          (run(..., carry=[".gpu"], timeout_s=595))
 #
-# STEPS picks the measurements (default: all of "auto host per-tick llama-server"); the build
+# STEPS picks the measurements (default: all of "auto graph per-tick llama-server"); the build
 # and the model always come first.
 #
 # A process whose first native library is not llama.cpp's dies with SIGSEGV at model load on
@@ -18,7 +18,7 @@ set -u
 R=$(pwd)
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/m1b262k.gguf}
-STEPS=" ${STEPS:-auto host per-tick llama-server} "
+STEPS=" ${STEPS:-auto graph per-tick llama-server} "
 want() { [[ $STEPS == *" $1 "* ]]; }
 mkdir -p "$OUT"
 exec > >(tee "$OUT/session.log") 2>&1
@@ -63,12 +63,12 @@ bench="$bench --concurrency 64 --prompts-per-stream 3"
 if want auto; then
     timeout 200 $bench --only ceiling,loomserve --loads greedy,t1,topp --out "$OUT/graph"
     grep -o -m1 '"sampling": "[a-z]*"' "$OUT/graph/loomserve.log"
-    stamp "loomserve, sampling as auto chooses"
+    stamp "loomserve, sampling where auto puts it"
 fi
-if want host; then
-    timeout 90 $bench --only loomserve --loads t1 --loomserve-args "--backend-sampling off" \
-        --out "$OUT/host"
-    stamp "loomserve, host sampler"
+if want graph; then
+    timeout 120 $bench --only loomserve --loads greedy,t1 --loomserve-args "--backend-sampling on" \
+        --out "$OUT/in-graph"
+    stamp "loomserve, sampled in the graph"
 fi
 if want per-tick; then
     python3 -c 'from loomserve.worker.engine import rowscan; print("rowscan isa", rowscan.library() and rowscan.library().ls_isa())'

@@ -61,11 +61,12 @@ PARALLEL_ROWS = 2
 # 4.2 ms on two threads against 6.8 on one; at 16, 0.8 against 1.1; under that one thread is
 # quicker. rowscan's argmax in C since: a greedy tick of 64 rows 4.4 ms against 5.3-5.5.
 PARALLEL_ARGMAX_ROWS = 16
-# More threads than this drew a tick's rows more slowly, not faster, when a draw was numpy's
-# calls with the GIL held between them and the threads queued for it. Measured on an H100
-# machine's 16 cores (64 rows of T 0.7 + top_p 0.95, host work per tick): 1 thread 47 ms, 4
-# threads 26, 8 threads 32, 16 threads 40 (docs/gpu.md). A draw is now one call into C that
-# holds no GIL (rowdraw.c), so more might pay there: not measured since.
+# More threads than this drew a tick's rows more slowly, not faster. Measured on an H100
+# machine's 16 cores (64 rows, host work per tick, docs/gpu.md): with numpy's draws, T 0.7 +
+# top_p 0.95 took 47 ms on 1 thread, 26 on 4, 32 on 8, 40 on 16; with the C draw, a call a
+# row, 16.9, 9.1, 10.3 and 10.4 (temperature 1: 14.9, 8.4, 10.7, 10.7): each call takes the
+# GIL back. A thread's draws are one call since (ls_draw_rows); whether more threads pay now
+# is not measured.
 MAX_SAMPLING_THREADS = 4
 # A greedy pick the grammar refused: this many of the next best are checked one at a time
 # before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
