@@ -7,7 +7,8 @@ the numbers.
 Two figures:
 - per token: one token sampled from one row of logits, by llama.cpp's sampler chain (what
   loomserve ran before, and what grammar requests still run) and by the host sampler
-  (worker/engine/draw.py), for each mix of settings; the rows are those of one forward pass over
+  (worker/engine/draw.py) as a tick draws them on one thread (sample_rows: the sampled rows
+  in one call into C), for each mix of settings; the rows are those of one forward pass over
   `--slots` different prompts, as a tick's are: at the ends of prompts of random words (as
   the HTTP benchmarks send), after each has generated GENERATED tokens from them, and at
   the ends of prompts cut from prose (real text: mostly peaked rows).
@@ -44,6 +45,7 @@ from loomserve.worker.engine.sampling import (
     Sampler,
     SamplingThreads,
     llama_chain,
+    sample_rows,
 )
 from loomserve.worker.tick.loop import TickLoop
 
@@ -139,23 +141,31 @@ def per_token(
     engine: Engine, indices: list[int], logits: np.ndarray, reps: int
 ) -> dict[str, tuple[float, float]]:
     """Median microseconds per sampled token: (llama.cpp chain, host sampler), per mix, over
-    the rows of the last pass (`indices` in it, `logits` copied from it)."""
+    the rows of the last pass (`indices` in it, `logits` copied from it). The host sampler
+    draws the rows as a tick does on one thread (sample_rows: greedy rows' argmax, the
+    sampled rows in one call into C), each row with its own sampler, after one untimed draw
+    that gives each its hint of the row's mass."""
     slots = len(indices)
     results = {}
     for name, fields in MIXES.items():
-        params = SamplingParams(max_tokens=16, seed=1, **fields)
+        params = SamplingParams(max_tokens=16, **fields)
         timings: dict[str, list[float]] = {"chain": [], "host": []}
-        for _ in range(reps):
+        for rep in range(reps):
             chain = Sampler(
                 None if params.greedy else llama_chain(params, engine.n_vocab, 4096), engine.ctx
             )
-            host = HostSampler(params, 4096)
-            for label, sampler in (("chain", chain), ("host", host)):
-                started = time.perf_counter()
-                for row, index in enumerate(indices):
-                    sampler.sample(index, logits[row])
-                timings[label].append((time.perf_counter() - started) / slots * 1e6)
+            started = time.perf_counter()
+            for row, index in enumerate(indices):
+                chain.sample(index, logits[row])
+            timings["chain"].append((time.perf_counter() - started) / slots * 1e6)
             chain.close()
+            host = [
+                HostSampler(replace(params, seed=rep * slots + row), 4096) for row in range(slots)
+            ]
+            sample_rows(host, indices, logits)
+            started = time.perf_counter()
+            sample_rows(host, indices, logits)
+            timings["host"].append((time.perf_counter() - started) / slots * 1e6)
         results[name] = (statistics.median(timings["chain"]), statistics.median(timings["host"]))
     return results
 
