@@ -33,11 +33,12 @@ def test_bench_worker_runs_the_engine_and_the_tick_loop(tiny_model_path: Path) -
 def test_bench_sampling_measures_every_setting_on_both_paths(tiny_model_path: Path) -> None:
     out = run_benchmark(
         "benchmarks.bench_sampling", "--model", str(tiny_model_path), "--slots", "2",
-        "--reps", "1", "--ticks", "2", "--threads", "1",
+        "--reps", "1", "--ticks", "2", "--threads", "1", "--sampling-threads", "2",
     )  # fmt: skip
     assert "per tick at 2 generating slots" in out
+    assert "per tick, host sampler, 2 sampling threads" in out
     for setting in ("greedy", "temperature 1", "temperature 0.7, top_p 0.95"):
-        assert any(line.startswith(setting) for line in out.splitlines())
+        assert sum(line.startswith(setting) for line in out.splitlines()) == 5  # 3 + 1 + 1
 
 
 @pytest.mark.parametrize("requests", ["2", "1,3"])
