@@ -43,7 +43,6 @@ from loomserve.worker.engine.sampling import (
     MAX_SAMPLING_THREADS,
     HostSampler,
     Sampler,
-    SamplingThreads,
     llama_chain,
     sample_rows,
 )
@@ -179,10 +178,9 @@ def per_tick(
 ) -> tuple[float, float]:
     """Median milliseconds per tick (outside llama_decode, in it), every slot generating;
     `sampling_threads` draw the host's rows where given (else the worker's own number)."""
-    loop = TickLoop(engine, config, Nowhere())
     if sampling_threads is not None:
-        loop.sampling_threads.close()
-        loop.sampling_threads = SamplingThreads(sampling_threads, limit=sampling_threads)
+        config = replace(config, sampling_threads=sampling_threads)
+    loop = TickLoop(engine, config, Nowhere())
     decode_seconds = [0.0]
     decode = engine.decode
 

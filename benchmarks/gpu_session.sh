@@ -7,7 +7,7 @@
 #   here:  bash ../shared/gpu/make-kit.sh
 #   there: bash benchmarks/gpu_session.sh          (run(..., carry=[".gpu"], timeout_s=595))
 #
-# STEPS picks the measurements (default: all of "auto graph per-tick llama-server"); the build
+# STEPS picks the measurements (default "auto threads per-tick graph"; "llama-server" too); the build
 # and the model always come first.
 #
 # A process whose first native library is not llama.cpp's dies with SIGSEGV at model load on
@@ -18,7 +18,7 @@ set -u
 R=$(pwd)
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/m1b262k.gguf}
-STEPS=" ${STEPS:-auto graph per-tick llama-server} "
+STEPS=" ${STEPS:-auto threads per-tick graph} "
 want() { [[ $STEPS == *" $1 "* ]]; }
 mkdir -p "$OUT"
 exec > >(tee "$OUT/session.log") 2>&1
@@ -64,6 +64,11 @@ if want auto; then
     timeout 200 $bench --only ceiling,loomserve --loads greedy,t1,topp --out "$OUT/graph"
     grep -o -m1 '"sampling": "[a-z]*"' "$OUT/graph/loomserve.log"
     stamp "loomserve, sampling where auto puts it"
+fi
+if want threads; then
+    timeout 100 $bench --only loomserve --loads greedy,t1,topp --loomserve-args "--sampling-threads 8" \
+        --out "$OUT/threads-8"
+    stamp "loomserve, 8 sampling threads"
 fi
 if want graph; then
     timeout 120 $bench --only loomserve --loads greedy,t1 --loomserve-args "--backend-sampling on" \

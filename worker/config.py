@@ -56,6 +56,12 @@ class WorkerConfig:
         0,
         help="CPU threads for llama.cpp; 0 for all cores.",
     )
+    # 0: one a llama.cpp thread, up to sampling.py's MAX_SAMPLING_THREADS
+    sampling_threads: int = setting(
+        0,
+        help="Threads that draw a tick's host-sampled rows; 0: one per llama.cpp thread, at "
+        "most a few (docs/sampling.md).",
+    )
     flash_attn: str = setting(
         "auto",
         help="Flash attention; auto: where the backend has it, as llama-server does.",
@@ -317,6 +323,8 @@ class WorkerConfig:
             raise ValueError("tick_watchdog must be at least 1 second")
         if self.shutdown_timeout < 0 or self.gateway_timeout <= 0:
             raise ValueError("shutdown_timeout and gateway_timeout must not be negative")
+        if self.sampling_threads < 0:
+            raise ValueError("sampling_threads must not be negative")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         if self.flash_attn not in FLASH_ATTN_MODES:

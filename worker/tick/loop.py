@@ -124,8 +124,12 @@ class TickLoop:
         self.outputs = PendingOutputs()  # this tick's, sent at its end
         self.busy_since: float | None = None  # when this tick's work began (watchdog.py)
         self.kv_moves = KvMoves(engine, self.scheduler)
-        # The forward pass is over when rows are sampled: its threads draw them.
-        self.sampling_threads = SamplingThreads(config.n_threads)
+        # The forward pass is over when rows are sampled: its threads draw them, unless the
+        # operator chose how many.
+        chosen = config.sampling_threads
+        self.sampling_threads = (
+            SamplingThreads(chosen, limit=chosen) if chosen else SamplingThreads(config.n_threads)
+        )
         self.speculator = make_speculator(config, engine.split_rules)
         # Drafts ride in the tick's pass and are verified as it samples (drafting.py).
         self.drafting = Drafting(engine, self.scheduler, self.speculator, self.tick_cost, config)
