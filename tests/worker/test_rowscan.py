@@ -175,8 +175,8 @@ def test_rows_drawn_in_one_call_are_each_rows_draw(isa):
             (1.0, 0, 1.0, 0.1, 2.0), (1.2, 3, 1.0, 0.0, 4.0), (1.0, 0, 1.0, 0.0, 9.0),
             (0.5, 0, 0.5, 0.0, 4.0)]  # fmt: skip
     seeds = np.arange(7, dtype=np.uint64) * 1_000_003
+    assert rowscan.draws_rows(logits)
     drawn = rowscan.draw_rows(logits, rows, np.array(cuts), seeds)
-    assert drawn is not None
     for i, row in enumerate(rows):
         alone = rowscan.draw(logits[row], *cuts[i], int(seeds[i]))
         if alone is None:  # the NaN row; without AVX-512 a flat row's top-p alone too
@@ -186,7 +186,9 @@ def test_rows_drawn_in_one_call_are_each_rows_draw(isa):
     assert drawn.tokens[2] == -1  # row 4: NaN
     with pytest.raises(ValueError, match="outside"):
         rowscan.draw_rows(logits, np.array([6]), np.array(cuts[:1]), seeds[:1])
-    assert rowscan.draw_rows(logits[:, ::2], rows, np.array(cuts), seeds) is None  # strided
+    assert not rowscan.draws_rows(logits[:, ::2])  # strided: not rows it can read
+    with pytest.raises(ValueError, match="contiguous"):
+        rowscan.draw_rows(logits[:, ::2], rows, np.array(cuts), seeds)
 
 
 @pytest.mark.parametrize("size", SIZES)

@@ -169,6 +169,11 @@ def draw_tokens(
     """draw_token() for rows[i] of `logits` with cuts[i], rngs[i] and mass_hints[i], the same
     tokens: one call to rowdraw.c for them all (one GIL hand-over, not one a row), then
     candidates() and pick() for any row it left."""
+    if not rowscan.draws_rows(logits):  # a call a row, as draw_token makes it
+        return [
+            draw_token(logits[row], cut, rng, hint)
+            for row, cut, rng, hint in zip(rows, cuts, rngs, mass_hints, strict=True)
+        ]
     n_vocab = logits.shape[1]
     seeds = np.array([rng.bit_generator.random_raw() for rng in rngs], dtype=np.uint64)
     settings = np.array(
@@ -179,19 +184,11 @@ def draw_tokens(
         dtype=np.float64,
     ).reshape(len(rows), 5)
     drawn = rowscan.draw_rows(logits, np.asarray(rows, dtype=np.int64), settings, seeds)
-    tokens = [-1] * len(rows) if drawn is None else drawn.tokens.tolist()
-    masses = [0.0] * len(rows) if drawn is None else drawn.head_mass.tolist()
     results = []
-    for i, row in enumerate(rows):
-        cut, token, mass = cuts[i], tokens[i], masses[i]
-        if drawn is None:  # logits the batched call cannot read: a call for the row alone
-            one = rowscan.draw(
-                logits[row], cut.temperature, cut.top_k, cut.top_p, cut.min_p,
-                float(settings[i, 4]), int(seeds[i]),
-            )  # fmt: skip
-            token, mass = (one.token, one.head_mass) if one is not None else (-1, 0.0)
-        if token < 0:
-            found = candidates(logits[row], cut, None, mass_hints[i])
+    tokens, masses = drawn.tokens.tolist(), drawn.head_mass.tolist()
+    for i, (token, mass) in enumerate(zip(tokens, masses, strict=True)):
+        if token < 0:  # what the C leaves, as draw_token serves it
+            found = candidates(logits[rows[i]], cuts[i], None, mass_hints[i])
             token, mass = found.pick(rngs[i]), found.head_mass
         results.append((token, mass))
     return results

@@ -203,16 +203,21 @@ class DrawnRows(NamedTuple):
     head_mass: np.ndarray  # float64, as Drawn's
 
 
+def draws_rows(logits: np.ndarray) -> bool:
+    """Whether draw_rows can read these logits: the library is there, and they are rows of
+    contiguous float32."""
+    return library() is not None and logits.ndim == 2 and _plain(logits)
+
+
 def draw_rows(
     logits: np.ndarray, rows: np.ndarray, settings: np.ndarray, seeds: np.ndarray
-) -> DrawnRows | None:
-    """draw() for several rows of `logits` (one row of logits each) in one call: rows[i]'s
-    token with settings[i] (temperature, top_k, top_p, min_p, span: float64) and seeds[i]
-    (uint64). None where it cannot serve at all: no library, or logits that are not
-    contiguous float32."""
+) -> DrawnRows:
+    """draw() for several rows of `logits` (draws_rows(logits) must hold) in one call:
+    rows[i]'s token with settings[i] (temperature, top_k, top_p, min_p, span: float64) and
+    seeds[i] (uint64)."""
     lib = library()
-    if lib is None or not _plain(logits) or logits.ndim != 2:
-        return None
+    if lib is None or not draws_rows(logits):
+        raise ValueError("draw_rows needs the library and rows of contiguous float32")
     rows = np.ascontiguousarray(rows, dtype=np.int64)
     settings = np.ascontiguousarray(settings, dtype=np.float64)
     seeds = np.ascontiguousarray(seeds, dtype=np.uint64)
