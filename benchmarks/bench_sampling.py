@@ -169,17 +169,8 @@ def per_token(
     return results
 
 
-def per_tick(
-    engine: Engine,
-    config: WorkerConfig,
-    fields: dict,
-    ticks: int,
-    sampling_threads: int | None = None,
-) -> tuple[float, float]:
-    """Median milliseconds per tick (outside llama_decode, in it), every slot generating;
-    `sampling_threads` draw the host's rows where given (else the worker's own number)."""
-    if sampling_threads is not None:
-        config = replace(config, sampling_threads=sampling_threads)
+def per_tick(engine: Engine, config: WorkerConfig, fields: dict, ticks: int) -> tuple[float, float]:
+    """Median milliseconds per tick (outside llama_decode, in it), every slot generating."""
     loop = TickLoop(engine, config, Nowhere())
     decode_seconds = [0.0]
     decode = engine.decode
@@ -266,7 +257,8 @@ def main(
     for n in [int(part) for part in sampling_threads.split(",") if part]:
         print(f"\nper tick, host sampler, {n} sampling threads (ms outside llama_decode)")
         for name, fields in MIXES.items():
-            print(f"{name:42} {per_tick(engine, config, fields, ticks, n)[0]:17.2f}")
+            with_n = replace(config, sampling_threads=n)
+            print(f"{name:42} {per_tick(engine, with_n, fields, ticks)[0]:17.2f}")
     engine.close()
 
 
