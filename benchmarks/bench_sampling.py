@@ -33,8 +33,6 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# The worker's OpenMP settings, made before llama_cpp loads libgomp.
-import loomserve.worker.openmp  # noqa: F401
 from loomserve.cli.default_model import resolve_model
 from loomserve.protocol import Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig

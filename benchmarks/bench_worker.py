@@ -24,8 +24,6 @@ import click
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# The worker's OpenMP settings, made before llama_cpp loads libgomp.
-import loomserve.worker.openmp  # noqa: F401
 from loomserve.cli.default_model import resolve_model
 from loomserve.cli.logs import configure_logging
 from loomserve.gateway.text.tokenizer import Vocab

@@ -54,8 +54,9 @@ LINKS=${LINKS:-/tmp/ls}
 mkdir -p "$LINKS/loomserve"
 for d in cli gateway protocol worker; do ln -sfn "$R/$d" "$LINKS/loomserve/$d"; done
 mkdir -p /tmp/sc
-# OpenMP's short spin (worker/openmp.py) before libgomp loads, as the worker has it.
-printf '%s\n' "import loomserve.worker.openmp" "import llama_cpp" > /tmp/sc/sitecustomize.py
+# llama.cpp's libraries first, as the worker loads them (cli/main.py: a CUDA build crashed
+# at model load when other extension modules had loaded before it).
+printf '%s\n' "import llama_cpp" > /tmp/sc/sitecustomize.py
 export PYTHONPATH=/tmp/sc:$LINKS${PYTHONPATH:+:$PYTHONPATH}
 
 bench="python3 -m benchmarks.gpu_bench --model $MODEL --bin /tmp/k/build/bin --slots 64"

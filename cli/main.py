@@ -12,8 +12,6 @@ from __future__ import annotations
 # llama_model_load_from_file when numpy, msgpack and others had loaded before libllama (pyzmq
 # after it, as worker/server.py orders them); a process whose first import was llama_cpp
 # loaded the model and served. tests/e2e/test_import_order.py keeps this order.
-# Before it, OpenMP's settings: libgomp reads them when llama.cpp's libraries load it.
-import loomserve.worker.openmp  # noqa: F401
 import llama_cpp  # noqa: F401
 
 # isort: on

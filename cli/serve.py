@@ -27,6 +27,7 @@ import structlog
 from loomserve.cli.default_model import MODELS_MAX, NamedModel
 from loomserve.cli.models import ManagedModel, ModelManager
 from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
+from loomserve.worker.openmp import spin_environment
 
 log = structlog.get_logger(__name__)
 
@@ -92,6 +93,13 @@ def threads_per_worker(threads: int, workers: int) -> int:
     if threads or workers == 1:
         return threads
     return max(1, _cores() // workers)
+
+
+def shares_cores(plan: ServePlan) -> bool:
+    """Whether the threads of the workers that may run at once outnumber the cores: several
+    models loaded together, or --threads above each worker's share (worker/openmp.py)."""
+    at_once = plan.workers * min(len(plan.models), plan.models_max)
+    return at_once * (plan.options.get("threads") or _cores()) > _cores()
 
 
 def _cores() -> int:
@@ -192,6 +200,7 @@ def child_specs(
     model manager the workers start on demand."""
     workers = []
     numbered = 0
+    spin = spin_environment(os.environ, shares_cores(plan))
     for model, own in zip(plan.models, endpoints, strict=True):
         for index, endpoint in enumerate(own):
             values = {**plan.options, "model": str(model.path), "bind": endpoint}
@@ -200,7 +209,7 @@ def child_specs(
             if values.get("metrics_port") is not None:
                 values["metrics_port"] += numbered  # one port each: the given one, the next...
             numbered += 1
-            extra = {"CUDA_VISIBLE_DEVICES": plan.gpus[index]} if plan.gpus else None
+            extra = {**spin, **({"CUDA_VISIBLE_DEVICES": plan.gpus[index]} if plan.gpus else {})}
             name = "worker" if len(own) == 1 else f"worker-{index + 1}"
             if len(plan.models) > 1:
                 name = f"worker-{model.name}" + ("" if len(own) == 1 else f"-{index + 1}")

@@ -15,6 +15,7 @@ import pytest
 from loomserve.cli import serve as serving
 from loomserve.cli.default_model import NamedModel
 from loomserve.cli.main import main
+from loomserve.worker.openmp import SHARED_CORES_SPIN
 from tests.cli.test_cli import ROOT, children_of, clean_env, role
 from tests.procs import free_port
 
@@ -127,3 +128,28 @@ def test_serve_with_two_workers_routes_to_both(tiny_model_path: Path, tmp_path: 
     finally:
         process.terminate()
         assert process.wait(30) == 0, log_path.read_text()[-3000:]
+
+
+def test_workers_that_share_the_cores_get_a_short_openmp_spin(tmp_path: Path, monkeypatch) -> None:
+    """libgomp's own spin where the workers' threads fit the cores; the short one where the
+    workers that may run at once have more threads than there are cores (worker/openmp.py);
+    a user's own setting always."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(serving, "_cores", lambda: 4)
+    two = (NamedModel("a", Path("a.gguf"), True), NamedModel("b", Path("b.gguf"), True))
+
+    def spins(serve_plan: serving.ServePlan) -> set[str | None]:
+        children = specs(serve_plan, tmp_path)
+        gateways = [c for c in children if c.name.startswith("gateway")]
+        assert {c.env.get("GOMP_SPINCOUNT") for c in gateways} == {os.environ.get("GOMP_SPINCOUNT")}
+        return {c.env.get("GOMP_SPINCOUNT") for c in children if c.name.startswith("worker")}
+
+    short = {SHARED_CORES_SPIN}
+    assert spins(plan(options={"threads": 0})) == {None}  # one worker, every core
+    assert spins(plan(workers=2, options={"threads": 2})) == {None}  # serve's split
+    assert spins(plan(workers=2, options={"threads": 4})) == short
+    assert spins(plan(models=two, models_max=2, options={"threads": 0})) == short
+    assert spins(plan(models=two, models_max=1, options={"threads": 0})) == {None}
+    monkeypatch.setenv("GOMP_SPINCOUNT", "INFINITE")
+    assert spins(plan(workers=2, options={"threads": 4})) == {"INFINITE"}

@@ -19,7 +19,6 @@ from loomserve.worker.engine.engine import amx_kernels
 pytestmark = pytest.mark.default_model
 
 DECODE = """
-import loomserve.worker.openmp
 import sys
 from pathlib import Path
 from loomserve.worker.config import WorkerConfig

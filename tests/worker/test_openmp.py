@@ -1,19 +1,22 @@
-"""worker/openmp.py: OpenMP's spin is shortened unless the user set how its threads wait."""
+"""worker/openmp.py: a short OpenMP spin only for workers that share their cores, and never
+over a user's own OpenMP settings."""
 
 from __future__ import annotations
 
-from loomserve.worker.openmp import SPIN_COUNT, shorten_spin
+from loomserve.worker.openmp import SHARED_CORES_SPIN, spin_environment
 
 
-def test_the_spin_is_shortened_when_nothing_is_set() -> None:
-    environ: dict[str, str] = {"PATH": "/bin"}
-    shorten_spin(environ)
-    assert environ == {"PATH": "/bin", "GOMP_SPINCOUNT": SPIN_COUNT}
-    assert 0 < int(SPIN_COUNT) < 300_000  # shorter than libgomp's own default
+def test_workers_that_share_the_cores_get_the_short_spin() -> None:
+    assert spin_environment({"PATH": "/bin"}, shared_cores=True) == {
+        "GOMP_SPINCOUNT": SHARED_CORES_SPIN
+    }
+    assert 0 < int(SHARED_CORES_SPIN) < 300_000  # shorter than libgomp's own default
+
+
+def test_a_worker_with_the_cores_to_itself_keeps_libgomps_default() -> None:
+    assert spin_environment({"PATH": "/bin"}, shared_cores=False) == {}
 
 
 def test_a_users_openmp_settings_are_kept() -> None:
     for setting in ({"GOMP_SPINCOUNT": "INFINITE"}, {"OMP_WAIT_POLICY": "PASSIVE"}):
-        environ = dict(setting)
-        shorten_spin(environ)
-        assert environ == setting
+        assert spin_environment(setting, shared_cores=True) == {}

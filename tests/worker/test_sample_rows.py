@@ -12,7 +12,7 @@ from loomserve.worker.engine import sampling
 from loomserve.worker.engine.draw import draw_tokens
 from loomserve.worker.engine.sampling import (
     MAX_SAMPLING_THREADS,
-    PARALLEL_ARGMAX_ROWS,
+    PARALLEL_ROWS,
     HostSampler,
     Sampler,
     SamplingThreads,
@@ -92,11 +92,11 @@ def test_sampling_threads_stop_at_the_most_that_still_pay():
         few.close()
 
 
-def test_two_host_rows_already_share_the_threads(monkeypatch):
-    """Two host-sampled rows are already shared out, one to the helper thread. With
-    llama.cpp's OpenMP threads no longer spinning after the decode (worker/openmp.py), two
-    threads draw even a few rows sooner than one (measured at 2 and 4 rows)."""
-
+@pytest.mark.parametrize("n_rows", [PARALLEL_ROWS - 1, PARALLEL_ROWS])
+def test_host_rows_are_shared_out_from_parallel_rows_on(monkeypatch, n_rows):
+    """Under PARALLEL_ROWS host-sampled rows the tick's own thread draws them all, in one
+    call: waking a helper costs more than it saves (measured: sampling.py). From
+    PARALLEL_ROWS on, each of two threads draws half of them."""
     where: list[tuple[str, int]] = []
 
     def recorded(logits, rows, *rest):
@@ -104,16 +104,20 @@ def test_two_host_rows_already_share_the_threads(monkeypatch):
         return draw_tokens(logits, rows, *rest)
 
     monkeypatch.setattr(sampling, "draw_tokens", recorded)
-    logits = np.random.default_rng(1).standard_normal((2, 500)).astype(np.float32)
-    samplers = [HostSampler(SamplingParams(temperature=1.0, seed=row), 64) for row in range(2)]
+    logits = np.random.default_rng(1).standard_normal((n_rows, 500)).astype(np.float32)
+    samplers = [HostSampler(SamplingParams(temperature=1.0, seed=row), 64) for row in range(n_rows)]
     threads = SamplingThreads(2)
     try:
-        sample_rows(samplers, [0, 1], logits, threads)
+        sample_rows(samplers, list(range(n_rows)), logits, threads)
     finally:
         threads.close()
-    assert sorted(n for _, n in where) == [1, 1]
-    assert threading.current_thread().name in [name for name, _ in where]
-    assert any(name.startswith("sampling") for name, _ in where)
+    own = threading.current_thread().name
+    if n_rows < PARALLEL_ROWS:
+        assert where == [(own, n_rows)]
+    else:
+        assert sorted(n for _, n in where) == [n_rows // 2, n_rows - n_rows // 2]
+        assert own in [name for name, _ in where]
+        assert any(name.startswith("sampling") for name, _ in where)
 
 
 def test_a_threads_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeypatch):
@@ -136,7 +140,7 @@ def test_a_threads_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeyp
         {"temperature": 1.0, "logit_bias": {3: 2.0}},
         {"temperature": 0.0},
     ]
-    n_rows = 2 * len(mixes)
+    n_rows = 3 * len(mixes)  # PARALLEL_ROWS or more: shared out among the threads
 
     def samplers() -> list[HostSampler]:
         return [
@@ -153,16 +157,16 @@ def test_a_threads_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeyp
             calls.clear()
             tokens = sample_rows(together, list(range(n_rows)), logits, threads)
             assert tokens == [s.sample(0, row) for s, row in zip(alone, logits, strict=True)]
-            assert sorted(calls) == [2, 3, 3]  # 8 plain rows over 3 threads, a call each
+            assert sorted(calls) == [4, 4, 4]  # 12 plain rows over 3 threads, a call each
     finally:
         threads.close()
 
 
 @pytest.mark.parametrize("n_threads", [2, 3])
 def test_many_greedy_rows_are_shared_out_and_keep_their_first_maximum(n_threads):
-    """From PARALLEL_ARGMAX_ROWS greedy rows on, each thread takes the argmax of a share of
+    """From PARALLEL_ROWS greedy rows on, each thread takes the argmax of a share of
     them: the tokens are one argmax's, row for row, ties to the first maximum."""
-    rows = PARALLEL_ARGMAX_ROWS + 5
+    rows = PARALLEL_ROWS + 5
     logits = np.random.default_rng(3).standard_normal((rows, 3000)).astype(np.float32)
     logits[rows - 1, 11] = logits[rows - 1, 12] = 9.0  # a tie in the last thread's share
     samplers = [Sampler(None, None) for _ in range(rows)]

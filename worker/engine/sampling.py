@@ -50,17 +50,15 @@ from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComple
 from loomserve.worker.engine.logprobs import adjusted_logits
 from loomserve.worker.sched.slots import TokenSampler
 
-# Fewer rows than this to draw on the host: threads would cost more than they save. Two rows
-# already gain, now that llama.cpp's OpenMP threads stop spinning soon after llama_decode
-# (worker/openmp.py): on this project's 2 cores, 4 rows a tick took 3.3-3.6 ms on two threads
-# against 4.2-4.3 on one (T 0.7 + top_p 0.95), 2.0 against 2.3-2.4 at temperature 1; with
-# OpenMP's default spin the second thread had found its core busy (4.5-5.0 ms).
-PARALLEL_ROWS = 2
-# Greedy rows are shared out for one argmax per thread from this many: an argmax reads a row
-# in ~100 us and waking a helper costs ~250 us. At 64 rows of 262,144 logits (numpy's argmax):
-# 4.2 ms on two threads against 6.8 on one; at 16, 0.8 against 1.1; under that one thread is
-# quicker. rowscan's argmax in C since: a greedy tick of 64 rows 4.4 ms against 5.3-5.5.
-PARALLEL_ARGMAX_ROWS = 16
+# Fewer rows than this in a tick, sampled or greedy: one thread reads them all, since handing
+# rows to a helper costs more than it saves. The C draw reads a row in ~75-190 us (warm or
+# fresh from llama_decode) and a helper takes ~250 us to wake, and on a CPU llama.cpp's OpenMP
+# threads hold the other cores for a few ms after each decode (worker/openmp.py). On this
+# project's 2 cores (Gemma 3 270M, host time per tick outside llama_decode, ms, one thread
+# against two): 4 rows 0.72-0.77 against 0.94-0.96 (temperature 1), 8 rows 1.27-1.33
+# against 1.51-1.54, 12 rows 1.79-1.88 against 2.06-2.14; 16 rows 2.30 against 1.89, and at
+# 64 rows 8.2 against 4.8 (greedy: 5.8 against 3.4).
+PARALLEL_ROWS = 16
 # More threads than this drew a tick's rows more slowly, not faster. Measured on an H100
 # machine's 16 cores (64 rows, host work per tick, docs/gpu.md): with numpy's draws, T 0.7 +
 # top_p 0.95 took 47 ms on 1 thread, 26 on 4, 32 on 8, 40 on 16; with the C draw, a call a
@@ -324,7 +322,7 @@ def _argmax_rows(logits: np.ndarray, threads: SamplingThreads | None) -> list[in
     """Every row's argmax, the rows shared out among the threads (rowscan's argmax lets go of
     the GIL while it reads them)."""
     n_rows = len(logits)
-    if threads is None or threads.pool is None or n_rows < PARALLEL_ARGMAX_ROWS:
+    if threads is None or threads.pool is None or n_rows < PARALLEL_ROWS:
         return rowscan.argmax_rows(logits).tolist()
     bounds = [n_rows * i // threads.n for i in range(threads.n + 1)]
     futures = [
