@@ -16,6 +16,12 @@ It prints the medians per load and server, loomserve's sampled loads against its
 at the same concurrency, and loomserve against each llama-server.
 
     python -m benchmarks.bench_sampled --rounds 3
+    python -m benchmarks.bench_sampled --rounds 3 --also '--no-batch-invariant --no-spec-ngram'
+
+`--also` adds a loomserve with other options to the rotation: with `--no-batch-invariant`
+it runs llama.cpp's kernels and one shared KV cache as llama-server does, which measures the
+serving layers alone, without the price of batch invariance (which llama-server does not
+offer).
 """
 
 from __future__ import annotations
@@ -64,10 +70,10 @@ LOADS = (
 )
 
 
-def loomserve(model: Path, port: int, threads: int) -> object:
+def loomserve(model: Path, port: int, threads: int, extra: list[str]) -> object:
     args = [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(model)]
     args += ["--port", str(port), "--slots", str(SLOTS), "--ctx-size", str(CTX_PER_SLOT)]
-    args += ["--threads", str(threads)]
+    args += ["--threads", str(threads), *extra]
     return start(args, port, Path(tempfile.gettempdir()) / f"bench-sampled-loom-{port}.log")
 
 
@@ -110,8 +116,21 @@ def run_load(base_url: str, load: Load, seed: int) -> float:
 @click.option("--loads", default=",".join(load.name for load in LOADS), help="Which loads.")
 @click.option("--llama-server", "binary", type=click.Path(path_type=Path), default=LLAMA_SERVER)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option(
+    "--also",
+    multiple=True,
+    help="Another loomserve beside the default one, with these serve options (quoted), e.g. "
+    "--also '--no-batch-invariant --no-spec-ngram': llama.cpp's kernels as llama-server runs "
+    "them. Repeatable.",
+)
 def main(
-    model: str | None, rounds: int, threads: int, loads: str, binary: Path, json_out: Path | None
+    model: str | None,
+    rounds: int,
+    threads: int,
+    loads: str,
+    binary: Path,
+    json_out: Path | None,
+    also: tuple[str, ...],
 ) -> None:
     """Alternate the servers on every load, `rounds` times; print medians and ratios."""
     path = resolve_model(model)
@@ -119,9 +138,10 @@ def main(
     servers: dict[str, str] = {}
     procs = []
     try:
-        port = free_port()
-        procs.append(loomserve(path, port, threads))
-        servers["loomserve"] = f"http://127.0.0.1:{port}"
+        for extra in ("", *also):
+            port = free_port()
+            procs.append(loomserve(path, port, threads, extra.split()))
+            servers[f"loomserve {extra}".strip()] = f"http://127.0.0.1:{port}"
         if binary.exists():
             for name, extra in (("llama-server", []), ("llama-server -bs", ["--backend-sampling"])):
                 port = free_port()
@@ -140,9 +160,11 @@ def main(
         for proc in procs:
             stop(proc)  # type: ignore[arg-type]
     names = list(servers)
+    ours = [name for name in names if name.startswith("loomserve")]
+    theirs = names[len(ours) :]
     click.echo(f"\n{path.name}, {threads} threads, {SLOTS} slots, medians of {rounds} rounds")
     header = ["load", *(f"{n} tok/s" for n in names), "loomserve / its greedy"]
-    header += [f"loomserve / {n}" for n in names[1:]]
+    header += [f"{mine} / {other}" for mine in ours for other in theirs]
     click.echo(" | ".join(header))
     medians = {
         load.name: {name: statistics.median(runs[load.name][name]) for name in names}
@@ -153,7 +175,7 @@ def main(
         greedy = medians.get(load.greedy_twin, {}).get("loomserve")
         cells = [load.name, *(f"{row[n]:.1f}" for n in names)]
         cells.append(f"{row['loomserve'] / greedy:.2f}" if greedy else "-")
-        cells += [f"{row['loomserve'] / row[n]:.2f}" for n in names[1:]]
+        cells += [f"{row[mine] / row[other]:.2f}" for mine in ours for other in theirs]
         click.echo(" | ".join(cells))
     if json_out:
         json_out.write_text(json.dumps({"runs": runs, "medians": medians}, indent=2))
