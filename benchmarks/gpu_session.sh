@@ -36,7 +36,7 @@ fi
 if [ -f worker/engine/rowscan.c ]; then
     suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
     gcc -O3 -shared -fPIC -o "worker/engine/_rowscan$suffix" worker/engine/rowscan.c \
-        worker/engine/rowdraw.c -lm || exit 1
+        worker/engine/rowdraw.c worker/engine/rowthreads.c -lm -ldl || exit 1
 fi
 grep -m1 'model name' /proc/cpuinfo
 grep -o -m1 -w 'avx512f' /proc/cpuinfo || echo "no avx512f"

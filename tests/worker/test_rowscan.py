@@ -202,7 +202,40 @@ def test_argmax_rows_is_numpys_argmax(isa, size):
     rows[3, -1] = np.nan
     rows[4, size - 1] = np.inf
     rows[5, :] = 1.5  # all tied
-    assert rowscan.argmax_rows(rows).tolist() == rows.argmax(axis=1).tolist()
+    for threads in (1, 2, 3):
+        assert rowscan.argmax_rows(rows, threads).tolist() == rows.argmax(axis=1).tolist()
+
+
+def test_llama_cpps_openmp_threads_are_found_once_it_is_loaded():
+    """llama.cpp's CPU backend loads libgomp; rowthreads.c finds it in the process and runs a
+    tick's rows on that many of its threads (as many as asked, no more than there are rows),
+    with the same tokens and argmaxes as one thread."""
+    import llama_cpp  # noqa: F401  (loads libggml-cpu, and with it libgomp)
+
+    assert rowscan.on_openmp()
+    library = rowscan.library()
+    logits = np.stack([_row(4096 + 17, seed) for seed in range(5)])
+    n_rows, n = logits.shape
+    block_max = np.empty((8, -(-n // BLOCK)), dtype=np.float32)  # a row's room per thread
+    out = np.empty(n_rows, dtype=np.int64)
+    for threads, team in ((1, 1), (2, 2), (3, 3), (8, 5)):  # 5 rows: 5 threads at most
+        took_part = library.ls_argmax_rows_on(
+            logits.ctypes.data, n_rows, n, block_max.ctypes.data, block_max.shape[1], threads,
+            out.ctypes.data,
+        )  # fmt: skip
+        assert took_part == team
+        assert out.tolist() == logits.argmax(axis=1).tolist()
+    rows = np.array([4, 0, 2, 2, 1, 3, 0])
+    cuts = np.array([(1.0, 0, 1.0, 0.0, 4.0), (0.7, 0, 0.95, 0.0, 4.0), (0.8, 40, 0.95, 0.05, 4.0),
+                     (1.0, 0, 1.0, 0.1, 2.0), (1.2, 3, 1.0, 0.0, 4.0), (1.0, 0, 1.0, 0.0, 9.0),
+                     (0.5, 0, 0.5, 0.0, 4.0)])  # fmt: skip
+    seeds = np.arange(7, dtype=np.uint64) * 7_919
+    alone = rowscan.draw_rows(logits, rows, cuts, seeds)
+    assert len(set(alone.tokens.tolist())) > 3
+    for threads in (2, 3, 16):
+        drawn = rowscan.draw_rows(logits, rows, cuts, seeds, threads)
+        assert drawn.tokens.tolist() == alone.tokens.tolist()
+        assert drawn.head_mass.tolist() == alone.head_mass.tolist()
 
 
 def test_argmax_rows_numpy_serves_what_the_library_cannot():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import llama_cpp  # noqa: F401  (libgomp in the process, as in the worker)
 import numpy as np
 import pytest
 
@@ -107,6 +108,7 @@ def test_host_rows_are_shared_out_from_parallel_rows_on(monkeypatch, n_rows):
     logits = np.random.default_rng(1).standard_normal((n_rows, 500)).astype(np.float32)
     samplers = [HostSampler(SamplingParams(temperature=1.0, seed=row), 64) for row in range(n_rows)]
     threads = SamplingThreads(2)
+    threads.openmp = False  # the Python helpers, as where llama.cpp has no OpenMP threads
     try:
         sample_rows(samplers, list(range(n_rows)), logits, threads)
     finally:
@@ -120,15 +122,16 @@ def test_host_rows_are_shared_out_from_parallel_rows_on(monkeypatch, n_rows):
         assert any(name.startswith("sampling") for name, _ in where)
 
 
-def test_a_threads_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeypatch):
-    """Each thread draws its share of the plain rows (sampled, no bias or penalties) in one
-    call into C; the tokens are those each sampler's sample() gives its row alone, tick after
-    tick, beside rows with penalties and a logit bias (drawn one by one) and greedy rows."""
-    calls: list[int] = []
+def test_a_ticks_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeypatch):
+    """The plain rows (sampled, no bias or penalties) are drawn in one call into C, on
+    llama.cpp's OpenMP threads; or, without them, each Python thread its share in one call.
+    The tokens are those each sampler's sample() gives its row alone, tick after tick, beside
+    rows with penalties and a logit bias (drawn one by one) and greedy rows."""
+    calls: list[tuple[int, int]] = []
 
-    def counted(logits, rows, *rest):
-        calls.append(len(rows))
-        return draw_tokens(logits, rows, *rest)
+    def counted(logits, rows, cuts, rngs, hints, threads=1):
+        calls.append((len(rows), threads))
+        return draw_tokens(logits, rows, cuts, rngs, hints, threads)
 
     monkeypatch.setattr(sampling, "draw_tokens", counted)
     mixes = [
@@ -148,29 +151,36 @@ def test_a_threads_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeyp
             for row in range(n_rows)
         ]
 
-    alone, together = samplers(), samplers()
-    rng = np.random.default_rng(9)
-    threads = SamplingThreads(3)
-    try:
-        for _ in range(4):
-            logits = (rng.standard_normal((n_rows, 3000)) * 3).astype(np.float32)
-            calls.clear()
-            tokens = sample_rows(together, list(range(n_rows)), logits, threads)
-            assert tokens == [s.sample(0, row) for s, row in zip(alone, logits, strict=True)]
-            assert sorted(calls) == [4, 4, 4]  # 12 plain rows over 3 threads, a call each
-    finally:
-        threads.close()
+    for openmp in (False, True):
+        alone, together = samplers(), samplers()
+        rng = np.random.default_rng(9)
+        threads = SamplingThreads(3)
+        assert threads.openmp  # llama.cpp (imported above) runs on OpenMP threads
+        threads.openmp = openmp
+        try:
+            for _ in range(4):
+                logits = (rng.standard_normal((n_rows, 3000)) * 3).astype(np.float32)
+                calls.clear()
+                tokens = sample_rows(together, list(range(n_rows)), logits, threads)
+                assert tokens == [s.sample(0, row) for s, row in zip(alone, logits, strict=True)]
+                # 12 plain rows: one call on 3 OpenMP threads; or a call each for 3 threads
+                assert sorted(calls) == ([(12, 3)] if openmp else [(4, 1)] * 3)
+        finally:
+            threads.close()
 
 
+@pytest.mark.parametrize("openmp", [False, True])
 @pytest.mark.parametrize("n_threads", [2, 3])
-def test_many_greedy_rows_are_shared_out_and_keep_their_first_maximum(n_threads):
-    """From PARALLEL_ROWS greedy rows on, each thread takes the argmax of a share of
-    them: the tokens are one argmax's, row for row, ties to the first maximum."""
+def test_many_greedy_rows_are_shared_out_and_keep_their_first_maximum(n_threads, openmp):
+    """From PARALLEL_ROWS greedy rows on, each Python thread takes the argmax of a share of
+    them; on llama.cpp's OpenMP threads, one call takes them all, with no Python helper. The
+    tokens are one argmax's, row for row, ties to the first maximum."""
     rows = PARALLEL_ROWS + 5
     logits = np.random.default_rng(3).standard_normal((rows, 3000)).astype(np.float32)
     logits[rows - 1, 11] = logits[rows - 1, 12] = 9.0  # a tie in the last thread's share
     samplers = [Sampler(None, None) for _ in range(rows)]
     threads = SamplingThreads(n_threads)
+    threads.openmp = openmp
     asked: list[str] = []
     assert threads.pool is not None
     submit = threads.pool.submit
@@ -186,4 +196,4 @@ def test_many_greedy_rows_are_shared_out_and_keep_their_first_maximum(n_threads)
         threads.close()
     assert tokens == logits.argmax(axis=1).tolist()
     assert tokens[rows - 1] == 11
-    assert asked == ["helper"] * (n_threads - 1)
+    assert asked == ([] if openmp else ["helper"] * (n_threads - 1))

@@ -165,10 +165,12 @@ def draw_tokens(
     cuts: Sequence[Truncation],
     rngs: Sequence[np.random.Generator],
     mass_hints: Sequence[float],
+    threads: int = 1,
 ) -> list[tuple[int, float]]:
     """draw_token() for rows[i] of `logits` with cuts[i], rngs[i] and mass_hints[i], the same
-    tokens: one call to rowdraw.c for them all (one GIL hand-over, not one a row), then
-    candidates() and pick() for any row it left."""
+    tokens: one call to rowdraw.c for them all (one GIL hand-over, not one a row), on
+    `threads` of llama.cpp's OpenMP threads (rowthreads.c), then candidates() and pick() for
+    any row it left."""
     if not rowscan.draws_rows(logits):  # a call a row, as draw_token makes it
         return [
             draw_token(logits[row], cut, rng, hint)
@@ -183,7 +185,7 @@ def draw_tokens(
         ],
         dtype=np.float64,
     ).reshape(len(rows), 5)
-    drawn = rowscan.draw_rows(logits, np.asarray(rows, dtype=np.int64), settings, seeds)
+    drawn = rowscan.draw_rows(logits, np.asarray(rows, dtype=np.int64), settings, seeds, threads)
     results = []
     tokens, masses = drawn.tokens.tolist(), drawn.head_mass.tolist()
     for i, (token, mass) in enumerate(zip(tokens, masses, strict=True)):

@@ -432,19 +432,3 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
     found[1] = (double)d.kept;
     return token;
 }
-
-/* ls_draw for count rows of one tick's logits (rows of n floats each, one after another):
- * tokens[i] is drawn from row rows[i] with settings[5 i ...] (temperature, top_k, top_p, min_p,
- * span) and seeds[i], and found[2 i], found[2 i + 1] get what ls_draw's found does. One call
- * for a sampling thread's share of a tick, where a call a row takes the GIL back after every
- * row: on an H100 machine's 16 cores, 8 or 16 threads that did so drew a tick's rows more
- * slowly than 4 (docs/gpu.md). */
-void ls_draw_rows(const float *logits, int64_t n, int64_t count, const int64_t *rows,
-                  const double *settings, const uint64_t *seeds, char *scratch, int64_t *tokens,
-                  double *found) {
-    for (int64_t i = 0; i < count; i++) {
-        const double *s = settings + 5 * i;
-        tokens[i] = ls_draw(logits + rows[i] * n, n, s[0], (int64_t)s[1], s[2], s[3], s[4],
-                            seeds[i], scratch, found + 2 * i);
-    }
-}

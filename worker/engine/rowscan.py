@@ -36,14 +36,22 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], _REAL),
     "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], _REAL),
     "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW], ctypes.c_int),
-    "ls_argmax_rows": ([_ROW, _LENGTH, _LENGTH, _ROW, _ROW], None),
     # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
         [_ROW, _LENGTH, _REAL, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
         ctypes.c_int64,
     ),
-    # logits, n, count, rows, settings, seeds, scratch, tokens, what each found
-    "ls_draw_rows": ([_ROW, _LENGTH, _LENGTH, _ROW, _ROW, _ROW, _ROW, _ROW, _ROW], None),
+    # logits, n, count, rows, settings, seeds, scratch, its stride, threads, tokens, found
+    "ls_draw_rows_on": (
+        [_ROW, _LENGTH, _LENGTH, _ROW, _ROW, _ROW, _ROW, _LENGTH, ctypes.c_int, _ROW, _ROW],
+        ctypes.c_int,  # how many threads took part
+    ),
+    # rows, n_rows, n, block_max, its stride, threads, out
+    "ls_argmax_rows_on": (
+        [_ROW, _LENGTH, _LENGTH, _ROW, _LENGTH, ctypes.c_int, _ROW],
+        ctypes.c_int,  # how many threads took part
+    ),
+    "ls_openmp": ([], ctypes.c_int),
     "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
     "ls_draw_ids_at": ([_LENGTH], _LENGTH),
     "ls_limit_isa": ([ctypes.c_int], None),
@@ -143,17 +151,28 @@ def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
     return float(lib.ls_sum_below(values.ctypes.data, row.ctypes.data, len(row), np.float32(below)))
 
 
-def argmax_rows(rows: np.ndarray) -> np.ndarray:
+def argmax_rows(rows: np.ndarray, threads: int = 1) -> np.ndarray:
     """Each row's argmax (numpy's: the first largest, or the first NaN), in one call that lets
-    go of the GIL; by numpy where the library cannot serve."""
+    go of the GIL, on `threads` of llama.cpp's OpenMP threads (rowthreads.c; on this thread
+    alone where there are none); by numpy where the library cannot serve."""
     lib = library()
     if lib is None or rows.ndim != 2 or not _plain(rows):
         return rows.argmax(axis=1)
     n_rows, n = rows.shape
     out = np.empty(n_rows, dtype=np.int64)
-    block_max = np.empty(-(-n // BLOCK), dtype=np.float32)
-    lib.ls_argmax_rows(rows.ctypes.data, n_rows, n, block_max.ctypes.data, out.ctypes.data)
+    n_blocks = -(-n // BLOCK)
+    block_max = np.empty((max(threads, 1), n_blocks), dtype=np.float32)
+    lib.ls_argmax_rows_on(
+        rows.ctypes.data, n_rows, n, block_max.ctypes.data, n_blocks, threads, out.ctypes.data
+    )
     return out
+
+
+def on_openmp() -> bool:
+    """Whether argmax_rows and draw_rows can share rows out among llama.cpp's OpenMP threads:
+    the library is there and libgomp is loaded in this process (by llama.cpp's CPU backend)."""
+    lib = library()
+    return lib is not None and lib.ls_openmp() == 1
 
 
 class Drawn(NamedTuple):
@@ -190,14 +209,14 @@ def draw(
         min_p,
         span,
         seed,
-        _draw_scratch(lib, len(row)),
+        _draw_scratch(lib, len(row))[0],
         found,
     )
     return None if token < 0 else Drawn(int(token), found[0], int(found[1]))
 
 
 class DrawnRows(NamedTuple):
-    """What ls_draw_rows found, a row each."""
+    """What ls_draw_rows_on found, a row each."""
 
     tokens: np.ndarray  # int64, one a row; -1 where draw() would have given None
     head_mass: np.ndarray  # float64, as Drawn's
@@ -210,11 +229,16 @@ def draws_rows(logits: np.ndarray) -> bool:
 
 
 def draw_rows(
-    logits: np.ndarray, rows: np.ndarray, settings: np.ndarray, seeds: np.ndarray
+    logits: np.ndarray,
+    rows: np.ndarray,
+    settings: np.ndarray,
+    seeds: np.ndarray,
+    threads: int = 1,
 ) -> DrawnRows:
     """draw() for several rows of `logits` (draws_rows(logits) must hold) in one call:
     rows[i]'s token with settings[i] (temperature, top_k, top_p, min_p, span: float64) and
-    seeds[i] (uint64)."""
+    seeds[i] (uint64), on `threads` of llama.cpp's OpenMP threads (rowthreads.c; on this
+    thread alone where there are none). The tokens do not depend on `threads`."""
     lib = library()
     if lib is None or not draws_rows(logits):
         raise ValueError("draw_rows needs the library and rows of contiguous float32")
@@ -228,14 +252,17 @@ def draw_rows(
     n = logits.shape[1]
     tokens = np.empty(len(rows), dtype=np.int64)
     found = np.empty((len(rows), 2), dtype=np.float64)
-    lib.ls_draw_rows(
+    scratch, stride = _draw_scratch(lib, n, max(threads, 1))
+    lib.ls_draw_rows_on(
         logits.ctypes.data,
         n,
         len(rows),
         rows.ctypes.data,
         settings.ctypes.data,
         seeds.ctypes.data,
-        _draw_scratch(lib, n),
+        scratch,
+        stride,
+        threads,
         tokens.ctypes.data,
         found.ctypes.data,
     )
@@ -251,19 +278,21 @@ def draw_candidates(
     lib = library()
     if drawn is None or drawn.kept < 0 or lib is None:
         return None
-    _, scratch, address = _SCRATCH.draw
+    _, _, scratch, address, _ = _SCRATCH.draw
     start = address - scratch.ctypes.data + lib.ls_draw_ids_at(len(row))
     return scratch[start : start + 4 * drawn.kept].view(np.int32).astype(np.intp)
 
 
-def _draw_scratch(lib: Any, size: int) -> int:
-    """The address of this thread's room for a draw over `size` logits, 64-byte aligned."""
+def _draw_scratch(lib: Any, size: int, rooms: int = 1) -> tuple[int, int]:
+    """The address of this thread's room for `rooms` draws at once over `size` logits, and
+    the bytes from one room to the next (each 64-byte aligned)."""
     scratch = getattr(_SCRATCH, "draw", None)
-    if scratch is None or scratch[0] < size:
-        buffer = np.empty(lib.ls_draw_scratch_bytes(size) + 64, dtype=np.uint8)
+    if scratch is None or scratch[0] < size or scratch[1] < rooms:
+        stride = -(-lib.ls_draw_scratch_bytes(size) // 64) * 64
+        buffer = np.empty(rooms * stride + 64, dtype=np.uint8)
         address = -(-buffer.ctypes.data // 64) * 64
-        scratch = _SCRATCH.draw = (size, buffer, address)
-    return scratch[2]
+        scratch = _SCRATCH.draw = (size, rooms, buffer, address, stride)
+    return scratch[3], scratch[4]
 
 
 def _plain(array: np.ndarray) -> bool:

@@ -50,14 +50,16 @@ from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComple
 from loomserve.worker.engine.logprobs import adjusted_logits
 from loomserve.worker.sched.slots import TokenSampler
 
-# Fewer rows than this in a tick, sampled or greedy: one thread reads them all, since handing
-# rows to a helper costs more than it saves. The C draw reads a row in ~75-190 us (warm or
-# fresh from llama_decode) and a helper takes ~250 us to wake, and on a CPU llama.cpp's OpenMP
-# threads hold the other cores for a few ms after each decode (worker/openmp.py). On this
-# project's 2 cores (Gemma 3 270M, host time per tick outside llama_decode, ms, one thread
-# against two): 4 rows 0.72-0.77 against 0.94-0.96 (temperature 1), 8 rows 1.27-1.33
-# against 1.51-1.54, 12 rows 1.79-1.88 against 2.06-2.14; 16 rows 2.30 against 1.89, and at
-# 64 rows 8.2 against 4.8 (greedy: 5.8 against 3.4).
+# Fewer rows than this in a tick, sampled or greedy, for Python helper threads (where there
+# are no OpenMP threads to draw on, and for rows drawn one by one): the tick's own thread
+# reads them all, since handing rows to a helper costs more than it saves. The C draw reads a
+# row in ~75-190 us (warm or fresh from llama_decode) and a helper takes ~250 us to wake, and
+# on a CPU llama.cpp's OpenMP threads hold the other cores for a few ms after each decode
+# (worker/openmp.py). On this project's 2 cores (Gemma 3 270M, host time per tick outside
+# llama_decode, ms, one thread against two): 4 rows 0.72-0.77 against 0.94-0.96
+# (temperature 1), 8 rows 1.27-1.33 against 1.51-1.54, 12 rows 1.79-1.88 against 2.06-2.14;
+# 16 rows 2.30 against 1.89, and at 64 rows 8.2 against 4.8 (greedy: 5.8 against 3.4).
+# llama.cpp's OpenMP threads, awake already, take from 2 rows on (rowthreads.c).
 PARALLEL_ROWS = 16
 # More threads than this drew a tick's rows more slowly, not faster. Measured on an H100
 # machine's 16 cores (64 rows, host work per tick, docs/gpu.md): with numpy's draws, T 0.7 +
@@ -215,10 +217,11 @@ class HostSampler:
 
     @staticmethod
     def draw_rows(
-        samplers: Sequence[HostSampler], rows: Sequence[int], logits: np.ndarray
+        samplers: Sequence[HostSampler], rows: Sequence[int], logits: np.ndarray, threads: int = 1
     ) -> list[int]:
         """sample() for each of `samplers` (all draws_plain) with its row of `logits`, the
-        same tokens, in one call into C for them all."""
+        same tokens, in one call into C for them all (on `threads` of llama.cpp's OpenMP
+        threads, where it has them)."""
         if not samplers:
             return []
         drawn = draw_tokens(
@@ -227,6 +230,7 @@ class HostSampler:
             [sampler._cut for sampler in samplers if sampler._cut is not None],
             [sampler._rng for sampler in samplers],
             [sampler._mass for sampler in samplers],
+            threads,
         )
         for sampler, (_, mass) in zip(samplers, drawn, strict=True):
             sampler._mass = mass
@@ -250,11 +254,14 @@ class HostSampler:
 
 
 class SamplingThreads:
-    """n threads (at most `limit`) that draw a tick's host-sampled rows: the tick's own and
-    n - 1 helpers."""
+    """n threads (at most `limit`) that draw a tick's host-sampled rows. Where llama.cpp runs
+    on OpenMP threads (its CPU backend), n of those, awake right after the decode, take the
+    plain rows and the greedy rows' argmaxes in C (`openmp`: rowthreads.c). Otherwise, and for
+    the rows drawn one by one (a bias or penalties), the tick's own thread and n - 1 helpers."""
 
     def __init__(self, n: int, limit: int = MAX_SAMPLING_THREADS) -> None:
         self.n = min(max(1, n), limit)
+        self.openmp = self.n > 1 and rowscan.on_openmp()
         self.pool = (
             ThreadPoolExecutor(self.n - 1, thread_name_prefix="sampling") if self.n > 1 else None
         )
@@ -276,9 +283,9 @@ def sample_rows(
 
     When at least half the rows are plain greedy, one argmax over all rows serves them (the
     rest is wasted work, cheaper than copying the greedy rows out); the others, and every
-    row otherwise, go through their own sampler. The host sampler's rows are shared out
-    among the threads, each thread's plain draws in one call into C (HostSampler.draw_rows),
-    which holds no GIL; no two threads touch one sampler.
+    row otherwise, go through their own sampler. The host sampler's plain rows are drawn in
+    one call into C (HostSampler.draw_rows), which holds no GIL: on llama.cpp's OpenMP
+    threads where it has them, else each thread its share. No two threads touch one sampler.
     """
     n_greedy = sum(sampler.plain_greedy for sampler in samplers)
     if 2 * n_greedy < len(samplers):
@@ -296,20 +303,26 @@ def sample_rows(
                 plain.append((row, sampler))
             else:
                 one_by_one.append(row)
+    # On OpenMP threads the tick's thread draws every plain row in its one call; the helpers,
+    # if any, take shares of the rows drawn one by one.
+    openmp = threads is not None and threads.openmp
+    shared = len(one_by_one) + (0 if openmp else len(plain))
+    pool = None if threads is None or shared < PARALLEL_ROWS else threads.pool
+    n_shares = 1 if threads is None or pool is None else threads.n
 
-    def sample(share: int, n_shares: int) -> None:
-        drawn = plain[share::n_shares]
+    def sample(share: int) -> None:
+        drawn = (plain if share == 0 else []) if openmp else plain[share::n_shares]
         rows = [row for row, _ in drawn]
-        chosen = HostSampler.draw_rows([sampler for _, sampler in drawn], rows, logits)
+        chosen = HostSampler.draw_rows(
+            [sampler for _, sampler in drawn], rows, logits, threads.n if openmp else 1
+        )
         for row, token in zip(rows, chosen, strict=True):
             tokens[row] = token
         for row in one_by_one[share::n_shares]:
             tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
 
-    pool = None if threads is None or len(plain) + len(one_by_one) < PARALLEL_ROWS else threads.pool
-    n_shares = 1 if threads is None or pool is None else threads.n
-    futures = [pool.submit(sample, share, n_shares) for share in range(1, n_shares)] if pool else []
-    sample(0, n_shares)
+    futures = [pool.submit(sample, share) for share in range(1, n_shares)] if pool else []
+    sample(0)
     for row in rest:  # grammars' and the graph's rows: llama.cpp's, on the tick's thread
         if not isinstance(samplers[row], HostSampler):
             tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
@@ -319,9 +332,11 @@ def sample_rows(
 
 
 def _argmax_rows(logits: np.ndarray, threads: SamplingThreads | None) -> list[int]:
-    """Every row's argmax, the rows shared out among the threads (rowscan's argmax lets go of
-    the GIL while it reads them)."""
+    """Every row's argmax, the rows shared out among llama.cpp's OpenMP threads or among the
+    sampling threads (rowscan's argmax lets go of the GIL while it reads them)."""
     n_rows = len(logits)
+    if threads is not None and threads.openmp:
+        return rowscan.argmax_rows(logits, threads.n).tolist()
     if threads is None or threads.pool is None or n_rows < PARALLEL_ROWS:
         return rowscan.argmax_rows(logits).tolist()
     bounds = [n_rows * i // threads.n for i in range(threads.n + 1)]
