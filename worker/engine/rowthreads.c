@@ -4,9 +4,9 @@
  * which keep spinning for a few milliseconds after the decode, waiting for the next job
  * (worker/openmp.py). A Python helper thread that samples right after the decode must first
  * be woken (~250 us on this project's VM) and then share a core with a spinning thread. Handed
- * to libgomp instead, the rows go to those same threads, already awake: a 16-row tick's host
- * work fell from 2.5 to 1.6 ms (greedy) and from 3.3 to 2.5 ms (T 0.7 + top_p 0.95) on two
- * cores (docs/sampling.md).
+ * to libgomp instead, the rows go to those same threads, already awake: on this project's two
+ * cores a 16-row tick's host work fell from 2.4 to 1.6 ms (greedy) and from 3.7 to 2.3 ms
+ * (T 0.7 + top_p 0.95), a 4-row tick's from 1.5 to 1.2 (docs/sampling.md).
  *
  * libgomp is not linked in: where llama.cpp loaded it, it is in the process already, and its
  * GOMP_parallel is found there (dlopen with RTLD_NOLOAD); a parallel region started from the
