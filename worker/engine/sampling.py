@@ -305,16 +305,16 @@ def sample_rows(
                 one_by_one.append(row)
     # On OpenMP threads the tick's thread draws every plain row in its one call; the helpers,
     # if any, take shares of the rows drawn one by one.
-    openmp = threads is not None and threads.openmp
-    shared = len(one_by_one) + (0 if openmp else len(plain))
+    openmp_threads = threads.n if threads is not None and threads.openmp else 0
+    shared = len(one_by_one) + (0 if openmp_threads else len(plain))
     pool = None if threads is None or shared < PARALLEL_ROWS else threads.pool
     n_shares = 1 if threads is None or pool is None else threads.n
 
     def sample(share: int) -> None:
-        drawn = (plain if share == 0 else []) if openmp else plain[share::n_shares]
+        drawn = (plain if share == 0 else []) if openmp_threads else plain[share::n_shares]
         rows = [row for row, _ in drawn]
         chosen = HostSampler.draw_rows(
-            [sampler for _, sampler in drawn], rows, logits, threads.n if openmp else 1
+            [sampler for _, sampler in drawn], rows, logits, openmp_threads or 1
         )
         for row, token in zip(rows, chosen, strict=True):
             tokens[row] = token
