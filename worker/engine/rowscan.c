@@ -305,12 +305,6 @@ int64_t ls_argmax(const float *row, int64_t n, float *block_max) {
     return best * BLOCK; /* unreachable: the block's maximum is one of its logits */
 }
 
-/* ls_argmax of each of n_rows rows of n logits, one after another in memory, into out. */
-void ls_argmax_rows(const float *rows, int64_t n_rows, int64_t n, float *block_max,
-                    int64_t *out) {
-    for (int64_t r = 0; r < n_rows; r++) out[r] = ls_argmax(rows + r * n, n, block_max);
-}
-
 /* ls_block_max, and into total the sum of e^(x - peak) over the row (peak: its largest logit)
  * as ls_exp_sum gives it, in one pass; -1 (and nothing done) where the CPU lacks AVX-512. */
 int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total) {

@@ -22,8 +22,7 @@
 /* rowdraw.c's and rowscan.c's */
 int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, double top_p,
                 double min_p, double span, uint64_t seed, char *scratch, double *found);
-void ls_argmax_rows(const float *rows, int64_t n_rows, int64_t n, float *block_max,
-                    int64_t *out);
+int64_t ls_argmax(const float *row, int64_t n, float *block_max);
 
 typedef void (*Parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
 static Parallel gomp_parallel;
@@ -119,11 +118,12 @@ static void argmax_some(void *arg) {
     join(&job->team);
     float *block_max = job->block_max + job->block_stride * thread_index();
     for (int64_t r; (r = atomic_fetch_add(&job->next, 1)) < job->n_rows;)
-        ls_argmax_rows(job->rows + r * job->n, 1, job->n, block_max, job->out + r);
+        job->out[r] = ls_argmax(job->rows + r * job->n, job->n, block_max);
 }
 
-/* ls_argmax_rows on `threads` threads: block_max holds one row's block maxima per thread,
- * block_stride floats apart. Returns how many threads took part. */
+/* ls_argmax of each of n_rows rows of n logits (one after another in memory) into out, on
+ * `threads` threads: block_max holds one row's block maxima per thread, block_stride floats
+ * apart. Returns how many threads took part. */
 int ls_argmax_rows_on(const float *rows, int64_t n_rows, int64_t n, float *block_max,
                        int64_t block_stride, int threads, int64_t *out) {
     ArgmaxJob job = {rows, n_rows, n, block_max, block_stride, out};
