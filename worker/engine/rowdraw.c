@@ -32,6 +32,8 @@ int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low
                   int32_t *ids);
 double ls_exp_sum_below(const float *row, int64_t n, float peak, float below);
 int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total);
+double ls_cumulative_weights(const float *row, const int32_t *ids, int64_t n, float peak,
+                             double temperature, double start, double *weights);
 
 /* draw.py's constants, which say why each is what it is. */
 static const double ENVELOPE_LIMIT = 4.0;
@@ -128,10 +130,7 @@ static int64_t first_reaching(const double *cumulative, int64_t n, double v) {
 /* The weights of ids[0..n) over `temperature`, summed in order into weights; returns the
  * total. */
 static double cumulate(const Draw *d, int64_t n, double temperature) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; i++)
-        d->weights[i] = sum += exp(((double)d->row[d->ids[i]] - d->peak) / temperature);
-    return sum;
+    return ls_cumulative_weights(d->row, d->ids, n, d->peak, temperature, 0.0, d->weights);
 }
 
 /* A token from ids[0..n) by their tempered weights (draw.py's pick without a tail). */
@@ -307,8 +306,7 @@ static int64_t take_best_first(Draw *d, const int32_t *pool, int64_t pool_size, 
                 if (x >= floor && x < top) band[got++] = pool[i];
             }
         best_first(d, band, got, (uint64_t *)(d->weights + taken));
-        for (int64_t i = 0; i < got; i++)
-            d->weights[taken + i] = mass += exp((double)row[band[i]] - d->peak);
+        mass = ls_cumulative_weights(row, band, got, d->peak, 1.0, mass, d->weights + taken);
         taken += got;
         if (mass >= wanted || taken == size) return taken;
         top = floor;

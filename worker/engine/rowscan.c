@@ -120,7 +120,9 @@ __attribute__((target("avx512f"))) static int64_t band_avx512(const float *row, 
             __m512 v = _mm512_loadu_ps(row + i);
             __mmask16 in = _mm512_cmp_ps_mask(v, lows, _CMP_GE_OQ) &
                            _mm512_cmp_ps_mask(v, highs, _CMP_LT_OQ);
-            if (ids) {
+            /* Most of a block's tokens lie under the band, and a compress store costs as
+             * much with no lanes as with all. */
+            if (ids && in) {
                 __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int32_t)i), step);
                 _mm512_mask_compressstoreu_epi32(ids + found, in, index);
             }
@@ -232,6 +234,69 @@ __attribute__((target("avx512f"))) static int scan_exp_sum_avx512(const float *r
     }
     *total = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
     return nan != 0;
+}
+
+/* e^d for 8 float64 d <= 0, within 2 ulps down to e^-708 (tests/worker/test_rowscan.py
+ * holds it to that), 0 under e^-745 and for -inf: the float32 kernel's steps in float64, ln 2 in
+ * two parts and e^r by its Taylor series to r^12 (|r| <= ln 2 / 2: the first term left out is
+ * under 2e-16 of it). */
+__attribute__((target("avx512f"))) static inline __m512d exp_of_depth_pd_avx512(__m512d d) {
+    static const double inverse_factorials[] = {
+        1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+        1.0 / 5040,      1.0 / 720,      1.0 / 120,     1.0 / 24,     1.0 / 6,
+        1.0 / 2,         1.0,            1.0};
+    __mmask8 live = _mm512_cmp_pd_mask(d, _mm512_set1_pd(-745.2), _CMP_GE_OQ);
+    __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(d, _mm512_set1_pd(0x1.71547652b82fep0)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512d r = _mm512_fnmadd_pd(k, _mm512_set1_pd(0x1.62e42fefa39efp-1), d);
+    r = _mm512_fnmadd_pd(k, _mm512_set1_pd(0x1.abc9e3b39803fp-56), r);
+    __m512d p = _mm512_set1_pd(inverse_factorials[0]);
+    for (int i = 1; i < 13; i++) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(inverse_factorials[i]));
+    return _mm512_maskz_mov_pd(live, _mm512_scalef_pd(p, k));
+}
+
+/* 8 float64 terms summed in order onto `carry` (its lanes all the sum so far): lane i gets
+ * carry + terms[0..i], in three steps of shifted adds rather than a chain of eight. */
+__attribute__((target("avx512f"))) static inline __m512d running_sum_pd(__m512d terms,
+                                                                       __m512d carry) {
+    const __m512i by1 = _mm512_set_epi64(6, 5, 4, 3, 2, 1, 0, 0);
+    const __m512i by2 = _mm512_set_epi64(5, 4, 3, 2, 1, 0, 0, 0);
+    const __m512i by4 = _mm512_set_epi64(3, 2, 1, 0, 0, 0, 0, 0);
+    terms = _mm512_add_pd(terms, _mm512_maskz_permutexvar_pd(0xfe, by1, terms));
+    terms = _mm512_add_pd(terms, _mm512_maskz_permutexvar_pd(0xfc, by2, terms));
+    terms = _mm512_add_pd(terms, _mm512_maskz_permutexvar_pd(0xf0, by4, terms));
+    return _mm512_add_pd(terms, carry);
+}
+
+/* ls_cumulative_weights: 16 tokens at a time, their logits gathered by id, each half's
+ * exponentials in float64 and summed onto the running total. */
+__attribute__((target("avx512f"))) static double cumulative_avx512(const float *row,
+                                                                     const int32_t *ids,
+                                                                     int64_t n, float peak,
+                                                                     double temperature,
+                                                                     double start,
+                                                                     double *weights) {
+    const __m512d peaks = _mm512_set1_pd((double)peak), temperatures = _mm512_set1_pd(temperature);
+    const __m512i last = _mm512_set1_epi64(7);
+    __m512d carry = _mm512_set1_pd(start);
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 in = lanes_before(i, n);
+        __m512i at = _mm512_maskz_loadu_epi32(in, ids + i);
+        __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, at, row, 4);
+        __m512d halves[2] = {
+            _mm512_cvtps_pd(_mm512_castps512_ps256(x)),
+            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))};
+        for (int half = 0; half < 2; half++) {
+            __mmask8 lanes = (__mmask8)(in >> (8 * half));
+            __m512d depth = _mm512_div_pd(_mm512_sub_pd(halves[half], peaks), temperatures);
+            __m512d terms = _mm512_maskz_mov_pd(lanes, exp_of_depth_pd_avx512(depth));
+            __m512d sums = running_sum_pd(terms, carry);
+            _mm512_mask_storeu_pd(weights + i + 8 * half, lanes, sums);
+            carry = _mm512_permutexvar_pd(last, sums);
+        }
+    }
+    /* Not the carry: past the last token its lanes add the zeros in another order. */
+    return n ? weights[n - 1] : start;
 }
 
 /* ls_sum_below: each term converted to float64 before it is added, as numpy's sum does. */
@@ -363,5 +428,20 @@ double ls_sum_below(const float *values, const float *row, int64_t n, float belo
     double sum = 0.0;
     for (int64_t i = 0; i < n; i++)
         if (row[i] < below) sum += values[i];
+    return sum;
+}
+
+/* weights[i] = start + the sum of e^((row[ids[j]] - peak) / temperature) over j <= i, in
+ * float64 (peak: no less than any of those logits); returns the last (start if n is 0). The
+ * weights a draw's candidates are picked by; numpy's cumsum of np.exp to within a few parts in
+ * 10^16 (the terms are added in another order). */
+double ls_cumulative_weights(const float *row, const int32_t *ids, int64_t n, float peak,
+                             double temperature, double start, double *weights) {
+#ifdef X86
+    if (cpu_has(2)) return cumulative_avx512(row, ids, n, peak, temperature, start, weights);
+#endif
+    double sum = start;
+    for (int64_t i = 0; i < n; i++)
+        weights[i] = sum += exp(((double)row[ids[i]] - (double)peak) / temperature);
     return sum;
 }

@@ -36,6 +36,11 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], _REAL),
     "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], _REAL),
     "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW], ctypes.c_int),
+    # row, ids, n, peak, temperature, start, weights
+    "ls_cumulative_weights": (
+        [_ROW, _ROW, _LENGTH, ctypes.c_float, _REAL, _REAL, _ROW],
+        _REAL,
+    ),
     # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
         [_ROW, _LENGTH, _REAL, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
