@@ -98,29 +98,33 @@ def test_the_scan_and_the_sum_in_one_pass(spread, size):
     """ls_scan_exp_sum (a top-p's first pass in rowdraw.c): the blocks' maxima as
     ls_block_max gives them, and the sum of e^(x - peak) within draw.EXP_SUM_ERROR of the
     float64 one, though each block's terms are taken against the largest logit so far (here
-    rising block after block, the order that rescales the sum most often)."""
+    rising block after block, the order that rescales the sum most often). And within the
+    row's own bound: 2 ulps an exponential, two float32 roundings, 6e-8 per logit of the
+    terms' weighted depth, which is at most the depths under the peak (the whole row's, when
+    the peak comes first)."""
     rng = np.random.default_rng(size + 7)
     row = np.sort(rng.normal(0.0, spread, size)).astype(np.float32)
     library = rowscan.library()
     maxima = np.empty(-(-size // rowscan.BLOCK), dtype=np.float32)
-    total = ctypes.c_double()
+    total, weighted_depth = ctypes.c_double(), ctypes.c_double()
+    sums = (ctypes.byref(total), ctypes.byref(weighted_depth))
     if not _has_avx512():  # AVX-512 only, and says so: rowdraw.c then scans and counts
-        assert (
-            library.ls_scan_exp_sum(row.ctypes.data, size, maxima.ctypes.data, ctypes.byref(total))
-            == -1
-        )
+        assert library.ls_scan_exp_sum(row.ctypes.data, size, maxima.ctypes.data, *sums) == -1
         return
-    for logits in (row, row[::-1].copy(), rng.permutation(row)):
+    for order, logits in enumerate((row, row[::-1].copy(), rng.permutation(row))):
         reference = np.empty_like(maxima)
-        has_nan = library.ls_scan_exp_sum(
-            logits.ctypes.data, size, maxima.ctypes.data, ctypes.byref(total)
-        )
+        has_nan = library.ls_scan_exp_sum(logits.ctypes.data, size, maxima.ctypes.data, *sums)
         assert has_nan == library.ls_block_max(logits.ctypes.data, size, reference.ctypes.data)
         assert has_nan == 0 and maxima.tolist() == reference.tolist()
-        exact = float(np.exp(logits.astype(np.float64) - float(logits.max())).sum())
+        depths = float(logits.max()) - logits.astype(np.float64)
+        terms = np.exp(-depths)
+        exact = float(terms.sum())
         assert total.value == pytest.approx(exact, rel=EXP_SUM_ERROR / 10)
+        assert 0.0 <= weighted_depth.value <= float((terms * depths).sum()) * (1 + 1e-6)
+        if order == 1:  # the peak first: every term taken against it
+            assert weighted_depth.value == pytest.approx(float((terms * depths).sum()), rel=1e-5)
+        bound = exact * (2.4e-7 + 1.2e-7) + 6e-8 * weighted_depth.value
+        assert abs(total.value - exact) <= bound
     logits = row.copy()
     logits[size // 2] = np.nan
-    assert library.ls_scan_exp_sum(
-        logits.ctypes.data, size, maxima.ctypes.data, ctypes.byref(total)
-    )
+    assert library.ls_scan_exp_sum(logits.ctypes.data, size, maxima.ctypes.data, *sums)

@@ -31,7 +31,8 @@ int ls_block_max(const float *row, int64_t n, float *block_max);
 int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
                   int32_t *ids);
 double ls_exp_sum_below(const float *row, int64_t n, float peak, float below);
-int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total);
+int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total,
+                    double *weighted_depth);
 double ls_cumulative_weights(const float *row, const int32_t *ids, int64_t n, float peak,
                              double temperature, double start, double *weights);
 
@@ -324,19 +325,19 @@ static int64_t settled_cut(const Draw *d, int64_t taken, double top_p, double le
 }
 
 /* The nucleus from the whole row's float32 exponentials, summed as `total` (negative where
- * the CPU lacks AVX-512 for them): draw.py's _summed_nucleus and _mass_from_rest. How many
- * tokens it keeps (in ids, best first), or LS_NOT_SERVED where its cut is still in doubt, or
- * there is no sum. */
-static int64_t summed_nucleus(Draw *d, double top_p, double total) {
+ * the CPU lacks AVX-512 for them) to within `error`: draw.py's _summed_nucleus and
+ * _mass_from_rest. How many tokens it keeps (in ids, best first), or LS_NOT_SERVED where its
+ * cut is still in doubt, or there is no sum. */
+static int64_t summed_nucleus(Draw *d, double top_p, double total, double error) {
     if (total < 0.0) return LS_NOT_SERVED;
-    double least_total = total * (1.0 - EXP_SUM_ERROR), most_total = total * (1.0 + EXP_SUM_ERROR);
+    double least_total = total - error, most_total = total + error;
     int64_t taken = take_best_first(d, NULL, 0, top_p * most_total);
     int64_t last = settled_cut(d, taken, top_p, least_total, most_total);
     if (last >= 0) return last + 1;
     /* In doubt: the taken tokens' float64 mass, plus the float32 sum of the rest under them
      * with its own error bound (much the smaller), narrows it. */
     double rest = ls_exp_sum_below(d->row, d->n, d->peak, d->row[d->ids[taken - 1]]);
-    double error = rest * (EXP_ERROR + SUM32_ERROR);
+    error = rest * (EXP_ERROR + SUM32_ERROR);
     if (rest > 0.0) {
         double depth = log((double)d->n / rest);
         error += DEPTH_ERROR * rest * (depth > 0.0 ? depth : 0.0);
@@ -348,9 +349,11 @@ static int64_t summed_nucleus(Draw *d, double top_p, double total) {
     return last >= 0 ? last + 1 : LS_NOT_SERVED;
 }
 
-/* The row's exponentials summed (rowscan.c's AVX-512 kernel; negative without it). */
-static double whole_sum(const Draw *d) {
-    return ls_exp_sum_below(d->row, d->n, d->peak, INFINITY);
+/* The nucleus from the row's exponentials summed again (rowscan.c's AVX-512 kernel), within
+ * EXP_SUM_ERROR as for any row; LS_NOT_SERVED without AVX-512. */
+static int64_t resummed_nucleus(Draw *d, double top_p) {
+    double whole = ls_exp_sum_below(d->row, d->n, d->peak, INFINITY);
+    return summed_nucleus(d, top_p, whole, whole * EXP_SUM_ERROR);
 }
 
 /* top-p without top-k: draw.py's _nucleus_candidates. How many tokens the nucleus keeps (in
@@ -363,7 +366,7 @@ static int64_t nucleus(Draw *d, double top_p) {
     int64_t n_blocks = (d->n + BLOCK - 1) / BLOCK, reaching = 0;
     for (int64_t b = 0; b < n_blocks; b++) reaching += d->block_max[b] >= floor;
     if (2 * reaching > n_blocks || gather(d, floor, INFINITY, NULL) * HEAD_SHARE > d->n)
-        return summed_nucleus(d, top_p, whole_sum(d));
+        return resummed_nucleus(d, top_p);
     int64_t n_head = gather(d, floor, INFINITY, d->pool);
     double head_mass = 0.0;
     for (int64_t i = 0; i < n_head; i++) head_mass += exp((double)row[d->pool[i]] - d->peak);
@@ -384,7 +387,7 @@ static int64_t nucleus(Draw *d, double top_p) {
     double most_total = (head_mass + most_rest) * (1.0 + SUM_SLACK);
     int64_t taken = take_best_first(d, d->pool, n_head, top_p * most_total);
     int64_t last = settled_cut(d, taken, top_p, least_total, most_total);
-    return last >= 0 ? last + 1 : summed_nucleus(d, top_p, whole_sum(d));
+    return last >= 0 ? last + 1 : resummed_nucleus(d, top_p);
 }
 
 /* A token drawn from softmax(row / temperature) over what top-k, top-p and min-p keep (top_k 0
@@ -407,9 +410,15 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
     d.keys = (uint64_t *)(scratch += align64(n * 8));
     d.values = (float *)(scratch + align64(n * 8));
     /* A top-p alone needs the row's mass on most of Gemma's rows (flat ones): summed in the
-     * scan's own pass where the CPU can, so the bounds from counts are not needed. */
-    double total = -1.0;
-    int has_nan = top_p_alone ? ls_scan_exp_sum(row, n, d.block_max, &total) : -1;
+     * scan's own pass where the CPU can, so the bounds from counts are not needed. Its error
+     * bound is this row's own: the exponentials' and the float32 sums' share of the total,
+     * and DEPTH_ERROR of each term's depth, where EXP_SUM_ERROR must assume the deepest mass
+     * a row can have (2.3 logits deep on Gemma's flat rows, against 12.5 assumed: a bound a
+     * third as wide, and a cut in doubt, which reads the row again, a quarter as often). */
+    double total = -1.0, weighted_depth = 0.0;
+    int has_nan =
+        top_p_alone ? ls_scan_exp_sum(row, n, d.block_max, &total, &weighted_depth) : -1;
+    double error = total * (EXP_ERROR + SUM32_ERROR + SUM_SLACK) + DEPTH_ERROR * weighted_depth;
     if (has_nan < 0) has_nan = ls_block_max(row, n, d.block_max);
     if (has_nan) return LS_NOT_SERVED;
     d.peak = -INFINITY;
@@ -421,7 +430,8 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
     if (0 < top_k && top_k < n) token = draw_top_k(&d, temperature, top_k, top_p, least);
     else if (top_p == 1.0) token = draw_tempered(&d, temperature, least, span);
     else {
-        int64_t kept = total >= 0.0 ? summed_nucleus(&d, top_p, total) : nucleus(&d, top_p);
+        int64_t kept =
+            total >= 0.0 ? summed_nucleus(&d, top_p, total, error) : nucleus(&d, top_p);
         if (kept < 0) return LS_NOT_SERVED;
         if (least > -INFINITY) kept = keep_over(&d, kept, least);
         token = pick_head(&d, kept, temperature);

@@ -196,12 +196,16 @@ __attribute__((target("avx512f"))) static double exp_sum_avx512(const float *row
  * need both. Each block's exponentials are taken against the largest logit so far, and the
  * sum is scaled down (in float64) whenever a block raises it: the terms and their error bounds
  * are those of exp_sum_avx512, and the row is read once, the exponentials' arithmetic hiding
- * the read (about 100 us for both on Gemma's rows, against 90 + 85 apart). */
+ * the read (about 100 us for both on Gemma's rows, against 90 + 85 apart). Beside the sum, the
+ * terms weighted by their depths (as taken, under the largest logit so far), scaled alike:
+ * what the float32 differences' rounding can cost this row's sum (DEPTH_ERROR per logit). */
 __attribute__((target("avx512f"))) static int scan_exp_sum_avx512(const float *row, int64_t n,
                                                                    float *block_max,
-                                                                   double *total) {
-    const __m512 none = _mm512_set1_ps(-INFINITY);
+                                                                   double *total,
+                                                                   double *weighted_depth) {
+    const __m512 none = _mm512_set1_ps(-INFINITY), deepest = _mm512_set1_ps(-104.0f);
     __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+    __m512d depth_low = _mm512_setzero_pd(), depth_high = _mm512_setzero_pd();
     __mmask16 nan = 0;
     float running = -INFINITY; /* the largest logit so far */
     for (int64_t lo = 0, b = 0; lo < n; lo += BLOCK, b++) {
@@ -220,19 +224,28 @@ __attribute__((target("avx512f"))) static int scan_exp_sum_avx512(const float *r
             __m512d scale = _mm512_set1_pd(exp((double)running - (double)block));
             low = _mm512_mul_pd(low, scale);
             high = _mm512_mul_pd(high, scale);
+            depth_low = _mm512_mul_pd(depth_low, scale);
+            depth_high = _mm512_mul_pd(depth_high, scale);
             running = block;
         }
         const __m512 peaks = _mm512_set1_ps(running);
+        /* The depths' sum only bounds an error: float32 for the block's 256 terms will do. */
+        __m512 depths = _mm512_setzero_ps();
         for (int j = 0; j < BLOCK / 16; j += 4) {
-            __m512 e0 = exp_of_depth_avx512(_mm512_sub_ps(x[j], peaks));
-            __m512 e1 = exp_of_depth_avx512(_mm512_sub_ps(x[j + 1], peaks));
-            __m512 e2 = exp_of_depth_avx512(_mm512_sub_ps(x[j + 2], peaks));
-            __m512 e3 = exp_of_depth_avx512(_mm512_sub_ps(x[j + 3], peaks));
-            add_as_double(_mm512_add_ps(_mm512_add_ps(e0, e1), _mm512_add_ps(e2, e3)), &low,
-                          &high);
+            __m512 sum = _mm512_setzero_ps();
+            for (int k = j; k < j + 4; k++) {
+                __m512 d = _mm512_sub_ps(x[k], peaks);
+                __m512 e = exp_of_depth_avx512(d);
+                sum = _mm512_add_ps(sum, e);
+                /* Clamped where e is 0 anyway: -inf * 0 would be a NaN. */
+                depths = _mm512_fnmadd_ps(e, _mm512_max_ps(d, deepest), depths);
+            }
+            add_as_double(sum, &low, &high);
         }
+        add_as_double(depths, &depth_low, &depth_high);
     }
     *total = _mm512_reduce_add_pd(_mm512_add_pd(low, high));
+    *weighted_depth = _mm512_reduce_add_pd(_mm512_add_pd(depth_low, depth_high));
     return nan != 0;
 }
 
@@ -371,12 +384,15 @@ int64_t ls_argmax(const float *row, int64_t n, float *block_max) {
 }
 
 /* ls_block_max, and into total the sum of e^(x - peak) over the row (peak: its largest logit)
- * as ls_exp_sum gives it, in one pass; -1 (and nothing done) where the CPU lacks AVX-512. */
-int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total) {
+ * as ls_exp_sum gives it, in one pass; into weighted_depth the sum of each term times the
+ * depth (x - the peak it was taken against, no more than x - peak) its float32 difference was
+ * rounded at. -1 (and nothing done) where the CPU lacks AVX-512. */
+int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total,
+                    double *weighted_depth) {
 #ifdef X86
-    if (cpu_has(2)) return scan_exp_sum_avx512(row, n, block_max, total);
+    if (cpu_has(2)) return scan_exp_sum_avx512(row, n, block_max, total, weighted_depth);
 #endif
-    (void)row, (void)n, (void)block_max, (void)total;
+    (void)row, (void)n, (void)block_max, (void)total, (void)weighted_depth;
     return -1;
 }
 

@@ -35,7 +35,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], _REAL),
     "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], _REAL),
     "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], _REAL),
-    "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW], ctypes.c_int),
+    # row, n, block_max, total, weighted_depth
+    "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW, _ROW], ctypes.c_int),
     # row, ids, n, peak, temperature, start, weights
     "ls_cumulative_weights": (
         [_ROW, _ROW, _LENGTH, ctypes.c_float, _REAL, _REAL, _ROW],
