@@ -53,6 +53,50 @@ def test_bias_and_penalties_as_the_sampler_chain_applies_them() -> None:
     assert result.logprob == FLOOR  # a token that cannot be chosen: -inf is not JSON
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logit_bias": {7: 0.1, 300: -3.3, 999: -math.inf}},
+        {"repeat_penalty": 1.3, "frequency_penalty": 0.7, "presence_penalty": -0.4},
+        {"logit_bias": {7: 2.5, 12: 0.1}, "repeat_penalty": 0.9, "frequency_penalty": 0.3},
+    ],
+)
+def test_adjusted_logits_are_llama_cpps_bias_and_penalties_to_the_bit(fields) -> None:
+    """What sample_rows writes into a row (logit_adjustments) is what llama.cpp's own
+    logit_bias and penalties samplers make of it, bit for bit, a biased token penalised too."""
+    import llama_cpp as llama
+
+    from loomserve.worker.engine.grammar_state import Candidates
+    from loomserve.worker.engine.logprobs import adjusted_logits, logit_adjustments
+    from loomserve.worker.engine.sampling import llama_chain
+
+    n_vocab = 1000
+    rng = np.random.default_rng(len(fields))
+    logits = (rng.standard_normal(n_vocab) * 4).astype(np.float32)
+    generated = [int(t) for t in rng.integers(0, 40, 90)] + [7, 7, 12]  # repeats, in the window
+    params = SamplingParams(temperature=0.0, repeat_last_n=64, **fields)
+    stages = llama_chain(params, n_vocab, 64)
+    candidates = Candidates(n_vocab)
+    try:
+        for token in generated:
+            llama.llama_sampler_accept(stages, token)
+        candidates.fill(logits)
+        # Every stage but the last (greedy), which would sort nothing but select a token.
+        for i in range(llama.llama_sampler_chain_n(stages) - 1):
+            llama.llama_sampler_apply(llama.llama_sampler_chain_get(stages, i), candidates.pointer)
+        expected = candidates.logits().copy()
+    finally:
+        llama.llama_sampler_free(stages)
+    adjusted = adjusted_logits(logits, params, generated, 64)
+    assert adjusted.tobytes() == expected.tobytes()
+    found = logit_adjustments(logits, params, generated, 64)
+    assert found is not None
+    ids, values = found
+    assert len(set(ids.tolist())) == len(ids)
+    assert np.flatnonzero(adjusted != logits).tolist() <= sorted(ids.tolist())
+    assert values.tobytes() == adjusted[ids].tobytes()
+
+
 def test_penalties_see_only_their_window() -> None:
     params = SamplingParams(logprobs=1, repeat_penalty=3.0, repeat_last_n=1)
     result = token_logprobs(LOGITS, 1, params, [1, 1, 4], 64)  # only the last token, 4

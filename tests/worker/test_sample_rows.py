@@ -123,10 +123,11 @@ def test_host_rows_are_shared_out_from_parallel_rows_on(monkeypatch, n_rows):
 
 
 def test_a_ticks_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeypatch):
-    """The plain rows (sampled, no bias or penalties) are drawn in one call into C, on
-    llama.cpp's OpenMP threads; or, without them, each Python thread its share in one call.
-    The tokens are those each sampler's sample() gives its row alone, tick after tick, beside
-    rows with penalties and a logit bias (drawn one by one) and greedy rows."""
+    """The sampled rows are drawn in one call into C, on llama.cpp's OpenMP threads; or,
+    without them, each Python thread its share in one call; rows with penalties or a logit
+    bias among them, written into the row for the call. The tokens are those each sampler's
+    sample() gives its row alone (a copy of it, adjusted), tick after tick, beside greedy
+    rows; and the logits are as they were after."""
     calls: list[tuple[int, int]] = []
 
     def counted(logits, rows, cuts, rngs, hints, threads=1):
@@ -160,11 +161,13 @@ def test_a_ticks_plain_draws_are_one_call_and_each_samplers_own_tokens(monkeypat
         try:
             for _ in range(4):
                 logits = (rng.standard_normal((n_rows, 3000)) * 3).astype(np.float32)
+                given = logits.copy()
                 calls.clear()
                 tokens = sample_rows(together, list(range(n_rows)), logits, threads)
+                assert np.array_equal(logits, given)
                 assert tokens == [s.sample(0, row) for s, row in zip(alone, logits, strict=True)]
-                # 12 plain rows: one call on 3 OpenMP threads; or a call each for 3 threads
-                assert sorted(calls) == ([(12, 3)] if openmp else [(4, 1)] * 3)
+                # 18 sampled rows: one call on 3 OpenMP threads; or a call each for 3 threads
+                assert sorted(calls) == ([(18, 3)] if openmp else [(6, 1)] * 3)
         finally:
             threads.close()
 
@@ -197,3 +200,41 @@ def test_many_greedy_rows_are_shared_out_and_keep_their_first_maximum(n_threads,
     assert tokens == logits.argmax(axis=1).tolist()
     assert tokens[rows - 1] == 11
     assert asked == ([] if openmp else ["helper"] * (n_threads - 1))
+
+
+@pytest.mark.parametrize("n_plain_greedy", [0, 6])
+@pytest.mark.parametrize("writeable", [True, False])
+def test_greedy_rows_with_a_bias_or_penalties_take_the_adjusted_rows_argmax(
+    n_plain_greedy, writeable
+):
+    """A greedy request's bias and penalties are written into its row for the tick's argmax
+    (all rows' at once when most are greedy, else its own), and the row put back after; with
+    read-only logits each such row is adjusted on a copy. Either way the tokens are those of
+    sample() on the row alone, tick after tick, as the penalties' history grows."""
+    mixes = [
+        {"temperature": 0.0, "repeat_penalty": 1.5, "presence_penalty": 0.5},
+        {"temperature": 0.0, "frequency_penalty": 2.0},
+        {"temperature": 0.0, "logit_bias": {5: 50.0, 6: -float("inf")}},
+        {"temperature": 1.0, "presence_penalty": 1.0},
+    ]
+    n_rows = len(mixes) + n_plain_greedy
+
+    def samplers() -> list[HostSampler]:
+        return [
+            HostSampler(SamplingParams(seed=row, **mixes[row] if row < len(mixes) else {}), 64)
+            for row in range(n_rows)
+        ]
+
+    alone, together = samplers(), samplers()
+    rng = np.random.default_rng(4)
+    for _ in range(6):
+        # Few distinct best tokens, so that the penalties soon change the argmax.
+        logits = (rng.standard_normal((n_rows, 300)) * 0.3).astype(np.float32)
+        logits[:, :4] += 3.0
+        given = logits.copy()
+        logits.flags.writeable = writeable
+        tokens = sample_rows(together, list(range(n_rows)), logits)
+        assert np.array_equal(logits, given)
+        assert tokens == [s.sample(0, row) for s, row in zip(alone, logits, strict=True)]
+        assert tokens[2] == 5
+    assert len(set(alone[1]._generated)) > 1  # the frequency penalty moved it off its first

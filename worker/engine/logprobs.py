@@ -14,6 +14,7 @@ logprobs from the rows of a step's output logits.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -85,27 +86,58 @@ def adjusted_logits(
 ) -> np.ndarray:
     """The logits after logit bias, then penalties, as llama.cpp's sampler chain orders and
     applies them (a copy; the row itself when neither applies)."""
+    adjustments = logit_adjustments(logits, params, generated, slot_context)
+    if adjustments is None:
+        return logits
+    scores = np.array(logits, dtype=np.float32)
+    ids, values = adjustments
+    scores[ids] = values
+    return scores
+
+
+def logit_adjustments(
+    logits: np.ndarray, params: SamplingParams, generated: Sequence[int], slot_context: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """What adjusted_logits changes: the tokens the bias and penalties touch (each once) and
+    their new logits, or None where neither applies. A few hundred tokens at most, where the
+    whole row is 262,144 on Gemma: sample_rows writes them into the row and back. A token
+    with both is biased first, then penalised, as in llama.cpp's chain."""
     window = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
-    history = list(generated[-window:]) if window > 0 else []
-    penalised = history and (
+    history = generated[-window:] if window > 0 else ()
+    penalised = bool(history) and (
         params.repeat_penalty != 1.0
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
     )
-    if not params.logit_bias and not penalised:
-        return logits
-    scores = np.array(logits, dtype=np.float32)
-    for token_id, bias in params.logit_bias.items():
-        scores[token_id] += bias
+    bias = params.logit_bias
+    if not bias and not penalised:
+        return None
+    counts = Counter(history) if penalised else Counter()
+    tokens = [*bias, *(token for token in counts if token not in bias)]
+    ids = np.array(tokens, dtype=np.int64)
+    values = np.asarray(logits[ids], dtype=np.float32)  # a copy: indexed by an array
+    if bias:  # float32, as llama.cpp's logit_bias sampler adds them
+        values[: len(bias)] += np.array(list(bias.values()), dtype=np.float32)
     if penalised:
-        ids, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
-        values = scores[ids]
-        values = np.where(
-            values <= 0, values * params.repeat_penalty, values / params.repeat_penalty
+        if bias:
+            position = {token: i for i, token in enumerate(tokens)}
+            at: np.ndarray | slice = np.array([position[token] for token in counts])
+        else:
+            at = slice(None)  # every token, in counts' order
+        penalised_values = values[at]
+        if params.repeat_penalty != 1.0:
+            penalised_values = np.where(
+                penalised_values <= 0,
+                penalised_values * params.repeat_penalty,
+                penalised_values / params.repeat_penalty,
+            )
+        # float32 throughout, as llama.cpp's penalties sampler computes them
+        times = np.array(list(counts.values()), dtype=np.float32)
+        penalised_values -= times * np.float32(params.frequency_penalty) + np.float32(
+            params.presence_penalty
         )
-        values -= counts * params.frequency_penalty + params.presence_penalty
-        scores[ids] = values
-    return scores
+        values[at] = penalised_values
+    return ids, values
 
 
 def _floor(value: float) -> float:

@@ -47,7 +47,7 @@ from loomserve.worker.engine.backend_sampling import (
 )
 from loomserve.worker.engine.draw import Truncation, draw_token, draw_tokens
 from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
-from loomserve.worker.engine.logprobs import adjusted_logits
+from loomserve.worker.engine.logprobs import adjusted_logits, logit_adjustments
 from loomserve.worker.sched.slots import TokenSampler
 
 # Fewer rows than this in a tick, sampled or greedy, for Python helper threads (where there
@@ -210,18 +210,40 @@ class HostSampler:
         return self._cut is None and not self._adjusts
 
     @property
-    def draws_plain(self) -> bool:
-        """Whether its rows are drawn as they come (sampled, with no bias or penalties): such
-        rows of a tick are drawn together (draw_rows)."""
-        return self._cut is not None and not self._adjusts
+    def greedy(self) -> bool:
+        """Whether its token is the argmax of its row (after any bias and penalties)."""
+        return self._cut is None
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether it applies a logit bias or penalties to its rows."""
+        return self._adjusts
+
+    def adjust(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Writes its bias and penalties into `row` (its own row of a tick's logits) and gives
+        back what to put back: those tokens' ids and former logits (None: nothing changed).
+        The token drawn from the row must then be told to taken()."""
+        adjustments = logit_adjustments(row, self._params, self._generated, self._context)
+        if adjustments is None:
+            return None
+        ids, values = adjustments
+        former = row[ids]
+        row[ids] = values
+        return ids, former
+
+    def taken(self, token: int) -> None:
+        """The token drawn from a row adjust() wrote into: its penalties' history."""
+        if self._adjusts:
+            self._generated.append(token)
 
     @staticmethod
     def draw_rows(
         samplers: Sequence[HostSampler], rows: Sequence[int], logits: np.ndarray, threads: int = 1
     ) -> list[int]:
-        """sample() for each of `samplers` (all draws_plain) with its row of `logits`, the
-        same tokens, in one call into C for them all (on `threads` of llama.cpp's OpenMP
-        threads, where it has them)."""
+        """sample() for each of `samplers` (sampled, not greedy) with its row of `logits`,
+        the same tokens, in one call into C for them all (on `threads` of llama.cpp's OpenMP
+        threads, where it has them). A bias or penalties must be in the rows already
+        (adjust(), then taken())."""
         if not samplers:
             return []
         drawn = draw_tokens(
@@ -281,25 +303,61 @@ def sample_rows(
     """Each sampler's token from its row of `logits` (one row per sampler, in order), whose
     batch indices in the last decode are `batch_indices`.
 
-    When at least half the rows are plain greedy, one argmax over all rows serves them (the
-    rest is wasted work, cheaper than copying the greedy rows out); the others, and every
-    row otherwise, go through their own sampler. The host sampler's plain rows are drawn in
-    one call into C (HostSampler.draw_rows), which holds no GIL: on llama.cpp's OpenMP
-    threads where it has them, else each thread its share. No two threads touch one sampler.
+    When at least half the rows are greedy, one argmax over all rows serves them (the rest is
+    wasted work, cheaper than copying the greedy rows out); the others, and every row
+    otherwise, go through their own sampler. The host sampler's sampled rows are drawn in one
+    call into C (HostSampler.draw_rows), which holds no GIL: on llama.cpp's OpenMP threads
+    where it has them, else each thread its share. No two threads touch one sampler.
+
+    A host sampler's logit bias and penalties are written into its own row for the tick and
+    the row's logits put back after: they change a few hundred tokens, and copying the 1 MB
+    row to change them cost more than the draw itself. Its row is then drawn, or argmaxed,
+    with the others. (Read-only logits: a copy, row by row, as sample() makes it.)
     """
-    n_greedy = sum(sampler.plain_greedy for sampler in samplers)
-    if 2 * n_greedy < len(samplers):
+    adjusted = {
+        row: sampler
+        for row, sampler in enumerate(samplers)
+        if isinstance(sampler, HostSampler) and sampler.adjusts and logits.flags.writeable
+    }
+    formers = [(row, sampler.adjust(logits[row])) for row, sampler in adjusted.items()]
+    try:
+        tokens = _sample_rows(samplers, batch_indices, logits, threads, adjusted)
+    finally:
+        for row, former in formers:
+            if former is not None:
+                ids, values = former
+                logits[row, ids] = values
+    for row, sampler in adjusted.items():
+        sampler.taken(tokens[row])
+    return tokens
+
+
+def _sample_rows(
+    samplers: Sequence[TokenSampler],
+    batch_indices: list[int],
+    logits: np.ndarray,
+    threads: SamplingThreads | None,
+    adjusted: dict[int, HostSampler],
+) -> list[int]:
+    """sample_rows' draws, the rows in `adjusted` holding their sampler's bias and penalties
+    already."""
+
+    argmaxed = [
+        sampler.plain_greedy or (row in adjusted and adjusted[row].greedy)
+        for row, sampler in enumerate(samplers)
+    ]
+    if 2 * sum(argmaxed) < len(samplers):
         tokens = [0] * len(samplers)
         rest: Sequence[int] = range(len(samplers))
     else:
         tokens = _argmax_rows(logits, threads)
-        rest = [row for row, sampler in enumerate(samplers) if not sampler.plain_greedy]
+        rest = [row for row in range(len(samplers)) if not argmaxed[row]]
     plain: list[tuple[int, HostSampler]] = []  # drawn together
-    one_by_one: list[int] = []  # a bias or penalties: a copy of the row each
+    one_by_one: list[int] = []  # a greedy adjusted row, or a bias or penalties on a copy
     for row in rest:
         sampler = samplers[row]
         if isinstance(sampler, HostSampler):
-            if sampler.draws_plain:
+            if not sampler.greedy and (row in adjusted or not sampler.adjusts):
                 plain.append((row, sampler))
             else:
                 one_by_one.append(row)
@@ -319,7 +377,10 @@ def sample_rows(
         for row, token in zip(rows, chosen, strict=True):
             tokens[row] = token
         for row in one_by_one[share::n_shares]:
-            tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
+            if row in adjusted:  # greedy: the argmax of the row as adjusted
+                tokens[row] = int(rowscan.argmax_rows(logits[row : row + 1])[0])
+            else:
+                tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
 
     futures = [pool.submit(sample, share) for share in range(1, n_shares)] if pool else []
     sample(0)
