@@ -58,6 +58,9 @@ MIXES: dict[str, dict] = {
     },
     "min_p 0.1, T 1.0": {"temperature": 1.0, "min_p": 0.1},
     "top_k 50, T 1.2": {"temperature": 1.2, "top_k": 50},
+    # Written into the row for the tick and put back (sample_rows), not a copy of it.
+    "presence_penalty 0.5, T 1": {"temperature": 1.0, "presence_penalty": 0.5},
+    "logit_bias x 10, T 1": {"temperature": 1.0, "logit_bias": {t: -2.0 for t in range(10)}},
 }
 # The second per-token table's rows: after this many tokens generated from each prompt.
 GENERATED = 24
