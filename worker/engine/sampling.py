@@ -5,8 +5,9 @@ A request without a grammar gets a HostSampler: its token is drawn on the host f
 of logits the loop hands it (draw.py: exact, at about the cost of an argmax; most mixes in one
 call to rowdraw.c, which holds no GIL, so the sampling threads draw side by side), with the
 request's own random generator, so a seeded request gives the same text alone, batched and
-after a restart. Logit bias and penalties are applied to a copy of its row first, as
-llama.cpp's samplers apply them (logprobs.adjusted_logits). Plain greedy requests take the
+after a restart. Logit bias and penalties are applied first, as llama.cpp's samplers apply
+them (logprobs.logit_adjustments): in a tick, written into the request's own row and put
+back after (sample_rows); alone (sample()), on a copy of the row. Greedy requests take the
 argmax; sample_rows takes those for a whole tick at once (rowscan's argmax, in C).
 
 With backend sampling on (backend_sampling.py), a request the graph samples exactly gets a
