@@ -64,6 +64,12 @@ MIXES: dict[str, dict] = {
 }
 # The second per-token table's rows: after this many tokens generated from each prompt.
 GENERATED = 24
+# Untimed draws over the rows before the timed one. Right after llama.cpp's chain (or 1 s
+# idle) the draws ran 2-3x slower for a few calls, whatever the rows, and came down call by
+# call (temperature 1, 64 rows, us a row: 141, 97, 74, 58, 51, 50, 50): the core's clock or
+# its AVX-512 state ramping up. A tick's draws follow llama_decode's own AVX-512 work, so the
+# steady state is what a tick sees; the greedy argmax, bound by its read, showed no ramp.
+WARM_UP = 6
 WORDS = (
     "the of and to in is was for on that with as by at from his her an were are which this "
     "be or has had not but it first one their its new after who they two have been also"
@@ -143,8 +149,8 @@ def per_token(
     """Median microseconds per sampled token: (llama.cpp chain, host sampler), per mix, over
     the rows of the last pass (`indices` in it, `logits` copied from it). The host sampler
     draws the rows as a tick does on one thread (sample_rows: greedy rows' argmax, the
-    sampled rows in one call into C), each row with its own sampler, after one untimed draw
-    that gives each its hint of the row's mass."""
+    sampled rows in one call into C), each row with its own sampler, after WARM_UP untimed
+    draws (the first also gives each its hint of the row's mass)."""
     slots = len(indices)
     results = {}
     for name, fields in MIXES.items():
@@ -162,7 +168,8 @@ def per_token(
             host = [
                 HostSampler(replace(params, seed=rep * slots + row), 4096) for row in range(slots)
             ]
-            sample_rows(host, indices, logits)
+            for _ in range(WARM_UP):
+                sample_rows(host, indices, logits)
             started = time.perf_counter()
             sample_rows(host, indices, logits)
             timings["host"].append((time.perf_counter() - started) / slots * 1e6)
