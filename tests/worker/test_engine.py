@@ -28,7 +28,7 @@ from loomserve.protocol import (
 from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine import llama_logs
-from loomserve.worker.engine.engine import Engine, EngineError
+from loomserve.worker.engine.engine import Engine, EngineError, float_weights
 from loomserve.worker.engine.llama_logs import (
     GGML_LOG_CONT,
     GGML_LOG_ERROR,
@@ -40,6 +40,7 @@ from loomserve.worker.engine.llama_logs import (
 )
 from loomserve.worker.sched.strategies import BatchPlan
 from loomserve.worker.tick.loop import TickLoop
+from tests.tiny_model import TINY, write_tiny_model
 from tests.worker.text import detokenize
 
 GW = b"gw-1"
@@ -722,3 +723,30 @@ def test_a_quick_model_load_logs_its_start_only_and_a_slow_one_its_progress(
         None,
         50,
     ]
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_float_weights_say_at_start_that_batch_invariance_is_not_exact(
+    config: WorkerConfig, batch_invariant: bool
+) -> None:
+    """F32, F16 and BF16 matmuls take llamafile's sgemm from two rows and ggml's dot product
+    for one, summing in another order: the tiny model (F32) says so when it loads with batch
+    invariance on. (Gemma's quantized weights agree alone and batched to the bit.)"""
+    with capture_logs() as logs:
+        engine = Engine(replace(config, batch_invariant=batch_invariant))
+    engine.close()
+    said = [log for log in logs if "batch invariance is exact" in log["event"]]
+    assert len(said) == batch_invariant
+    assert all(log["log_level"] == "warning" and "are F32" in log["event"] for log in said)
+
+
+def test_the_float_type_of_the_weights_comes_from_the_file_type(tmp_path: Path) -> None:
+    llama.llama_backend_init()
+    for shape, expected in ((TINY, "F32"), (replace(TINY, f16=True), "F16")):
+        path = write_tiny_model(tmp_path / f"{expected}.gguf", shape=shape)
+        params = llama.llama_model_default_params()
+        model = llama.llama_model_load_from_file(str(path).encode(), params)
+        try:
+            assert float_weights(model) == expected
+        finally:
+            llama.llama_model_free(model)

@@ -47,6 +47,9 @@ def amx_kernels() -> bool:
 
 
 MIN_STREAM_COPY_TOKENS = 16
+# llama.cpp's file types whose weight matrices are floats (general.file_type; gguf's
+# LlamaFileType): on an x86 CPU their matmuls take llamafile's sgemm from two rows on.
+FLOAT_FILE_TYPES = {0: "F32", 1: "F16", 32: "BF16"}
 KV_TYPES = {"f16": llama.GGML_TYPE_F16, "q8_0": llama.GGML_TYPE_Q8_0}
 FLASH_ATTN_TYPES = {
     "auto": getattr(llama, "LLAMA_FLASH_ATTN_TYPE_AUTO", -1),
@@ -98,6 +101,16 @@ class Engine:
         self.model: llama.llama_model_p | None = self._load_model(config)
         self.vocab = llama.llama_model_get_vocab(self.model)
         self.description = describe(self.model, config.model_path, self._gpu_layers(config))
+        float_type = float_weights(self.model)
+        if config.batch_invariant and float_type and self._gpu_layers(config) == 0:
+            log.warning(
+                f"batch invariance is exact for quantized weights; these are {float_type}, "
+                "which llama.cpp multiplies by ggml's dot product for one row and by "
+                "llamafile's sgemm for two or more, summing in another order: a sequence's "
+                "logits alone and batched differ in their last bits, and a greedy output "
+                "where two tokens nearly tie",
+                model=config.model_path.name,
+            )
         self.n_vocab = self.description.n_vocab
         self._eog: dict[int, bool] = {}
         self.slot_context = min(config.ctx_size, self.description.context_train)
@@ -350,6 +363,13 @@ def describe(model, path: Path, gpu_layers: int) -> ModelDescription:
         context_train=llama.llama_model_n_ctx_train(model),
         gpu_layers=min(gpu_layers, n_layers + 1),
     )
+
+
+def float_weights(model) -> str | None:
+    """The float type of the model's weight matrices (F32, F16, BF16), or None where they
+    are quantized (or the file does not say)."""
+    file_type = _meta(model, "general.file_type")
+    return FLOAT_FILE_TYPES.get(int(file_type)) if file_type.isdigit() else None
 
 
 def _meta(model, key: str) -> str:
