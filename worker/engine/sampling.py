@@ -279,8 +279,9 @@ class HostSampler:
 class SamplingThreads:
     """n threads (at most `limit`) that draw a tick's host-sampled rows. Where llama.cpp runs
     on OpenMP threads (its CPU backend), n of those, awake right after the decode, take the
-    plain rows and the greedy rows' argmaxes in C (`openmp`: rowthreads.c). Otherwise, and for
-    the rows drawn one by one (a bias or penalties), the tick's own thread and n - 1 helpers."""
+    sampled rows and the greedy rows' argmaxes in C (`openmp`: rowthreads.c). Otherwise, and
+    for rows taken one by one (greedy rows among mostly sampled ones, a bias or penalties on
+    read-only logits), the tick's own thread and n - 1 helpers."""
 
     def __init__(self, n: int, limit: int = MAX_SAMPLING_THREADS) -> None:
         self.n = min(max(1, n), limit)
@@ -353,19 +354,23 @@ def _sample_rows(
     else:
         tokens = _argmax_rows(logits, threads)
         rest = [row for row in range(len(samplers)) if not argmaxed[row]]
-    plain: list[tuple[int, HostSampler]] = []  # drawn together
-    one_by_one: list[int] = []  # a greedy adjusted row, or a bias or penalties on a copy
+    plain: list[tuple[int, HostSampler]] = []  # sampled: drawn together
+    greedy: list[int] = []  # greedy rows the tick's argmax left (few of its rows were)
+    copied: list[int] = []  # a bias or penalties on read-only logits: sample() on a copy
     for row in rest:
         sampler = samplers[row]
-        if isinstance(sampler, HostSampler):
-            if not sampler.greedy and (row in adjusted or not sampler.adjusts):
-                plain.append((row, sampler))
-            else:
-                one_by_one.append(row)
+        if not isinstance(sampler, HostSampler):
+            continue
+        if sampler.adjusts and row not in adjusted:
+            copied.append(row)
+        elif sampler.greedy:
+            greedy.append(row)
+        else:
+            plain.append((row, sampler))
     # On OpenMP threads the tick's thread draws every plain row in its one call; the helpers,
-    # if any, take shares of the rows drawn one by one.
+    # if any, take shares of the rows taken one by one.
     openmp_threads = threads.n if threads is not None and threads.openmp else 0
-    shared = len(one_by_one) + (0 if openmp_threads else len(plain))
+    shared = len(greedy) + len(copied) + (0 if openmp_threads else len(plain))
     pool = None if threads is None or shared < PARALLEL_ROWS else threads.pool
     n_shares = 1 if threads is None or pool is None else threads.n
 
@@ -377,11 +382,10 @@ def _sample_rows(
         )
         for row, token in zip(rows, chosen, strict=True):
             tokens[row] = token
-        for row in one_by_one[share::n_shares]:
-            if row in adjusted:  # greedy: the argmax of the row as adjusted
-                tokens[row] = int(rowscan.argmax_rows(logits[row : row + 1])[0])
-            else:
-                tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
+        for row in greedy[share::n_shares]:
+            tokens[row] = int(rowscan.argmax_rows(logits[row : row + 1])[0])
+        for row in copied[share::n_shares]:
+            tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
 
     futures = [pool.submit(sample, share) for share in range(1, n_shares)] if pool else []
     sample(0)
