@@ -229,6 +229,16 @@ def test_rows_drawn_in_one_call_are_each_rows_draw(isa):
         else:
             assert (drawn.tokens[i], drawn.head_mass[i]) == (alone.token, alone.head_mass)
     assert drawn.tokens[2] == -1  # row 4: NaN
+    # A thread takes up to four rows at once, the maxima of those that are no top-p alone read
+    # side by side: the NaN row among them (its cut moved on by one), on one thread and two.
+    turned = cuts[1:] + cuts[:1]
+    for threads in (1, 2):
+        drawn = rowscan.draw_rows(logits, rows, np.array(turned), seeds, threads)
+        for i, row in enumerate(rows):
+            alone = rowscan.draw(logits[row], *turned[i], int(seeds[i]))
+            expected = (-1, None) if alone is None else (alone.token, alone.head_mass)
+            assert (drawn.tokens[i], None if alone is None else drawn.head_mass[i]) == expected
+        assert drawn.tokens[2] == -1
     with pytest.raises(ValueError, match="outside"):
         rowscan.draw_rows(logits, np.array([6]), np.array(cuts[:1]), seeds[:1])
     assert not rowscan.draws_rows(logits[:, ::2])  # strided: not rows it can read
@@ -247,6 +257,7 @@ def test_argmax_rows_is_numpys_argmax(isa, size):
     rows[3, -1] = np.nan
     rows[4, size - 1] = np.inf
     rows[5, :] = 1.5  # all tied
+    # Rows are taken up to four at once (read side by side): groups of 4 + 2, 3 + 3, 2 + 2 + 2.
     for threads in (1, 2, 3):
         assert rowscan.argmax_rows(rows, threads).tolist() == rows.argmax(axis=1).tolist()
 
@@ -261,12 +272,12 @@ def test_llama_cpps_openmp_threads_are_found_once_it_is_loaded():
     library = rowscan.library()
     logits = np.stack([_row(4096 + 17, seed) for seed in range(5)])
     n_rows, n = logits.shape
-    block_max = np.empty((8, -(-n // BLOCK)), dtype=np.float32)  # a row's room per thread
+    floats = library.ls_argmax_scratch_floats(n)  # room for a thread's rows' block maxima
+    block_max = np.empty((8, floats), dtype=np.float32)
     out = np.empty(n_rows, dtype=np.int64)
     for threads, team in ((1, 1), (2, 2), (3, 3), (8, 5)):  # 5 rows: 5 threads at most
         took_part = library.ls_argmax_rows_on(
-            logits.ctypes.data, n_rows, n, block_max.ctypes.data, block_max.shape[1], threads,
-            out.ctypes.data,
+            logits.ctypes.data, n_rows, n, block_max.ctypes.data, floats, threads, out.ctypes.data
         )  # fmt: skip
         assert took_part == team
         assert out.tolist() == logits.argmax(axis=1).tolist()

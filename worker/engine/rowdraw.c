@@ -25,9 +25,13 @@
 
 #define BLOCK 256
 #define LS_NOT_SERVED (-1)
+/* rowscan.c's: the most rows ls_block_max_rows reads side by side. */
+#define ROWS_AT_ONCE 4
 
 /* rowscan.c's */
 int ls_block_max(const float *row, int64_t n, float *block_max);
+void ls_block_max_rows(const float *const *rows, int64_t count, int64_t n, float *block_max,
+                       int *nan);
 int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
                   int32_t *ids);
 double ls_exp_sum_below(const float *row, int64_t n, float peak, float below);
@@ -94,11 +98,16 @@ static int64_t align64(int64_t bytes) {
     return (bytes + 63) & ~(int64_t)63;
 }
 
-/* The bytes of scratch ls_draw needs for a row of n logits, and where in it the candidates'
- * ids are left (after the blocks' maxima). */
-int64_t ls_draw_scratch_bytes(int64_t n) {
+/* What one draw takes of its scratch; ls_draw_group's rows' block maxima follow. */
+static int64_t one_draw_bytes(int64_t n) {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
     return align64(n_blocks * 4) + 2 * align64(n * 4) + 2 * align64(n * 8) + align64(n * 4);
+}
+
+/* The bytes of scratch ls_draw and ls_draw_group need for rows of n logits, and where in it
+ * the candidates' ids are left (after the blocks' maxima). */
+int64_t ls_draw_scratch_bytes(int64_t n) {
+    return one_draw_bytes(n) + align64(ROWS_AT_ONCE * ((n + BLOCK - 1) / BLOCK) * 4);
 }
 
 int64_t ls_draw_ids_at(int64_t n) {
@@ -390,6 +399,47 @@ static int64_t nucleus(Draw *d, double top_p) {
     return last >= 0 ? last + 1 : resummed_nucleus(d, top_p);
 }
 
+/* A draw from `row`, its arrays laid out in scratch (ls_draw_scratch_bytes). */
+static Draw start(const float *row, int64_t n, uint64_t seed, char *scratch) {
+    Draw d = {.row = row, .n = n, .rng = {seed}};
+    d.block_max = (float *)scratch;
+    d.ids = (int32_t *)(scratch += ls_draw_ids_at(n));
+    d.pool = (int32_t *)(scratch += align64(n * 4));
+    d.weights = (double *)(scratch += align64(n * 4));
+    d.keys = (uint64_t *)(scratch += align64(n * 8));
+    d.values = (float *)(scratch + align64(n * 8));
+    return d;
+}
+
+/* Whether a draw cuts by top-p with no top-k before it (its first pass then sums the row). */
+static int top_p_alone(int64_t n, int64_t top_k, double top_p) {
+    return top_p < 1.0 && !(0 < top_k && top_k < n);
+}
+
+/* The rest of a draw once d->block_max holds its row's maxima (a row with no NaN) and, for a
+ * top-p alone where the CPU could, `total` its mass within `error` (total < 0: not summed). */
+static int64_t finish(Draw *d, double temperature, int64_t top_k, double top_p, double min_p,
+                      double span, double total, double error, double *found) {
+    int64_t n_blocks = (d->n + BLOCK - 1) / BLOCK;
+    d->peak = -INFINITY;
+    for (int64_t b = 0; b < n_blocks; b++)
+        if (d->block_max[b] > d->peak) d->peak = d->block_max[b];
+    if (!isfinite(d->peak)) return LS_NOT_SERVED;
+    double least = min_p > 0.0 ? (double)d->peak + log(min_p) : -INFINITY;
+    int64_t token;
+    if (0 < top_k && top_k < d->n) token = draw_top_k(d, temperature, top_k, top_p, least);
+    else if (top_p == 1.0) token = draw_tempered(d, temperature, least, span);
+    else {
+        int64_t kept = total >= 0.0 ? summed_nucleus(d, top_p, total, error) : nucleus(d, top_p);
+        if (kept < 0) return LS_NOT_SERVED;
+        if (least > -INFINITY) kept = keep_over(d, kept, least);
+        token = pick_head(d, kept, temperature);
+    }
+    found[0] = d->head_mass;
+    found[1] = (double)d->kept;
+    return token;
+}
+
 /* A token drawn from softmax(row / temperature) over what top-k, top-p and min-p keep (top_k 0
  * and top_p 1: off; min_p 0: off), seeded by `seed`. `span`: how far under the best (in
  * untempered logits, over the temperature) the head reaches when nothing cuts (draw.py chooses
@@ -400,15 +450,7 @@ static int64_t nucleus(Draw *d, double top_p) {
  * the top of this file). */
 int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, double top_p,
                 double min_p, double span, uint64_t seed, char *scratch, double *found) {
-    int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
-    Draw d = {.row = row, .n = n, .rng = {seed}};
-    int top_p_alone = top_p < 1.0 && !(0 < top_k && top_k < n);
-    d.block_max = (float *)scratch;
-    d.ids = (int32_t *)(scratch += ls_draw_ids_at(n));
-    d.pool = (int32_t *)(scratch += align64(n * 4));
-    d.weights = (double *)(scratch += align64(n * 4));
-    d.keys = (uint64_t *)(scratch += align64(n * 8));
-    d.values = (float *)(scratch + align64(n * 8));
+    Draw d = start(row, n, seed, scratch);
     /* A top-p alone needs the row's mass on most of Gemma's rows (flat ones): summed in the
      * scan's own pass where the CPU can, so the bounds from counts are not needed. Its error
      * bound is this row's own: the exponentials' and the float32 sums' share of the total,
@@ -416,27 +458,43 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
      * a row can have (2.3 logits deep on Gemma's flat rows, against 12.5 assumed: a bound a
      * third as wide, and a cut in doubt, which reads the row again, a quarter as often). */
     double total = -1.0, weighted_depth = 0.0;
-    int has_nan =
-        top_p_alone ? ls_scan_exp_sum(row, n, d.block_max, &total, &weighted_depth) : -1;
+    int has_nan = top_p_alone(n, top_k, top_p)
+                      ? ls_scan_exp_sum(row, n, d.block_max, &total, &weighted_depth)
+                      : -1;
     double error = total * (EXP_ERROR + SUM32_ERROR + SUM_SLACK) + DEPTH_ERROR * weighted_depth;
     if (has_nan < 0) has_nan = ls_block_max(row, n, d.block_max);
     if (has_nan) return LS_NOT_SERVED;
-    d.peak = -INFINITY;
-    for (int64_t b = 0; b < n_blocks; b++)
-        if (d.block_max[b] > d.peak) d.peak = d.block_max[b];
-    if (!isfinite(d.peak)) return LS_NOT_SERVED;
-    double least = min_p > 0.0 ? (double)d.peak + log(min_p) : -INFINITY;
-    int64_t token;
-    if (0 < top_k && top_k < n) token = draw_top_k(&d, temperature, top_k, top_p, least);
-    else if (top_p == 1.0) token = draw_tempered(&d, temperature, least, span);
-    else {
-        int64_t kept =
-            total >= 0.0 ? summed_nucleus(&d, top_p, total, error) : nucleus(&d, top_p);
-        if (kept < 0) return LS_NOT_SERVED;
-        if (least > -INFINITY) kept = keep_over(&d, kept, least);
-        token = pick_head(&d, kept, temperature);
+    return finish(&d, temperature, top_k, top_p, min_p, span, total, error, found);
+}
+
+/* ls_draw for `count` rows (at most ROWS_AT_ONCE) of n logits each: tokens[i] from rows[i]
+ * with settings[5 i ...] (temperature, top_k, top_p, min_p, span), seeds[i], found[2 i ...].
+ * The rows whose draw begins with their blocks' maxima have them read side by side
+ * (ls_block_max_rows); a top-p alone scans its own row as ls_draw does. */
+void ls_draw_group(const float *const *rows, int64_t count, int64_t n, const double *settings,
+                   const uint64_t *seeds, char *scratch, int64_t *tokens, double *found) {
+    int64_t n_blocks = (n + BLOCK - 1) / BLOCK, together[ROWS_AT_ONCE], n_together = 0;
+    const float *together_rows[ROWS_AT_ONCE] = {0};
+    int nan[ROWS_AT_ONCE];
+    float *maxima = (float *)(scratch + one_draw_bytes(n));
+    for (int64_t i = 0; i < count; i++) {
+        const double *s = settings + 5 * i;
+        if (top_p_alone(n, (int64_t)s[1], s[2])) continue;
+        together[n_together] = i;
+        together_rows[n_together++] = rows[i];
     }
-    found[0] = d.head_mass;
-    found[1] = (double)d.kept;
-    return token;
+    ls_block_max_rows(together_rows, n_together, n, maxima, nan);
+    for (int64_t i = 0, k = 0; i < count; i++) {
+        const double *s = settings + 5 * i;
+        if (k < n_together && together[k] == i) {
+            Draw d = start(rows[i], n, seeds[i], scratch);
+            d.block_max = maxima + k * n_blocks;
+            tokens[i] = nan[k++] ? LS_NOT_SERVED
+                                 : finish(&d, s[0], (int64_t)s[1], s[2], s[3], s[4], -1.0, 0.0,
+                                          found + 2 * i);
+        } else {
+            tokens[i] = ls_draw(rows[i], n, s[0], (int64_t)s[1], s[2], s[3], s[4], seeds[i],
+                                scratch, found + 2 * i);
+        }
+    }
 }

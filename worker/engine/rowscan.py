@@ -60,6 +60,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_openmp": ([], ctypes.c_int),
     "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
     "ls_draw_ids_at": ([_LENGTH], _LENGTH),
+    "ls_argmax_scratch_floats": ([_LENGTH], _LENGTH),
     "ls_limit_isa": ([ctypes.c_int], None),
     "ls_isa": ([], ctypes.c_int),
 }
@@ -166,10 +167,10 @@ def argmax_rows(rows: np.ndarray, threads: int = 1) -> np.ndarray:
         return rows.argmax(axis=1)
     n_rows, n = rows.shape
     out = np.empty(n_rows, dtype=np.int64)
-    n_blocks = -(-n // BLOCK)
-    block_max = np.empty((max(threads, 1), n_blocks), dtype=np.float32)
+    floats = lib.ls_argmax_scratch_floats(n)
+    block_max = np.empty((max(threads, 1), floats), dtype=np.float32)
     lib.ls_argmax_rows_on(
-        rows.ctypes.data, n_rows, n, block_max.ctypes.data, n_blocks, threads, out.ctypes.data
+        rows.ctypes.data, n_rows, n, block_max.ctypes.data, floats, threads, out.ctypes.data
     )
     return out
 

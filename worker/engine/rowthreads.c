@@ -20,9 +20,13 @@
 #include <stdint.h>
 
 /* rowdraw.c's and rowscan.c's */
-int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, double top_p,
-                double min_p, double span, uint64_t seed, char *scratch, double *found);
-int64_t ls_argmax(const float *row, int64_t n, float *block_max);
+void ls_draw_group(const float *const *rows, int64_t count, int64_t n, const double *settings,
+                   const uint64_t *seeds, char *scratch, int64_t *tokens, double *found);
+void ls_argmax_rows(const float *rows, int64_t count, int64_t n, float *block_max,
+                    int64_t *out);
+
+/* rowscan.c's ROWS_AT_ONCE: the most rows ls_argmax_rows and ls_draw_group take in a call. */
+#define ROWS_AT_ONCE 4
 
 typedef void (*Parallel)(void (*fn)(void *), void *data, unsigned threads, unsigned flags);
 static Parallel gomp_parallel;
@@ -69,6 +73,7 @@ typedef struct {
     int64_t scratch_stride;
     int64_t *tokens;
     double *found;
+    int64_t group;     /* rows a thread takes at once */
     atomic_llong next; /* the next row to take: the threads share the rows out as they go */
     atomic_int team;   /* how many threads took part */
 } DrawJob;
@@ -77,26 +82,36 @@ static void draw_some(void *arg) {
     DrawJob *job = arg;
     join(&job->team);
     char *scratch = job->scratch + job->scratch_stride * thread_index();
-    for (int64_t i; (i = atomic_fetch_add(&job->next, 1)) < job->count;) {
-        const double *s = job->settings + 5 * i;
-        job->tokens[i] = ls_draw(job->logits + job->rows[i] * job->n, job->n, s[0],
-                                 (int64_t)s[1], s[2], s[3], s[4], job->seeds[i], scratch,
-                                 job->found + 2 * i);
+    for (int64_t i; (i = atomic_fetch_add(&job->next, job->group)) < job->count;) {
+        int64_t count = job->count - i < job->group ? job->count - i : job->group;
+        const float *rows[ROWS_AT_ONCE] = {0};
+        for (int64_t k = 0; k < count; k++) rows[k] = job->logits + job->rows[i + k] * job->n;
+        ls_draw_group(rows, count, job->n, job->settings + 5 * i, job->seeds + i, scratch,
+                      job->tokens + i, job->found + 2 * i);
     }
+}
+
+/* How many rows a thread takes at once: up to ROWS_AT_ONCE, no more than its share, so that
+ * every thread has rows. */
+static int64_t group_of(int64_t rows, int threads) {
+    int64_t share = threads > 1 ? rows / threads : rows;
+    return share < 1 ? 1 : share > ROWS_AT_ONCE ? ROWS_AT_ONCE : share;
 }
 
 /* ls_draw for count rows of one tick's logits (rows of n floats each, one after another),
  * on `threads` threads: tokens[i] is drawn from row rows[i] with settings[5 i ...]
  * (temperature, top_k, top_p, min_p, span) and seeds[i], and found[2 i], found[2 i + 1] get
- * what ls_draw's found does. scratch holds one ls_draw_scratch_bytes(n) room per thread,
- * scratch_stride bytes apart (each 64-byte aligned). One call for a tick's rows, where a
- * call a row took the GIL back after every row: on an H100 machine's 16 cores, 8 or 16
- * Python threads that did so drew a tick's rows more slowly than 4 (docs/gpu.md). Returns
- * how many threads took part. */
+ * what ls_draw's found does; each thread takes a group of rows at a time (group_of:
+ * ls_draw_group reads their maxima side by side). scratch holds one ls_draw_scratch_bytes(n)
+ * room per thread, scratch_stride bytes apart (each 64-byte aligned). One call for a tick's
+ * rows, where a call a row took the GIL back after every row: on an H100 machine's 16 cores,
+ * 8 or 16 Python threads that did so drew a tick's rows more slowly than 4 (docs/gpu.md).
+ * Returns how many threads took part. */
 int ls_draw_rows_on(const float *logits, int64_t n, int64_t count, const int64_t *rows,
                      const double *settings, const uint64_t *seeds, char *scratch,
                      int64_t scratch_stride, int threads, int64_t *tokens, double *found) {
-    DrawJob job = {logits, n, count, rows, settings, seeds, scratch, scratch_stride, tokens, found};
+    DrawJob job = {logits, n, count, rows, settings, seeds, scratch, scratch_stride, tokens, found,
+                   group_of(count, threads)};
     atomic_init(&job.next, 0);
     atomic_init(&job.team, 0);
     run(draw_some, &job, threads, count);
@@ -109,6 +124,7 @@ typedef struct {
     float *block_max;
     int64_t block_stride;
     int64_t *out;
+    int64_t group; /* rows a thread takes at once */
     atomic_llong next;
     atomic_int team;
 } ArgmaxJob;
@@ -117,16 +133,19 @@ static void argmax_some(void *arg) {
     ArgmaxJob *job = arg;
     join(&job->team);
     float *block_max = job->block_max + job->block_stride * thread_index();
-    for (int64_t r; (r = atomic_fetch_add(&job->next, 1)) < job->n_rows;)
-        job->out[r] = ls_argmax(job->rows + r * job->n, job->n, block_max);
+    for (int64_t r; (r = atomic_fetch_add(&job->next, job->group)) < job->n_rows;) {
+        int64_t count = job->n_rows - r < job->group ? job->n_rows - r : job->group;
+        ls_argmax_rows(job->rows + r * job->n, count, job->n, block_max, job->out + r);
+    }
 }
 
 /* ls_argmax of each of n_rows rows of n logits (one after another in memory) into out, on
- * `threads` threads: block_max holds one row's block maxima per thread, block_stride floats
- * apart. Returns how many threads took part. */
+ * `threads` threads, each taking a group of rows at a time (group_of): block_max holds
+ * ls_argmax_scratch_floats(n) floats per thread, block_stride floats apart. Returns how many
+ * threads took part. */
 int ls_argmax_rows_on(const float *rows, int64_t n_rows, int64_t n, float *block_max,
                        int64_t block_stride, int threads, int64_t *out) {
-    ArgmaxJob job = {rows, n_rows, n, block_max, block_stride, out};
+    ArgmaxJob job = {rows, n_rows, n, block_max, block_stride, out, group_of(n_rows, threads)};
     atomic_init(&job.next, 0);
     atomic_init(&job.team, 0);
     run(argmax_some, &job, threads, n_rows);
