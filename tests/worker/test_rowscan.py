@@ -246,6 +246,32 @@ def test_rows_drawn_in_one_call_are_each_rows_draw(isa):
         rowscan.draw_rows(logits[:, ::2], rows, np.array(cuts), seeds)
 
 
+@pytest.mark.parametrize("size", [4096 + 17, 3 * 4096])
+def test_heads_gathered_in_the_scan_draw_as_the_row_does(isa, size):
+    """A temperature's head (the tokens within its first span of the best) is gathered in the
+    pass that reads four rows side by side, where one draw reads the row's best blocks again:
+    the same tokens and head masses as each row drawn alone, whether the head serves the draw,
+    serves a min-p bar above it, is too shallow (the span widens), or outgrows its room (a flat
+    row: every token within the span), and a last partial block."""
+    logits = np.stack([_row(size, seed) for seed in range(3)] + [np.linspace(0, 1, size)])
+    logits = logits.astype(np.float32)
+    cuts = [(1.0, 0, 1.0, 0.0, 4.0), (1.0, 0, 1.0, 0.0, 0.5), (1.0, 0, 1.0, 0.5, 2.0),
+            (0.5, 0, 1.0, 0.0, 9.0), (1.5, 0, 1.0, 0.05, 6.0),
+            (1.0, 0, 1.0, 0.0, 20.0)] * 4  # fmt: skip
+    rows = np.repeat(np.arange(4), len(cuts) // 4)
+    settings = np.array(cuts)
+    seeds = np.arange(len(rows), dtype=np.uint64) * 104_729
+    alone = [
+        rowscan.draw(logits[r], *cut, int(seed))
+        for r, cut, seed in zip(rows, cuts, seeds, strict=True)
+    ]
+    for threads in (1, 2):
+        drawn = rowscan.draw_rows(logits, rows, settings, seeds, threads)
+        assert drawn.tokens.tolist() == [a.token for a in alone]
+        assert drawn.head_mass.tolist() == [a.head_mass for a in alone]
+    assert len({a.token for a in alone}) > 12
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_argmax_rows_is_numpys_argmax(isa, size):
     """The first largest logit's index, or the first NaN's, as numpy's argmax gives it: ties
