@@ -247,12 +247,10 @@ def test_rows_drawn_in_one_call_are_each_rows_draw(isa):
 
 
 @pytest.mark.parametrize("size", [4096 + 17, 3 * 4096])
-def test_heads_gathered_in_the_scan_draw_as_the_row_does(isa, size):
-    """A temperature's head (the tokens within its first span of the best) is gathered in the
-    pass that reads four rows side by side, where one draw reads the row's best blocks again:
-    the same tokens and head masses as each row drawn alone, whether the head serves the draw,
-    serves a min-p bar above it, is too shallow (the span widens), or outgrows its room (a flat
-    row: every token within the span), and a last partial block."""
+def test_temperatures_drawn_four_rows_at_once_draw_as_each_row_alone(isa, size):
+    """Rows whose maxima are read side by side, four at a time: the same tokens and head
+    masses as each row drawn alone, for a temperature's head at its first span, under a min-p
+    bar above it, too shallow (the span widens), over a flat row, and a last partial block."""
     logits = np.stack([_row(size, seed) for seed in range(3)] + [np.linspace(0, 1, size)])
     logits = logits.astype(np.float32)
     cuts = [(1.0, 0, 1.0, 0.0, 4.0), (1.0, 0, 1.0, 0.0, 0.5), (1.0, 0, 1.0, 0.5, 2.0),

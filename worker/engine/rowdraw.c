@@ -31,8 +31,7 @@
 /* rowscan.c's */
 int ls_block_max(const float *row, int64_t n, float *block_max);
 void ls_block_max_rows(const float *const *rows, int64_t count, int64_t n, float *block_max,
-                       int *nan, const float *head_depth, int32_t *head_ids, float *head_values,
-                       int64_t room, int64_t *head_count);
+                       int *nan);
 int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
                   int32_t *ids);
 double ls_exp_sum_below(const float *row, int64_t n, float peak, float below);
@@ -50,12 +49,6 @@ static const double EXP_SUM_ERROR = 2e-6, EXP_ERROR = 4.8e-7, DEPTH_ERROR = 6e-8
  * roundings of 2^-24 each. */
 static const double SUM32_ERROR = 1.2e-7;
 static const int64_t HEAD_SHARE = 16;
-/* ls_draw_group's heads gathered in the scan: room for this many tokens a row (Gemma's heads
- * at a temperature's first span, 4 logits: 7-210 tokens; a row whose head outgrows it is
- * gathered from its blocks instead), and this much deeper than the draw's first floor, so
- * that float32 rounding never leaves the floor under the head's. */
-static const int64_t HEAD_ROOM = 4096;
-static const double HEAD_MARGIN = 0.01;
 /* Bounds on a mass are widened by this much of it, more than a float64 sum of a whole row's
  * terms in any order can be off by (262,144 additions: 3e-11 at worst). */
 static const double SUM_SLACK = 1e-10;
@@ -99,13 +92,6 @@ typedef struct {
     Rng rng;
     double head_mass;    /* the candidates' tempered weight, in units of the best token's */
     int64_t kept;        /* how many candidates ids holds; -1 when a tail was kept too */
-    /* A head the scan gathered (ls_draw_group): every token at or above head_floor, ids in
-     * order and their logits; head_count -1 where there is none. */
-    const int32_t *head_ids;
-    const float *head_values;
-    int64_t head_count;
-    float head_floor;
-    int values_of_ids; /* values[i] is ids[i]'s logit, for i under the last gather's count */
 } Draw;
 
 static int64_t align64(int64_t bytes) {
@@ -121,8 +107,7 @@ static int64_t one_draw_bytes(int64_t n) {
 /* The bytes of scratch ls_draw and ls_draw_group need for rows of n logits, and where in it
  * the candidates' ids are left (after the blocks' maxima). */
 int64_t ls_draw_scratch_bytes(int64_t n) {
-    return one_draw_bytes(n) + align64(ROWS_AT_ONCE * ((n + BLOCK - 1) / BLOCK) * 4) +
-           2 * align64(ROWS_AT_ONCE * HEAD_ROOM * 4);
+    return one_draw_bytes(n) + align64(ROWS_AT_ONCE * ((n + BLOCK - 1) / BLOCK) * 4);
 }
 
 int64_t ls_draw_ids_at(int64_t n) {
@@ -155,8 +140,6 @@ static int64_t first_reaching(const double *cumulative, int64_t n, double v) {
 /* The weights of ids[0..n) over `temperature`, summed in order into weights; returns the
  * total. */
 static double cumulate(const Draw *d, int64_t n, double temperature) {
-    if (d->values_of_ids) /* the logits at hand: no reads from the row, long out of the cache */
-        return ls_cumulative_weights(d->values, NULL, n, d->peak, temperature, 0.0, d->weights);
     return ls_cumulative_weights(d->row, d->ids, n, d->peak, temperature, 0.0, d->weights);
 }
 
@@ -172,32 +155,14 @@ static int32_t pick_head(Draw *d, int64_t n, double temperature) {
  * returns how many are left. */
 static int64_t keep_over(const Draw *d, int64_t n, double least) {
     int64_t kept = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float value = d->values_of_ids ? d->values[i] : d->row[d->ids[i]];
-        if ((double)value < least) continue;
-        if (d->values_of_ids) d->values[kept] = value;
-        d->ids[kept++] = d->ids[i];
-    }
+    for (int64_t i = 0; i < n; i++)
+        if ((double)d->row[d->ids[i]] >= least) d->ids[kept++] = d->ids[i];
     return kept;
 }
 
 /* The tokens of the row in the band low <= x < high, into ids (NULL: only counted). */
 static int64_t gather(const Draw *d, float low, float high, int32_t *ids) {
     return ls_gather(d->row, d->n, d->block_max, low, high, ids);
-}
-
-/* The tokens at or above low into d->ids, in order: from the head the scan gathered where it
- * holds them all (their logits then into d->values), else from the row's blocks. */
-static int64_t gather_head(Draw *d, float low) {
-    d->values_of_ids = d->head_count >= 0 && low >= d->head_floor;
-    if (!d->values_of_ids) return gather(d, low, INFINITY, d->ids);
-    int64_t found = 0;
-    for (int64_t i = 0; i < d->head_count; i++) {
-        if (!(d->head_values[i] >= low)) continue;
-        d->ids[found] = d->head_ids[i];
-        d->values[found++] = d->head_values[i];
-    }
-    return found;
 }
 
 /* temperature (and min-p) over the whole row: draw.py's candidates() without top-k or top-p,
@@ -209,10 +174,10 @@ static int32_t draw_tempered(Draw *d, double temperature, double least, double s
         float floor = (float)((double)d->peak - span * temperature);
         if (least > (double)floor) {
             /* min-p keeps nothing under its bar, so there is no tail. */
-            int64_t found = keep_over(d, gather_head(d, (float)least), least);
+            int64_t found = keep_over(d, gather(d, (float)least, INFINITY, d->ids), least);
             return pick_head(d, found, temperature);
         }
-        int64_t found = gather_head(d, floor);
+        int64_t found = gather(d, floor, INFINITY, d->ids);
         int64_t n_tail = d->n - found;
         if (!n_tail) return pick_head(d, found, temperature);
         double head = cumulate(d, found, temperature);
@@ -436,7 +401,7 @@ static int64_t nucleus(Draw *d, double top_p) {
 
 /* A draw from `row`, its arrays laid out in scratch (ls_draw_scratch_bytes). */
 static Draw start(const float *row, int64_t n, uint64_t seed, char *scratch) {
-    Draw d = {.row = row, .n = n, .rng = {seed}, .head_count = -1};
+    Draw d = {.row = row, .n = n, .rng = {seed}};
     d.block_max = (float *)scratch;
     d.ids = (int32_t *)(scratch += ls_draw_ids_at(n));
     d.pool = (int32_t *)(scratch += align64(n * 4));
@@ -451,20 +416,15 @@ static int top_p_alone(int64_t n, int64_t top_k, double top_p) {
     return top_p < 1.0 && !(0 < top_k && top_k < n);
 }
 
-/* The row's largest logit, from its blocks' maxima, into d->peak. */
-static float peak_of(Draw *d) {
-    int64_t n_blocks = (d->n + BLOCK - 1) / BLOCK;
-    d->peak = -INFINITY;
-    for (int64_t b = 0; b < n_blocks; b++)
-        if (d->block_max[b] > d->peak) d->peak = d->block_max[b];
-    return d->peak;
-}
-
 /* The rest of a draw once d->block_max holds its row's maxima (a row with no NaN) and, for a
  * top-p alone where the CPU could, `total` its mass within `error` (total < 0: not summed). */
 static int64_t finish(Draw *d, double temperature, int64_t top_k, double top_p, double min_p,
                       double span, double total, double error, double *found) {
-    if (!isfinite(peak_of(d))) return LS_NOT_SERVED;
+    int64_t n_blocks = (d->n + BLOCK - 1) / BLOCK;
+    d->peak = -INFINITY;
+    for (int64_t b = 0; b < n_blocks; b++)
+        if (d->block_max[b] > d->peak) d->peak = d->block_max[b];
+    if (!isfinite(d->peak)) return LS_NOT_SERVED;
     double least = min_p > 0.0 ? (double)d->peak + log(min_p) : -INFINITY;
     int64_t token;
     if (0 < top_k && top_k < d->n) token = draw_top_k(d, temperature, top_k, top_p, least);
@@ -510,40 +470,25 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
 /* ls_draw for `count` rows (at most ROWS_AT_ONCE) of n logits each: tokens[i] from rows[i]
  * with settings[5 i ...] (temperature, top_k, top_p, min_p, span), seeds[i], found[2 i ...].
  * The rows whose draw begins with their blocks' maxima have them read side by side
- * (ls_block_max_rows), and a temperature's head (no top-k, no top-p) gathered in that pass,
- * where ls_draw reads the row's best blocks again; a top-p alone scans its own row as ls_draw
- * does. */
+ * (ls_block_max_rows); a top-p alone scans its own row as ls_draw does. */
 void ls_draw_group(const float *const *rows, int64_t count, int64_t n, const double *settings,
                    const uint64_t *seeds, char *scratch, int64_t *tokens, double *found) {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK, together[ROWS_AT_ONCE], n_together = 0;
     const float *together_rows[ROWS_AT_ONCE] = {0};
-    float depth[ROWS_AT_ONCE] = {0};
-    int64_t head_count[ROWS_AT_ONCE];
     int nan[ROWS_AT_ONCE];
-    char *room = scratch + one_draw_bytes(n);
-    float *maxima = (float *)room;
-    int32_t *head_ids = (int32_t *)(room += align64(ROWS_AT_ONCE * n_blocks * 4));
-    float *head_values = (float *)(room + align64(ROWS_AT_ONCE * HEAD_ROOM * 4));
+    float *maxima = (float *)(scratch + one_draw_bytes(n));
     for (int64_t i = 0; i < count; i++) {
         const double *s = settings + 5 * i;
-        int64_t top_k = (int64_t)s[1];
-        if (top_p_alone(n, top_k, s[2])) continue;
-        int tempered = !(0 < top_k && top_k < n) && s[2] == 1.0 && s[0] > 0.0;
-        depth[n_together] = tempered ? (float)(s[4] * s[0] + HEAD_MARGIN) : -1.0f;
+        if (top_p_alone(n, (int64_t)s[1], s[2])) continue;
         together[n_together] = i;
         together_rows[n_together++] = rows[i];
     }
-    ls_block_max_rows(together_rows, n_together, n, maxima, nan, depth, head_ids, head_values,
-                      HEAD_ROOM, head_count);
+    ls_block_max_rows(together_rows, n_together, n, maxima, nan);
     for (int64_t i = 0, k = 0; i < count; i++) {
         const double *s = settings + 5 * i;
         if (k < n_together && together[k] == i) {
             Draw d = start(rows[i], n, seeds[i], scratch);
             d.block_max = maxima + k * n_blocks;
-            d.head_ids = head_ids + k * HEAD_ROOM;
-            d.head_values = head_values + k * HEAD_ROOM;
-            d.head_count = head_count[k];
-            d.head_floor = peak_of(&d) - depth[k];
             tokens[i] = nan[k++] ? LS_NOT_SERVED
                                  : finish(&d, s[0], (int64_t)s[1], s[2], s[3], s[4], -1.0, 0.0,
                                           found + 2 * i);

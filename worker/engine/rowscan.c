@@ -74,86 +74,21 @@ __attribute__((target("avx512f"))) static inline float one_block_max_avx512(cons
     return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
 }
 
-/* Where ls_block_max_rows leaves each row's head: the tokens (ids and logits, in order) that
- * lie within depth[r] of the row's largest logit so far when their block is read. As that
- * grows to the row's own, they hold every token within depth[r] of it (and a few more). */
-typedef struct {
-    const float *depth; /* per row; < 0: none gathered */
-    int32_t *ids;       /* row r's at ids + r * room */
-    float *values;
-    int64_t room;
-    int64_t *count; /* per row: how many; -1 where none were gathered, or they overflowed */
-} Heads;
-
-/* The tokens of a block of x at or above `low` appended to a head's ids and values. */
-__attribute__((target("avx512f"))) static inline int64_t head_of_block_avx512(
-    const float *x, int32_t first_id, float low, int32_t *ids, float *values) {
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512 bar = _mm512_set1_ps(low);
-    int64_t found = 0;
-    for (int i = 0; i < BLOCK; i += 16) {
-        __m512 v = _mm512_loadu_ps(x + i);
-        __mmask16 in = _mm512_cmp_ps_mask(v, bar, _CMP_GE_OQ);
-        if (!in) continue;
-        __m512i id = _mm512_add_epi32(lane, _mm512_set1_epi32(first_id + i));
-        _mm512_mask_compressstoreu_epi32(ids + found, in, id);
-        _mm512_mask_compressstoreu_ps(values + found, in, v);
-        found += __builtin_popcount(in);
-    }
-    return found;
-}
-
-/* ls_block_max_rows with AVX-512, and each row's head where heads asks for it. */
+/* ls_block_max_rows with AVX-512. */
 __attribute__((target("avx512f"))) static void block_max_rows_avx512(const float *const *rows,
                                                                       int64_t count, int64_t n,
-                                                                      float *block_max, int *nan,
-                                                                      const Heads *heads) {
+                                                                      float *block_max,
+                                                                      int *nan) {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK, b = 0;
     __mmask16 nans[ROWS_AT_ONCE] = {0};
-    float best[ROWS_AT_ONCE];
-    int64_t *found = heads ? heads->count : NULL;
-    for (int64_t r = 0; r < count; r++) {
-        best[r] = -INFINITY;
-        if (found) found[r] = heads->depth[r] >= 0.0f ? 0 : -1;
-    }
     for (; (b + 1) * BLOCK <= n; b++)
-        for (int64_t r = 0; r < count; r++) {
-            const float *x = rows[r] + b * BLOCK;
-            float most = one_block_max_avx512(x, &nans[r]);
-            block_max[r * n_blocks + b] = most;
-            if (!found || found[r] < 0) continue;
-            best[r] = most > best[r] ? most : best[r];
-            float low = best[r] - heads->depth[r];
-            if (!(most >= low)) continue;
-            if (found[r] + BLOCK > heads->room) { /* too wide to keep: gathered later */
-                found[r] = -1;
-                continue;
-            }
-            int64_t at = r * heads->room + found[r];
-            found[r] += head_of_block_avx512(x, (int32_t)(b * BLOCK), low, heads->ids + at,
-                                             heads->values + at);
-        }
+        for (int64_t r = 0; r < count; r++)
+            block_max[r * n_blocks + b] = one_block_max_avx512(rows[r] + b * BLOCK, &nans[r]);
     for (int64_t r = 0; r < count; r++) {
         int plain_nan = 0;
-        if (b * BLOCK < n) { /* a last, partial block */
-            const float *x = rows[r] + b * BLOCK;
-            int64_t len = n - b * BLOCK;
-            float most = block_max_plain(x, len, &plain_nan);
-            block_max[r * n_blocks + b] = most;
-            if (found && found[r] >= 0) {
-                best[r] = most > best[r] ? most : best[r];
-                float low = best[r] - heads->depth[r];
-                int32_t *ids = heads->ids + r * heads->room;
-                float *values = heads->values + r * heads->room;
-                if (found[r] + len > heads->room) found[r] = -1;
-                else
-                    for (int64_t i = 0; i < len; i++)
-                        if (x[i] >= low) {
-                            ids[found[r]] = (int32_t)(b * BLOCK + i);
-                            values[found[r]++] = x[i];
-                        }
-            }
-        }
+        if (b * BLOCK < n)
+            block_max[r * n_blocks + b] =
+                block_max_plain(rows[r] + b * BLOCK, n - b * BLOCK, &plain_nan);
         nan[r] = nans[r] != 0 || plain_nan;
     }
 }
@@ -161,7 +96,7 @@ __attribute__((target("avx512f"))) static void block_max_rows_avx512(const float
 __attribute__((target("avx512f"))) static int block_max_avx512(const float *row, int64_t n,
                                                                  float *block_max) {
     int nan;
-    block_max_rows_avx512(&row, 1, n, block_max, &nan, NULL);
+    block_max_rows_avx512(&row, 1, n, block_max, &nan);
     return nan;
 }
 
@@ -392,9 +327,8 @@ __attribute__((target("avx512f"))) static double cumulative_avx512(const float *
     __m512d carry = _mm512_set1_pd(start);
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 in = lanes_before(i, n);
-        __m512 x = ids ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in,
-                                                  _mm512_maskz_loadu_epi32(in, ids + i), row, 4)
-                       : _mm512_maskz_loadu_ps(in, row + i);
+        __m512i at = _mm512_maskz_loadu_epi32(in, ids + i);
+        __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, at, row, 4);
         __m512d halves[2] = {
             _mm512_cvtps_pd(_mm512_castps512_ps256(x)),
             _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))};
@@ -469,29 +403,17 @@ int ls_block_max(const float *row, int64_t n, float *block_max) {
  * n_blocks, whether it holds a NaN in nan[r]). With AVX-512 the rows are read side by side, a
  * block of each in turn: a core keeps more reads from memory in flight over several streams
  * than over one (64 argmaxes of rows fresh from a forward pass, two threads: 3.1 ms a row at a
- * time, 2.7 four side by side).
- *
- * head_depth (unless NULL) asks for each row's head in the same pass, the tokens a draw would
- * otherwise gather by reading the row's best blocks again, from memory by then: where
- * head_depth[r] >= 0, head_count[r] tokens, every one within head_depth[r] of the row's largest
- * logit among them (and some a little deeper), their ids in order at head_ids + r * room and
- * their logits at head_values + r * room. head_count[r] is -1 where the row's head did not fit
- * in room, and without AVX-512. */
+ * time, 2.7 four side by side). */
 void ls_block_max_rows(const float *const *rows, int64_t count, int64_t n, float *block_max,
-                       int *nan, const float *head_depth, int32_t *head_ids, float *head_values,
-                       int64_t room, int64_t *head_count) {
+                       int *nan) {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
 #ifdef X86
     if (cpu_has(2)) {
-        Heads heads = {head_depth, head_ids, head_values, room, head_count};
-        block_max_rows_avx512(rows, count, n, block_max, nan, head_depth ? &heads : NULL);
+        block_max_rows_avx512(rows, count, n, block_max, nan);
         return;
     }
 #endif
-    for (int64_t r = 0; r < count; r++) {
-        nan[r] = ls_block_max(rows[r], n, block_max + r * n_blocks);
-        if (head_depth) head_count[r] = -1;
-    }
+    for (int64_t r = 0; r < count; r++) nan[r] = ls_block_max(rows[r], n, block_max + r * n_blocks);
 }
 
 /* The index of the row's first largest logit, or of its first NaN if it holds one (nan):
@@ -529,7 +451,7 @@ void ls_argmax_rows(const float *rows, int64_t count, int64_t n, float *block_ma
     const float *each[ROWS_AT_ONCE] = {0};
     int nan[ROWS_AT_ONCE];
     for (int64_t r = 0; r < count; r++) each[r] = rows + r * n;
-    ls_block_max_rows(each, count, n, block_max, nan, NULL, NULL, NULL, 0, NULL);
+    ls_block_max_rows(each, count, n, block_max, nan);
     for (int64_t r = 0; r < count; r++)
         out[r] = argmax_from(each[r], n, block_max + r * n_blocks, nan[r]);
 }
@@ -609,6 +531,6 @@ double ls_cumulative_weights(const float *row, const int32_t *ids, int64_t n, fl
 #endif
     double sum = start;
     for (int64_t i = 0; i < n; i++)
-        weights[i] = sum += exp(((double)row[ids ? ids[i] : i] - (double)peak) / temperature);
+        weights[i] = sum += exp(((double)row[ids[i]] - (double)peak) / temperature);
     return sum;
 }
