@@ -19,6 +19,8 @@ KV_CACHE_TYPES = ("f16", "q8_0")
 # "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
 FLASH_ATTN_MODES = ("auto", "on", "off")
 BACKEND_SAMPLING_MODES = ("auto", "on", "off")
+# ggml's CPU matmul for K-quant weights (worker/engine/engine.py: cpu_matmul_environment).
+CPU_MATMUL_MODES = ("auto", "dot", "tiled")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -243,6 +245,20 @@ class WorkerConfig:
             "kernels. Off: one KV cache shared by all slots and the fastest kernels."
         ),
     )
+    # Which of ggml's CPU kernels multiply K-quant weights (Q4_K, Q6_K, ...). Both "dot" and
+    # "tiled" compute a row alike whatever shares its pass, so both keep batch invariance;
+    # ggml's own choice (tiled from 8 rows up, dot products below) does not.
+    cpu_matmul: str = setting(
+        "auto",
+        help=(
+            "CPU kernel for quantized (K-quant) weights: dot, a dot product a row (the fastest "
+            "for a few streams); tiled, ggml's tiled matmul for every pass, one row included "
+            "(the fastest for many streams and long prompts); both batch-invariant. auto: dot "
+            "with --batch-invariant, else ggml's own choice, tiled from 8 rows up "
+            "(docs/scheduling.md)."
+        ),
+        choices=CPU_MATMUL_MODES,
+    )
     # Self-speculative n-gram drafting in the tick (worker/sched/speculation.py): each generating
     # slot may draft up to num_speculative_tokens tokens that followed an earlier occurrence
     # of its last prompt_lookup_min..max tokens, where the tick-cost model says they pay.
@@ -329,6 +345,8 @@ class WorkerConfig:
             raise ValueError("prefill_chunk must be at least 1")
         if self.flash_attn not in FLASH_ATTN_MODES:
             raise ValueError(f"flash_attn must be one of {', '.join(FLASH_ATTN_MODES)}")
+        if self.cpu_matmul not in CPU_MATMUL_MODES:
+            raise ValueError(f"cpu_matmul must be one of {', '.join(CPU_MATMUL_MODES)}")
         if self.backend_sampling not in BACKEND_SAMPLING_MODES:
             raise ValueError(f"backend_sampling must be one of {', '.join(BACKEND_SAMPLING_MODES)}")
         if self.kv_cache_type not in KV_CACHE_TYPES:

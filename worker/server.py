@@ -251,6 +251,7 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
         max_queue=config.max_queue,
         strategy=config.strategy,
         batch_invariant=config.batch_invariant,
+        cpu_matmul=engine.cpu_matmul,
     )
     if config.ctx_size > engine.slot_context:
         log.warning(

@@ -7,7 +7,8 @@ Batch invariance (the default) decides how the KV cache and the CPU kernels are 
 With it each slot has its own KV stream (kv_unified off, as llama-server runs), so a
 sequence's cells sit at the same indices, and its attention sums in the same order, as when
 it runs alone; weights are not repacked (ggml's repacked K-quant kernels take another path
-for one row than for four), and the tiled matmul is off. A prefix copied from a busy slot
+for one row than for four), and the K-quant matmul is one kernel for every pass (--cpu-matmul:
+a dot product a row, or the tiled matmul even for one row). A prefix copied from a busy slot
 then costs a copy of that slot's stream, as llama.cpp copies between streams only whole.
 Without it all slots share one cache, and a copied prefix shares the source's cells.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,43 @@ FLASH_ATTN_TYPES = {
 }
 
 
+def cpu_matmul_environment(config: WorkerConfig) -> dict[str, str]:
+    """The environment that picks ggml's CPU kernel for K-quant weights (--cpu-matmul). The
+    ggml of llama-cpp-python 0.3.36 reads it once per process, at its first matmul
+    (ggml-cpu/tiled/tiled.cpp), so it must be set before the first decode.
+
+    On its own ggml takes its tiled matmul from 8 rows of a pass up and a dot product a row
+    below, and the two sum in different orders: a sequence's numbers would depend on how many
+    others share its pass. Either kernel alone computes a row the same whatever else the pass
+    holds. The dot product is the faster for one row; the tiled matmul for many (on this
+    project's 2-core Xeon, Gemma 3 270M: prefill 15-27 % faster, 16 sequences' decode 6 %,
+    one sequence's 16 % slower; docs/scheduling.md)."""
+    mode = config.cpu_matmul
+    if mode == "auto":
+        mode = "dot" if config.batch_invariant else "ggml"
+    if mode == "dot":
+        return {"GGML_CPU_TILED_MM": "0"}
+    if mode == "tiled":
+        return {"GGML_CPU_TILED_MM": "1", "GGML_CPU_TILED_MM_FORCE": "1"}
+    return {}
+
+
+def cpu_matmul_in_force() -> str:
+    """The K-quant kernel the environment gives ggml: "dot", "tiled" or "ggml" (its own),
+    read as ggml reads it (C's atoi: "abc" is 0)."""
+
+    def atoi(name: str) -> int | None:
+        text = os.environ.get(name)
+        if text is None:
+            return None
+        digits = re.match(r"\s*([+-]?\d+)", text)
+        return int(digits.group(1)) if digits else 0
+
+    if atoi("GGML_CPU_TILED_MM") == 0:
+        return "dot"
+    return "tiled" if atoi("GGML_CPU_TILED_MM_FORCE") == 1 else "ggml"
+
+
 class EngineError(RuntimeError):
     """The model or its context could not be set up."""
 
@@ -91,12 +130,15 @@ class Engine:
         tests that count forward passes); it slows every decode, so never in serving."""
         llama.llama_backend_init()
         route_llama_logs()
-        if config.batch_invariant:
-            # ggml's tiled K-quant matmul takes over from 8 batch rows up and sums in a
-            # different order, so a sequence's numbers would depend on how many others share
-            # its batch. The ggml of llama-cpp-python 0.3.36 reads it once per process, at its
-            # first matmul (ggml-cpu/tiled/tiled.cpp).
-            os.environ.setdefault("GGML_CPU_TILED_MM", "0")
+        for name, value in cpu_matmul_environment(config).items():
+            os.environ.setdefault(name, value)  # a user's own setting wins
+        # What ggml will run (logged at start-up): "dot", "tiled" or "ggml" (its own choice).
+        self.cpu_matmul = cpu_matmul_in_force()
+        if config.batch_invariant and self.cpu_matmul == "ggml":
+            log.warning(
+                "GGML_CPU_TILED_MM in the environment lets ggml pick its K-quant kernel by the "
+                "rows of a pass: greedy outputs can differ alone and batched",
+            )
         self.config = config
         self.model: llama.llama_model_p | None = self._load_model(config)
         self.vocab = llama.llama_model_get_vocab(self.model)
