@@ -24,10 +24,13 @@ from loomserve.worker.engine.engine import cpu_matmul_environment, cpu_matmul_in
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# One request alone, then beside ten others: every decode pass then holds 11 rows, over
-# ggml's threshold of 8, where alone it holds one. Prints the request's tokens and logprobs.
+# One request alone, then with its 40-token prompt in chunks of 8, then beside twenty others:
+# alone its prompt is one pass of 40 rows and its decodes passes of one; chunked, passes of 8;
+# batched, its decodes share passes of 21 rows. Over ggml's threshold of 8 rows and on both
+# of the tiled matmul's paths (up to 16 rows, and more). Prints its tokens and logprobs.
 ALONE_AND_BATCHED = """
 import json, sys
+from dataclasses import replace
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from loomserve.protocol import Outputs
@@ -36,11 +39,11 @@ from loomserve.worker.engine.engine import Engine
 from loomserve.worker.tick.loop import TickLoop
 from tests.worker.test_engine import GW, Collector, drain, greedy
 
-config = WorkerConfig(model_path=Path(sys.argv[1]), slots=12, ctx_size=512, threads=2,
-                      batch_tokens=256, max_queue=16, cpu_matmul=sys.argv[3])
+config = WorkerConfig(model_path=Path(sys.argv[1]), slots=24, ctx_size=512, threads=2,
+                      batch_tokens=512, max_queue=32, cpu_matmul=sys.argv[3])
 engine = Engine(config)
 
-def run(requests):
+def run(requests, config=config):
     collector = Collector()
     loop = TickLoop(engine, config, collector)
     for request in requests:
@@ -54,10 +57,12 @@ def run(requests):
                 logprobs += [entry.logprob for entry in chunk.logprobs]
     return {"tokens": tokens, "logprobs": logprobs}
 
-a = greedy("a", [2, 50, 51, 900, 1200], 24, ignore_eos=True, logprobs=1)
+a = greedy("a", [2] + [300 + 7 * j for j in range(40)], 24, ignore_eos=True, logprobs=1)
 others = [greedy(f"o{i}", [2] + [100 + 37 * i + j for j in range(3 + i)], 24, ignore_eos=True)
-          for i in range(10)]
-print(json.dumps({"kernel": engine.cpu_matmul, "alone": run([a]), "batched": run([a, *others])}))
+          for i in range(20)]
+print(json.dumps({"kernel": engine.cpu_matmul, "alone": run([a]),
+                  "chunked": run([a], replace(config, prefill_chunk=8)),
+                  "batched": run([a, *others])}))
 """
 
 
@@ -80,7 +85,8 @@ def test_either_kernel_gives_a_sequence_the_same_logits_alone_and_batched(cpu_ma
     found, _ = alone_and_batched(cpu_matmul)
     assert found["kernel"] == cpu_matmul
     assert len(found["alone"]["logprobs"]) == 24
-    assert found["batched"] == found["alone"]  # tokens and logprobs, to the last bit
+    assert found["chunked"] == found["alone"]  # tokens and logprobs, to the last bit
+    assert found["batched"] == found["alone"]
 
 
 @pytest.mark.default_model
