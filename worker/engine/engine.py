@@ -69,8 +69,8 @@ def cpu_matmul_environment(config: WorkerConfig) -> dict[str, str]:
     below, and the two sum in different orders: a sequence's numbers would depend on how many
     others share its pass. Either kernel alone computes a row the same whatever else the pass
     holds. The dot product is the faster for one row; the tiled matmul for many (on this
-    project's 2-core Xeon, Gemma 3 270M: prefill 15-27 % faster, 16 sequences' decode 6 %,
-    one sequence's 16 % slower; docs/scheduling.md)."""
+    project's 2-core Xeon, Gemma 3 270M: prefill 16-27 % faster, 16 sequences' decode 6 %,
+    one sequence's 17 % slower; docs/scheduling.md)."""
     mode = config.cpu_matmul
     if mode == "auto":
         mode = "dot" if config.batch_invariant else "ggml"
