@@ -18,7 +18,7 @@ DEFAULT_CACHE_RAM_MIB = 8192
 KV_CACHE_TYPES = ("f16", "q8_0")
 # "auto" lets llama.cpp use flash attention where the backend has it, as llama-server does.
 FLASH_ATTN_MODES = ("auto", "on", "off")
-BACKEND_SAMPLING_MODES = ("auto", "on", "off")
+BACKEND_SAMPLING_MODES = ("auto", "on", "draw", "off")
 # ggml's CPU matmul for K-quant weights (worker/engine/engine.py: cpu_matmul_environment).
 CPU_MATMUL_MODES = ("auto", "dot", "tiled")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -75,7 +75,9 @@ class WorkerConfig:
             "Sample inside llama_decode, on the device (llama.cpp's backend sampling) for "
             "requests without a grammar, logprobs, logit bias or penalties; auto: where the "
             "whole model runs on a GPU and the host has no C draw (x86-64 with AVX2 or "
-            "AVX-512 has one, and it is the faster: docs/gpu.md)."
+            "AVX-512 has one, and it is the faster: docs/gpu.md). draw: the host's C draw "
+            "inside llama_decode, on a CPU, so that llama.cpp copies no logits "
+            "(docs/sampling.md)."
         ),
         choices=BACKEND_SAMPLING_MODES,
     )

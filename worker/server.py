@@ -245,7 +245,7 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
         kv_cache_type=config.kv_cache_type,
         flash_attn=config.flash_attn,
         # "graph": eligible requests sample inside llama_decode (backend_sampling.py)
-        sampling="graph" if engine.backend_sampling else "host",
+        sampling=engine.sampling,
         batch_tokens=config.batch_tokens,
         prefill_chunk=config.prefill_chunk,
         max_queue=config.max_queue,

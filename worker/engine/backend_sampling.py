@@ -66,6 +66,12 @@ def backend_sampling_available() -> bool:
     return _LIB is not None
 
 
+def set_sampler(ctx, seq: int, chain) -> bool:
+    """llama_set_sampler: a chain onto the sequence (None: off it); False if refused."""
+    assert _LIB is not None, "this llama.cpp has no backend sampling"
+    return bool(_LIB.llama_set_sampler(ctx, seq, chain))
+
+
 def backend_eligible(params: SamplingParams, n_vocab: int) -> bool:
     """Whether the graph's sampler chain samples this request exactly as the host would, and
     no slower.
@@ -219,7 +225,7 @@ class GraphChains:
 
     def set_chain(self, seq: int, chain: llama.llama_sampler_p | None) -> bool:
         """llama_set_sampler: the chain onto the sequence (None: off it); False if refused."""
-        return bool(self._lib.llama_set_sampler(self._ctx, seq, chain))
+        return set_sampler(self._ctx, seq, chain)
 
     def leave(self, sampler: BackendSampler) -> None:
         """The request ended: its chain off its sequence, before it is freed."""

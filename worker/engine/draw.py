@@ -179,10 +179,7 @@ def draw_tokens(
     n_vocab = logits.shape[1]
     seeds = np.array([rng.bit_generator.random_raw() for rng in rngs], dtype=np.uint64)
     settings = np.array(
-        [
-            (cut.temperature, cut.top_k, cut.top_p, cut.min_p, _span(n_vocab, None, hint))
-            for cut, hint in zip(cuts, mass_hints, strict=True)
-        ],
+        [draw_settings(cut, n_vocab, hint) for cut, hint in zip(cuts, mass_hints, strict=True)],
         dtype=np.float64,
     ).reshape(len(rows), 5)
     drawn = rowscan.draw_rows(logits, np.asarray(rows, dtype=np.int64), settings, seeds, threads)
@@ -190,10 +187,24 @@ def draw_tokens(
     tokens, masses = drawn.tokens.tolist(), drawn.head_mass.tolist()
     for i, (token, mass) in enumerate(zip(tokens, masses, strict=True)):
         if token < 0:  # what the C leaves, as draw_token serves it
-            found = candidates(logits[rows[i]], cuts[i], None, mass_hints[i])
-            token, mass = found.pick(rngs[i]), found.head_mass
+            token, mass = draw_left(logits[rows[i]], cuts[i], rngs[i], mass_hints[i])
         results.append((token, mass))
     return results
+
+
+def draw_settings(cut: Truncation, n_vocab: int, mass_hint: float) -> tuple[float, ...]:
+    """rowdraw.c's settings for one draw (temperature, top_k, top_p, min_p, span): the cut's,
+    and the head's span by the hint."""
+    return (cut.temperature, cut.top_k, cut.top_p, cut.min_p, _span(n_vocab, None, mass_hint))
+
+
+def draw_left(
+    row: np.ndarray, cut: Truncation, rng: np.random.Generator, mass_hint: float
+) -> tuple[int, float]:
+    """A token from a row rowdraw.c left (a NaN, a top-p cut in doubt), and the head mass
+    found: what draw_token would draw once the C's seed was taken from rng."""
+    found = candidates(row, cut, None, mass_hint)
+    return found.pick(rng), found.head_mass
 
 
 def _span(n_vocab: int, margin: float | None, mass_hint: float) -> float:

@@ -34,6 +34,7 @@ from loomserve.worker.engine.backend_sampling import (
     backend_sampling_available,
 )
 from loomserve.worker.engine.batch import TokenBatch
+from loomserve.worker.engine.graph_draw import GraphDraws, GraphDrawSampler, graph_draw_library
 from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
 from loomserve.worker.engine.sampling import HostSampler, Sampler, build_sampler
 from loomserve.worker.sched.slots import Run
@@ -158,10 +159,18 @@ class Engine:
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
         self._eval_callback = eval_callback  # held: the C side keeps only a pointer
-        in_graph = self._backend_sampling(config, self.description, rowscan.library() is not None)
-        self.ctx = self._new_context(config, in_graph)
-        # Which sampler chain each sequence has in the graph (backend sampling only).
-        self.graph_chains = GraphChains(self.ctx) if in_graph else None
+        self.sampling = self._sampling_place(
+            config, self.description, rowscan.library() is not None
+        )
+        self.ctx = self._new_context(config, self.sampling != "host")
+        # Which sampler chain each sequence has in the graph (llama.cpp's chains).
+        self.graph_chains = GraphChains(self.ctx) if self.sampling == "graph" else None
+        # Or the C draw in the graph: each sequence's sampler and state (graph_draw.py).
+        self.graph_draws = (
+            GraphDraws(self.ctx, graph_draw_library(), config.slots, self.n_vocab)
+            if self.sampling == "draw"
+            else None
+        )
         self.memory = llama.llama_get_memory(self.ctx)
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.
@@ -191,21 +200,38 @@ class Engine:
         return 999 if config.gpu_layers < 0 else config.gpu_layers
 
     @staticmethod
-    def _backend_sampling(config: WorkerConfig, model: ModelDescription, draws_in_c: bool) -> bool:
-        """Whether eligible requests sample inside llama_decode (backend_sampling.py): on, or
-        auto where the whole model runs on a GPU and the host has no C draw (rowscan.c: x86-64
-        with AVX2 or AVX-512). The logits come from the output layer, which llama.cpp
-        offloads only with every layer; where it stays on the CPU, so would the graph's
-        sampling, and on a CPU the host sampler is faster. On a GPU the C draw beat the graph
-        too, at every mix (an H100, 64 slots: docs/gpu.md); numpy's draw did not."""
+    def _sampling_place(config: WorkerConfig, model: ModelDescription, draws_in_c: bool) -> str:
+        """Where eligible requests are sampled: "host" (sampling.py), "graph" (llama.cpp's
+        chains inside llama_decode, backend_sampling.py) or "draw" (the host's C draw inside
+        llama_decode, graph_draw.py).
+
+        "graph" with on, or auto where the whole model runs on a GPU and the host has no C
+        draw (rowscan.c: x86-64 with AVX2 or AVX-512). The logits come from the output layer,
+        which llama.cpp offloads only with every layer; where it stays on the CPU, so would
+        the graph's sampling, and on a CPU the host sampler is faster. On a GPU the C draw
+        beat the graph too, at every mix (an H100, 64 slots: docs/gpu.md); numpy's draw did
+        not. "draw" only when asked for, and only with the output layer on the CPU, whose
+        logits it reads in place."""
         mode = config.backend_sampling
+        if mode == "draw":
+            if model.gpu_layers > model.n_layers:
+                raise EngineError(
+                    "--backend-sampling draw reads the logits in host memory; this model's "
+                    "output layer runs on a GPU (use on or auto there)"
+                )
+            if graph_draw_library() is None:
+                raise EngineError(
+                    "this build cannot draw inside llama_decode: it needs the C draw "
+                    "(x86-64 with AVX2 or AVX-512) and llama.cpp's backend sampling"
+                )
+            return "draw"
         if mode == "off" or (mode == "auto" and (model.gpu_layers <= model.n_layers or draws_in_c)):
-            return False
+            return "host"
         if not backend_sampling_available():
             if mode == "on":
                 raise EngineError("this llama.cpp build has no backend sampling")
-            return False
-        return True
+            return "host"
+        return "graph"
 
     def _load_model(self, config: WorkerConfig) -> llama.llama_model_p:
         params = llama.llama_model_default_params()
@@ -270,14 +296,22 @@ class Engine:
     @property
     def backend_sampling(self) -> bool:
         """Whether eligible requests sample inside llama_decode."""
-        return self.graph_chains is not None
+        return self.sampling != "host"
 
     # --- per request ----------------------------------------------------------------
 
-    def new_sampler(self, params: SamplingParams) -> Sampler | HostSampler | BackendSampler:
+    def new_sampler(
+        self, params: SamplingParams
+    ) -> Sampler | HostSampler | BackendSampler | GraphDrawSampler:
         """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
         return build_sampler(
-            params, self.ctx, self.vocab, self.n_vocab, self.slot_context, self.graph_chains
+            params,
+            self.ctx,
+            self.vocab,
+            self.n_vocab,
+            self.slot_context,
+            self.graph_chains,
+            self.graph_draws is not None,
         )
 
     def bind_graph_samplers(self, runs: list[Run]) -> None:
@@ -285,6 +319,8 @@ class Engine:
         sequences (nothing to do when backend sampling is off)."""
         if self.graph_chains is not None:
             self.graph_chains.bind(runs)
+        if self.graph_draws is not None:
+            self.graph_draws.bind(runs)
 
     def output_logits(self, n_outputs: int) -> np.ndarray:
         """The last decode's logits, one row per token that asked for them, in batch order."""
@@ -382,6 +418,8 @@ class Engine:
         """Free the context and the model. The engine is unusable afterwards."""
         if self.graph_chains is not None:
             self.graph_chains.close()
+        if self.graph_draws is not None:
+            self.graph_draws.close()
         if self.ctx:
             llama.llama_free(self.ctx)
             self.ctx = None

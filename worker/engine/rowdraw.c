@@ -467,6 +467,20 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
     return finish(&d, temperature, top_k, top_p, min_p, span, total, error, found);
 }
 
+/* ls_draw for a row (with no NaN) whose blocks' maxima lead scratch already (graphdraw.c's
+ * threads read them a slice each); settings as ls_draw_group's. */
+int64_t ls_draw_from_maxima(const float *row, int64_t n, const double *settings, uint64_t seed,
+                            char *scratch, double *found) {
+    Draw d = start(row, n, seed, scratch);
+    return finish(&d, settings[0], (int64_t)settings[1], settings[2], settings[3], settings[4],
+                  -1.0, 0.0, found);
+}
+
+/* top_p_alone, for graphdraw.c. */
+int ls_top_p_alone(int64_t n, int64_t top_k, double top_p) {
+    return top_p_alone(n, top_k, top_p);
+}
+
 /* ls_draw for `count` rows (at most ROWS_AT_ONCE) of n logits each: tokens[i] from rows[i]
  * with settings[5 i ...] (temperature, top_k, top_p, min_p, span), seeds[i], found[2 i ...].
  * The rows whose draw begins with their blocks' maxima have them read side by side

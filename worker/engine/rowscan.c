@@ -432,6 +432,11 @@ static int64_t argmax_from(const float *row, int64_t n, const float *block_max, 
     return best * BLOCK; /* unreachable: the block's maximum is one of its logits */
 }
 
+/* argmax_from, for graphdraw.c, whose threads read the blocks' maxima a slice each. */
+int64_t ls_argmax_from(const float *row, int64_t n, const float *block_max, int nan) {
+    return argmax_from(row, n, block_max, nan);
+}
+
 /* numpy's argmax of a row, with room for its blocks' maxima in block_max. numpy's own took
  * 111-115 us a row of Gemma's fresh from a forward pass, this 90. */
 int64_t ls_argmax(const float *row, int64_t n, float *block_max) {

@@ -61,6 +61,10 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
     "ls_draw_ids_at": ([_LENGTH], _LENGTH),
     "ls_argmax_scratch_floats": ([_LENGTH], _LENGTH),
+    # graphdraw.c's: the draw inside llama_decode (backend_sampling.py's GraphDraws)
+    "ls_graph_iface": ([], ctypes.c_void_p),
+    "ls_graph_draw_bytes": ([], _LENGTH),
+    "ls_graph_bind": ([ctypes.c_char_p], ctypes.c_int),
     "ls_limit_isa": ([ctypes.c_int], None),
     "ls_isa": ([], ctypes.c_int),
 }

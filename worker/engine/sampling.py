@@ -46,8 +46,15 @@ from loomserve.worker.engine.backend_sampling import (
     drawing_stages,
     sampler_chain,
 )
-from loomserve.worker.engine.draw import Truncation, draw_token, draw_tokens
+from loomserve.worker.engine.draw import (
+    Truncation,
+    draw_left,
+    draw_settings,
+    draw_token,
+    draw_tokens,
+)
 from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
+from loomserve.worker.engine.graph_draw import GraphDrawSampler, graph_draw_eligible
 from loomserve.worker.engine.logprobs import adjusted_logits, logit_adjustments
 from loomserve.worker.sched.slots import TokenSampler
 
@@ -259,6 +266,25 @@ class HostSampler:
             sampler._mass = mass
         return [token for token, _ in drawn]
 
+    def graph_inputs(self, n_vocab: int) -> tuple[tuple[float, ...], int] | None:
+        """What graphdraw.c needs to draw its next token inside llama_decode: the settings and
+        the seed draw_rows would hand rowdraw.c (the seed taken from its generator now);
+        None for a greedy request (the argmax). Only for requests without a bias or
+        penalties (backend_sampling.graph_draw_eligible)."""
+        if self._cut is None:
+            return None
+        seed = self._rng.bit_generator.random_raw()
+        return draw_settings(self._cut, n_vocab, self._mass), seed
+
+    def graph_drawn(self, token: int, mass: float, left: np.ndarray) -> int:
+        """The token graphdraw.c drew after graph_inputs(), with its head mass; where it left
+        the row (token < 0), drawn from `left`, its copy of the row, as draw_rows would."""
+        if token < 0 and self._cut is not None:
+            token, mass = draw_left(left, self._cut, self._rng, self._mass)
+        if self._cut is not None:
+            self._mass = mass
+        return token
+
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token for this row of logits (batch_index is not needed: the row is given)."""
         scores = logits
@@ -434,10 +460,12 @@ def build_sampler(
     n_vocab: int,
     slot_context: int,
     graph_chains: GraphChains | None = None,
-) -> Sampler | HostSampler | BackendSampler:
+    graph_draws: bool = False,
+) -> Sampler | HostSampler | BackendSampler | GraphDrawSampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
     With `graph_chains` (backend sampling on), a request the graph samples exactly gets a
-    BackendSampler (backend_sampling.py).
+    BackendSampler (backend_sampling.py); with `graph_draws` (the C draw in the graph), a
+    request the C draw serves gets a GraphDrawSampler (graph_draw.py).
 
     The worker checks what it is sent itself, as the gateway did: a peer that speaks the
     protocol directly must not be able to crash llama.cpp's grammar parser.
@@ -447,6 +475,8 @@ def build_sampler(
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
+    if graph_draws and graph_draw_eligible(params):
+        return GraphDrawSampler(HostSampler(params, slot_context))
     if graph_chains is not None and backend_eligible(params, n_vocab):
         host = HostSampler(params, slot_context)
         return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)

@@ -1,0 +1,210 @@
+/* The host sampler's draw run inside llama_decode, on llama.cpp's own threads, straight from
+ * the output layer's logits (backend_sampling.py's GraphDraws; `--backend-sampling draw`).
+ *
+ * Why: for every pass whose rows are sampled on the host, llama.cpp copies the logits of all
+ * of them out of its graph with one memcpy on one thread (262,144 floats a row on Gemma): on
+ * this project's 2-core Xeon 2.6 ms of an 81 ms pass at 16 rows, 10.5 ms of 272 at 64, more
+ * than the draws themselves. A sequence with a backend sampler attached has its token drawn
+ * in the graph and no logits copied (llama.cpp's backend sampling); llama.cpp's own samplers
+ * sort and sum the whole vocabulary there, and pad a copy of the logits first. This sampler
+ * adds one custom operation a row that reads the output layer's row itself (not the padded
+ * copy) and draws as rowdraw.c does on the host: the same tokens for the same seeds.
+ *
+ * The operation's threads share the row's block maxima (a slice each), then the first thread
+ * finishes the draw (a top-p alone, which sums the row in its own scan, is drawn by the first
+ * thread whole). A row the draw leaves (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied
+ * to the sequence's spare row, for draw.py to finish on the host.
+ *
+ * Only the structs' first fields are used, declared as llama-cpp-python 0.3.36's llama.cpp
+ * has them; ls_graph_bind checks ggml's tensor size against this declaration and refuses
+ * (the worker then samples on the host) where they differ.
+ */
+
+#include <dlfcn.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+#define LS_NOT_SERVED (-1)
+#define GGML_TYPE_I32 26
+#define GGML_N_TASKS_MAX (-1)
+
+/* rowscan.c's and rowdraw.c's */
+int ls_block_max(const float *row, int64_t n, float *block_max);
+int64_t ls_argmax_from(const float *row, int64_t n, const float *block_max, int nan);
+int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, double top_p,
+                double min_p, double span, uint64_t seed, char *scratch, double *found);
+int64_t ls_draw_from_maxima(const float *row, int64_t n, const double *settings, uint64_t seed,
+                            char *scratch, double *found);
+int ls_top_p_alone(int64_t n, int64_t top_k, double top_p);
+
+struct ggml_tensor {
+    int type;
+    void *buffer;
+    int64_t ne[4];
+    size_t nb[4];
+    int op;
+    int32_t op_params[16];
+    int32_t flags;
+    struct ggml_tensor *src[10];
+    struct ggml_tensor *view_src;
+    size_t view_offs;
+    void *data;
+    char name[64];
+    void *extra;
+    char padding[8];
+};
+
+/* ggml's struct ggml_object, which ggml_tensor_overhead() counts with each tensor. */
+#define GGML_OBJECT_SIZE 32
+
+struct llama_sampler_data {
+    struct ggml_tensor *logits, *probs, *sampled, *candidates;
+};
+
+struct llama_sampler;
+
+struct llama_sampler_i {
+    const char *(*name)(const struct llama_sampler *);
+    void (*accept)(struct llama_sampler *, int32_t);
+    void (*apply)(struct llama_sampler *, void *);
+    void (*reset)(struct llama_sampler *);
+    struct llama_sampler *(*clone)(const struct llama_sampler *);
+    void (*free)(struct llama_sampler *);
+    bool (*backend_init)(struct llama_sampler *, void *, uint32_t);
+    void (*backend_accept)(struct llama_sampler *, void *, void *, struct ggml_tensor *);
+    void (*backend_apply)(struct llama_sampler *, void *, void *, struct llama_sampler_data *);
+    void (*backend_set_input)(struct llama_sampler *);
+    void (*backend_reset)(struct llama_sampler *);
+    void (*copy_state)(const struct llama_sampler *, struct llama_sampler *);
+};
+
+struct llama_sampler {
+    struct llama_sampler_i *iface;
+    void *ctx;
+};
+
+/* One sequence's draw: written by the worker before each pass (backend_sampling.py's
+ * DrawState mirrors it), read back after. */
+typedef struct {
+    double settings[5]; /* temperature, top_k, top_p, min_p, span (ls_draw's) */
+    uint64_t seed;
+    int64_t greedy;     /* 1: the argmax, settings unused */
+    int64_t n;          /* the row's length */
+    char *scratch;      /* ls_draw_scratch_bytes(n), shared: one operation runs at a time */
+    float *spare;       /* n floats: a row the draw left, for the host */
+    int64_t token;      /* out: the token, or LS_NOT_SERVED (the row is in spare) */
+    double found[2];    /* out: ls_draw's */
+    atomic_int arrived; /* threads done with their slice of the block maxima */
+    atomic_int nan;     /* whether a slice held a NaN */
+} GraphDraw;
+
+typedef struct ggml_tensor *(*custom_4d_fn)(void *, int, int64_t, int64_t, int64_t, int64_t,
+                                             struct ggml_tensor **, int, void *, int, void *);
+typedef struct ggml_tensor *(*view_1d_fn)(void *, struct ggml_tensor *, int64_t, size_t);
+typedef bool (*buft_is_host_fn)(void *);
+typedef size_t (*tensor_overhead_fn)(void);
+
+static custom_4d_fn custom_4d;
+static view_1d_fn view_1d;
+static buft_is_host_fn buft_is_host;
+
+static void draw_row(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    GraphDraw *g = userdata;
+    const float *row = dst->src[0]->data;
+    int64_t n = g->n, token;
+    if (!g->greedy && ls_top_p_alone(n, (int64_t)g->settings[1], g->settings[2])) {
+        if (ith != 0) return;
+        token = ls_draw(row, n, g->settings[0], (int64_t)g->settings[1], g->settings[2],
+                        g->settings[3], g->settings[4], g->seed, g->scratch, g->found);
+    } else {
+        /* The draw's block maxima lead its scratch (rowdraw.c's start()). */
+        float *block_max = (float *)g->scratch;
+        int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+        int64_t first = n_blocks * ith / nth, last = n_blocks * (ith + 1) / nth;
+        int64_t lo = first * BLOCK, hi = last * BLOCK < n ? last * BLOCK : n;
+        if (hi > lo && ls_block_max(row + lo, hi - lo, block_max + first))
+            atomic_fetch_or(&g->nan, 1);
+        atomic_fetch_add(&g->arrived, 1);
+        if (ith != 0) return;
+        /* The others are in this operation too (ggml runs every thread through each one):
+         * their slices take as long as this thread's. */
+        while (atomic_load(&g->arrived) < nth) {
+        }
+        int nan = atomic_load(&g->nan);
+        atomic_store(&g->arrived, 0);
+        atomic_store(&g->nan, 0);
+        if (g->greedy)
+            token = ls_argmax_from(row, n, block_max, nan);
+        else
+            token = nan ? LS_NOT_SERVED
+                        : ls_draw_from_maxima(row, n, g->settings, g->seed, g->scratch, g->found);
+    }
+    if (token == LS_NOT_SERVED) memcpy(g->spare, row, (size_t)n * sizeof(float));
+    g->token = token;
+    ((int32_t *)dst->data)[0] = (int32_t)(token < 0 ? 0 : token);
+}
+
+static const char *graph_draw_name(const struct llama_sampler *smpl) {
+    (void)smpl;
+    return "loomserve-draw";
+}
+
+/* On the host the worker draws with rowdraw.c itself; llama.cpp never calls this for a
+ * sampler that only runs in the graph. */
+static void graph_draw_apply(struct llama_sampler *smpl, void *candidates) {
+    (void)smpl, (void)candidates;
+}
+
+/* The logits must be in host memory (a CPU's output layer), one output per sequence a pass. */
+static bool graph_draw_backend_init(struct llama_sampler *smpl, void *buft, uint32_t n_max) {
+    (void)smpl;
+    return buft_is_host(buft) && n_max == 1;
+}
+
+static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void *graph,
+                                     struct llama_sampler_data *data) {
+    (void)graph;
+    /* llama.cpp hands a row of a padded copy of the logits; the row of the output layer's
+     * own tensor is read instead, so that the copy is left out of the graph. */
+    struct ggml_tensor *row = data->logits, *padded = row->view_src;
+    struct ggml_tensor *logits = padded ? padded->src[0] : NULL;
+    if (logits && logits->ne[0] == row->ne[0] && row->view_offs / logits->nb[1] < (size_t)logits->ne[1])
+        row = view_1d(ctx, logits, logits->ne[0], row->view_offs);
+    struct ggml_tensor *args[1] = {row};
+    data->sampled = custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, (void *)draw_row,
+                              GGML_N_TASKS_MAX, smpl->ctx);
+    data->logits = NULL; /* drawn: no logits to copy back */
+}
+
+static struct llama_sampler_i graph_draw_iface = {
+    .name = graph_draw_name,
+    .apply = graph_draw_apply,
+    .backend_init = graph_draw_backend_init,
+    .backend_apply = graph_draw_backend_apply,
+};
+
+/* The sampler interface for llama_sampler_init, with a GraphDraw as its context. */
+void *ls_graph_iface(void) {
+    return &graph_draw_iface;
+}
+
+int64_t ls_graph_draw_bytes(void) {
+    return (int64_t)sizeof(GraphDraw);
+}
+
+/* ggml's calls, from the library at ggml_base (llama.cpp loaded it already). Returns 0 where
+ * one is missing or ggml's tensor is not laid out as declared here. */
+int ls_graph_bind(const char *ggml_base) {
+    void *lib = dlopen(ggml_base, RTLD_NOW);
+    if (!lib) return 0;
+    custom_4d = (custom_4d_fn)dlsym(lib, "ggml_custom_4d");
+    view_1d = (view_1d_fn)dlsym(lib, "ggml_view_1d");
+    buft_is_host = (buft_is_host_fn)dlsym(lib, "ggml_backend_buft_is_host");
+    tensor_overhead_fn overhead = (tensor_overhead_fn)dlsym(lib, "ggml_tensor_overhead");
+    return custom_4d && view_1d && buft_is_host && overhead &&
+           overhead() == GGML_OBJECT_SIZE + sizeof(struct ggml_tensor);
+}
