@@ -63,12 +63,13 @@ def test_auto_keeps_a_cpu_model_on_the_host_sampler(tiny_model_path):
 @pytest.mark.parametrize(
     ("mode", "gpu_layers", "draws_in_c", "expected"),
     [
-        ("auto", 0, False, False),  # a CPU build
-        ("auto", 3, False, False),  # part of the model offloaded: the output stays on the CPU
-        ("auto", 5, False, True),  # every layer and the output (n_layers + 1), numpy's draw
-        ("auto", 5, True, False),  # the same, but the host draws in C: faster than the graph
-        ("on", 0, True, True),
-        ("off", 5, False, False),
+        ("auto", 0, False, "host"),  # a CPU build
+        ("auto", 3, False, "host"),  # part of the model offloaded: the output stays on the CPU
+        ("auto", 5, False, "graph"),  # every layer and the output (n_layers + 1), numpy's draw
+        ("auto", 5, True, "host"),  # the same, but the host draws in C: faster than the graph
+        ("on", 0, True, "graph"),
+        ("off", 5, False, "host"),
+        ("draw", 0, True, "draw"),  # the C draw in the graph (graph_draw.py)
     ],
 )
 def test_auto_samples_in_the_graph_only_where_the_graph_is_the_faster(
@@ -76,7 +77,7 @@ def test_auto_samples_in_the_graph_only_where_the_graph_is_the_faster(
 ):
     model = ModelDescription("m", "llama", "", 0, 0, 4, 300, 256, gpu_layers)
     config = WorkerConfig(model_path=tiny_model_path, backend_sampling=mode)
-    assert Engine._backend_sampling(config, model, draws_in_c) is expected
+    assert Engine._sampling_place(config, model, draws_in_c) == expected
 
 
 @pytest.mark.parametrize(

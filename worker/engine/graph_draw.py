@@ -98,7 +98,7 @@ class GraphDrawSampler:
     after (sample); where the pass ran without its sampler attached, it samples the copied
     row on the host."""
 
-    __slots__ = ("_host", "_prepared", "failure")
+    __slots__ = ("_host", "_prepared", "failure", "left")
 
     grammar_complete = False  # no grammar
     plain_greedy = False  # its row's logits may not be on the host at all
@@ -109,6 +109,7 @@ class GraphDrawSampler:
         self._host = host
         self._prepared: tuple[DrawState, np.ndarray] | None = None
         self.failure: str | None = None
+        self.left = 0  # rows the C draw left to the host (a NaN, a top-p cut in doubt)
 
     def prepare(self, state: DrawState, spare: np.ndarray, n_vocab: int) -> None:
         """Before a pass that samples it: its next draw into its sequence's state."""
@@ -126,6 +127,7 @@ class GraphDrawSampler:
             return self._host.sample(batch_index, logits)
         state, spare = self._prepared
         self._prepared = None
+        self.left += state.token < 0
         return self._host.graph_drawn(state.token, state.found[0], spare)
 
     def close(self) -> None:
@@ -158,6 +160,7 @@ class GraphDraws:
             state.spare = self._spare[seq].ctypes.data
         self._chains: dict[int, Any] = {}  # attached: sequence -> llama.cpp chain
         self.refused = False  # llama.cpp would not take the sampler: everything on the host
+        self.prepared = 0  # draws handed to the graph (for tests and benchmarks)
 
     def bind(self, runs: Iterable[Run]) -> None:
         for run in runs:
@@ -167,6 +170,7 @@ class GraphDraws:
             sampler = run.slot.occupant.chain
             if isinstance(sampler, GraphDrawSampler) and not run.score and self._attach(seq):
                 sampler.prepare(self._states[seq], self._spare[seq], self._n_vocab)
+                self.prepared += 1
             else:
                 self._detach(seq)
 

@@ -1,0 +1,181 @@
+"""The C draw inside llama_decode (worker/engine/graph_draw.py, graphdraw.c) on the real
+llama.cpp and the tiny model: every request gets the tokens the host path gives it, seeded
+or greedy, alone or batched beside host-sampled requests, across preemption and a restart;
+rows the draw leaves are finished on the host; the engine refuses the mode where it cannot
+run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loomserve.protocol import Generate, SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import rowscan
+from loomserve.worker.engine.engine import Engine, EngineError, ModelDescription
+from loomserve.worker.engine.graph_draw import GraphDrawSampler, graph_draw_library
+from loomserve.worker.engine.sampling import HostSampler, Sampler
+from tests.worker import test_preemption
+from tests.worker.test_engine import GW, drain, new_loop, run_staggered
+
+PROMPT = [1, 40, 41, 42, 43]
+# Every mix the C draw serves, and the host-path requests that share its passes.
+DRAWN = [
+    {"temperature": 0.0},
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_p": 0.95},
+    {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+    {"temperature": 1.0, "min_p": 0.1},
+    {"temperature": 1.2, "top_k": 50},
+]
+ON_HOST = [
+    {"temperature": 1.0, "logprobs": 2},
+    {"temperature": 1.0, "presence_penalty": 0.5},
+    {"temperature": 0.0, "logit_bias": {7: 5.0}},
+    {"temperature": 0.9, "grammar": 'root ::= "ab" [a-c]*'},
+]
+
+pytestmark = pytest.mark.skipif(
+    graph_draw_library() is None, reason="needs the C draw (x86-64 with AVX2 or AVX-512)"
+)
+
+
+@pytest.fixture
+def config(tiny_model_path) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=tiny_model_path,
+        slots=8,
+        ctx_size=256,
+        max_queue=64,
+        batch_tokens=32,
+        prefill_chunk=7,
+        threads=2,
+        backend_sampling="draw",
+    )
+
+
+def request(request_id: str, seed: int | None, prompt=PROMPT, **fields) -> Generate:
+    params = SamplingParams(max_tokens=24, ignore_eos=True, seed=seed, **fields)
+    return Generate(request_id, prompt, params)
+
+
+def mixed_requests() -> list[Generate]:
+    drawn = [request(f"drawn{i}", 100 + i, **f) for i, f in enumerate(DRAWN * 2)]
+    host = [request(f"host{i}", 200 + i, **f) for i, f in enumerate(ON_HOST)]
+    longer = [request("long", 7, prompt=PROMPT * 9, temperature=1.0)]  # chunked prefill
+    return drawn[:6] + host[:2] + drawn[6:] + host[2:] + longer
+
+
+def run(config: WorkerConfig, requests: list[Generate], seed: int = 3):
+    engine = Engine(config)
+    samplers: list = []
+    build = engine.new_sampler
+
+    def keep(params):
+        sampler = build(params)
+        samplers.append(sampler)
+        return sampler
+
+    engine.new_sampler = keep  # type: ignore[method-assign]
+    try:
+        loop, collector = new_loop(engine, config)
+        run_staggered(loop, requests, seed=seed)
+        prepared = engine.graph_draws.prepared if engine.graph_draws is not None else 0
+        return collector.tokens(), samplers, prepared
+    finally:
+        engine.close()
+
+
+def test_drawn_requests_get_the_host_paths_tokens_beside_host_sampled_ones(config):
+    requests = mixed_requests()
+    on_host, _, _ = run(replace(config, backend_sampling="off"), requests)
+    drawn, samplers, prepared = run(config, requests)
+    assert drawn == on_host
+    assert all(len(drawn[r.request_id]) == 24 for r in requests)
+    # Which path each took, and that the graph drew every token of the drawn ones.
+    in_graph = [s for s in samplers if isinstance(s, GraphDrawSampler)]
+    assert len(in_graph) == 13  # the 12 drawn and the long prompt
+    assert sum(isinstance(s, HostSampler) for s in samplers) == 3
+    assert sum(isinstance(s, Sampler) for s in samplers) == 1  # the grammar's
+    assert prepared == 13 * 24
+
+
+def test_seeded_requests_repeat_however_they_are_batched_and_after_a_restart(config):
+    fields = {"temperature": 0.9, "top_k": 30, "top_p": 0.95, "min_p": 0.02}
+    alone, _, _ = run(config, [request("x", 1234, **fields)])
+    crowd = [request("x", 1234, **fields)] + mixed_requests()
+    batched, _, _ = run(config, crowd, seed=9)
+    assert batched["x"] == alone["x"]
+    assert len(alone["x"]) == 24
+    assert batched["drawn1"] != alone["x"]
+
+
+def test_a_preempted_request_continues_its_draws(tiny_model_path):
+    config = test_preemption.preemption_config(tiny_model_path, backend_sampling="draw")
+    engine = Engine(config)
+    try:
+        seeded = [
+            test_preemption.low(0, temperature=0.9, seed=7),
+            test_preemption.low(1, temperature=1.1, seed=8, top_k=40, top_p=0.9),
+        ]
+        expected, _ = test_preemption.run(engine, config, seeded, urgent_after=None)
+        got, loop = test_preemption.run(engine, config, seeded, urgent_after=15)
+        assert loop.scheduler.preemptions == 2
+        assert got["low0"] == expected["low0"] and got["low1"] == expected["low1"]
+        assert len(got["low0"]) == 30
+    finally:
+        engine.close()
+
+
+def test_rows_the_draw_leaves_are_finished_on_the_host(config):
+    """Without AVX-512 the C has no exponential kernel, and leaves a flat row's top-p cut to
+    draw.py (test_draw.py): the graph copies those rows out, the host draws them, and the
+    tokens are the host path's."""
+    requests = [request(f"p{i}", i, temperature=1.0, top_p=0.5) for i in range(6)]
+    library = rowscan.library()
+    library.ls_limit_isa(1)
+    try:
+        on_host, _, _ = run(replace(config, backend_sampling="off"), requests)
+        drawn, samplers, _ = run(config, requests)
+    finally:
+        library.ls_limit_isa(2)
+    assert drawn == on_host
+    assert sum(s.left for s in samplers) > 0
+
+
+def test_the_engine_refuses_the_draw_where_the_logits_are_on_a_gpu(tiny_model_path):
+    model = ModelDescription("m", "llama", "", 0, 0, 4, 300, 256, gpu_layers=5)
+    config = WorkerConfig(model_path=tiny_model_path, backend_sampling="draw")
+    with pytest.raises(EngineError, match="output layer runs on a GPU"):
+        Engine._sampling_place(config, model, draws_in_c=True)
+
+
+def cancel_then_host_sample(config: WorkerConfig) -> dict[str, list[int]]:
+    engine = Engine(config)
+    try:
+        loop, collector = new_loop(engine, config)
+        for i in range(8):
+            loop.inbox.submit(GW, request(f"d{i}", i, temperature=1.0))
+        for _ in range(6):
+            loop.tick(block=False)
+        loop.scheduler.cancel((GW, "d0"))
+        drain(loop)
+        for i in range(8):
+            loop.inbox.submit(GW, request(f"h{i}", i, temperature=1.0, logprobs=1))
+        drain(loop)
+        return collector.tokens()
+    finally:
+        engine.close()
+
+
+def test_requests_end_cleanly_and_free_their_sequences(config):
+    """A cancelled drawn request and finished ones leave nothing behind: host-sampled
+    requests in the same slots after them get the host path's tokens (their sampler is off
+    the sequence, so llama.cpp copies their logits again), and the engine closes with
+    samplers still attached."""
+    tokens = cancel_then_host_sample(config)
+    assert tokens == cancel_then_host_sample(replace(config, backend_sampling="off"))
+    assert all(len(tokens[f"h{i}"]) == 24 for i in range(8))
+    assert all(len(tokens[f"d{i}"]) == 24 for i in range(1, 8))
+    assert len(tokens.get("d0", [])) < 24
