@@ -14,8 +14,9 @@ Two figures:
   the ends of prompts cut from prose (real text: mostly peaked rows).
 - per tick: a TickLoop with `--slots` generating slots, every tick's time outside
   llama_decode (scheduling, the batch, sampling, bookkeeping, outputs) and in it, greedy
-  against each sampled mix, with the host sampler and with backend sampling (the chains in
-  llama_decode's graph, worker/engine/backend_sampling.py).
+  against each sampled mix, with the host sampler, with the host's C draw inside llama_decode
+  (worker/engine/graph_draw.py) and with llama.cpp's chains there
+  (worker/engine/backend_sampling.py).
 """
 
 from __future__ import annotations
@@ -250,18 +251,21 @@ def main(
             print(f"{name:42} {chain:16.1f} {host:13.1f} {chain / host:8.1f}x")
     engine.clear_cache()
     print(f"\nper tick at {slots} generating slots (ms, median of {ticks})")
-    print("  host sampler: sampled on the host after llama_decode")
-    print("  backend: --backend-sampling on, sampled inside llama_decode (llama.cpp's chains)")
-    columns = ("host: outside", "in decode", "backend: outside", "in decode")
-    print(f"{'settings':42} " + " ".join(f"{c:>17}" for c in columns))
-    backend_config = replace(config, backend_sampling="on")
-    backend_engine = Engine(backend_config)
+    print("  host: sampled on the host after llama_decode (llama.cpp copies the logits out)")
+    print("  draw: --backend-sampling draw, the host's C draw inside llama_decode, no copy")
+    print("  chains: --backend-sampling on, llama.cpp's sampler chains inside llama_decode")
+    places = ("host", "draw", "chains")
+    print(f"{'':42} " + " ".join(f"{place:>21}" for place in places))
+    print(f"{'settings':42} " + " ".join(f"{'outside':>10} {'in decode':>10}" for _ in places))
+    engines = {"host": (engine, config)}
+    for place, mode in (("draw", "draw"), ("chains", "on")):
+        other = replace(config, backend_sampling=mode)
+        engines[place] = (Engine(other), other)
     for name, fields in MIXES.items():
-        host, host_decode = per_tick(engine, config, fields, ticks)
-        graph, graph_decode = per_tick(backend_engine, backend_config, fields, ticks)
-        figures = (host, host_decode, graph, graph_decode)
-        print(f"{name:42} " + " ".join(f"{figure:17.2f}" for figure in figures))
-    backend_engine.close()
+        figures = [per_tick(e, c, fields, ticks) for e, c in engines.values()]
+        print(f"{name:42} " + " ".join(f"{out:10.2f} {inside:10.2f}" for out, inside in figures))
+    for place in ("draw", "chains"):
+        engines[place][0].close()
     for n in [int(part) for part in sampling_threads.split(",") if part]:
         print(f"\nper tick, host sampler, {n} sampling threads (ms outside llama_decode)")
         for name, fields in MIXES.items():

@@ -104,7 +104,7 @@ def test_drawn_requests_get_the_host_paths_tokens_beside_host_sampled_ones(confi
 def test_seeded_requests_repeat_however_they_are_batched_and_after_a_restart(config):
     fields = {"temperature": 0.9, "top_k": 30, "top_p": 0.95, "min_p": 0.02}
     alone, _, _ = run(config, [request("x", 1234, **fields)])
-    crowd = [request("x", 1234, **fields)] + mixed_requests()
+    crowd = [request("x", 1234, **fields), *mixed_requests()]
     batched, _, _ = run(config, crowd, seed=9)
     assert batched["x"] == alone["x"]
     assert len(alone["x"]) == 24
