@@ -75,3 +75,34 @@ def test_unseeded_requests_differ_and_greedy_ones_agree(gateway: Proc) -> None:
     assert len(texts) > 1
     greedy = {complete(gateway, temperature=0)["choices"][0]["text"] for _ in range(3)}
     assert len(greedy) == 1
+
+
+def test_a_draw_worker_serves_drawn_and_host_path_requests_together(
+    tiny_model_path: Path,
+) -> None:
+    """--backend-sampling draw (the host's C draw inside llama_decode) over HTTP: drawn and
+    host-path requests share passes, each gets its own kind of answer, seeded ones repeat.
+    (Seeded text alone against batched needs batch-invariant logits, which the tiny model's
+    float weights do not give: tests/worker/test_default_model.py checks it on Gemma.)"""
+    with (
+        start_worker(tiny_model_path, backend_sampling="draw", slots=6) as worker,
+        start_gateway(tiny_model_path, worker.endpoint) as gateway,
+    ):
+        seeded = {"temperature": 1.2, "top_k": 40, "top_p": 0.95, "seed": 11}
+        first = streamed_text(gateway, **seeded)
+        assert streamed_text(gateway, **seeded) == first
+        others = [
+            {"temperature": 1.0, "logprobs": 2},
+            {"temperature": 1.0, "presence_penalty": 1.5},
+            {"temperature": 0.8, "top_p": 0.9, "n": 2, "seed": 3},
+            {"temperature": 0.0},
+            {"temperature": 1.5},
+        ]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            bodies = [b.result() for b in [pool.submit(complete, gateway, **f) for f in others]]
+        assert len(bodies[0]["choices"][0]["logprobs"]["tokens"]) == 20
+        assert len(bodies[2]["choices"]) == 2
+        assert all(body["usage"]["completion_tokens"] >= 20 for body in bodies)
+        texts = {complete(gateway, temperature=1.5)["choices"][0]["text"] for _ in range(4)}
+        assert len(texts) > 1
+        assert '"sampling": "draw"' in worker.logs()

@@ -131,6 +131,44 @@ def test_greedy_tokens_are_the_same_alone_and_batched(
     assert copied == [reused] and collector.finishes()["r8"].cached_tokens == reused
 
 
+def test_the_draw_in_the_graph_gives_the_host_samplers_tokens_alone_and_batched(
+    engine: Engine,
+):
+    """--backend-sampling draw (graph_draw.py) on Gemma's 262,144-token rows: each seeded
+    request's tokens, drawn inside llama_decode beside host-sampled requests, are those the
+    host sampler draws for it alone (Gemma's logits are batch-invariant to the bit)."""
+    mixes = [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_p": 0.95},
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+        {"temperature": 1.0, "min_p": 0.1},
+        {"temperature": 0.0},
+    ]
+    on_host = [{"temperature": 1.0, "logprobs": 1}, {"temperature": 1.0, "presence_penalty": 1.0}]
+    texts = [*PROMPTS, *OTHER_NEIGHBOURS]
+    requests = [
+        Generate(
+            f"r{i}",
+            tokenize(engine, texts[i % len(texts)]),
+            SamplingParams(max_tokens=12, ignore_eos=True, seed=40 + i, **fields),
+        )
+        for i, fields in enumerate(mixes + on_host)
+    ]
+    alone = {r.request_id: run_alone(engine, engine.config, r) for r in requests[: len(mixes)]}
+    config = replace(engine.config, backend_sampling="draw")
+    drawing = Engine(config)
+    try:
+        collector = Collector()
+        run_staggered(TickLoop(drawing, config, collector), requests, seed=5)
+        tokens = collector.tokens()
+        assert drawing.graph_draws is not None
+        assert drawing.graph_draws.prepared == 12 * len(mixes)
+    finally:
+        drawing.close()
+    assert {rid: tokens[rid] for rid in alone} == alone
+    assert all(len(tokens[r.request_id]) == 12 for r in requests)
+
+
 def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):
     collector = Collector()
     loop = TickLoop(engine, engine.config, collector)
