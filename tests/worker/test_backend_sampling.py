@@ -6,6 +6,7 @@ the host path in the same pass."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import llama_cpp as llama
 import numpy as np
@@ -16,6 +17,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.backend_sampling import BackendSampler
 from loomserve.worker.engine.draw import Truncation
 from loomserve.worker.engine.engine import Engine, ModelDescription
+from loomserve.worker.engine.graph_draw import graph_draw_library
 from loomserve.worker.engine.sampling import HostSampler, Sampler
 from tests.worker import test_preemption
 from tests.worker.test_draw import _chi_square_p, _expected
@@ -24,18 +26,24 @@ from tests.worker.test_engine import GW, drain, new_loop, random_requests, run_a
 PROMPT = [1, 40, 41, 42, 43]
 
 
-@pytest.fixture
-def config(tiny_model_path) -> WorkerConfig:
+def graph_config(model_path: Path, backend_sampling: str = "on") -> WorkerConfig:
+    """Eight slots, passes of 32 tokens, prompts in chunks of 7: prompts' chunks share
+    passes with other slots' sampled rows."""
     return WorkerConfig(
-        model_path=tiny_model_path,
+        model_path=model_path,
         slots=8,
         ctx_size=256,
         max_queue=64,
         batch_tokens=32,
         prefill_chunk=7,
         threads=1,
-        backend_sampling="on",
+        backend_sampling=backend_sampling,
     )
+
+
+@pytest.fixture
+def config(tiny_model_path) -> WorkerConfig:
+    return graph_config(tiny_model_path)
 
 
 @pytest.fixture
@@ -163,8 +171,18 @@ def test_grammar_and_logprobs_requests_share_the_pass_on_the_host(engine, config
     assert sum(len(chunk.logprobs or []) for chunk in chunks) == 24
 
 
-def test_a_preempted_request_resumes_its_draws_on_a_clone(tiny_model_path):
-    config = test_preemption.preemption_config(tiny_model_path, backend_sampling="on")
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "on",  # llama.cpp's chain: the request continues on a clone
+        pytest.param(  # the C draw (graph_draw.py): its host sampler's generator goes on
+            "draw",
+            marks=pytest.mark.skipif(graph_draw_library() is None, reason="needs the C draw"),
+        ),
+    ],
+)
+def test_a_preempted_request_resumes_its_draws(tiny_model_path, mode):
+    config = test_preemption.preemption_config(tiny_model_path, backend_sampling=mode)
     engine = Engine(config)
     try:
         seeded = [

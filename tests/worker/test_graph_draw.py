@@ -1,8 +1,8 @@
 """The C draw inside llama_decode (worker/engine/graph_draw.py, graphdraw.c) on the real
 llama.cpp and the tiny model: every request gets the tokens the host path gives it, seeded
-or greedy, alone or batched beside host-sampled requests, across preemption and a restart;
-rows the draw leaves are finished on the host; the engine refuses the mode where it cannot
-run."""
+or greedy, beside host-sampled requests and after a restart (across preemption:
+test_backend_sampling.py); rows the draw leaves are finished on the host; the engine refuses
+the mode where it cannot run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.engine import Engine, EngineError, ModelDescription
 from loomserve.worker.engine.graph_draw import GraphDrawSampler, graph_draw_library
 from loomserve.worker.engine.sampling import HostSampler, Sampler
-from tests.worker import test_preemption
+from tests.worker.test_backend_sampling import graph_config
 from tests.worker.test_engine import GW, drain, new_loop, run_staggered
 
 PROMPT = [1, 40, 41, 42, 43]
@@ -43,16 +43,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def config(tiny_model_path) -> WorkerConfig:
-    return WorkerConfig(
-        model_path=tiny_model_path,
-        slots=8,
-        ctx_size=256,
-        max_queue=64,
-        batch_tokens=32,
-        prefill_chunk=7,
-        threads=2,
-        backend_sampling="draw",
-    )
+    # Two threads: the draw's threads share each row's scan.
+    return replace(graph_config(tiny_model_path, "draw"), threads=2)
 
 
 def request(request_id: str, seed: int | None, prompt=PROMPT, **fields) -> Generate:
@@ -110,23 +102,6 @@ def test_seeded_requests_repeat_after_a_restart(config):
     again, _, _ = run(config, crowd, seed=9)
     assert again == first
     assert len(first["x"]) == 24 and first["drawn1"] != first["x"]
-
-
-def test_a_preempted_request_continues_its_draws(tiny_model_path):
-    config = test_preemption.preemption_config(tiny_model_path, backend_sampling="draw")
-    engine = Engine(config)
-    try:
-        seeded = [
-            test_preemption.low(0, temperature=0.9, seed=7),
-            test_preemption.low(1, temperature=1.1, seed=8, top_k=40, top_p=0.9),
-        ]
-        expected, _ = test_preemption.run(engine, config, seeded, urgent_after=None)
-        got, loop = test_preemption.run(engine, config, seeded, urgent_after=15)
-        assert loop.scheduler.preemptions == 2
-        assert got["low0"] == expected["low0"] and got["low1"] == expected["low1"]
-        assert len(got["low0"]) == 30
-    finally:
-        engine.close()
 
 
 def test_rows_the_draw_leaves_are_finished_on_the_host(config):
