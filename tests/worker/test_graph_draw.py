@@ -34,6 +34,7 @@ ON_HOST = [
     {"temperature": 1.0, "presence_penalty": 0.5},
     {"temperature": 0.0, "logit_bias": {7: 5.0}},
     {"temperature": 0.9, "grammar": 'root ::= "ab" [a-c]*'},
+    {"temperature": 1.0, "prompt_logprobs": 1},  # its prompt scored: a pass of many outputs
 ]
 
 pytestmark = pytest.mark.skipif(
@@ -88,9 +89,10 @@ def test_drawn_requests_get_the_host_paths_tokens_beside_host_sampled_ones(confi
     # Which path each took, and that the graph drew every token of the drawn ones.
     in_graph = [s for s in samplers if isinstance(s, GraphDrawSampler)]
     assert len(in_graph) == 13  # the 12 drawn and the long prompt
-    assert sum(isinstance(s, HostSampler) for s in samplers) == 3
+    assert sum(isinstance(s, HostSampler) for s in samplers) == 4
     assert sum(isinstance(s, Sampler) for s in samplers) == 1  # the grammar's
-    assert prepared == 13 * 24
+    # The graph drew all but the drawn rows of the passes that scored a prompt.
+    assert 12 * 24 < prepared < 13 * 24
 
 
 def test_seeded_requests_repeat_after_a_restart(config):
@@ -127,14 +129,19 @@ def test_the_engine_refuses_the_draw_where_the_logits_are_on_a_gpu(tiny_model_pa
         Engine._sampling_place(config, model, draws_in_c=True)
 
 
+def start_drawn(loop, n: int, ticks: int) -> None:
+    """n drawn requests (temperature 1, seeded d0, d1, ...), run for a few ticks."""
+    for i in range(n):
+        loop.inbox.submit(GW, request(f"d{i}", i, temperature=1.0))
+    for _ in range(ticks):
+        loop.tick(block=False)
+
+
 def cancel_then_host_sample(config: WorkerConfig) -> dict[str, list[int]]:
     engine = Engine(config)
     try:
         loop, collector = new_loop(engine, config)
-        for i in range(8):
-            loop.inbox.submit(GW, request(f"d{i}", i, temperature=1.0))
-        for _ in range(6):
-            loop.tick(block=False)
+        start_drawn(loop, 8, ticks=6)
         loop.scheduler.cancel((GW, "d0"))
         drain(loop)
         for i in range(8):
@@ -155,3 +162,28 @@ def test_requests_end_cleanly_and_free_their_sequences(config):
     assert all(len(tokens[f"h{i}"]) == 24 for i in range(8))
     assert all(len(tokens[f"d{i}"]) == 24 for i in range(1, 8))
     assert len(tokens.get("d0", [])) < 24
+
+
+def test_a_pass_of_many_outputs_runs_with_no_sampler_attached(config):
+    """A prompt scored for logprobs asks for a row per prompt token: with a sampler attached
+    anywhere, llama.cpp would keep three more vocabulary-sized arrays for each."""
+    engine = Engine(config)
+    seen: list[tuple[int, int]] = []  # (outputs, samplers attached) of each pass
+    decode = engine.decode
+
+    def counted(batch):
+        seen.append((int(batch.logits[: batch.n_tokens].sum()), engine.graph_draws.attached))
+        return decode(batch)
+
+    engine.decode = counted  # type: ignore[method-assign]
+    try:
+        loop, collector = new_loop(engine, config)
+        start_drawn(loop, 3, ticks=4)
+        loop.inbox.submit(GW, request("scored", 9, prompt=PROMPT * 4, prompt_logprobs=1))
+        drain(loop)
+    finally:
+        engine.close()
+    assert all(len(tokens) == 24 for tokens in collector.tokens().values())
+    many = [attached for outputs, attached in seen if outputs > config.slots]
+    assert many and not any(many)
+    assert any(attached for outputs, attached in seen if outputs <= config.slots)

@@ -19,7 +19,9 @@ same. Drawn requests do not draft: drafts' verification samples each row on the 
 
 Attaching a sampler makes llama.cpp plan its graph again (about 8 ms at 16 slots here), so a
 sequence keeps its sampler from the first pass a drawn request samples in it, and only loses
-it when a host-sampled request takes an output there (its logits must then be copied).
+it when a host-sampled request takes an output there (its logits must then be copied), or
+for a pass with many outputs (a prompt scored for logprobs, drafts verified), for which
+llama.cpp would otherwise hold three more rows of the vocabulary's size per output.
 Between passes the worker rewrites each sequence's DrawState: what graphdraw.c reads is
 always the request now in that slot.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +136,13 @@ class GraphDrawSampler:
         """Nothing to free: the sequence's sampler is the engine's (GraphDraws)."""
 
 
+def outputs_of(run: Run) -> int:
+    """The rows of logits a run asks of the pass."""
+    if run.score:
+        return len(run.tokens)
+    return 1 + run.draft if run.sample else 0
+
+
 class GraphDraws:
     """Each sequence's graphdraw.c sampler, and the state it reads.
 
@@ -162,13 +171,28 @@ class GraphDraws:
         self.refused = False  # llama.cpp would not take the sampler: everything on the host
         self.prepared = 0  # draws handed to the graph (for tests and benchmarks)
 
-    def bind(self, runs: Iterable[Run]) -> None:
+    @property
+    def attached(self) -> int:
+        """How many sequences have their sampler attached now."""
+        return len(self._chains)
+
+    def bind(self, runs: Sequence[Run]) -> None:
+        # While any sampler is attached, llama.cpp keeps three more vocabulary-sized arrays
+        # for each output of a pass, at least one per sequence: a pass with more outputs
+        # than that (a prompt scored for logprobs, drafts verified) would grow them, to
+        # gigabytes for a long prompt (1.5 GB for 512 tokens on Gemma). Such a pass runs with
+        # none attached; its drawn requests are sampled on the host from the copied rows,
+        # the same tokens.
+        many_outputs = sum(map(outputs_of, runs)) > len(self._states)
+        if many_outputs:
+            for seq in list(self._chains):
+                self._detach(seq)
         for run in runs:
             if not (run.sample or run.score):
                 continue
             seq = run.slot.index
             sampler = run.slot.occupant.chain
-            if isinstance(sampler, GraphDrawSampler) and not run.score and self._attach(seq):
+            if isinstance(sampler, GraphDrawSampler) and not many_outputs and self._attach(seq):
                 sampler.prepare(self._states[seq], self._spare[seq], self._n_vocab)
                 self.prepared += 1
             else:
