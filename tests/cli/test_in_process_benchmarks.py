@@ -39,6 +39,18 @@ def test_bench_sampling_measures_every_setting_on_both_paths(tiny_model_path: Pa
     assert "per tick, host sampler, 2 sampling threads" in out
     for setting in ("greedy", "temperature 1", "temperature 0.7, top_p 0.95"):
         assert sum(line.startswith(setting) for line in out.splitlines()) == 5  # 3 + 1 + 1
+    per_tick = [line.split() for line in out.splitlines() if line.startswith("greedy ")][3]
+    assert len(per_tick) == 7  # host, draw and chains: outside and in llama_decode each
+
+
+def test_bench_draw_churn_drains_both_loads_on_both_paths(tiny_model_path: Path) -> None:
+    out = run_benchmark(
+        "benchmarks.bench_draw_churn", "--model", str(tiny_model_path), "--slots", "2",
+        "--requests", "4", "--tokens", "3", "--rounds", "1", "--threads", "1",
+    )  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if line.startswith(("all drawn", "mixed"))]
+    assert len(rows) == 2
+    assert all(float(row[-1]) > 0 for row in rows)  # draw / host
 
 
 @pytest.mark.parametrize("requests", ["2", "1,3"])
