@@ -14,10 +14,10 @@ import pytest
 
 from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.backend_sampling import BackendSampler
 from loomserve.worker.engine.draw import Truncation
 from loomserve.worker.engine.engine import Engine, ModelDescription
-from loomserve.worker.engine.graph_draw import graph_draw_library
 from loomserve.worker.engine.sampling import HostSampler, Sampler
 from tests.worker import test_preemption
 from tests.worker.test_draw import _chi_square_p, _expected
@@ -177,7 +177,7 @@ def test_grammar_and_logprobs_requests_share_the_pass_on_the_host(engine, config
         "on",  # llama.cpp's chain: the request continues on a clone
         pytest.param(  # the C draw (graph_draw.py): its host sampler's generator goes on
             "draw",
-            marks=pytest.mark.skipif(graph_draw_library() is None, reason="needs the C draw"),
+            marks=pytest.mark.skipif(rowscan.library() is None, reason="no C draw on this CPU"),
         ),
     ],
 )
