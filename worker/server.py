@@ -244,7 +244,7 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
         kv_cells=engine.kv_cells_total(),
         kv_cache_type=config.kv_cache_type,
         flash_attn=config.flash_attn,
-        # "graph": eligible requests sample inside llama_decode (backend_sampling.py)
+        # host; graph (llama.cpp's chains) or draw (the C draw) inside llama_decode
         sampling=engine.sampling,
         batch_tokens=config.batch_tokens,
         prefill_chunk=config.prefill_chunk,

@@ -72,6 +72,19 @@ def set_sampler(ctx, seq: int, chain) -> bool:
     return bool(_LIB.llama_set_sampler(ctx, seq, chain))
 
 
+def draws_plain_rows(params: SamplingParams) -> bool:
+    """Whether the request's token is drawn from its row of logits as the decode left it:
+    no grammar, no logprobs to read from it, no logit bias or penalties to write into it.
+    Those requests can be sampled inside llama_decode (here, and graph_draw.py)."""
+    return (
+        not params.grammar
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and not params.logit_bias
+        and not params.penalized
+    )
+
+
 def backend_eligible(params: SamplingParams, n_vocab: int) -> bool:
     """Whether the graph's sampler chain samples this request exactly as the host would, and
     no slower.
@@ -80,14 +93,8 @@ def backend_eligible(params: SamplingParams, n_vocab: int) -> bool:
     vocabulary for every row (measured on an H200 at 64 slots and 262,144 tokens: 47 ms a
     tick against the host sampler's 20 ms, docs/gpu.md), where the host sums the row's
     mass in one pass and sorts only the tokens near the best (draw.py)."""
-    return (
-        (params.top_p >= 1.0 or 0 < params.top_k < n_vocab)  # a top-k of n_vocab cuts nothing
-        and not params.grammar
-        and params.logprobs is None
-        and params.prompt_logprobs is None
-        and not params.logit_bias
-        and not params.penalized
-    )
+    # A top-k of n_vocab cuts nothing.
+    return (params.top_p >= 1.0 or 0 < params.top_k < n_vocab) and draws_plain_rows(params)
 
 
 def drawing_stages(params: SamplingParams, n_vocab: int) -> list[llama.llama_sampler_p]:

@@ -12,7 +12,7 @@ request's HostSampler gives it before the pass: the same tokens, seeded or not, 
 path.
 
 Which requests: every request without a grammar, logprobs (of the output or the prompt), a
-logit bias or penalties (graph_draw_eligible), greedy or sampled with any temperature,
+logit bias or penalties (backend_sampling.draws_plain_rows), greedy or sampled with any temperature,
 top-k, top-p and min-p. The others are sampled on the host as before; in a pass with one of
 them llama.cpp copies every row's logits, and the drawn rows are read from the graph all the
 same. Drawn requests do not draft: drafts' verification samples each row on the host.
@@ -38,7 +38,6 @@ import llama_cpp as llama
 import numpy as np
 import structlog
 
-from loomserve.protocol import SamplingParams
 from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.backend_sampling import backend_sampling_available, set_sampler
 from loomserve.worker.sched.slots import Run
@@ -80,18 +79,6 @@ def graph_draw_library() -> Any | None:
     if not ggml_base.exists() or not lib.ls_graph_bind(str(ggml_base).encode()):
         return None
     return lib
-
-
-def graph_draw_eligible(params: SamplingParams) -> bool:
-    """Whether graphdraw.c draws this request's tokens: the host sampler's C draw, with no
-    bias, penalties or logprobs to apply to the row first, and no grammar."""
-    return (
-        not params.grammar
-        and params.logprobs is None
-        and params.prompt_logprobs is None
-        and not params.logit_bias
-        and not params.penalized
-    )
 
 
 class GraphDrawSampler:

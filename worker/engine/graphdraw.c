@@ -172,7 +172,8 @@ static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void
      * own tensor is read instead, so that the copy is left out of the graph. */
     struct ggml_tensor *row = data->logits, *padded = row->view_src;
     struct ggml_tensor *logits = padded ? padded->src[0] : NULL;
-    if (logits && logits->ne[0] == row->ne[0] && row->view_offs / logits->nb[1] < (size_t)logits->ne[1])
+    if (logits && logits->ne[0] == row->ne[0] &&
+        row->view_offs / logits->nb[1] < (size_t)logits->ne[1])
         row = view_1d(ctx, logits, logits->ne[0], row->view_offs);
     struct ggml_tensor *args[1] = {row};
     data->sampled = custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, (void *)draw_row,

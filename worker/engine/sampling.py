@@ -44,6 +44,7 @@ from loomserve.worker.engine.backend_sampling import (
     GraphChains,
     backend_eligible,
     drawing_stages,
+    draws_plain_rows,
     sampler_chain,
 )
 from loomserve.worker.engine.draw import (
@@ -54,7 +55,7 @@ from loomserve.worker.engine.draw import (
     draw_tokens,
 )
 from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
-from loomserve.worker.engine.graph_draw import GraphDrawSampler, graph_draw_eligible
+from loomserve.worker.engine.graph_draw import GraphDrawSampler
 from loomserve.worker.engine.logprobs import adjusted_logits, logit_adjustments
 from loomserve.worker.sched.slots import TokenSampler
 
@@ -270,7 +271,7 @@ class HostSampler:
         """What graphdraw.c needs to draw its next token inside llama_decode: the settings and
         the seed draw_rows would hand rowdraw.c (the seed taken from its generator now);
         None for a greedy request (the argmax). Only for requests without a bias or
-        penalties (backend_sampling.graph_draw_eligible)."""
+        penalties (backend_sampling.draws_plain_rows)."""
         if self._cut is None:
             return None
         seed = self._rng.bit_generator.random_raw()
@@ -279,10 +280,11 @@ class HostSampler:
     def graph_drawn(self, token: int, mass: float, left: np.ndarray) -> int:
         """The token graphdraw.c drew after graph_inputs(), with its head mass; where it left
         the row (token < 0), drawn from `left`, its copy of the row, as draw_rows would."""
-        if token < 0 and self._cut is not None:
+        if self._cut is None:  # greedy: the argmax, which the C always serves
+            return token
+        if token < 0:
             token, mass = draw_left(left, self._cut, self._rng, self._mass)
-        if self._cut is not None:
-            self._mass = mass
+        self._mass = mass
         return token
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
@@ -475,7 +477,7 @@ def build_sampler(
     for token_id in params.logit_bias:
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
-    if graph_draws and graph_draw_eligible(params):
+    if graph_draws and draws_plain_rows(params):
         return GraphDrawSampler(HostSampler(params, slot_context))
     if graph_chains is not None and backend_eligible(params, n_vocab):
         host = HostSampler(params, slot_context)
