@@ -39,7 +39,11 @@ import numpy as np
 import structlog
 
 from loomserve.worker.engine import rowscan
-from loomserve.worker.engine.backend_sampling import backend_sampling_available, set_sampler
+from loomserve.worker.engine.backend_sampling import (
+    backend_sampling_available,
+    sampler_chain,
+    set_sampler,
+)
 from loomserve.worker.sched.slots import Run
 
 if TYPE_CHECKING:
@@ -170,16 +174,16 @@ class GraphDraws:
         # gigabytes for a long prompt (1.5 GB for 512 tokens on Gemma). Such a pass runs with
         # none attached; its drawn requests are sampled on the host from the copied rows,
         # the same tokens.
-        many_outputs = sum(map(outputs_of, runs)) > len(self._states)
-        if many_outputs:
+        if sum(map(outputs_of, runs)) > len(self._states):
             for seq in list(self._chains):
                 self._detach(seq)
+            return
         for run in runs:
             if not (run.sample or run.score):
                 continue
             seq = run.slot.index
             sampler = run.slot.occupant.chain
-            if isinstance(sampler, GraphDrawSampler) and not many_outputs and self._attach(seq):
+            if isinstance(sampler, GraphDrawSampler) and self._attach(seq):
                 sampler.prepare(self._states[seq], self._spare[seq], self._n_vocab)
                 self.prepared += 1
             else:
@@ -194,10 +198,7 @@ class GraphDraws:
             ctypes.cast(self._lib.ls_graph_iface(), ctypes.POINTER(llama.llama_sampler_i)),
             ctypes.c_void_p(ctypes.addressof(self._states[seq])),
         )
-        chain_params = llama.llama_sampler_chain_default_params()
-        chain_params.no_perf = True
-        chain = llama.llama_sampler_chain_init(chain_params)
-        llama.llama_sampler_chain_add(chain, stage)
+        chain = sampler_chain([stage])
         if not set_sampler(self._ctx, seq, chain):
             llama.llama_sampler_free(chain)
             self.refused = True
