@@ -87,7 +87,7 @@ struct llama_sampler {
     void *ctx;
 };
 
-/* One sequence's draw: written by the worker before each pass (backend_sampling.py's
+/* One sequence's draw: written by the worker before each pass (graph_draw.py's
  * DrawState mirrors it), read back after. */
 typedef struct {
     double settings[5]; /* temperature, top_k, top_p, min_p, span (ls_draw's) */
