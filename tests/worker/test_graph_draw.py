@@ -16,6 +16,7 @@ from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.engine import Engine, EngineError, ModelDescription
 from loomserve.worker.engine.graph_draw import GraphDrawSampler, graph_draw_library
 from loomserve.worker.engine.sampling import HostSampler, Sampler
+from tests.tiny_model import ModelShape, write_tiny_model
 from tests.worker.test_backend_sampling import graph_config
 from tests.worker.test_engine import GW, drain, new_loop, run_staggered
 
@@ -101,6 +102,30 @@ def test_drawn_requests_get_the_host_paths_tokens_beside_host_sampled_ones(confi
     assert sum(isinstance(s, Sampler) for s in samplers) == 1  # the grammar's
     # The graph drew all but the drawn rows of the passes that scored a prompt.
     assert 12 * 24 < prepared < 13 * 24
+
+
+@pytest.fixture(scope="module")
+def wide_model_path(tmp_path_factory):
+    """The tiny model with 40,000 more pieces: rows of 158 blocks, which a top-p alone's scan
+    cuts in three parts (rowscan.c's SCAN_PART_BLOCKS) for the draw's threads to share."""
+    path = tmp_path_factory.mktemp("wide") / "tiny-wide.gguf"
+    return write_tiny_model(path, shape=ModelShape(extra_vocab=40_000))
+
+
+def test_a_top_p_alone_scanned_in_parts_on_two_threads_draws_the_host_paths_tokens(
+    wide_model_path,
+):
+    """A top-p alone's row is scanned and summed in parts shared by llama.cpp's threads, and
+    the parts folded as the host's one pass folds them: the same tokens as the host path."""
+    config = replace(graph_config(wide_model_path, "draw"), threads=2)
+    assert rowscan.library().ls_scan_parts(40_000) == 3
+    cuts = [{"top_p": 0.95}, {"top_p": 0.5}, {"top_p": 0.99, "min_p": 0.01}, {"top_p": 0.8}]
+    requests = [request(f"p{i}", 300 + i, temperature=0.9, **cut) for i, cut in enumerate(cuts * 2)]
+    on_host, _, _ = run(replace(config, backend_sampling="off"), requests)
+    drawn, _, prepared = run(config, requests)
+    assert drawn == on_host
+    assert prepared == 8 * 24
+    assert len({tuple(tokens) for tokens in drawn.values()}) == 8
 
 
 def test_seeded_requests_repeat_after_a_restart(config):

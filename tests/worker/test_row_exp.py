@@ -13,6 +13,8 @@ import pytest
 from loomserve.worker.engine import row_exp, rowscan
 from loomserve.worker.engine.draw import EXP_SUM_ERROR
 
+SCAN_PART_BLOCKS = 64  # rowscan.c's: a top-p's scan sums the row in parts of this many blocks
+
 
 def test_llama_cpps_cpu_library_gives_the_kernel():
     """The fast path is there (a build that stops exporting it would silently be 2-3x slower
@@ -98,7 +100,8 @@ def test_the_scan_and_the_sum_in_one_pass(spread, size):
     """ls_scan_exp_sum (a top-p's first pass in rowdraw.c): the blocks' maxima as
     ls_block_max gives them, and the sum of e^(x - peak) within draw.EXP_SUM_ERROR of the
     float64 one, though each block's terms are taken against the largest logit so far (here
-    rising block after block, the order that rescales the sum most often). And within the
+    rising block after block, the order that rescales the sum most often), and the row in
+    parts of 64 blocks, each against its own peak, then folded. And within the
     row's own bound: 2 ulps an exponential, two float32 roundings, 6e-8 per logit of the
     terms' weighted depth, which is at most the depths under the peak (the whole row's, when
     the peak comes first)."""
@@ -121,8 +124,11 @@ def test_the_scan_and_the_sum_in_one_pass(spread, size):
         exact = float(terms.sum())
         assert total.value == pytest.approx(exact, rel=EXP_SUM_ERROR / 10)
         assert 0.0 <= weighted_depth.value <= float((terms * depths).sum()) * (1 + 1e-6)
-        if order == 1:  # the peak first: every term taken against it
-            assert weighted_depth.value == pytest.approx(float((terms * depths).sum()), rel=1e-5)
+        if order == 1:  # falling: every term taken against its part's peak, its first
+            part = SCAN_PART_BLOCKS * rowscan.BLOCK
+            part_peaks = np.repeat(logits[::part].astype(np.float64), part)[:size]
+            below_part_peak = float((terms * (part_peaks - logits)).sum())
+            assert weighted_depth.value == pytest.approx(below_part_peak, rel=1e-5)
         bound = exact * (2.4e-7 + 1.2e-7) + 6e-8 * weighted_depth.value
         assert abs(total.value - exact) <= bound
     logits = row.copy()

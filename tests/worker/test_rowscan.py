@@ -3,6 +3,7 @@ blocks' maxima, the row's peak (NaN where it holds one), and every band's tokens
 
 from __future__ import annotations
 
+import ctypes
 import math
 from pathlib import Path
 
@@ -208,6 +209,59 @@ def test_draws_are_the_same_under_every_instruction_set(isa):
         [drawn.head_mass for drawn in reference], rel=1e-14
     )
     assert len({drawn[0] for drawn in here}) > 20
+
+
+def _scan_rows(size: int) -> list[np.ndarray]:
+    """Rows for the scan in parts: rising (the sums rescaled at every block), falling, the
+    test rows (banned tokens, a banned block), and one whose first part is all -inf."""
+    rising = np.sort(np.random.default_rng(size).normal(0.0, 4.0, size)).astype(np.float32)
+    banned_first = _row(size, 3)
+    banned_first[: 64 * BLOCK] = -np.inf
+    banned_first[-1] = 5.0
+    return [rising, rising[::-1].copy(), _row(size, 1), banned_first]
+
+
+@pytest.mark.parametrize("size", [300, 64 * BLOCK, 64 * BLOCK + 1, 4096 * 5 + 17, 262_144])
+def test_the_scan_in_parts_folds_to_the_one_pass_sums(size):
+    """A top-p alone's scan, cut in parts that graphdraw.c's threads take a share of (here in
+    reverse order) and folded in row order, gives ls_scan_exp_sum's block maxima, total and
+    weighted depth to the bit; and the draw finished from them (ls_draw_from_scan) is
+    ls_draw's, token and head mass."""
+    library = rowscan.library()
+    n_blocks, parts = -(-size // BLOCK), library.ls_scan_parts(size)
+    assert parts == -(-n_blocks // 64)
+    sums = np.zeros((parts, 3))
+    maxima, whole = np.empty(n_blocks, np.float32), np.empty(n_blocks, np.float32)
+    total, depth = ctypes.c_double(), ctypes.c_double()
+    folded_total, folded_depth = ctypes.c_double(), ctypes.c_double()
+    scratch = np.zeros(library.ls_draw_scratch_bytes(size) + 64, np.uint8)
+    address = -(-scratch.ctypes.data // 64) * 64
+    found = (ctypes.c_double * 2)()
+    for row in _scan_rows(size):
+        args = (row.ctypes.data, size, maxima.ctypes.data)
+        if library.ls_isa() < 2:  # AVX-512 only: graphdraw.c then draws the row on one thread
+            assert library.ls_scan_exp_sum_part(*args, 0, sums.ctypes.data) == -1
+            return
+        nan = [library.ls_scan_exp_sum_part(*args, p, sums[p].ctypes.data) for p in range(parts)]
+        library.ls_scan_fold(sums.ctypes.data, parts, ctypes.byref(folded_total),
+                             ctypes.byref(folded_depth))  # fmt: skip
+        has_nan = library.ls_scan_exp_sum(
+            row.ctypes.data, size, whole.ctypes.data, ctypes.byref(total), ctypes.byref(depth)
+        )
+        assert not any(nan) and has_nan == 0 and maxima.tolist() == whole.tolist()
+        assert (folded_total.value, folded_depth.value) == (total.value, depth.value)
+        assert total.value > 0.0
+        for seed in range(12):
+            for top_p in (0.5, 0.9, 0.99):
+                settings = np.array([0.7, 0.0, top_p, 0.0, 4.0])
+                ctypes.memmove(address, maxima.ctypes.data, maxima.nbytes)
+                token = library.ls_draw_from_scan(
+                    row.ctypes.data, size, settings.ctypes.data, seed, address,
+                    total.value, depth.value, found,
+                )  # fmt: skip
+                alone = rowscan.draw(row, 0.7, 0, top_p, 0.0, 4.0, seed)
+                expected = (-1, None) if alone is None else (alone.token, alone.head_mass)
+                assert (token, None if alone is None else found[0]) == expected
 
 
 def test_rows_drawn_in_one_call_are_each_rows_draw(isa):

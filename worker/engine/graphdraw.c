@@ -10,9 +10,9 @@
  * adds one custom operation a row that reads the output layer's row itself (not the padded
  * copy) and draws as rowdraw.c does on the host: the same tokens for the same seeds.
  *
- * The operation's threads share the row's block maxima (a slice each), then the first thread
- * finishes the draw (a top-p alone, which sums the row in its own scan, is drawn by the first
- * thread whole). A row the draw leaves (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied
+ * The operation's threads share the row's block maxima (a slice each; for a top-p alone, which
+ * sums the row in its scan, a share of the scan's parts, folded as the host's one pass folds
+ * them: the same sums), then the first thread finishes the draw. A row the draw leaves (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied
  * to the sequence's spare row, for draw.py to finish on the host.
  *
  * Only the structs' first fields are used, declared as llama-cpp-python 0.3.36's llama.cpp
@@ -39,7 +39,15 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
                 double min_p, double span, uint64_t seed, char *scratch, double *found);
 int64_t ls_draw_from_maxima(const float *row, int64_t n, const double *settings, uint64_t seed,
                             char *scratch, double *found);
+int64_t ls_draw_from_scan(const float *row, int64_t n, const double *settings, uint64_t seed,
+                          char *scratch, double total, double weighted_depth, double *found);
 int ls_top_p_alone(int64_t n, int64_t top_k, double top_p);
+int64_t ls_draw_parts_at(int64_t n);
+int64_t ls_scan_parts(int64_t n);
+int ls_scan_exp_sum_part(const float *row, int64_t n, float *block_max, int64_t part,
+                         double *sums);
+void ls_scan_fold(const double *sums, int64_t count, double *total, double *weighted_depth);
+int ls_isa(void);
 
 struct ggml_tensor {
     int type;
@@ -112,36 +120,61 @@ static custom_4d_fn custom_4d;
 static view_1d_fn view_1d;
 static buft_is_host_fn buft_is_host;
 
+/* This thread's share of the row's first pass: a slice of its blocks' maxima, or for a
+ * top-p alone (`summed`) of its parts' scans and sums, which the first thread folds. The
+ * maxima lead the draw's scratch (rowdraw.c's start()), the parts' sums sit at
+ * ls_draw_parts_at. Returns whether the share held a NaN. */
+static int read_share(const GraphDraw *g, const float *row, int summed, int ith, int nth) {
+    float *block_max = (float *)g->scratch;
+    if (summed) {
+        int64_t parts = ls_scan_parts(g->n);
+        double *sums = (double *)(g->scratch + ls_draw_parts_at(g->n));
+        int nan = 0;
+        for (int64_t p = parts * ith / nth; p < parts * (ith + 1) / nth; p++)
+            nan |= ls_scan_exp_sum_part(row, g->n, block_max, p, sums + 3 * p);
+        return nan;
+    }
+    int64_t n_blocks = (g->n + BLOCK - 1) / BLOCK;
+    int64_t first = n_blocks * ith / nth, last = n_blocks * (ith + 1) / nth;
+    int64_t lo = first * BLOCK, hi = last * BLOCK < g->n ? last * BLOCK : g->n;
+    return hi > lo && ls_block_max(row + lo, hi - lo, block_max + first);
+}
+
 static void draw_row(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     GraphDraw *g = userdata;
     const float *row = dst->src[0]->data;
     int64_t n = g->n, token;
-    if (!g->greedy && ls_top_p_alone(n, (int64_t)g->settings[1], g->settings[2])) {
+    /* A top-p alone sums the row in its scan: in parts, on every thread, where the CPU has
+     * AVX-512 for the sums; else the first thread draws it whole, as ls_draw does. */
+    int summed = !g->greedy && ls_top_p_alone(n, (int64_t)g->settings[1], g->settings[2]);
+    if (summed && ls_isa() < 2) {
         if (ith != 0) return;
         token = ls_draw(row, n, g->settings[0], (int64_t)g->settings[1], g->settings[2],
                         g->settings[3], g->settings[4], g->seed, g->scratch, g->found);
     } else {
-        /* The draw's block maxima lead its scratch (rowdraw.c's start()). */
-        float *block_max = (float *)g->scratch;
-        int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
-        int64_t first = n_blocks * ith / nth, last = n_blocks * (ith + 1) / nth;
-        int64_t lo = first * BLOCK, hi = last * BLOCK < n ? last * BLOCK : n;
-        if (hi > lo && ls_block_max(row + lo, hi - lo, block_max + first))
-            atomic_fetch_or(&g->nan, 1);
+        if (read_share(g, row, summed, ith, nth)) atomic_fetch_or(&g->nan, 1);
         atomic_fetch_add(&g->arrived, 1);
         if (ith != 0) return;
         /* The others are in this operation too (ggml runs every thread through each one):
-         * their slices take as long as this thread's. */
+         * their shares take as long as this thread's. */
         while (atomic_load(&g->arrived) < nth) {
         }
         int nan = atomic_load(&g->nan);
         atomic_store(&g->arrived, 0);
         atomic_store(&g->nan, 0);
-        if (g->greedy)
-            token = ls_argmax_from(row, n, block_max, nan);
-        else
-            token = nan ? LS_NOT_SERVED
-                        : ls_draw_from_maxima(row, n, g->settings, g->seed, g->scratch, g->found);
+        if (g->greedy) {
+            token = ls_argmax_from(row, n, (const float *)g->scratch, nan);
+        } else if (nan) {
+            token = LS_NOT_SERVED;
+        } else if (summed) {
+            double total, weighted_depth;
+            ls_scan_fold((const double *)(g->scratch + ls_draw_parts_at(n)), ls_scan_parts(n),
+                         &total, &weighted_depth);
+            token = ls_draw_from_scan(row, n, g->settings, g->seed, g->scratch, total,
+                                      weighted_depth, g->found);
+        } else {
+            token = ls_draw_from_maxima(row, n, g->settings, g->seed, g->scratch, g->found);
+        }
     }
     if (token == LS_NOT_SERVED) memcpy(g->spare, row, (size_t)n * sizeof(float));
     g->token = token;

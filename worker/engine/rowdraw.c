@@ -37,6 +37,7 @@ int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low
 double ls_exp_sum_below(const float *row, int64_t n, float peak, float below);
 int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total,
                     double *weighted_depth);
+int64_t ls_scan_parts(int64_t n);
 double ls_cumulative_weights(const float *row, const int32_t *ids, int64_t n, float peak,
                              double temperature, double start, double *weights);
 
@@ -98,16 +99,23 @@ static int64_t align64(int64_t bytes) {
     return (bytes + 63) & ~(int64_t)63;
 }
 
-/* What one draw takes of its scratch; ls_draw_group's rows' block maxima follow. */
+/* What one draw takes of its scratch; ls_draw_group's rows' block maxima follow, then room
+ * for the sums of a row's scan in parts (graphdraw.c's threads scan a share each). */
 static int64_t one_draw_bytes(int64_t n) {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
     return align64(n_blocks * 4) + 2 * align64(n * 4) + 2 * align64(n * 8) + align64(n * 4);
 }
 
-/* The bytes of scratch ls_draw and ls_draw_group need for rows of n logits, and where in it
- * the candidates' ids are left (after the blocks' maxima). */
-int64_t ls_draw_scratch_bytes(int64_t n) {
+/* Where the scan's parts' sums go in the scratch: three doubles a part (rowscan.c's
+ * ls_scan_exp_sum_part). */
+int64_t ls_draw_parts_at(int64_t n) {
     return one_draw_bytes(n) + align64(ROWS_AT_ONCE * ((n + BLOCK - 1) / BLOCK) * 4);
+}
+
+/* The bytes of scratch ls_draw, ls_draw_group and graphdraw.c need for rows of n logits, and
+ * where in it the candidates' ids are left (after the blocks' maxima). */
+int64_t ls_draw_scratch_bytes(int64_t n) {
+    return ls_draw_parts_at(n) + align64(ls_scan_parts(n) * 3 * 8);
 }
 
 int64_t ls_draw_ids_at(int64_t n) {
@@ -440,6 +448,15 @@ static int64_t finish(Draw *d, double temperature, int64_t top_k, double top_p, 
     return token;
 }
 
+/* The error bound of a row's mass summed by its scan (ls_scan_exp_sum's total and weighted
+ * depth): the exponentials' and the float32 sums' share of the total, and DEPTH_ERROR of
+ * each term's depth. Where EXP_SUM_ERROR must assume the deepest mass a row can have (12.5
+ * logits), this is the row's own (2.3 deep on Gemma's flat rows): a bound a third as wide, and
+ * a cut in doubt, which reads the row again, a quarter as often. */
+static double scan_error(double total, double weighted_depth) {
+    return total * (EXP_ERROR + SUM32_ERROR + SUM_SLACK) + DEPTH_ERROR * weighted_depth;
+}
+
 /* A token drawn from softmax(row / temperature) over what top-k, top-p and min-p keep (top_k 0
  * and top_p 1: off; min_p 0: off), seeded by `seed`. `span`: how far under the best (in
  * untempered logits, over the temperature) the head reaches when nothing cuts (draw.py chooses
@@ -452,19 +469,15 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
                 double min_p, double span, uint64_t seed, char *scratch, double *found) {
     Draw d = start(row, n, seed, scratch);
     /* A top-p alone needs the row's mass on most of Gemma's rows (flat ones): summed in the
-     * scan's own pass where the CPU can, so the bounds from counts are not needed. Its error
-     * bound is this row's own: the exponentials' and the float32 sums' share of the total,
-     * and DEPTH_ERROR of each term's depth, where EXP_SUM_ERROR must assume the deepest mass
-     * a row can have (2.3 logits deep on Gemma's flat rows, against 12.5 assumed: a bound a
-     * third as wide, and a cut in doubt, which reads the row again, a quarter as often). */
+     * scan's own pass where the CPU can, so the bounds from counts are not needed. */
     double total = -1.0, weighted_depth = 0.0;
     int has_nan = top_p_alone(n, top_k, top_p)
                       ? ls_scan_exp_sum(row, n, d.block_max, &total, &weighted_depth)
                       : -1;
-    double error = total * (EXP_ERROR + SUM32_ERROR + SUM_SLACK) + DEPTH_ERROR * weighted_depth;
     if (has_nan < 0) has_nan = ls_block_max(row, n, d.block_max);
     if (has_nan) return LS_NOT_SERVED;
-    return finish(&d, temperature, top_k, top_p, min_p, span, total, error, found);
+    return finish(&d, temperature, top_k, top_p, min_p, span, total,
+                  scan_error(total, weighted_depth), found);
 }
 
 /* ls_draw for a row (with no NaN) whose blocks' maxima lead scratch already (graphdraw.c's
@@ -474,6 +487,16 @@ int64_t ls_draw_from_maxima(const float *row, int64_t n, const double *settings,
     Draw d = start(row, n, seed, scratch);
     return finish(&d, settings[0], (int64_t)settings[1], settings[2], settings[3], settings[4],
                   -1.0, 0.0, found);
+}
+
+/* ls_draw for a top-p alone on a row (with no NaN) scanned already: its blocks' maxima lead
+ * scratch, and total and weighted_depth are ls_scan_exp_sum's (graphdraw.c's threads scan it
+ * in parts, folded with ls_scan_fold: the same sums). */
+int64_t ls_draw_from_scan(const float *row, int64_t n, const double *settings, uint64_t seed,
+                          char *scratch, double total, double weighted_depth, double *found) {
+    Draw d = start(row, n, seed, scratch);
+    return finish(&d, settings[0], (int64_t)settings[1], settings[2], settings[3], settings[4],
+                  total, scan_error(total, weighted_depth), found);
 }
 
 /* top_p_alone, for graphdraw.c. */

@@ -461,17 +461,89 @@ void ls_argmax_rows(const float *rows, int64_t count, int64_t n, float *block_ma
         out[r] = argmax_from(each[r], n, block_max + r * n_blocks, nan[r]);
 }
 
+/* The row's one-pass scan and sum (ls_scan_exp_sum) runs in parts of SCAN_PART_BLOCKS blocks,
+ * each summed against its own largest logit, and the parts are folded together in order
+ * (ls_scan_fold): the same sums, to the bit, whether one thread takes every part in turn (the
+ * host's draw) or llama.cpp's threads take a share each (graphdraw.c's). 64 blocks: 64 KB of
+ * logits, 16 parts of Gemma's rows, enough to share among a CPU's threads evenly. */
+#define SCAN_PART_BLOCKS 64
+
+/* How many parts ls_scan_exp_sum_part cuts a row of n logits into. */
+int64_t ls_scan_parts(int64_t n) {
+    int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    return (n_blocks + SCAN_PART_BLOCKS - 1) / SCAN_PART_BLOCKS;
+}
+
+/* Part `part`'s scan: its blocks' maxima into block_max (the whole row's array), and into
+ * sums[0..3) its sum of e^(x - its peak), that sum's weighted depth (ls_scan_exp_sum's) and its
+ * peak. Returns 1 if the part holds a NaN, else 0; -1 (nothing done) without AVX-512. */
+int ls_scan_exp_sum_part(const float *row, int64_t n, float *block_max, int64_t part,
+                         double *sums) {
+#ifdef X86
+    if (cpu_has(2)) {
+        int64_t first = part * SCAN_PART_BLOCKS, lo = first * BLOCK;
+        int64_t hi = lo + SCAN_PART_BLOCKS * BLOCK < n ? lo + SCAN_PART_BLOCKS * BLOCK : n;
+        int nan = scan_exp_sum_avx512(row + lo, hi - lo, block_max + first, &sums[0], &sums[1]);
+        float peak = -INFINITY;
+        for (int64_t b = first; b < first + (hi - lo + BLOCK - 1) / BLOCK; b++)
+            peak = block_max[b] > peak ? block_max[b] : peak;
+        sums[2] = peak;
+        return nan;
+    }
+#endif
+    (void)row, (void)n, (void)block_max, (void)part, (void)sums;
+    return -1;
+}
+
+/* A part's sums, or the fold of parts so far: as ls_scan_exp_sum_part writes them. */
+typedef struct {
+    double total, weighted_depth, peak;
+} ScanSums;
+
+/* One more part folded into the sums so far: both scaled down (in float64) when the part's
+ * peak is higher, as the scan itself scales its sum when a block's is; the part counted at
+ * its share of the peak (none for a part all -inf, whole for one that sets the peak). */
+static void fold_part(ScanSums *into, const ScanSums *part) {
+    if (part->peak > into->peak) {
+        double scale = exp(into->peak - part->peak);
+        into->total *= scale;
+        into->weighted_depth *= scale;
+        into->peak = part->peak;
+    }
+    double share = part->peak == into->peak ? 1.0 : exp(part->peak - into->peak);
+    into->total += part->total * share;
+    into->weighted_depth += part->weighted_depth * share;
+}
+
+/* The parts' sums (ls_scan_exp_sum_part's, `count` of them in row order, three doubles each)
+ * folded into the row's total and weighted depth, against the row's peak. */
+void ls_scan_fold(const double *sums, int64_t count, double *total, double *weighted_depth) {
+    ScanSums row = {0.0, 0.0, -INFINITY};
+    for (int64_t p = 0; p < count; p++)
+        fold_part(&row, &(ScanSums){sums[3 * p], sums[3 * p + 1], sums[3 * p + 2]});
+    *total = row.total;
+    *weighted_depth = row.weighted_depth;
+}
+
 /* ls_block_max, and into total the sum of e^(x - peak) over the row (peak: its largest logit)
  * as ls_exp_sum gives it, in one pass; into weighted_depth the sum of each term times the
  * depth (x - the peak it was taken against, no more than x - peak) its float32 difference was
- * rounded at. -1 (and nothing done) where the CPU lacks AVX-512. */
+ * rounded at. -1 (and nothing done) where the CPU lacks AVX-512. Part by part, each folded in
+ * as it is scanned: ls_scan_fold's arithmetic. */
 int ls_scan_exp_sum(const float *row, int64_t n, float *block_max, double *total,
                     double *weighted_depth) {
-#ifdef X86
-    if (cpu_has(2)) return scan_exp_sum_avx512(row, n, block_max, total, weighted_depth);
-#endif
-    (void)row, (void)n, (void)block_max, (void)total, (void)weighted_depth;
-    return -1;
+    ScanSums sums = {0.0, 0.0, -INFINITY};
+    int nan = 0;
+    for (int64_t p = 0, count = ls_scan_parts(n); p < count; p++) {
+        double part[3];
+        int part_nan = ls_scan_exp_sum_part(row, n, block_max, p, part);
+        if (part_nan < 0) return -1;
+        nan |= part_nan;
+        fold_part(&sums, &(ScanSums){part[0], part[1], part[2]});
+    }
+    *total = sums.total;
+    *weighted_depth = sums.weighted_depth;
+    return nan;
 }
 
 /* The tokens whose logit x has low <= x < high, in order, into ids; returns how many. Only

@@ -37,6 +37,11 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], _REAL),
     # row, n, block_max, total, weighted_depth
     "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW, _ROW], ctypes.c_int),
+    # the same scan in parts (graphdraw.c's threads take a share each): row, n, block_max,
+    # part, its sums; then the parts' sums, how many, total, weighted_depth
+    "ls_scan_parts": ([_LENGTH], _LENGTH),
+    "ls_scan_exp_sum_part": ([_ROW, _LENGTH, _ROW, _LENGTH, _ROW], ctypes.c_int),
+    "ls_scan_fold": ([_ROW, _LENGTH, _ROW, _ROW], None),
     # row, ids, n, peak, temperature, start, weights
     "ls_cumulative_weights": (
         [_ROW, _ROW, _LENGTH, ctypes.c_float, _REAL, _REAL, _ROW],
@@ -45,6 +50,11 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
     "ls_draw": (
         [_ROW, _LENGTH, _REAL, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
+        ctypes.c_int64,
+    ),
+    # row, n, settings, seed, scratch (the row's maxima first), total, weighted_depth, found
+    "ls_draw_from_scan": (
+        [_ROW, _LENGTH, _ROW, ctypes.c_uint64, _ROW, _REAL, _REAL, _ROW],
         ctypes.c_int64,
     ),
     # logits, n, count, rows, settings, seeds, scratch, its stride, threads, tokens, found
