@@ -72,12 +72,14 @@ class WorkerConfig:
     backend_sampling: str = setting(
         "auto",
         help=(
-            "Sample inside llama_decode, on the device (llama.cpp's backend sampling) for "
-            "requests without a grammar, logprobs, logit bias or penalties; auto: where the "
-            "whole model runs on a GPU and the host has no C draw (x86-64 with AVX2 or "
-            "AVX-512 has one, and it is the faster: docs/gpu.md). draw: the host's C draw "
-            "inside llama_decode, on a CPU, so that llama.cpp copies no logits "
-            "(docs/sampling.md)."
+            "Sample inside llama_decode for requests without a grammar, logprobs, logit bias "
+            "or penalties. draw: the host's C draw on llama.cpp's threads, straight from the "
+            "output layer's logits, so llama.cpp copies none (a CPU's output layer; the same "
+            "tokens as the host sampler, docs/sampling.md). on: llama.cpp's own sampler chains "
+            "(backend sampling), on the device. off: the host sampler. auto: draw where the "
+            "output layer runs on the CPU and slots do not draft (--spec-ngram); where the whole "
+            "model runs on a GPU, on if the host has no C draw (x86-64 with AVX2 or AVX-512), "
+            "else the host sampler, the faster there (docs/gpu.md); otherwise the host sampler."
         ),
         choices=BACKEND_SAMPLING_MODES,
     )

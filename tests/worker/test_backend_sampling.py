@@ -18,6 +18,7 @@ from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.backend_sampling import BackendSampler
 from loomserve.worker.engine.draw import Truncation
 from loomserve.worker.engine.engine import Engine, ModelDescription
+from loomserve.worker.engine.graph_draw import GraphDrawSampler
 from loomserve.worker.engine.sampling import HostSampler, Sampler
 from tests.worker import test_preemption
 from tests.worker.test_draw import _chi_square_p, _expected
@@ -59,20 +60,29 @@ def sampled(request_id: str, seed: int | None, **fields) -> Generate:
     return Generate(request_id, PROMPT, params)
 
 
-def test_auto_keeps_a_cpu_model_on_the_host_sampler(tiny_model_path):
-    engine = Engine(WorkerConfig(model_path=tiny_model_path, slots=2, ctx_size=64, threads=1))
-    try:
-        assert not engine.backend_sampling  # auto, and the model runs on the CPU
-        assert isinstance(engine.new_sampler(SamplingParams(temperature=1.0)), HostSampler)
-    finally:
-        engine.close()
+def test_auto_draws_inside_llama_decode_on_a_cpu_unless_slots_draft(tiny_model_path):
+    """auto on a CPU: the C draw inside llama_decode (graph_draw.py), the host sampler's
+    tokens without llama.cpp's copy of the logits; with drafting, whose verification samples
+    on the host, the host sampler."""
+    config = WorkerConfig(model_path=tiny_model_path, slots=2, ctx_size=64, threads=1)
+    for spec_ngram, place, sampler in (
+        (None, "draw", GraphDrawSampler),
+        (True, "host", HostSampler),
+    ):
+        engine = Engine(replace(config, spec_ngram=spec_ngram))
+        try:
+            assert engine.sampling == place
+            assert isinstance(engine.new_sampler(SamplingParams(temperature=1.0)), sampler)
+        finally:
+            engine.close()
 
 
 @pytest.mark.parametrize(
     ("mode", "gpu_layers", "draws_in_c", "expected"),
     [
-        ("auto", 0, False, "host"),  # a CPU build
-        ("auto", 3, False, "host"),  # part of the model offloaded: the output stays on the CPU
+        ("auto", 0, False, "host"),  # a CPU without the C draw
+        ("auto", 0, True, "draw"),  # a CPU with it: drawn inside llama_decode
+        ("auto", 3, True, "draw"),  # part of the model offloaded: the output stays on the CPU
         ("auto", 5, False, "graph"),  # every layer and the output (n_layers + 1), numpy's draw
         ("auto", 5, True, "host"),  # the same, but the host draws in C: faster than the graph
         ("on", 0, True, "graph"),

@@ -30,6 +30,10 @@ def config(tiny_model_path: Path) -> WorkerConfig:
         batch_tokens=64,
         prefill_chunk=16,
         threads=1,
+        # One engine serves runs with drafts and without: the host sampler, which verifies
+        # drafts (auto picks it for a worker that drafts; one that does not draws inside
+        # llama_decode, and drawn requests do not draft).
+        backend_sampling="off",
     )
 
 

@@ -205,16 +205,17 @@ class Engine:
         chains inside llama_decode, backend_sampling.py) or "draw" (the host's C draw inside
         llama_decode, graph_draw.py).
 
-        "graph" with on, or auto where the whole model runs on a GPU and the host has no C
-        draw (rowscan.c: x86-64 with AVX2 or AVX-512). The logits come from the output layer,
-        which llama.cpp offloads only with every layer; where it stays on the CPU, so would
-        the graph's sampling, and on a CPU the host sampler is faster. On a GPU the C draw
-        beat the graph too, at every mix (an H100, 64 slots: docs/gpu.md); numpy's draw did
-        not. "draw" only when asked for, and only with the output layer on the CPU, whose
-        logits it reads in place."""
+        auto: "draw" where the output layer runs on the CPU (its logits are in host memory)
+        and slots do not draft: the same tokens as the host sampler's, without llama.cpp's
+        copy of every row's logits (docs/sampling.md); drafts are verified row by row on the
+        host, so a drafting worker keeps the host sampler. Where the whole model runs on a
+        GPU, "graph" if the host has no C draw (rowscan.c: x86-64 with AVX2 or AVX-512), else
+        the host: on an H100 at 64 slots the C draw beat the graph at every mix, numpy's draw
+        did not (docs/gpu.md)."""
         mode = config.backend_sampling
+        output_on_gpu = model.gpu_layers > model.n_layers
         if mode == "draw":
-            if model.gpu_layers > model.n_layers:
+            if output_on_gpu:
                 raise EngineError(
                     "--backend-sampling draw reads the logits in host memory; this model's "
                     "output layer runs on a GPU (use on or auto there)"
@@ -225,7 +226,12 @@ class Engine:
                     "(x86-64 with AVX2 or AVX-512) and llama.cpp's backend sampling"
                 )
             return "draw"
-        if mode == "off" or (mode == "auto" and (model.gpu_layers <= model.n_layers or draws_in_c)):
+        if mode == "off":
+            return "host"
+        if mode == "auto" and not output_on_gpu:
+            drawable = draws_in_c and graph_draw_library() is not None
+            return "draw" if drawable and not config.speculates else "host"
+        if mode == "auto" and draws_in_c:
             return "host"
         if not backend_sampling_available():
             if mode == "on":
