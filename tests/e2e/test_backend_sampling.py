@@ -1,6 +1,7 @@
 """A worker with --backend-sampling on, behind a real gateway, on the tiny model: seeded
 streams repeat whatever runs beside them, and the requests the graph cannot sample (logprobs,
-a JSON schema, penalties, n > 1) are served in the same passes on the host path."""
+a JSON schema, penalties, n > 1) are served in the same passes on the host path. And one
+with the default, which on a CPU draws inside llama_decode (graph_draw.py)."""
 
 from __future__ import annotations
 
@@ -77,15 +78,16 @@ def test_unseeded_requests_differ_and_greedy_ones_agree(gateway: Proc) -> None:
     assert len(greedy) == 1
 
 
-def test_a_draw_worker_serves_drawn_and_host_path_requests_together(
+def test_a_default_cpu_worker_draws_and_serves_host_path_requests_beside(
     tiny_model_path: Path,
 ) -> None:
-    """--backend-sampling draw (the host's C draw inside llama_decode) over HTTP: drawn and
-    host-path requests share passes, each gets its own kind of answer, seeded ones repeat.
-    (Seeded text alone against batched needs batch-invariant logits, which the tiny model's
-    float weights do not give: tests/worker/test_default_model.py checks it on Gemma.)"""
+    """A worker with the default --backend-sampling (auto) on a CPU draws inside llama_decode
+    (the host's C draw, `draw`) over HTTP: drawn and host-path requests share passes, each
+    gets its own kind of answer, seeded ones repeat. (Seeded text alone against batched needs
+    batch-invariant logits, which the tiny model's float weights do not give:
+    tests/worker/test_default_model.py checks it on Gemma.)"""
     with (
-        start_worker(tiny_model_path, backend_sampling="draw", slots=6) as worker,
+        start_worker(tiny_model_path, slots=6) as worker,
         start_gateway(tiny_model_path, worker.endpoint) as gateway,
     ):
         seeded = {"temperature": 1.2, "top_k": 40, "top_p": 0.95, "seed": 11}
