@@ -12,10 +12,10 @@ request's HostSampler gives it before the pass: the same tokens, seeded or not, 
 path.
 
 Which requests: every request without a grammar, logprobs (of the output or the prompt), a
-logit bias or penalties (backend_sampling.draws_plain_rows), greedy or sampled with any temperature,
-top-k, top-p and min-p. The others are sampled on the host as before; in a pass with one of
-them llama.cpp copies every row's logits, and the drawn rows are read from the graph all the
-same. Drawn requests do not draft: drafts' verification samples each row on the host.
+logit bias or penalties (backend_sampling.draws_plain_rows), greedy or sampled with any
+temperature, top-k, top-p and min-p. The others are sampled on the host as before; in a pass
+with one of them llama.cpp copies every row's logits, and the drawn rows are read from the
+graph all the same. Drawn requests do not draft: drafts' verification samples each row on the host.
 
 Attaching a sampler makes llama.cpp plan its graph again (about 8 ms at 16 slots here), so a
 sequence keeps its sampler from the first pass a drawn request samples in it, and only loses

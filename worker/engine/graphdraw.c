@@ -12,8 +12,9 @@
  *
  * The operation's threads share the row's block maxima (a slice each; for a top-p alone, which
  * sums the row in its scan, a share of the scan's parts, folded as the host's one pass folds
- * them: the same sums), then the first thread finishes the draw. A row the draw leaves (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied
- * to the sequence's spare row, for draw.py to finish on the host.
+ * them: the same sums), then the first thread finishes the draw. A row the draw leaves
+ * (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied to the sequence's spare row, for
+ * draw.py to finish on the host.
  *
  * Only the structs' first fields are used, declared as llama-cpp-python 0.3.36's llama.cpp
  * has them; ls_graph_bind checks ggml's tensor size against this declaration and refuses
@@ -37,8 +38,6 @@ int ls_block_max(const float *row, int64_t n, float *block_max);
 int64_t ls_argmax_from(const float *row, int64_t n, const float *block_max, int nan);
 int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, double top_p,
                 double min_p, double span, uint64_t seed, char *scratch, double *found);
-int64_t ls_draw_from_maxima(const float *row, int64_t n, const double *settings, uint64_t seed,
-                            char *scratch, double *found);
 int64_t ls_draw_from_scan(const float *row, int64_t n, const double *settings, uint64_t seed,
                           char *scratch, double total, double weighted_depth, double *found);
 int ls_top_p_alone(int64_t n, int64_t top_k, double top_p);
@@ -166,14 +165,13 @@ static void draw_row(struct ggml_tensor *dst, int ith, int nth, void *userdata) 
             token = ls_argmax_from(row, n, (const float *)g->scratch, nan);
         } else if (nan) {
             token = LS_NOT_SERVED;
-        } else if (summed) {
-            double total, weighted_depth;
-            ls_scan_fold((const double *)(g->scratch + ls_draw_parts_at(n)), ls_scan_parts(n),
-                         &total, &weighted_depth);
+        } else {
+            double total = -1.0, weighted_depth = 0.0; /* not summed */
+            if (summed)
+                ls_scan_fold((const double *)(g->scratch + ls_draw_parts_at(n)),
+                             ls_scan_parts(n), &total, &weighted_depth);
             token = ls_draw_from_scan(row, n, g->settings, g->seed, g->scratch, total,
                                       weighted_depth, g->found);
-        } else {
-            token = ls_draw_from_maxima(row, n, g->settings, g->seed, g->scratch, g->found);
         }
     }
     if (token == LS_NOT_SERVED) memcpy(g->spare, row, (size_t)n * sizeof(float));

@@ -480,18 +480,10 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
                   scan_error(total, weighted_depth), found);
 }
 
-/* ls_draw for a row (with no NaN) whose blocks' maxima lead scratch already (graphdraw.c's
- * threads read them a slice each); settings as ls_draw_group's. */
-int64_t ls_draw_from_maxima(const float *row, int64_t n, const double *settings, uint64_t seed,
-                            char *scratch, double *found) {
-    Draw d = start(row, n, seed, scratch);
-    return finish(&d, settings[0], (int64_t)settings[1], settings[2], settings[3], settings[4],
-                  -1.0, 0.0, found);
-}
-
-/* ls_draw for a top-p alone on a row (with no NaN) scanned already: its blocks' maxima lead
- * scratch, and total and weighted_depth are ls_scan_exp_sum's (graphdraw.c's threads scan it
- * in parts, folded with ls_scan_fold: the same sums). */
+/* ls_draw for a row (with no NaN) scanned already (graphdraw.c's threads read it a share
+ * each): its blocks' maxima lead scratch; for a top-p alone where the CPU has AVX-512, total
+ * and weighted_depth are ls_scan_exp_sum's (the parts folded with ls_scan_fold: the same
+ * sums), else total is -1 (not summed). Settings as ls_draw_group's. */
 int64_t ls_draw_from_scan(const float *row, int64_t n, const double *settings, uint64_t seed,
                           char *scratch, double total, double weighted_depth, double *found) {
     Draw d = start(row, n, seed, scratch);
