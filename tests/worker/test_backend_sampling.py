@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import llama_cpp as llama
 import numpy as np
@@ -20,6 +21,7 @@ from loomserve.worker.engine.draw import Truncation
 from loomserve.worker.engine.engine import Engine, ModelDescription
 from loomserve.worker.engine.graph_draw import GraphDrawSampler
 from loomserve.worker.engine.sampling import HostSampler, Sampler
+from loomserve.worker.sched.slots import Run
 from tests.worker import test_preemption
 from tests.worker.test_draw import _chi_square_p, _expected
 from tests.worker.test_engine import GW, drain, new_loop, random_requests, run_alone, run_staggered
@@ -213,7 +215,9 @@ def test_a_preempted_request_resumes_its_draws(tiny_model_path, mode):
 
 def draws(engine: Engine, params: SamplingParams, n_draws: int) -> tuple[np.ndarray, np.ndarray]:
     """(the logits after PROMPT, n_draws tokens the graph drew from them): every sequence
-    holds the prompt but its last token, which each pass evaluates again."""
+    holds the prompt but its last token, which each pass evaluates again. llama.cpp's chains
+    (`on`) stay attached; the C draw's samplers (`draw`) are bound before each pass, as the
+    tick loop binds them."""
     n_seq = engine.n_slots
     batch = engine.batch
     batch.clear()
@@ -226,12 +230,24 @@ def draws(engine: Engine, params: SamplingParams, n_draws: int) -> tuple[np.ndar
         batch.add_run(PROMPT[:-1], 0, seq, logits_on_last=False)
     assert engine.decode(batch) == 0
     samplers = [engine.new_sampler(replace(params, seed=seq)) for seq in range(n_seq)]
+    runs = [
+        Run(
+            SimpleNamespace(index=seq, occupant=SimpleNamespace(chain=sampler)),
+            PROMPT[-1:],
+            0,
+            True,
+        )
+        for seq, sampler in enumerate(samplers)
+    ]
     try:
         for seq, sampler in enumerate(samplers):
-            assert isinstance(sampler, BackendSampler)
-            assert sampler.attach(seq)
+            if isinstance(sampler, BackendSampler):
+                assert sampler.attach(seq)
+            else:
+                assert isinstance(sampler, GraphDrawSampler)
         drawn: list[int] = []
         while len(drawn) < n_draws:
+            engine.bind_graph_samplers(runs)  # type: ignore[arg-type]
             batch.clear()
             indices = [batch.add_run(PROMPT[-1:], len(PROMPT) - 1, s, True) for s in range(n_seq)]
             assert engine.decode(batch) == 0
@@ -256,7 +272,17 @@ def draws(engine: Engine, params: SamplingParams, n_draws: int) -> tuple[np.ndar
     ],
     ids=["T1", "T0.6", "top_k", "top_p", "min_p"],
 )
-def test_the_graph_draws_from_the_requested_distribution(tiny_model_path, fields):
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "on",  # llama.cpp's chains
+        pytest.param(  # the C draw, the default on a CPU
+            "draw",
+            marks=pytest.mark.skipif(rowscan.library() is None, reason="no C draw on this CPU"),
+        ),
+    ],
+)
+def test_the_graph_draws_from_the_requested_distribution(tiny_model_path, fields, mode):
     n_draws = 100_000 if fields == {"temperature": 1.0} else 20_000
     config = WorkerConfig(
         model_path=tiny_model_path,
@@ -264,12 +290,14 @@ def test_the_graph_draws_from_the_requested_distribution(tiny_model_path, fields
         ctx_size=16,
         batch_tokens=512,
         threads=1,
-        backend_sampling="on",
+        backend_sampling=mode,
     )
     engine = Engine(config)
     try:
         params = SamplingParams(max_tokens=1, **fields)
         logits, drawn = draws(engine, params, n_draws)
+        if mode == "draw":  # every draw was handed to the graph
+            assert engine.graph_draws is not None and engine.graph_draws.prepared >= n_draws
     finally:
         engine.close()
     cut = Truncation(params.temperature, params.top_k, params.top_p, params.min_p)
