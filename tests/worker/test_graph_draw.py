@@ -128,6 +128,30 @@ def test_a_top_p_alone_scanned_in_parts_on_two_threads_draws_the_host_paths_toke
     assert len({tuple(tokens) for tokens in drawn.values()}) == 8
 
 
+# Settings at the ends of what the gateway accepts (temperature up to 100, top_p above 0):
+# a temperature that scales the logits to infinities, cuts that keep one token or all.
+EXTREMES = [
+    {"temperature": 1e-30},
+    {"temperature": 1e-3, "top_p": 0.999999},
+    {"temperature": 100.0},
+    {"temperature": 100.0, "min_p": 1.0},
+    {"temperature": 7.0, "top_p": 1e-9},
+    {"temperature": 1.0, "top_k": 1},
+    {"temperature": 1.0, "top_k": 2**31 - 1, "min_p": 0.999},
+    {"temperature": 1e-8, "top_k": 3, "top_p": 0.5, "min_p": 0.3},
+]
+
+
+def test_settings_at_their_extremes_draw_the_host_paths_tokens(config):
+    requests = [request(f"x{i}", 60 + i, **fields) for i, fields in enumerate(EXTREMES)]
+    on_host, _, _ = run(replace(config, backend_sampling="off"), requests)
+    drawn, samplers, prepared = run(config, requests)
+    assert drawn == on_host
+    assert all(len(tokens) == 24 for tokens in drawn.values())
+    assert all(isinstance(s, GraphDrawSampler) for s in samplers)
+    assert prepared == len(EXTREMES) * 24
+
+
 def test_seeded_requests_repeat_after_a_restart(config):
     """(Alone against batched needs batch-invariant logits, which the tiny model's float
     weights do not give: test_default_model.py checks that on Gemma.)"""
