@@ -19,6 +19,7 @@ from loomserve.protocol import Generate, Hello, ModelInfo, Outputs, SamplingPara
 from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.graph_draw import graph_draw_library
 from loomserve.worker.tick.loop import TickLoop
 from tests.procs import start_worker
 from tests.worker.test_engine import Collector, drain, run_alone, run_staggered
@@ -167,6 +168,41 @@ def test_the_draw_in_the_graph_gives_the_host_samplers_tokens_alone_and_batched(
         drawing.close()
     assert {rid: tokens[rid] for rid in alone} == alone
     assert all(len(tokens[r.request_id]) == 12 for r in requests)
+
+
+def test_the_swapped_output_matmul_gives_ggmls_tokens(engine: Engine):
+    """Gemma's tied output matrix is Q8_0: passes that draw run q8matmul.c's matmul in its
+    place (graphdraw.c), whose logits are ggml's to the bit (test_q8matmul.py). Batched
+    requests, greedy and seeded, get the same tokens with ggml's own matmul."""
+    lib = graph_draw_library()
+    if lib is None or not lib.ls_q8_matmul_supported():
+        pytest.skip("no AVX-512 VNNI: ggml's matmul runs")
+    mixes = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.95}]
+    texts = [*PROMPTS, *OTHER_NEIGHBOURS]
+    requests = [
+        Generate(
+            f"r{i}",
+            tokenize(engine, texts[i % len(texts)]),
+            SamplingParams(max_tokens=12, ignore_eos=True, seed=60 + i, **mixes[i % 3]),
+        )
+        for i in range(7)
+    ]
+    config = replace(engine.config, backend_sampling="draw")
+    tokens, swapped = {}, {}
+    for on in (1, 0):
+        lib.ls_q8_swap(on)
+        drawing = Engine(config)
+        try:
+            collector = Collector()
+            before = lib.ls_q8_swapped()
+            run_staggered(TickLoop(drawing, config, collector), requests, seed=8)
+            tokens[on], swapped[on] = collector.tokens(), lib.ls_q8_swapped() - before
+        finally:
+            drawing.close()
+            lib.ls_q8_swap(1)
+    assert swapped[1] > 0 and swapped[0] == 0
+    assert tokens[1] == tokens[0]
+    assert all(len(tokens[1][r.request_id]) == 12 for r in requests)
 
 
 def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):

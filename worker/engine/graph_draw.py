@@ -79,9 +79,15 @@ def graph_draw_library() -> Any | None:
         return None
     if lib.ls_graph_draw_bytes() != ctypes.sizeof(DrawState):
         return None
-    ggml_base = Path(llama.__file__).parent / "lib" / "libggml-base.so"
+    libs = Path(llama.__file__).parent / "lib"
+    ggml_base = libs / "libggml-base.so"
     if not ggml_base.exists() or not lib.ls_graph_bind(str(ggml_base).encode()):
         return None
+    # The output matmul that passes which draw run instead of ggml's (q8matmul.c: the same
+    # logits, sooner), where the CPU can.
+    ggml_cpu = libs / "libggml-cpu.so"
+    if ggml_cpu.exists():
+        lib.ls_q8_bind(str(ggml_cpu).encode())
     return lib
 
 

@@ -16,12 +16,17 @@
  * (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied to the sequence's spare row, for
  * draw.py to finish on the host.
  *
+ * Where the output layer is a Q8_0 matrix and the CPU has AVX-512 VNNI, the pass's output
+ * matmul is swapped for q8matmul.c's, which gives the same logits to the bit, sooner (a pass
+ * that draws nothing runs ggml's own: the numbers cannot tell them apart).
+ *
  * Only the structs' first fields are used, declared as llama-cpp-python 0.3.36's llama.cpp
  * has them; ls_graph_bind checks ggml's tensor size against this declaration and refuses
  * (the worker then samples on the host) where they differ.
  */
 
 #include <dlfcn.h>
+#include <stdlib.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -30,8 +35,14 @@
 
 #define BLOCK 256
 #define LS_NOT_SERVED (-1)
+#define GGML_TYPE_F32 0
+#define GGML_TYPE_Q8_0 8
 #define GGML_TYPE_I32 26
+#define GGML_OP_MUL_MAT 29 /* checked by name in ls_graph_bind */
+#define GGML_OP_CUSTOM 95
 #define GGML_N_TASKS_MAX (-1)
+#define Q8_BLOCK_BYTES 34 /* ggml's block_q8_0: an fp16 scale and 32 quants */
+#define Q8_BLOCK 32
 
 /* rowscan.c's and rowdraw.c's */
 int ls_block_max(const float *row, int64_t n, float *block_max);
@@ -47,6 +58,10 @@ int ls_scan_exp_sum_part(const float *row, int64_t n, float *block_max, int64_t 
                          double *sums);
 void ls_scan_fold(const double *sums, int64_t count, double *total, double *weighted_depth);
 int ls_isa(void);
+/* q8matmul.c's */
+int ls_q8_matmul_supported(void);
+int ls_q8_matmul(const void *weights, int64_t nb, int64_t first_row, int64_t end_row,
+                 const void *acts, int64_t m, float *out, int64_t ldo);
 
 struct ggml_tensor {
     int type;
@@ -114,10 +129,25 @@ typedef struct ggml_tensor *(*custom_4d_fn)(void *, int, int64_t, int64_t, int64
 typedef struct ggml_tensor *(*view_1d_fn)(void *, struct ggml_tensor *, int64_t, size_t);
 typedef bool (*buft_is_host_fn)(void *);
 typedef size_t (*tensor_overhead_fn)(void);
+typedef const char *(*op_name_fn)(int);
+typedef void (*quantize_q8_fn)(const float *, void *, int64_t);
+typedef void (*vec_dot_q8_fn)(int, float *, size_t, const void *, size_t, const void *, size_t,
+                              int);
+
+/* ggml's struct ggml_custom_op_params, which a GGML_OP_CUSTOM keeps in its op_params. */
+struct custom_op_params {
+    void (*fun)(struct ggml_tensor *, int, int, void *);
+    int n_tasks;
+    void *userdata;
+};
 
 static custom_4d_fn custom_4d;
 static view_1d_fn view_1d;
 static buft_is_host_fn buft_is_host;
+static quantize_q8_fn quantize_q8;   /* ggml-cpu's quantize_row_q8_0 */
+static vec_dot_q8_fn vec_dot_q8;     /* ggml-cpu's ggml_vec_dot_q8_0_q8_0 */
+static atomic_int q8_swap_on;        /* ls_q8_swap: swap the output matmul where it can */
+static atomic_long q8_swapped;       /* output matmuls swapped, for tests and benchmarks */
 
 /* This thread's share of the row's first pass: a slice of its blocks' maxima, or for a
  * top-p alone (`summed`) of its parts' scans and sums, which the first thread folds. The
@@ -196,6 +226,53 @@ static bool graph_draw_backend_init(struct llama_sampler *smpl, void *buft, uint
     return buft_is_host(buft) && n_max == 1;
 }
 
+/* GGML_OP_CUSTOM in place of the output layer's MUL_MAT: each thread quantizes the pass's
+ * activations as ggml does and computes its share of the weight rows (pairs, for q8matmul.c). */
+static void q8_output_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
+    int64_t k = w->ne[0], n = w->ne[1], m = x->ne[1], nb = k / Q8_BLOCK;
+    int64_t pairs = (n + 1) / 2;
+    int64_t first = 2 * (pairs * ith / nth), end = 2 * (pairs * (ith + 1) / nth);
+    if (end > n) end = n;
+    if (first >= end) return;
+    int64_t ldo = (int64_t)(dst->nb[1] / sizeof(float));
+    float *out = dst->data;
+    char *acts = malloc((size_t)(m * nb * Q8_BLOCK_BYTES));
+    if (acts) {
+        for (int64_t j = 0; j < m; j++)
+            quantize_q8((const float *)((const char *)x->data + j * x->nb[1]),
+                        acts + j * nb * Q8_BLOCK_BYTES, k);
+        if (ls_q8_matmul(w->data, nb, first, end, acts, m, out, ldo)) {
+            free(acts);
+            return;
+        }
+    }
+    /* No memory for it: ggml's own dot product, the same numbers. */
+    for (int64_t j = 0; acts && j < m; j++)
+        for (int64_t r = first; r < end; r++)
+            vec_dot_q8((int)k, out + j * ldo + r, 0, (const char *)w->data + r * w->nb[1], 0,
+                       acts + j * nb * Q8_BLOCK_BYTES, 0, 1);
+    free(acts);
+}
+
+/* Swap the pass's output matmul for q8_output_matmul where it is one of Q8_0 weights and
+ * floats in plain rows, and the pass has two outputs or more (one row is as fast in ggml's). */
+static void swap_output_matmul(struct ggml_tensor *logits) {
+    const struct ggml_tensor *w = logits->src[0], *x = logits->src[1];
+    if (!atomic_load(&q8_swap_on) || logits->op != GGML_OP_MUL_MAT || !w || !x) return;
+    int64_t k = w->ne[0];
+    if (w->type != GGML_TYPE_Q8_0 || x->type != GGML_TYPE_F32 || k % Q8_BLOCK != 0 ||
+        w->nb[1] != (size_t)(k / Q8_BLOCK * Q8_BLOCK_BYTES) || w->ne[2] != 1 || w->ne[3] != 1 ||
+        x->ne[0] != k || x->nb[0] != sizeof(float) || x->ne[2] != 1 || x->ne[3] != 1 ||
+        x->ne[1] < 2 || logits->type != GGML_TYPE_F32 || logits->nb[0] != sizeof(float))
+        return;
+    struct custom_op_params params = {q8_output_matmul, GGML_N_TASKS_MAX, NULL};
+    memcpy(logits->op_params, &params, sizeof params);
+    logits->op = GGML_OP_CUSTOM;
+    atomic_fetch_add(&q8_swapped, 1);
+}
+
 static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void *graph,
                                      struct llama_sampler_data *data) {
     (void)graph;
@@ -204,8 +281,10 @@ static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void
     struct ggml_tensor *row = data->logits, *padded = row->view_src;
     struct ggml_tensor *logits = padded ? padded->src[0] : NULL;
     if (logits && logits->ne[0] == row->ne[0] &&
-        row->view_offs / logits->nb[1] < (size_t)logits->ne[1])
+        row->view_offs / logits->nb[1] < (size_t)logits->ne[1]) {
         row = view_1d(ctx, logits, logits->ne[0], row->view_offs);
+        swap_output_matmul(logits); /* once: each sequence's sampler finds it swapped */
+    }
     struct ggml_tensor *args[1] = {row};
     data->sampled = custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, (void *)draw_row,
                               GGML_N_TASKS_MAX, smpl->ctx);
@@ -233,10 +312,38 @@ int64_t ls_graph_draw_bytes(void) {
 int ls_graph_bind(const char *ggml_base) {
     void *lib = dlopen(ggml_base, RTLD_NOW);
     if (!lib) return 0;
+    op_name_fn op_name = (op_name_fn)dlsym(lib, "ggml_op_name");
+    if (!op_name || strcmp(op_name(GGML_OP_MUL_MAT), "MUL_MAT") != 0 ||
+        strcmp(op_name(GGML_OP_CUSTOM), "CUSTOM") != 0)
+        return 0;
     custom_4d = (custom_4d_fn)dlsym(lib, "ggml_custom_4d");
     view_1d = (view_1d_fn)dlsym(lib, "ggml_view_1d");
     buft_is_host = (buft_is_host_fn)dlsym(lib, "ggml_backend_buft_is_host");
     tensor_overhead_fn overhead = (tensor_overhead_fn)dlsym(lib, "ggml_tensor_overhead");
     return custom_4d && view_1d && buft_is_host && overhead &&
            overhead() == GGML_OBJECT_SIZE + sizeof(struct ggml_tensor);
+}
+
+/* ggml-cpu's quantizer and dot product for Q8_0, from the library at ggml_cpu; then the
+ * output matmul is swapped (ls_q8_swap) where the CPU has AVX-512 VNNI. Returns whether it
+ * will be. */
+int ls_q8_bind(const char *ggml_cpu) {
+    void *lib = dlopen(ggml_cpu, RTLD_NOW);
+    if (!lib) return 0;
+    quantize_q8 = (quantize_q8_fn)dlsym(lib, "quantize_row_q8_0");
+    vec_dot_q8 = (vec_dot_q8_fn)dlsym(lib, "ggml_vec_dot_q8_0_q8_0");
+    int can = quantize_q8 && vec_dot_q8 && ls_q8_matmul_supported();
+    atomic_store(&q8_swap_on, can);
+    return can;
+}
+
+/* Whether passes that draw swap their output matmul (on after ls_q8_bind where it can; off
+ * for benchmarks and tests of ggml's own). */
+void ls_q8_swap(int on) {
+    atomic_store(&q8_swap_on, on && quantize_q8 && vec_dot_q8 && ls_q8_matmul_supported());
+}
+
+/* How many output matmuls were swapped so far. */
+int64_t ls_q8_swapped(void) {
+    return (int64_t)atomic_load(&q8_swapped);
 }
