@@ -170,12 +170,13 @@ def test_the_draw_in_the_graph_gives_the_host_samplers_tokens_alone_and_batched(
     assert all(len(tokens[r.request_id]) == 12 for r in requests)
 
 
-def test_the_swapped_output_matmul_gives_ggmls_tokens(engine: Engine):
-    """Gemma's tied output matrix is Q8_0: passes that draw run q8matmul.c's matmul in its
-    place (graphdraw.c), whose logits are ggml's to the bit (test_q8matmul.py). Batched
-    requests, greedy and seeded, get the same tokens with ggml's own matmul."""
+def test_the_swapped_matmuls_give_ggmls_tokens(engine: Engine):
+    """Gemma's tied output matrix is Q8_0 and many of its layers' matrices Q5_0: passes that
+    draw run q0matmul.c's matmuls in their place (graphdraw.c), whose outputs are ggml's to
+    the bit (test_q0matmul.py). Batched requests, greedy and seeded, get the same tokens with
+    ggml's own matmuls."""
     lib = graph_draw_library()
-    if lib is None or not lib.ls_q8_matmul_supported():
+    if lib is None or not lib.ls_q0_matmul_supported():
         pytest.skip("no AVX-512 VNNI: ggml's matmul runs")
     mixes = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.95}]
     texts = [*PROMPTS, *OTHER_NEIGHBOURS]
@@ -190,16 +191,16 @@ def test_the_swapped_output_matmul_gives_ggmls_tokens(engine: Engine):
     config = replace(engine.config, backend_sampling="draw")
     tokens, swapped = {}, {}
     for on in (1, 0):
-        lib.ls_q8_swap(on)
+        lib.ls_q0_swap(on)
         drawing = Engine(config)
         try:
             collector = Collector()
-            before = lib.ls_q8_swapped()
+            before = lib.ls_q0_swapped()
             run_staggered(TickLoop(drawing, config, collector), requests, seed=8)
-            tokens[on], swapped[on] = collector.tokens(), lib.ls_q8_swapped() - before
+            tokens[on], swapped[on] = collector.tokens(), lib.ls_q0_swapped() - before
         finally:
             drawing.close()
-            lib.ls_q8_swap(1)
+            lib.ls_q0_swap(1)
     assert swapped[1] > 0 and swapped[0] == 0
     assert tokens[1] == tokens[0]
     assert all(len(tokens[1][r.request_id]) == 12 for r in requests)

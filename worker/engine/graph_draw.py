@@ -83,11 +83,11 @@ def graph_draw_library() -> Any | None:
     ggml_base = libs / "libggml-base.so"
     if not ggml_base.exists() or not lib.ls_graph_bind(str(ggml_base).encode()):
         return None
-    # The output matmul that passes which draw run instead of ggml's (q8matmul.c: the same
-    # logits, sooner), where the CPU can.
+    # The matmuls that passes which draw run instead of ggml's (q0matmul.c: the same numbers,
+    # sooner), where the CPU can.
     ggml_cpu = libs / "libggml-cpu.so"
     if ggml_cpu.exists():
-        lib.ls_q8_bind(str(ggml_cpu).encode())
+        lib.ls_q0_bind(str(ggml_cpu).encode())
     return lib
 
 

@@ -16,9 +16,9 @@
  * (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied to the sequence's spare row, for
  * draw.py to finish on the host.
  *
- * Where the output layer is a Q8_0 matrix and the CPU has AVX-512 VNNI, the pass's output
- * matmul is swapped for q8matmul.c's, which gives the same logits to the bit, sooner (a pass
- * that draws nothing runs ggml's own: the numbers cannot tell them apart).
+ * Where the CPU has AVX-512 VNNI, the pass's matmuls of Q8_0 and Q5_0 weights (the output
+ * layer's among them) are swapped for q0matmul.c's, which gives the same numbers to the bit,
+ * sooner (a pass that draws nothing runs ggml's own: the numbers cannot tell them apart).
  *
  * Only the structs' first fields are used, declared as llama-cpp-python 0.3.36's llama.cpp
  * has them; ls_graph_bind checks ggml's tensor size against this declaration and refuses
@@ -36,6 +36,7 @@
 #define BLOCK 256
 #define LS_NOT_SERVED (-1)
 #define GGML_TYPE_F32 0
+#define GGML_TYPE_Q5_0 6
 #define GGML_TYPE_Q8_0 8
 #define GGML_TYPE_I32 26
 #define GGML_OP_MUL_MAT 29 /* checked by name in ls_graph_bind */
@@ -58,9 +59,10 @@ int ls_scan_exp_sum_part(const float *row, int64_t n, float *block_max, int64_t 
                          double *sums);
 void ls_scan_fold(const double *sums, int64_t count, double *total, double *weighted_depth);
 int ls_isa(void);
-/* q8matmul.c's */
-int ls_q8_matmul_supported(void);
-int ls_q8_matmul(const void *weights, int64_t nb, int64_t first_row, int64_t end_row,
+/* q0matmul.c's */
+int ls_q0_matmul_supported(void);
+int64_t ls_q0_row_bytes(int type, int64_t nb);
+int ls_q0_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,
                  const void *acts, int64_t m, float *out, int64_t ldo);
 
 struct ggml_tensor {
@@ -131,8 +133,10 @@ typedef bool (*buft_is_host_fn)(void *);
 typedef size_t (*tensor_overhead_fn)(void);
 typedef const char *(*op_name_fn)(int);
 typedef void (*quantize_q8_fn)(const float *, void *, int64_t);
-typedef void (*vec_dot_q8_fn)(int, float *, size_t, const void *, size_t, const void *, size_t,
-                              int);
+typedef void (*vec_dot_fn)(int, float *, size_t, const void *, size_t, const void *, size_t,
+                           int);
+typedef int (*graph_n_nodes_fn)(void *);
+typedef struct ggml_tensor *(*graph_node_fn)(void *, int);
 
 /* ggml's struct ggml_custom_op_params, which a GGML_OP_CUSTOM keeps in its op_params. */
 struct custom_op_params {
@@ -144,10 +148,12 @@ struct custom_op_params {
 static custom_4d_fn custom_4d;
 static view_1d_fn view_1d;
 static buft_is_host_fn buft_is_host;
+static graph_n_nodes_fn graph_n_nodes;
+static graph_node_fn graph_node;
 static quantize_q8_fn quantize_q8;   /* ggml-cpu's quantize_row_q8_0 */
-static vec_dot_q8_fn vec_dot_q8;     /* ggml-cpu's ggml_vec_dot_q8_0_q8_0 */
-static atomic_int q8_swap_on;        /* ls_q8_swap: swap the output matmul where it can */
-static atomic_long q8_swapped;       /* output matmuls swapped, for tests and benchmarks */
+static vec_dot_fn vec_dot_q8, vec_dot_q5; /* ggml-cpu's ggml_vec_dot_q{8,5}_0_q8_0 */
+static atomic_int q0_swap_on;        /* ls_q0_swap: swap the matmuls where it can */
+static atomic_long q0_swapped;       /* matmuls swapped, for tests and benchmarks */
 
 /* This thread's share of the row's first pass: a slice of its blocks' maxima, or for a
  * top-p alone (`summed`) of its parts' scans and sums, which the first thread folds. The
@@ -226,9 +232,10 @@ static bool graph_draw_backend_init(struct llama_sampler *smpl, void *buft, uint
     return buft_is_host(buft) && n_max == 1;
 }
 
-/* GGML_OP_CUSTOM in place of the output layer's MUL_MAT: each thread quantizes the pass's
- * activations as ggml does and computes its share of the weight rows (pairs, for q8matmul.c). */
-static void q8_output_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+/* GGML_OP_CUSTOM in place of a MUL_MAT of Q8_0 or Q5_0 weights: each thread quantizes the
+ * pass's activations as ggml does and computes its share of the weight rows (in pairs, for
+ * q0matmul.c). */
+static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
     const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
     int64_t k = w->ne[0], n = w->ne[1], m = x->ne[1], nb = k / Q8_BLOCK;
@@ -239,43 +246,50 @@ static void q8_output_matmul(struct ggml_tensor *dst, int ith, int nth, void *us
     int64_t ldo = (int64_t)(dst->nb[1] / sizeof(float));
     float *out = dst->data;
     char *acts = malloc((size_t)(m * nb * Q8_BLOCK_BYTES));
-    if (acts) {
+    if (!acts) abort(); /* as ggml does where its allocations fail */
+    for (int64_t j = 0; j < m; j++)
+        quantize_q8((const float *)((const char *)x->data + j * x->nb[1]),
+                    acts + j * nb * Q8_BLOCK_BYTES, k);
+    if (!ls_q0_matmul(w->data, w->type, nb, first, end, acts, m, out, ldo)) {
+        /* No memory for its buffers: ggml's own dot product, the same numbers. */
+        vec_dot_fn vec_dot = w->type == GGML_TYPE_Q8_0 ? vec_dot_q8 : vec_dot_q5;
         for (int64_t j = 0; j < m; j++)
-            quantize_q8((const float *)((const char *)x->data + j * x->nb[1]),
-                        acts + j * nb * Q8_BLOCK_BYTES, k);
-        if (ls_q8_matmul(w->data, nb, first, end, acts, m, out, ldo)) {
-            free(acts);
-            return;
-        }
+            for (int64_t r = first; r < end; r++)
+                vec_dot((int)k, out + j * ldo + r, 0, (const char *)w->data + r * w->nb[1], 0,
+                        acts + j * nb * Q8_BLOCK_BYTES, 0, 1);
     }
-    /* No memory for it: ggml's own dot product, the same numbers. */
-    for (int64_t j = 0; acts && j < m; j++)
-        for (int64_t r = first; r < end; r++)
-            vec_dot_q8((int)k, out + j * ldo + r, 0, (const char *)w->data + r * w->nb[1], 0,
-                       acts + j * nb * Q8_BLOCK_BYTES, 0, 1);
     free(acts);
 }
 
-/* Swap the pass's output matmul for q8_output_matmul where it is one of Q8_0 weights and
- * floats in plain rows, and the pass has two outputs or more (one row is as fast in ggml's). */
-static void swap_output_matmul(struct ggml_tensor *logits) {
-    const struct ggml_tensor *w = logits->src[0], *x = logits->src[1];
-    if (!atomic_load(&q8_swap_on) || logits->op != GGML_OP_MUL_MAT || !w || !x) return;
+/* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights by floats in plain
+ * rows, two rows or more (one row is as fast in ggml's own). */
+static int swap_matmul(struct ggml_tensor *t) {
+    const struct ggml_tensor *w = t->src[0], *x = t->src[1];
+    if (t->op != GGML_OP_MUL_MAT || !w || !x) return 0;
     int64_t k = w->ne[0];
-    if (w->type != GGML_TYPE_Q8_0 || x->type != GGML_TYPE_F32 || k % Q8_BLOCK != 0 ||
-        w->nb[1] != (size_t)(k / Q8_BLOCK * Q8_BLOCK_BYTES) || w->ne[2] != 1 || w->ne[3] != 1 ||
-        x->ne[0] != k || x->nb[0] != sizeof(float) || x->ne[2] != 1 || x->ne[3] != 1 ||
-        x->ne[1] < 2 || logits->type != GGML_TYPE_F32 || logits->nb[0] != sizeof(float))
-        return;
-    struct custom_op_params params = {q8_output_matmul, GGML_N_TASKS_MAX, NULL};
-    memcpy(logits->op_params, &params, sizeof params);
-    logits->op = GGML_OP_CUSTOM;
-    atomic_fetch_add(&q8_swapped, 1);
+    if ((w->type != GGML_TYPE_Q8_0 && w->type != GGML_TYPE_Q5_0) || k % Q8_BLOCK != 0 ||
+        w->nb[1] != (size_t)ls_q0_row_bytes(w->type, k / Q8_BLOCK) || w->ne[2] != 1 ||
+        w->ne[3] != 1 || x->type != GGML_TYPE_F32 || x->ne[0] != k ||
+        x->nb[0] != sizeof(float) || x->ne[1] < 2 || x->ne[2] != 1 || x->ne[3] != 1 ||
+        t->type != GGML_TYPE_F32 || t->nb[0] != sizeof(float) || t->ne[1] != x->ne[1])
+        return 0;
+    struct custom_op_params params = {q0_matmul, GGML_N_TASKS_MAX, NULL};
+    memcpy(t->op_params, &params, sizeof params);
+    t->op = GGML_OP_CUSTOM;
+    return 1;
+}
+
+/* Every matmul of the pass's graph that q0matmul.c serves, once: the first sampler of a pass
+ * swaps them, the others find none left. */
+static void swap_matmuls(void *graph) {
+    if (!atomic_load(&q0_swap_on)) return;
+    int n = graph_n_nodes(graph);
+    for (int i = 0; i < n; i++)
+        if (swap_matmul(graph_node(graph, i))) atomic_fetch_add(&q0_swapped, 1);
 }
 
 static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void *graph,
                                      struct llama_sampler_data *data) {
-    (void)graph;
     /* llama.cpp hands a row of a padded copy of the logits; the row of the output layer's
      * own tensor is read instead, so that the copy is left out of the graph. */
     struct ggml_tensor *row = data->logits, *padded = row->view_src;
@@ -283,8 +297,8 @@ static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void
     if (logits && logits->ne[0] == row->ne[0] &&
         row->view_offs / logits->nb[1] < (size_t)logits->ne[1]) {
         row = view_1d(ctx, logits, logits->ne[0], row->view_offs);
-        swap_output_matmul(logits); /* once: each sequence's sampler finds it swapped */
     }
+    swap_matmuls(graph);
     struct ggml_tensor *args[1] = {row};
     data->sampled = custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, (void *)draw_row,
                               GGML_N_TASKS_MAX, smpl->ctx);
@@ -313,6 +327,8 @@ int ls_graph_bind(const char *ggml_base) {
     void *lib = dlopen(ggml_base, RTLD_NOW);
     if (!lib) return 0;
     op_name_fn op_name = (op_name_fn)dlsym(lib, "ggml_op_name");
+    graph_n_nodes = (graph_n_nodes_fn)dlsym(lib, "ggml_graph_n_nodes");
+    graph_node = (graph_node_fn)dlsym(lib, "ggml_graph_node");
     if (!op_name || strcmp(op_name(GGML_OP_MUL_MAT), "MUL_MAT") != 0 ||
         strcmp(op_name(GGML_OP_CUSTOM), "CUSTOM") != 0)
         return 0;
@@ -320,30 +336,32 @@ int ls_graph_bind(const char *ggml_base) {
     view_1d = (view_1d_fn)dlsym(lib, "ggml_view_1d");
     buft_is_host = (buft_is_host_fn)dlsym(lib, "ggml_backend_buft_is_host");
     tensor_overhead_fn overhead = (tensor_overhead_fn)dlsym(lib, "ggml_tensor_overhead");
-    return custom_4d && view_1d && buft_is_host && overhead &&
+    return custom_4d && view_1d && buft_is_host && overhead && graph_n_nodes && graph_node &&
            overhead() == GGML_OBJECT_SIZE + sizeof(struct ggml_tensor);
 }
 
-/* ggml-cpu's quantizer and dot product for Q8_0, from the library at ggml_cpu; then the
- * output matmul is swapped (ls_q8_swap) where the CPU has AVX-512 VNNI. Returns whether it
- * will be. */
-int ls_q8_bind(const char *ggml_cpu) {
+/* ggml-cpu's quantizer and dot products, from the library at ggml_cpu; then the matmuls of
+ * Q8_0 and Q5_0 weights are swapped (ls_q0_swap) where the CPU has AVX-512 VNNI. Returns
+ * whether they will be. */
+int ls_q0_bind(const char *ggml_cpu) {
     void *lib = dlopen(ggml_cpu, RTLD_NOW);
     if (!lib) return 0;
     quantize_q8 = (quantize_q8_fn)dlsym(lib, "quantize_row_q8_0");
-    vec_dot_q8 = (vec_dot_q8_fn)dlsym(lib, "ggml_vec_dot_q8_0_q8_0");
-    int can = quantize_q8 && vec_dot_q8 && ls_q8_matmul_supported();
-    atomic_store(&q8_swap_on, can);
+    vec_dot_q8 = (vec_dot_fn)dlsym(lib, "ggml_vec_dot_q8_0_q8_0");
+    vec_dot_q5 = (vec_dot_fn)dlsym(lib, "ggml_vec_dot_q5_0_q8_0");
+    int can = quantize_q8 && vec_dot_q8 && vec_dot_q5 && ls_q0_matmul_supported();
+    atomic_store(&q0_swap_on, can);
     return can;
 }
 
-/* Whether passes that draw swap their output matmul (on after ls_q8_bind where it can; off
- * for benchmarks and tests of ggml's own). */
-void ls_q8_swap(int on) {
-    atomic_store(&q8_swap_on, on && quantize_q8 && vec_dot_q8 && ls_q8_matmul_supported());
+/* Whether passes that draw swap their matmuls (on after ls_q0_bind where it can; off for
+ * benchmarks and tests of ggml's own). */
+void ls_q0_swap(int on) {
+    atomic_store(&q0_swap_on, on && quantize_q8 && vec_dot_q8 && vec_dot_q5 &&
+                                  ls_q0_matmul_supported());
 }
 
-/* How many output matmuls were swapped so far. */
-int64_t ls_q8_swapped(void) {
-    return (int64_t)atomic_load(&q8_swapped);
+/* How many matmuls were swapped so far. */
+int64_t ls_q0_swapped(void) {
+    return (int64_t)atomic_load(&q0_swapped);
 }

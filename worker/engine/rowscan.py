@@ -75,14 +75,15 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_graph_iface": ([], ctypes.c_void_p),
     "ls_graph_draw_bytes": ([], _LENGTH),
     "ls_graph_bind": ([ctypes.c_char_p], ctypes.c_int),
-    # q8matmul.c's output matmul, which graphdraw.c swaps into passes that draw
-    "ls_q8_bind": ([ctypes.c_char_p], ctypes.c_int),
-    "ls_q8_swap": ([ctypes.c_int], None),
-    "ls_q8_swapped": ([], _LENGTH),
-    "ls_q8_matmul_supported": ([], ctypes.c_int),
-    # weights, blocks a row, first row, end row, activations (Q8_0), rows, out, its stride
-    "ls_q8_matmul": (
-        [_ROW, _LENGTH, _LENGTH, _LENGTH, _ROW, _LENGTH, _ROW, _LENGTH],
+    # q0matmul.c's matmuls, which graphdraw.c swaps into passes that draw
+    "ls_q0_bind": ([ctypes.c_char_p], ctypes.c_int),
+    "ls_q0_swap": ([ctypes.c_int], None),
+    "ls_q0_swapped": ([], _LENGTH),
+    "ls_q0_matmul_supported": ([], ctypes.c_int),
+    # weights, their type, blocks a row, first row, end row, activations (Q8_0), rows, out,
+    # its stride
+    "ls_q0_matmul": (
+        [_ROW, ctypes.c_int, _LENGTH, _LENGTH, _LENGTH, _ROW, _LENGTH, _ROW, _LENGTH],
         ctypes.c_int,
     ),
     "ls_limit_isa": ([ctypes.c_int], None),

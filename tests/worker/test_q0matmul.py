@@ -1,0 +1,164 @@
+"""q0matmul.c, the matmuls of Q8_0 and Q5_0 weights that graphdraw.c swaps in for ggml's:
+the same outputs to the bit as ggml's own kernels (llamafile's sgemm for two rows and more,
+ggml_vec_dot_q8_0_q8_0 and ggml_vec_dot_q5_0_q8_0 for one), called here through ctypes on
+llama.cpp's own ggml.
+
+Gemma's tokens through whole passes, swapped and not: test_default_model.py."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from pathlib import Path
+
+import llama_cpp as llama
+import numpy as np
+import pytest
+
+from loomserve.worker.engine import rowscan
+from loomserve.worker.engine.graph_draw import graph_draw_library
+
+QK = 32
+Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])  # ggml's block_q8_0, 34 bytes
+Q5_0 = np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (QK // 2,))])  # 22 bytes
+GGML_TYPE_F32, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0 = 0, 6, 8
+TYPES = {GGML_TYPE_Q8_0: Q8_0, GGML_TYPE_Q5_0: Q5_0}
+
+pytestmark = pytest.mark.skipif(
+    rowscan.library() is None or not rowscan.library().ls_q0_matmul_supported(),
+    reason="q0matmul.c needs AVX-512 VNNI",
+)
+
+
+class ComputeParams(ctypes.Structure):
+    """ggml's struct ggml_compute_params (ggml-cpu-impl.h): one thread of one."""
+
+    _fields_ = [
+        ("ith", ctypes.c_int),
+        ("nth", ctypes.c_int),
+        ("wsize", ctypes.c_size_t),
+        ("wdata", ctypes.c_void_p),
+        ("threadpool", ctypes.c_void_p),
+        ("use_ref", ctypes.c_bool),
+    ]
+
+
+@pytest.fixture(scope="module")
+def ggml_cpu():
+    lib = ctypes.CDLL(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so"))
+    lib.ggml_cpu_init()  # its fp16 tables
+    lib.quantize_row_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    for vec_dot in (lib.ggml_vec_dot_q8_0_q8_0, lib.ggml_vec_dot_q5_0_q8_0):
+        vec_dot.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+        ]
+    lib.llamafile_sgemm.restype = ctypes.c_bool
+    lib.llamafile_sgemm.argtypes = [
+        ctypes.POINTER(ComputeParams),
+        *[ctypes.c_int64] * 3,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        *[ctypes.c_int] * 3,
+    ]
+    return lib
+
+
+def weights(rng: np.random.Generator, kind: int, rows: int, n_blocks: int) -> np.ndarray:
+    w = np.zeros((rows, n_blocks), dtype=TYPES[kind])
+    w["d"] = rng.uniform(1e-3, 2e-2, size=(rows, n_blocks)).astype(np.float16)
+    if kind == GGML_TYPE_Q8_0:
+        w["qs"] = rng.integers(-127, 128, size=(rows, n_blocks, QK))
+    else:
+        w["qh"] = rng.integers(0, 256, size=(rows, n_blocks, 4))
+        w["qs"] = rng.integers(0, 256, size=(rows, n_blocks, QK // 2))
+    return w
+
+
+def quantized(ggml_cpu, rng: np.random.Generator, rows: int, n_blocks: int) -> np.ndarray:
+    """Activations quantized by ggml's quantize_row_q8_0, as the mul_mat quantizes them."""
+    floats = (rng.standard_normal((rows, n_blocks * QK)) * rng.uniform(0.1, 5, (rows, 1))).astype(
+        np.float32
+    )
+    blocks = np.zeros((rows, n_blocks), dtype=Q8_0)
+    for r in range(rows):
+        ggml_cpu.quantize_row_q8_0(floats[r].ctypes.data, blocks[r].ctypes.data, n_blocks * QK)
+    return blocks
+
+
+def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndarray:
+    n, n_blocks = w.shape
+    m = acts.shape[0]
+    out = np.zeros((m, n), dtype=np.float32)
+    if m == 1:  # llamafile's sgemm declines one row: ggml's dot product, a row at a time
+        vec_dot = {GGML_TYPE_Q8_0: ggml_cpu.ggml_vec_dot_q8_0_q8_0}.get(
+            kind, ggml_cpu.ggml_vec_dot_q5_0_q8_0
+        )
+        for r in range(n):
+            vec_dot(
+                n_blocks * QK, out[0, r:].ctypes.data, 0, w[r].ctypes.data, 0,
+                acts[0].ctypes.data, 0, 1,
+            )  # fmt: skip
+        return out
+    params = ComputeParams(0, 1, 0, None, None, False)
+    assert ggml_cpu.llamafile_sgemm(
+        ctypes.byref(params), n, m, n_blocks, w.ctypes.data, n_blocks, acts.ctypes.data,
+        n_blocks, out.ctypes.data, n, kind, GGML_TYPE_Q8_0, GGML_TYPE_F32,
+    )  # fmt: skip
+    return out
+
+
+def ours(kind: int, w: np.ndarray, acts: np.ndarray, splits: tuple[int, ...] = ()) -> np.ndarray:
+    """q0matmul.c's, the weight rows cut at `splits` as the threads of a pass cut them."""
+    n, n_blocks = w.shape
+    m = acts.shape[0]
+    out = np.full((m, n), np.nan, dtype=np.float32)
+    bounds = [0, *splits, n]
+    lib = rowscan.library()
+    for first, end in itertools.pairwise(bounds):
+        assert lib.ls_q0_matmul(
+            w.ctypes.data, kind, n_blocks, first, end, acts.ctypes.data, m, out.ctypes.data, n
+        )
+    return out
+
+
+@pytest.mark.parametrize("kind", [GGML_TYPE_Q8_0, GGML_TYPE_Q5_0], ids=["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 40])
+@pytest.mark.parametrize("n_blocks", [20, 3])
+def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
+    rng = np.random.default_rng(m * 100 + n_blocks + kind)
+    w = weights(rng, kind, 1001, n_blocks)  # an odd row count: the last row has no partner
+    acts = quantized(ggml_cpu, rng, m, n_blocks)
+    expected = ggml_matmul(ggml_cpu, kind, w, acts).view(np.uint32)
+    assert ours(kind, w, acts).view(np.uint32).tolist() == expected.tolist()
+    # Cut in shares (even bounds, as graphdraw.c's q0_matmul cuts them, and an odd one).
+    assert np.array_equal(ours(kind, w, acts, (2, 500, 777)).view(np.uint32), expected)
+
+
+def test_other_weight_types_are_refused():
+    rng = np.random.default_rng(0)
+    w, acts = weights(rng, GGML_TYPE_Q8_0, 4, 2), np.zeros((2, 2), dtype=Q8_0)
+    out = np.zeros((2, 4), dtype=np.float32)
+    lib = rowscan.library()
+    q4_0 = 2
+    assert not lib.ls_q0_matmul(
+        w.ctypes.data, q4_0, 2, 0, 4, acts.ctypes.data, 2, out.ctypes.data, 4
+    )
+
+
+def test_the_swap_binds_wherever_the_kernel_runs():
+    """graph_draw_library binds ggml-cpu's quantizer and dot product for the swap: a llama.cpp
+    that moved them fails here, not in a skip."""
+    lib = graph_draw_library()
+    assert lib is not None
+    assert lib.ls_q0_bind(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so").encode())
