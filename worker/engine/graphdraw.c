@@ -64,6 +64,7 @@ int ls_q0_matmul_supported(void);
 int64_t ls_q0_row_bytes(int type, int64_t nb);
 int ls_q0_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,
                  const void *acts, int64_t m, float *out, int64_t ldo);
+void *ls_q0_thread_buffer(int slot, size_t bytes);
 
 struct ggml_tensor {
     int type;
@@ -245,7 +246,7 @@ static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata)
     if (first >= end) return;
     int64_t ldo = (int64_t)(dst->nb[1] / sizeof(float));
     float *out = dst->data;
-    char *acts = malloc((size_t)(m * nb * Q8_BLOCK_BYTES));
+    char *acts = ls_q0_thread_buffer(0, (size_t)(m * nb * Q8_BLOCK_BYTES));
     if (!acts) abort(); /* as ggml does where its allocations fail */
     for (int64_t j = 0; j < m; j++)
         quantize_q8((const float *)((const char *)x->data + j * x->nb[1]),
@@ -258,7 +259,6 @@ static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata)
                 vec_dot((int)k, out + j * ldo + r, 0, (const char *)w->data + r * w->nb[1], 0,
                         acts + j * nb * Q8_BLOCK_BYTES, 0, 1);
     }
-    free(acts);
 }
 
 /* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights by floats in plain

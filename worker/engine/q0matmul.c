@@ -183,6 +183,20 @@ TARGET static void matmul_avx512(const char *weights, int type, int64_t nb, int6
 }
 #endif
 
+/* This thread's buffer `slot` (0 to 2), of at least `bytes`, 64-byte aligned; NULL where
+ * memory runs out. It grows and is kept: llama.cpp's threads run a matmul after another. */
+void *ls_q0_thread_buffer(int slot, size_t bytes) {
+    static _Thread_local void *buffers[3];
+    static _Thread_local size_t sizes[3];
+    if (bytes > sizes[slot]) {
+        free(buffers[slot]);
+        sizes[slot] = (bytes + 63) / 64 * 64;
+        buffers[slot] = aligned_alloc(64, sizes[slot]);
+        if (!buffers[slot]) sizes[slot] = 0;
+    }
+    return buffers[slot];
+}
+
 /* out[j * ldo + r] for weight rows r in [first_row, end_row) of a Q8_0 or Q5_0 matrix (`type`,
  * ggml's number; nb blocks a row) and the m activation rows `acts` (Q8_0 blocks as ggml
  * quantized them): ggml's outputs to the bit. Returns 0 (nothing written) for another type,
@@ -191,14 +205,11 @@ int ls_q0_matmul(const void *weights, int type, int64_t nb, int64_t first_row, i
                  const void *acts, int64_t m, float *out, int64_t ldo) {
 #ifdef X86
     if (!ls_q0_matmul_supported() || !ls_q0_row_bytes(type, nb)) return 0;
-    uint8_t *au = aligned_alloc(64, ((size_t)(m * nb * QK) + 63) / 64 * 64);
-    float *ad = malloc((size_t)(m * nb) * sizeof(float));
-    int done = au && ad;
-    if (done)
-        matmul_avx512(weights, type, nb, first_row, end_row, acts, m, out, ldo, au, ad);
-    free(au);
-    free(ad);
-    return done;
+    uint8_t *au = ls_q0_thread_buffer(1, (size_t)(m * nb * QK));
+    float *ad = ls_q0_thread_buffer(2, (size_t)(m * nb) * sizeof(float));
+    if (!au || !ad) return 0;
+    matmul_avx512(weights, type, nb, first_row, end_row, acts, m, out, ldo, au, ad);
+    return 1;
 #else
     (void)weights, (void)type, (void)nb, (void)first_row, (void)end_row, (void)acts, (void)m, (void)out,
         (void)ldo;
