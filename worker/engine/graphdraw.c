@@ -136,6 +136,7 @@ typedef const char *(*op_name_fn)(int);
 typedef void (*quantize_q8_fn)(const float *, void *, int64_t);
 typedef void (*vec_dot_fn)(int, float *, size_t, const void *, size_t, const void *, size_t,
                            int);
+typedef bool (*buffer_is_host_fn)(void *);
 typedef int (*graph_n_nodes_fn)(void *);
 typedef struct ggml_tensor *(*graph_node_fn)(void *, int);
 
@@ -149,6 +150,7 @@ struct custom_op_params {
 static custom_4d_fn custom_4d;
 static view_1d_fn view_1d;
 static buft_is_host_fn buft_is_host;
+static buffer_is_host_fn buffer_is_host;
 static graph_n_nodes_fn graph_n_nodes;
 static graph_node_fn graph_node;
 static quantize_q8_fn quantize_q8;   /* ggml-cpu's quantize_row_q8_0 */
@@ -261,11 +263,14 @@ static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata)
     }
 }
 
-/* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights by floats in plain
- * rows, two rows or more (one row is as fast in ggml's own). */
+/* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights in host memory, as
+ * loaded (not repacked: no extra), by floats in plain rows, two rows or more (one row is as
+ * fast in ggml's own). A matmul whose weights are on a GPU is left to it. */
 static int swap_matmul(struct ggml_tensor *t) {
     const struct ggml_tensor *w = t->src[0], *x = t->src[1];
-    if (t->op != GGML_OP_MUL_MAT || !w || !x) return 0;
+    if (t->op != GGML_OP_MUL_MAT || !w || !x || !w->buffer || !buffer_is_host(w->buffer) ||
+        w->extra)
+        return 0;
     int64_t k = w->ne[0];
     if ((w->type != GGML_TYPE_Q8_0 && w->type != GGML_TYPE_Q5_0) || k % Q8_BLOCK != 0 ||
         w->nb[1] != (size_t)ls_q0_row_bytes(w->type, k / Q8_BLOCK) || w->ne[2] != 1 ||
@@ -327,6 +332,7 @@ int ls_graph_bind(const char *ggml_base) {
     void *lib = dlopen(ggml_base, RTLD_NOW);
     if (!lib) return 0;
     op_name_fn op_name = (op_name_fn)dlsym(lib, "ggml_op_name");
+    buffer_is_host = (buffer_is_host_fn)dlsym(lib, "ggml_backend_buffer_is_host");
     graph_n_nodes = (graph_n_nodes_fn)dlsym(lib, "ggml_graph_n_nodes");
     graph_node = (graph_node_fn)dlsym(lib, "ggml_graph_node");
     if (!op_name || strcmp(op_name(GGML_OP_MUL_MAT), "MUL_MAT") != 0 ||
@@ -336,7 +342,8 @@ int ls_graph_bind(const char *ggml_base) {
     view_1d = (view_1d_fn)dlsym(lib, "ggml_view_1d");
     buft_is_host = (buft_is_host_fn)dlsym(lib, "ggml_backend_buft_is_host");
     tensor_overhead_fn overhead = (tensor_overhead_fn)dlsym(lib, "ggml_tensor_overhead");
-    return custom_4d && view_1d && buft_is_host && overhead && graph_n_nodes && graph_node &&
+    return custom_4d && view_1d && buft_is_host && overhead && buffer_is_host && graph_n_nodes &&
+           graph_node &&
            overhead() == GGML_OBJECT_SIZE + sizeof(struct ggml_tensor);
 }
 
