@@ -31,12 +31,12 @@ if [ ! -f "$MODEL" ]; then
     PYTHONPATH=/tmp/site:$R python3 -m benchmarks.gpu_model "$MODEL" > "$OUT/model.log" 2>&1 &
     model_writer=$!
 fi
-# The host sampler's C draw (worker/engine/rowscan.c, rowdraw.c; pip builds it elsewhere) for
-# this machine's Python, and what its CPU offers it (a flat row's top-p wants AVX-512).
+# The host sampler's C draw and its kin (every worker/engine/*.c, as pyproject.toml's
+# ext-modules lists them; pip builds them elsewhere) for this machine's Python, and what its
+# CPU offers them (a flat row's top-p wants AVX-512).
 if [ -f worker/engine/rowscan.c ]; then
     suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-    gcc -O3 -shared -fPIC -o "worker/engine/_rowscan$suffix" worker/engine/rowscan.c \
-        worker/engine/rowdraw.c worker/engine/rowthreads.c -lm -ldl || exit 1
+    gcc -O3 -shared -fPIC -o "worker/engine/_rowscan$suffix" worker/engine/*.c -lm -ldl || exit 1
 fi
 grep -m1 'model name' /proc/cpuinfo
 grep -o -m1 -w 'avx512f' /proc/cpuinfo || echo "no avx512f"

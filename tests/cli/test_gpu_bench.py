@@ -3,13 +3,16 @@ server and lands in the JSON and the table under its own name."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from loomserve.worker.engine import rowscan
 from tests.procs import REPO_ROOT
 
 
@@ -78,3 +81,20 @@ def test_the_gpu_session_script_goes_past_its_build(tmp_path: Path) -> None:
     log = (tmp_path / "out" / "session.log").read_text()
     assert "built" in log and "=== build and model at" in log
     assert (tmp_path / "links" / "loomserve" / "worker").is_symlink()
+
+
+def test_the_gpu_session_script_builds_the_whole_c_library(tmp_path: Path) -> None:
+    """pip does not run on the lent machine, so the script builds the worker's C library with
+    gcc itself: from every C source pyproject.toml's extension lists (it once left out
+    graphdraw.c, and rowscan.library() would have failed there on the missing symbols)."""
+    script = (REPO_ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    assert "worker/engine/*.c -lm -ldl" in script
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    (extension,) = project["tool"]["setuptools"]["ext-modules"]
+    sources = sorted(str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob("worker/engine/*.c"))
+    assert sources == sorted(extension["sources"])
+    library = tmp_path / "_rowscan.so"
+    command = ["gcc", "-O3", "-shared", "-fPIC", "-o", str(library), *sources, "-lm", "-ldl"]
+    subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=120)
+    built = ctypes.CDLL(str(library))
+    assert all(hasattr(built, name) for name in rowscan._SIGNATURES)
