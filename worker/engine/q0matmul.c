@@ -35,6 +35,7 @@
 
 #define QK 32
 #define ROWS_AT_ONCE 16 /* activation rows a pass over a weight row pair keeps in registers */
+#define CHUNK_BYTES (256 * 1024) /* weight rows a group of activation rows passes over */
 
 #define TYPE_Q5_0 6 /* ggml's type numbers */
 #define TYPE_Q8_0 8
@@ -168,18 +169,30 @@ TARGET static void matmul_avx512(const char *weights, int type, int64_t nb, int6
         _mm256_store_si256((__m256i *)(au + i * QK), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
         ad[i] = _cvtsh_ss(acts[i].d);
     }
-    int64_t row_bytes = ls_q0_row_bytes(type, nb), r = first_row;
-    for (; r + 1 < end_row; r += 2) {
-        const char *r0 = weights + r * row_bytes;
+    /* Weight rows in chunks that stay in the core's L2 while every group of activation rows
+     * passes over them (a prefill's hundreds of rows would otherwise stream through L2 once
+     * for each pair of weight rows); a decode's one group reads each chunk once. */
+    int64_t row_bytes = ls_q0_row_bytes(type, nb);
+    int64_t chunk = (CHUNK_BYTES / row_bytes) & ~(int64_t)1, paired_end = end_row;
+    if (chunk < 2) chunk = 2;
+    if ((end_row - first_row) % 2) paired_end--;
+    for (int64_t start = first_row; start < paired_end; start += chunk) {
+        int64_t stop = start + chunk < paired_end ? start + chunk : paired_end;
         for (int64_t j = 0; j < m; j += ROWS_AT_ONCE) {
             int count = m - j < ROWS_AT_ONCE ? (int)(m - j) : ROWS_AT_ONCE;
-            if (type == TYPE_Q8_0)
-                row_pair_q8(r0, r0 + row_bytes, nb, au, ad, j, count, out + r, out + r + 1, ldo);
-            else
-                row_pair_q5(r0, r0 + row_bytes, nb, au, ad, j, count, out + r, out + r + 1, ldo);
+            for (int64_t r = start; r < stop; r += 2) {
+                const char *r0 = weights + r * row_bytes;
+                if (type == TYPE_Q8_0)
+                    row_pair_q8(r0, r0 + row_bytes, nb, au, ad, j, count, out + r, out + r + 1,
+                                ldo);
+                else
+                    row_pair_q5(r0, r0 + row_bytes, nb, au, ad, j, count, out + r, out + r + 1,
+                                ldo);
+            }
         }
     }
-    if (r < end_row) single_row(weights + r * row_bytes, type, nb, au, ad, m, out + r, ldo);
+    if (paired_end < end_row)
+        single_row(weights + paired_end * row_bytes, type, nb, au, ad, m, out + paired_end, ldo);
 }
 #endif
 
