@@ -21,7 +21,8 @@
  * Measured on this project's Xeon (one thread, Gemma's 262,144 x 640 Q8_0 matrix, random
  * weights): 64 rows 200 ms against ggml's 284, 16 rows 65 against 88, 4 rows 36 against 42,
  * one row 25 against 24 (so a matmul of one row keeps ggml's); the same outputs to the bit in
- * every case.
+ * every case. In the tick loop on Gemma: decode 1.15x ggml's at 16 sequences, 1.06x at 4; a
+ * prefill of 16 prompts 1.12x.
  */
 
 #include <stdint.h>
