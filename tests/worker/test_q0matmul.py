@@ -101,9 +101,8 @@ def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndar
     m = acts.shape[0]
     out = np.zeros((m, n), dtype=np.float32)
     if m == 1:  # llamafile's sgemm declines one row: ggml's dot product, a row at a time
-        vec_dot = {GGML_TYPE_Q8_0: ggml_cpu.ggml_vec_dot_q8_0_q8_0}.get(
-            kind, ggml_cpu.ggml_vec_dot_q5_0_q8_0
-        )
+        q8 = kind == GGML_TYPE_Q8_0
+        vec_dot = ggml_cpu.ggml_vec_dot_q8_0_q8_0 if q8 else ggml_cpu.ggml_vec_dot_q5_0_q8_0
         for r in range(n):
             vec_dot(
                 n_blocks * QK, out[0, r:].ctypes.data, 0, w[r].ctypes.data, 0,
@@ -157,8 +156,8 @@ def test_other_weight_types_are_refused():
 
 
 def test_the_swap_binds_wherever_the_kernel_runs():
-    """graph_draw_library binds ggml-cpu's quantizer and dot product for the swap: a llama.cpp
-    that moved them fails here, not in a skip."""
+    """graph_draw_library binds ggml-cpu's quantizer for the swap: a llama.cpp that moved it
+    fails here, not in a skip."""
     lib = graph_draw_library()
     assert lib is not None
     assert lib.ls_q0_bind(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so").encode())

@@ -26,11 +26,11 @@
  */
 
 #include <dlfcn.h>
-#include <stdlib.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 256
@@ -134,8 +134,6 @@ typedef bool (*buft_is_host_fn)(void *);
 typedef size_t (*tensor_overhead_fn)(void);
 typedef const char *(*op_name_fn)(int);
 typedef void (*quantize_q8_fn)(const float *, void *, int64_t);
-typedef void (*vec_dot_fn)(int, float *, size_t, const void *, size_t, const void *, size_t,
-                           int);
 typedef bool (*buffer_is_host_fn)(void *);
 typedef int (*graph_n_nodes_fn)(void *);
 typedef struct ggml_tensor *(*graph_node_fn)(void *, int);
@@ -154,7 +152,6 @@ static buffer_is_host_fn buffer_is_host;
 static graph_n_nodes_fn graph_n_nodes;
 static graph_node_fn graph_node;
 static quantize_q8_fn quantize_q8;   /* ggml-cpu's quantize_row_q8_0 */
-static vec_dot_fn vec_dot_q8, vec_dot_q5; /* ggml-cpu's ggml_vec_dot_q{8,5}_0_q8_0 */
 static atomic_int q0_swap_on;        /* ls_q0_swap: swap the matmuls where it can */
 static atomic_long q0_swapped;       /* matmuls swapped, for tests and benchmarks */
 
@@ -249,18 +246,11 @@ static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata)
     int64_t ldo = (int64_t)(dst->nb[1] / sizeof(float));
     float *out = dst->data;
     char *acts = ls_q0_thread_buffer(0, (size_t)(m * nb * Q8_BLOCK_BYTES));
-    if (!acts) abort(); /* as ggml does where its allocations fail */
+    if (!acts) abort(); /* out of memory: as ggml's own allocations end */
     for (int64_t j = 0; j < m; j++)
         quantize_q8((const float *)((const char *)x->data + j * x->nb[1]),
                     acts + j * nb * Q8_BLOCK_BYTES, k);
-    if (!ls_q0_matmul(w->data, w->type, nb, first, end, acts, m, out, ldo)) {
-        /* No memory for its buffers: ggml's own dot product, the same numbers. */
-        vec_dot_fn vec_dot = w->type == GGML_TYPE_Q8_0 ? vec_dot_q8 : vec_dot_q5;
-        for (int64_t j = 0; j < m; j++)
-            for (int64_t r = first; r < end; r++)
-                vec_dot((int)k, out + j * ldo + r, 0, (const char *)w->data + r * w->nb[1], 0,
-                        acts + j * nb * Q8_BLOCK_BYTES, 0, 1);
-    }
+    if (!ls_q0_matmul(w->data, w->type, nb, first, end, acts, m, out, ldo)) abort();
 }
 
 /* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights in host memory, as
@@ -300,9 +290,8 @@ static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void
     struct ggml_tensor *row = data->logits, *padded = row->view_src;
     struct ggml_tensor *logits = padded ? padded->src[0] : NULL;
     if (logits && logits->ne[0] == row->ne[0] &&
-        row->view_offs / logits->nb[1] < (size_t)logits->ne[1]) {
+        row->view_offs / logits->nb[1] < (size_t)logits->ne[1])
         row = view_1d(ctx, logits, logits->ne[0], row->view_offs);
-    }
     swap_matmuls(graph);
     struct ggml_tensor *args[1] = {row};
     data->sampled = custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, (void *)draw_row,
@@ -347,16 +336,14 @@ int ls_graph_bind(const char *ggml_base) {
            overhead() == GGML_OBJECT_SIZE + sizeof(struct ggml_tensor);
 }
 
-/* ggml-cpu's quantizer and dot products, from the library at ggml_cpu; then the matmuls of
+/* ggml-cpu's quantizer for the activations, from the library at ggml_cpu; then the matmuls of
  * Q8_0 and Q5_0 weights are swapped (ls_q0_swap) where the CPU has AVX-512 VNNI. Returns
  * whether they will be. */
 int ls_q0_bind(const char *ggml_cpu) {
     void *lib = dlopen(ggml_cpu, RTLD_NOW);
     if (!lib) return 0;
     quantize_q8 = (quantize_q8_fn)dlsym(lib, "quantize_row_q8_0");
-    vec_dot_q8 = (vec_dot_fn)dlsym(lib, "ggml_vec_dot_q8_0_q8_0");
-    vec_dot_q5 = (vec_dot_fn)dlsym(lib, "ggml_vec_dot_q5_0_q8_0");
-    int can = quantize_q8 && vec_dot_q8 && vec_dot_q5 && ls_q0_matmul_supported();
+    int can = quantize_q8 && ls_q0_matmul_supported();
     atomic_store(&q0_swap_on, can);
     return can;
 }
@@ -364,8 +351,7 @@ int ls_q0_bind(const char *ggml_cpu) {
 /* Whether passes that draw swap their matmuls (on after ls_q0_bind where it can; off for
  * benchmarks and tests of ggml's own). */
 void ls_q0_swap(int on) {
-    atomic_store(&q0_swap_on, on && quantize_q8 && vec_dot_q8 && vec_dot_q5 &&
-                                  ls_q0_matmul_supported());
+    atomic_store(&q0_swap_on, on && quantize_q8 && ls_q0_matmul_supported());
 }
 
 /* How many matmuls were swapped so far. */
