@@ -81,11 +81,14 @@ def answer(sock: zmq.Socket, message, timeout: float, kind: type) -> object | No
     return None
 
 
-def rss_mib(pid: int) -> float:
+def anonymous_rss_mib(pid: int) -> float:
+    """The process's resident anonymous memory: its heaps and mmapped blocks, where a flood
+    would be kept. Not VmRSS, whose file-backed part (library code, the model's pages) comes
+    and goes with the page cache (a CI run once saw VmRSS grow 44 MiB here; no rerun did)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith("RssAnon:"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError("no RssAnon")
 
 
 @pytest.fixture
@@ -207,7 +210,7 @@ def test_floods_are_dropped_cheaply_and_liveness_holds(flooded_worker):
     worker, pinger = flooded_worker
     flood = dealer(worker.endpoint, "flooder", hwm=100_000)
     assert answer(flood, Hello("flooder"), 10, ModelInfo)
-    rss_before = rss_mib(worker.pid)
+    rss_before = anonymous_rss_mib(worker.pid)
 
     # Forty valid 12 MB Generates, each a prompt of 12 million token ids: refused at the
     # array's header, by request id, without building the list.
@@ -239,9 +242,9 @@ def test_floods_are_dropped_cheaply_and_liveness_holds(flooded_worker):
     time.sleep(0.5)
     assert answer(oversize, Ping(5.0), 1.0, Heartbeat) is None
 
-    growth = rss_mib(worker.pid) - rss_before
-    print(f"RSS growth {growth:.1f} MiB; ping p100 {max(pinger.rtts) * 1000:.0f} ms")
-    assert growth < 32, f"the floods grew the worker's RSS by {growth:.0f} MiB"
+    growth = anonymous_rss_mib(worker.pid) - rss_before
+    print(f"anonymous RSS growth {growth:.1f} MiB; ping p100 {max(pinger.rtts) * 1000:.0f} ms")
+    assert growth < 24, f"the floods grew the worker's RSS by {growth:.0f} MiB"
     assert pinger.missed == 0 and max(pinger.rtts) < 1.0, pinger.rtts
     # And real work still runs.
     good = dealer(worker.endpoint, "gw-after")
