@@ -104,6 +104,31 @@ def test_drawn_requests_get_the_host_paths_tokens_beside_host_sampled_ones(confi
     assert 12 * 24 < prepared < 13 * 24
 
 
+def test_samplers_of_idle_sequences_draw_nothing(config):
+    """llama.cpp builds every attached sampler into every pass, one whose sequence has no
+    output there on the pass's first row, but computes only the others
+    (ggml_build_forward_select): a request alone among attached samplers costs one draw a
+    token, not one for each sequence. Samplers stay on their sequences on that count."""
+    lib = graph_draw_library()
+    engine = Engine(config)
+    try:
+        loop, collector = new_loop(engine, config)
+        for i in range(config.slots):  # a sampler on every sequence
+            loop.inbox.submit(GW, request(f"w{i}", i, temperature=1.0))
+        drain(loop)
+        assert engine.graph_draws is not None and engine.graph_draws.attached == config.slots
+        before = lib.ls_graph_rows_drawn()
+        loop.inbox.submit(GW, request("alone", 5, temperature=0.7, top_p=0.95))
+        drain(loop)
+        drawn = lib.ls_graph_rows_drawn() - before
+    finally:
+        engine.close()
+    assert len(collector.tokens()["alone"]) == 24
+    # Its first token comes from the pass that ends its prompt; each later one from a pass
+    # of its own.
+    assert drawn == 24
+
+
 @pytest.fixture(scope="module")
 def wide_model_path(tmp_path_factory):
     """The tiny model with 40,000 more pieces: rows of 158 blocks, which a top-p alone's scan

@@ -154,6 +154,7 @@ static graph_node_fn graph_node;
 static quantize_q8_fn quantize_q8;   /* ggml-cpu's quantize_row_q8_0 */
 static atomic_int q0_swap_on;        /* ls_q0_swap: swap the matmuls where it can */
 static atomic_long q0_swapped;       /* matmuls swapped, for tests and benchmarks */
+static atomic_long rows_drawn;       /* draws made in graphs, for tests */
 
 /* This thread's share of the row's first pass: a slice of its blocks' maxima, or for a
  * top-p alone (`summed`) of its parts' scans and sums, which the first thread folds. The
@@ -212,6 +213,7 @@ static void draw_row(struct ggml_tensor *dst, int ith, int nth, void *userdata) 
     }
     if (token == LS_NOT_SERVED) memcpy(g->spare, row, (size_t)n * sizeof(float));
     g->token = token;
+    atomic_fetch_add(&rows_drawn, 1);
     ((int32_t *)dst->data)[0] = (int32_t)(token < 0 ? 0 : token);
 }
 
@@ -357,4 +359,9 @@ void ls_q0_swap(int on) {
 /* How many matmuls were swapped so far. */
 int64_t ls_q0_swapped(void) {
     return (int64_t)atomic_load(&q0_swapped);
+}
+
+/* How many rows the samplers in graphs have drawn so far. */
+int64_t ls_graph_rows_drawn(void) {
+    return (int64_t)atomic_load(&rows_drawn);
 }
