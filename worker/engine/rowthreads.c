@@ -110,8 +110,9 @@ static int64_t group_of(int64_t rows, int threads) {
 int ls_draw_rows_on(const float *logits, int64_t n, int64_t count, const int64_t *rows,
                      const double *settings, const uint64_t *seeds, char *scratch,
                      int64_t scratch_stride, int threads, int64_t *tokens, double *found) {
-    DrawJob job = {logits, n, count, rows, settings, seeds, scratch, scratch_stride, tokens, found,
-                   group_of(count, threads)};
+    DrawJob job = {.logits = logits, .n = n, .count = count, .rows = rows, .settings = settings,
+                   .seeds = seeds, .scratch = scratch, .scratch_stride = scratch_stride,
+                   .tokens = tokens, .found = found, .group = group_of(count, threads)};
     atomic_init(&job.next, 0);
     atomic_init(&job.team, 0);
     run(draw_some, &job, threads, count);
@@ -145,7 +146,8 @@ static void argmax_some(void *arg) {
  * threads took part. */
 int ls_argmax_rows_on(const float *rows, int64_t n_rows, int64_t n, float *block_max,
                        int64_t block_stride, int threads, int64_t *out) {
-    ArgmaxJob job = {rows, n_rows, n, block_max, block_stride, out, group_of(n_rows, threads)};
+    ArgmaxJob job = {.rows = rows, .n_rows = n_rows, .n = n, .block_max = block_max,
+                     .block_stride = block_stride, .out = out, .group = group_of(n_rows, threads)};
     atomic_init(&job.next, 0);
     atomic_init(&job.team, 0);
     run(argmax_some, &job, threads, n_rows);
