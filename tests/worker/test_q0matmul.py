@@ -156,8 +156,19 @@ def test_other_weight_types_are_refused():
 
 
 def test_the_swap_binds_wherever_the_kernel_runs():
-    """graph_draw_library binds ggml-cpu's quantizer for the swap: a llama.cpp that moved it
-    fails here, not in a skip."""
+    """graph_draw_library binds ggml's graph calls and ggml-cpu's quantizer for the swap, and
+    the operations' numbers are the ones declared: a llama.cpp that moved them fails here,
+    not in a skip."""
     lib = graph_draw_library()
     assert lib is not None
-    assert lib.ls_q0_bind(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so").encode())
+    libs = Path(llama.__file__).parent / "lib"
+    assert lib.ls_q0_bind(
+        str(libs / "libggml-base.so").encode(), str(libs / "libggml-cpu.so").encode()
+    )
+    # A library without them binds nothing.
+    try:
+        assert not lib.ls_q0_bind(b"libc.so.6", str(libs / "libggml-cpu.so").encode())
+    finally:
+        assert lib.ls_q0_bind(
+            str(libs / "libggml-base.so").encode(), str(libs / "libggml-cpu.so").encode()
+        )

@@ -87,7 +87,7 @@ def graph_draw_library() -> Any | None:
     # sooner), where the CPU can.
     ggml_cpu = libs / "libggml-cpu.so"
     if ggml_cpu.exists():
-        lib.ls_q0_bind(str(ggml_cpu).encode())
+        lib.ls_q0_bind(str(ggml_base).encode(), str(ggml_cpu).encode())
     return lib
 
 

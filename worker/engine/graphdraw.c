@@ -16,9 +16,8 @@
  * (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied to the sequence's spare row, for
  * draw.py to finish on the host.
  *
- * Where the CPU has AVX-512 VNNI, the pass's matmuls of Q8_0 and Q5_0 weights (the output
- * layer's among them) are swapped for q0matmul.c's, which gives the same numbers to the bit,
- * sooner (a pass that draws nothing runs ggml's own: the numbers cannot tell them apart).
+ * Building a pass's graph, the sampler also has q0swap.c swap its matmuls of Q8_0 and Q5_0
+ * weights for q0matmul.c's (the same numbers to the bit, sooner) where the CPU can.
  *
  * Only the structs' first fields are used, declared as llama-cpp-python 0.3.36's llama.cpp
  * has them; ls_graph_bind checks ggml's tensor size against this declaration and refuses
@@ -30,20 +29,12 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
+
+#include "ggml_abi.h"
 
 #define BLOCK 256
 #define LS_NOT_SERVED (-1)
-#define GGML_TYPE_F32 0
-#define GGML_TYPE_Q5_0 6
-#define GGML_TYPE_Q8_0 8
-#define GGML_TYPE_I32 26
-#define GGML_OP_MUL_MAT 29 /* checked by name in ls_graph_bind */
-#define GGML_OP_CUSTOM 95
-#define GGML_N_TASKS_MAX (-1)
-#define Q8_BLOCK_BYTES 34 /* ggml's block_q8_0: an fp16 scale and 32 quants */
-#define Q8_BLOCK 32
 
 /* rowscan.c's and rowdraw.c's */
 int ls_block_max(const float *row, int64_t n, float *block_max);
@@ -59,32 +50,8 @@ int ls_scan_exp_sum_part(const float *row, int64_t n, float *block_max, int64_t 
                          double *sums);
 void ls_scan_fold(const double *sums, int64_t count, double *total, double *weighted_depth);
 int ls_isa(void);
-/* q0matmul.c's */
-int ls_q0_matmul_supported(void);
-int64_t ls_q0_row_bytes(int type, int64_t nb);
-int ls_q0_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,
-                 const void *acts, int64_t m, float *out, int64_t ldo);
-void *ls_q0_thread_buffer(int slot, size_t bytes);
-
-struct ggml_tensor {
-    int type;
-    void *buffer;
-    int64_t ne[4];
-    size_t nb[4];
-    int op;
-    int32_t op_params[16];
-    int32_t flags;
-    struct ggml_tensor *src[10];
-    struct ggml_tensor *view_src;
-    size_t view_offs;
-    void *data;
-    char name[64];
-    void *extra;
-    char padding[8];
-};
-
-/* ggml's struct ggml_object, which ggml_tensor_overhead() counts with each tensor. */
-#define GGML_OBJECT_SIZE 32
+/* q0swap.c's */
+void ls_q0_swap_graph(void *graph);
 
 struct llama_sampler_data {
     struct ggml_tensor *logits, *probs, *sampled, *candidates;
@@ -132,29 +99,11 @@ typedef struct ggml_tensor *(*custom_4d_fn)(void *, int, int64_t, int64_t, int64
 typedef struct ggml_tensor *(*view_1d_fn)(void *, struct ggml_tensor *, int64_t, size_t);
 typedef bool (*buft_is_host_fn)(void *);
 typedef size_t (*tensor_overhead_fn)(void);
-typedef const char *(*op_name_fn)(int);
-typedef void (*quantize_q8_fn)(const float *, void *, int64_t);
-typedef bool (*buffer_is_host_fn)(void *);
-typedef int (*graph_n_nodes_fn)(void *);
-typedef struct ggml_tensor *(*graph_node_fn)(void *, int);
-
-/* ggml's struct ggml_custom_op_params, which a GGML_OP_CUSTOM keeps in its op_params. */
-struct custom_op_params {
-    void (*fun)(struct ggml_tensor *, int, int, void *);
-    int n_tasks;
-    void *userdata;
-};
 
 static custom_4d_fn custom_4d;
 static view_1d_fn view_1d;
 static buft_is_host_fn buft_is_host;
-static buffer_is_host_fn buffer_is_host;
-static graph_n_nodes_fn graph_n_nodes;
-static graph_node_fn graph_node;
-static quantize_q8_fn quantize_q8;   /* ggml-cpu's quantize_row_q8_0 */
-static atomic_int q0_swap_on;        /* ls_q0_swap: swap the matmuls where it can */
-static atomic_long q0_swapped;       /* matmuls swapped, for tests and benchmarks */
-static atomic_long rows_drawn;       /* draws made in graphs, for tests */
+static atomic_long rows_drawn; /* draws made in graphs, for tests */
 
 /* This thread's share of the row's first pass: a slice of its blocks' maxima, or for a
  * top-p alone (`summed`) of its parts' scans and sums, which the first thread folds. The
@@ -234,57 +183,6 @@ static bool graph_draw_backend_init(struct llama_sampler *smpl, void *buft, uint
     return buft_is_host(buft) && n_max == 1;
 }
 
-/* GGML_OP_CUSTOM in place of a MUL_MAT of Q8_0 or Q5_0 weights: each thread quantizes the
- * pass's activations as ggml does and computes its share of the weight rows (in pairs, for
- * q0matmul.c). */
-static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    (void)userdata;
-    const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
-    int64_t k = w->ne[0], n = w->ne[1], m = x->ne[1], nb = k / Q8_BLOCK;
-    int64_t pairs = (n + 1) / 2;
-    int64_t first = 2 * (pairs * ith / nth), end = 2 * (pairs * (ith + 1) / nth);
-    if (end > n) end = n;
-    if (first >= end) return;
-    int64_t ldo = (int64_t)(dst->nb[1] / sizeof(float));
-    float *out = dst->data;
-    char *acts = ls_q0_thread_buffer(0, (size_t)(m * nb * Q8_BLOCK_BYTES));
-    if (!acts) abort(); /* out of memory: as ggml's own allocations end */
-    for (int64_t j = 0; j < m; j++)
-        quantize_q8((const float *)((const char *)x->data + j * x->nb[1]),
-                    acts + j * nb * Q8_BLOCK_BYTES, k);
-    if (!ls_q0_matmul(w->data, w->type, nb, first, end, acts, m, out, ldo)) abort();
-}
-
-/* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights in host memory, as
- * loaded (not repacked: no extra), by floats in plain rows, two rows or more (one row is as
- * fast in ggml's own). A matmul whose weights are on a GPU is left to it. */
-static int swap_matmul(struct ggml_tensor *t) {
-    const struct ggml_tensor *w = t->src[0], *x = t->src[1];
-    if (t->op != GGML_OP_MUL_MAT || !w || !x || !w->buffer || !buffer_is_host(w->buffer) ||
-        w->extra)
-        return 0;
-    int64_t k = w->ne[0];
-    if ((w->type != GGML_TYPE_Q8_0 && w->type != GGML_TYPE_Q5_0) || k % Q8_BLOCK != 0 ||
-        w->nb[1] != (size_t)ls_q0_row_bytes(w->type, k / Q8_BLOCK) || w->ne[2] != 1 ||
-        w->ne[3] != 1 || x->type != GGML_TYPE_F32 || x->ne[0] != k ||
-        x->nb[0] != sizeof(float) || x->ne[1] < 2 || x->ne[2] != 1 || x->ne[3] != 1 ||
-        t->type != GGML_TYPE_F32 || t->nb[0] != sizeof(float) || t->ne[1] != x->ne[1])
-        return 0;
-    struct custom_op_params params = {q0_matmul, GGML_N_TASKS_MAX, NULL};
-    memcpy(t->op_params, &params, sizeof params);
-    t->op = GGML_OP_CUSTOM;
-    return 1;
-}
-
-/* Every matmul of the pass's graph that q0matmul.c serves, once: the first sampler of a pass
- * swaps them, the others find none left. */
-static void swap_matmuls(void *graph) {
-    if (!atomic_load(&q0_swap_on)) return;
-    int n = graph_n_nodes(graph);
-    for (int i = 0; i < n; i++)
-        if (swap_matmul(graph_node(graph, i))) atomic_fetch_add(&q0_swapped, 1);
-}
-
 static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void *graph,
                                      struct llama_sampler_data *data) {
     /* llama.cpp hands a row of a padded copy of the logits; the row of the output layer's
@@ -294,7 +192,7 @@ static void graph_draw_backend_apply(struct llama_sampler *smpl, void *ctx, void
     if (logits && logits->ne[0] == row->ne[0] &&
         row->view_offs / logits->nb[1] < (size_t)logits->ne[1])
         row = view_1d(ctx, logits, logits->ne[0], row->view_offs);
-    swap_matmuls(graph);
+    ls_q0_swap_graph(graph);
     struct ggml_tensor *args[1] = {row};
     data->sampled = custom_4d(ctx, GGML_TYPE_I32, 1, 1, 1, 1, args, 1, (void *)draw_row,
                               GGML_N_TASKS_MAX, smpl->ctx);
@@ -322,43 +220,12 @@ int64_t ls_graph_draw_bytes(void) {
 int ls_graph_bind(const char *ggml_base) {
     void *lib = dlopen(ggml_base, RTLD_NOW);
     if (!lib) return 0;
-    op_name_fn op_name = (op_name_fn)dlsym(lib, "ggml_op_name");
-    buffer_is_host = (buffer_is_host_fn)dlsym(lib, "ggml_backend_buffer_is_host");
-    graph_n_nodes = (graph_n_nodes_fn)dlsym(lib, "ggml_graph_n_nodes");
-    graph_node = (graph_node_fn)dlsym(lib, "ggml_graph_node");
-    if (!op_name || strcmp(op_name(GGML_OP_MUL_MAT), "MUL_MAT") != 0 ||
-        strcmp(op_name(GGML_OP_CUSTOM), "CUSTOM") != 0)
-        return 0;
     custom_4d = (custom_4d_fn)dlsym(lib, "ggml_custom_4d");
     view_1d = (view_1d_fn)dlsym(lib, "ggml_view_1d");
     buft_is_host = (buft_is_host_fn)dlsym(lib, "ggml_backend_buft_is_host");
     tensor_overhead_fn overhead = (tensor_overhead_fn)dlsym(lib, "ggml_tensor_overhead");
-    return custom_4d && view_1d && buft_is_host && overhead && buffer_is_host && graph_n_nodes &&
-           graph_node &&
+    return custom_4d && view_1d && buft_is_host && overhead &&
            overhead() == GGML_OBJECT_SIZE + sizeof(struct ggml_tensor);
-}
-
-/* ggml-cpu's quantizer for the activations, from the library at ggml_cpu; then the matmuls of
- * Q8_0 and Q5_0 weights are swapped (ls_q0_swap) where the CPU has AVX-512 VNNI. Returns
- * whether they will be. */
-int ls_q0_bind(const char *ggml_cpu) {
-    void *lib = dlopen(ggml_cpu, RTLD_NOW);
-    if (!lib) return 0;
-    quantize_q8 = (quantize_q8_fn)dlsym(lib, "quantize_row_q8_0");
-    int can = quantize_q8 && ls_q0_matmul_supported();
-    atomic_store(&q0_swap_on, can);
-    return can;
-}
-
-/* Whether passes that draw swap their matmuls (on after ls_q0_bind where it can; off for
- * benchmarks and tests of ggml's own). */
-void ls_q0_swap(int on) {
-    atomic_store(&q0_swap_on, on && quantize_q8 && ls_q0_matmul_supported());
-}
-
-/* How many matmuls were swapped so far. */
-int64_t ls_q0_swapped(void) {
-    return (int64_t)atomic_load(&q0_swapped);
 }
 
 /* How many rows the samplers in graphs have drawn so far. */

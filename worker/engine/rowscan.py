@@ -76,7 +76,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_graph_draw_bytes": ([], _LENGTH),
     "ls_graph_bind": ([ctypes.c_char_p], ctypes.c_int),
     # q0matmul.c's matmuls, which graphdraw.c swaps into passes that draw
-    "ls_q0_bind": ([ctypes.c_char_p], ctypes.c_int),
+    "ls_q0_bind": ([ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int),
     "ls_q0_swap": ([ctypes.c_int], None),
     "ls_q0_swapped": ([], _LENGTH),
     "ls_graph_rows_drawn": ([], _LENGTH),
