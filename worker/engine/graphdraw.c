@@ -19,9 +19,10 @@
  * Building a pass's graph, the sampler also has q0swap.c swap its matmuls of Q8_0 and Q5_0
  * weights for q0matmul.c's (the same numbers to the bit, sooner) where the CPU can.
  *
- * Only the structs' first fields are used, declared as llama-cpp-python 0.3.36's llama.cpp
- * has them; ls_graph_bind checks ggml's tensor size against this declaration and refuses
- * (the worker then samples on the host) where they differ.
+ * llama.cpp's sampler structs are declared below and ggml's tensor in ggml_abi.h, as
+ * llama-cpp-python 0.3.36's llama.cpp has them; ls_graph_bind checks ggml's tensor size
+ * against that declaration and refuses (the worker then samples on the host) where they
+ * differ.
  */
 
 #include <dlfcn.h>
