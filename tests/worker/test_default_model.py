@@ -171,10 +171,11 @@ def test_the_draw_in_the_graph_gives_the_host_samplers_tokens_alone_and_batched(
 
 
 def test_the_swapped_matmuls_give_ggmls_tokens(engine: Engine):
-    """Gemma's tied output matrix is Q8_0 and many of its layers' matrices Q5_0: passes that
-    draw run q0matmul.c's matmuls in their place (graphdraw.c), whose outputs are ggml's to
-    the bit (test_q0matmul.py). Batched requests, greedy and seeded, get the same tokens with
-    ggml's own matmuls."""
+    """Gemma's tied output matrix is Q8_0, many of its layers' matrices Q5_0 and the rest
+    Q4_K and Q6_K: passes built with a draw sampler run q0matmul.c's and qkmatmul.c's matmuls
+    in their place (q0swap.c), whose outputs are ggml's to the bit (test_q0matmul.py,
+    test_qkmatmul.py). Batched requests, greedy and seeded, get the same tokens with ggml's
+    own matmuls."""
     lib = graph_draw_library()
     if lib is None or not lib.ls_q0_matmul_supported():
         pytest.skip("no AVX-512 VNNI: ggml's matmul runs")
@@ -190,20 +191,24 @@ def test_the_swapped_matmuls_give_ggmls_tokens(engine: Engine):
     ]
     config = replace(engine.config, backend_sampling="draw")
     tokens, swapped = {}, {}
-    for on in (1, 0):
-        lib.ls_q0_swap(on)
-        drawing = Engine(config)
+    # Every kernel swapped; the Q8_0 and Q5_0 ones alone (q0matmul.c); none.
+    for kinds in ("all", "q0", "none"):
+        lib.ls_q0_swap(kinds != "none")
+        drawing = Engine(config)  # which sets the K-quants' swap: on, with ggml's dot product
+        assert drawing.cpu_matmul == "dot"
+        if kinds == "q0":
+            lib.ls_q0_swap_kquants(0)
         try:
             collector = Collector()
             before = lib.ls_q0_swapped()
             run_staggered(TickLoop(drawing, config, collector), requests, seed=8)
-            tokens[on], swapped[on] = collector.tokens(), lib.ls_q0_swapped() - before
+            tokens[kinds], swapped[kinds] = collector.tokens(), lib.ls_q0_swapped() - before
         finally:
             drawing.close()
             lib.ls_q0_swap(1)
-    assert swapped[1] > 0 and swapped[0] == 0
-    assert tokens[1] == tokens[0]
-    assert all(len(tokens[1][r.request_id]) == 12 for r in requests)
+    assert swapped["all"] > swapped["q0"] > 0 and swapped["none"] == 0
+    assert tokens["all"] == tokens["q0"] == tokens["none"]
+    assert all(len(tokens["all"][r.request_id]) == 12 for r in requests)
 
 
 def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):

@@ -166,11 +166,13 @@ class Engine:
         # Which sampler chain each sequence has in the graph (llama.cpp's chains).
         self.graph_chains = GraphChains(self.ctx) if self.sampling == "graph" else None
         # Or the C draw in the graph: each sequence's sampler and state (graph_draw.py).
-        self.graph_draws = (
-            GraphDraws(self.ctx, graph_draw_library(), config.slots, self.n_vocab)
-            if self.sampling == "draw"
-            else None
-        )
+        draw_library = graph_draw_library() if self.sampling == "draw" else None
+        self.graph_draws = None
+        if draw_library is not None:
+            self.graph_draws = GraphDraws(self.ctx, draw_library, config.slots, self.n_vocab)
+            # Its passes' K-quant matmuls repeat ggml's dot product (qkmatmul.c): swapped
+            # only where ggml would run that product at every row count.
+            draw_library.ls_q0_swap_kquants(self.cpu_matmul == "dot")
         self.memory = llama.llama_get_memory(self.ctx)
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.

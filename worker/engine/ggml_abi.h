@@ -12,6 +12,8 @@
 #define GGML_TYPE_F32 0
 #define GGML_TYPE_Q5_0 6
 #define GGML_TYPE_Q8_0 8
+#define GGML_TYPE_Q4_K 12
+#define GGML_TYPE_Q6_K 14
 #define GGML_TYPE_I32 26
 #define GGML_OP_MUL_MAT 29
 #define GGML_OP_CUSTOM 95

@@ -79,6 +79,11 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_q0_bind": ([ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int),
     "ls_q0_swap": ([ctypes.c_int], None),
     "ls_q0_swapped": ([], _LENGTH),
+    "ls_q0_swap_kquants": ([ctypes.c_int], None),
+    "ls_qk_matmul": (
+        [_ROW, ctypes.c_int, _LENGTH, _LENGTH, _LENGTH, _ROW, _LENGTH, _ROW, _LENGTH],
+        ctypes.c_int,
+    ),
     "ls_graph_rows_drawn": ([], _LENGTH),
     "ls_q0_matmul_supported": ([], ctypes.c_int),
     # weights, their type, blocks a row, first row, end row, activations (Q8_0), rows, out,

@@ -1,0 +1,133 @@
+"""qkmatmul.c, the matmuls of Q4_K and Q6_K weights that q0swap.c swaps in for ggml's dot
+products: the same outputs to the bit as ggml_vec_dot_q4_K_q8_K and ggml_vec_dot_q6_K_q8_K,
+called here through ctypes on llama.cpp's own ggml, the activations quantized by ggml's
+quantize_row_q8_K.
+
+Gemma's tokens through whole passes, swapped and not: test_default_model.py."""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from pathlib import Path
+
+import llama_cpp as llama
+import numpy as np
+import pytest
+
+from loomserve.worker.engine import rowscan
+
+QK_K = 256
+Q4_K = np.dtype(
+    [("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (QK_K // 2,))]
+)  # ggml's block_q4_K, 144 bytes
+Q6_K = np.dtype(
+    [("ql", "u1", (QK_K // 2,)), ("qh", "u1", (QK_K // 4,)), ("scales", "i1", (16,)), ("d", "<f2")]
+)  # ggml's block_q6_K, 210 bytes
+Q8_K = np.dtype([("d", "<f4"), ("qs", "i1", (QK_K,)), ("bsums", "<i2", (QK_K // 16,))])
+
+GGML_TYPE_Q4_K, GGML_TYPE_Q6_K = 12, 14
+TYPES = {GGML_TYPE_Q4_K: Q4_K, GGML_TYPE_Q6_K: Q6_K}
+
+pytestmark = pytest.mark.skipif(
+    rowscan.library() is None or not rowscan.library().ls_q0_matmul_supported(),
+    reason="qkmatmul.c needs AVX-512 VNNI",
+)
+
+
+@pytest.fixture(scope="module")
+def ggml_cpu():
+    lib = ctypes.CDLL(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so"))
+    lib.ggml_cpu_init()  # its fp16 tables
+    lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    for vec_dot in (lib.ggml_vec_dot_q4_K_q8_K, lib.ggml_vec_dot_q6_K_q8_K):
+        vec_dot.argtypes = [
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+        ]
+    return lib
+
+
+def weights(rng: np.random.Generator, kind: int, rows: int, n_blocks: int) -> np.ndarray:
+    """Any bytes, and scales of either sign."""
+    w = np.zeros((rows, n_blocks), dtype=TYPES[kind])
+    w["d"] = rng.uniform(-2e-3, 2e-3, size=(rows, n_blocks)).astype(np.float16)
+    for field in ("dmin", "scales", "qs", "ql", "qh"):
+        if field in w.dtype.names:
+            shape = (rows, n_blocks, *w.dtype[field].shape)
+            if field == "dmin":
+                w[field] = rng.uniform(-2e-3, 2e-3, size=shape).astype(np.float16)
+            elif w.dtype[field].base == np.int8:
+                w[field] = rng.integers(-128, 128, size=shape)
+            else:
+                w[field] = rng.integers(0, 256, size=shape)
+    return w
+
+
+def quantized(ggml_cpu, rng: np.random.Generator, rows: int, n_blocks: int) -> np.ndarray:
+    """Activations quantized by ggml's quantize_row_q8_K, as its mul_mat quantizes them."""
+    floats = (rng.standard_normal((rows, n_blocks * QK_K)) * rng.uniform(0.1, 5, (rows, 1))).astype(
+        np.float32
+    )
+    blocks = np.zeros((rows, n_blocks), dtype=Q8_K)
+    for r in range(rows):
+        ggml_cpu.quantize_row_q8_K(floats[r].ctypes.data, blocks[r].ctypes.data, n_blocks * QK_K)
+    return blocks
+
+
+def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndarray:
+    """ggml's dot product, a weight row and an activation row at a time (as its mul_mat runs
+    K-quants with GGML_CPU_TILED_MM=0)."""
+    n, n_blocks = w.shape
+    m = acts.shape[0]
+    out = np.zeros((m, n), dtype=np.float32)
+    q4 = kind == GGML_TYPE_Q4_K
+    vec_dot = ggml_cpu.ggml_vec_dot_q4_K_q8_K if q4 else ggml_cpu.ggml_vec_dot_q6_K_q8_K
+    for j in range(m):
+        for r in range(n):
+            vec_dot(
+                n_blocks * QK_K, out[j, r:].ctypes.data, 0, w[r].ctypes.data, 0,
+                acts[j].ctypes.data, 0, 1,
+            )  # fmt: skip
+    return out
+
+
+def ours(kind: int, w: np.ndarray, acts: np.ndarray, splits: tuple[int, ...] = ()) -> np.ndarray:
+    """qkmatmul.c's, the weight rows cut at `splits` as the threads of a pass cut them."""
+    n, n_blocks = w.shape
+    m = acts.shape[0]
+    out = np.full((m, n), np.nan, dtype=np.float32)
+    lib = rowscan.library()
+    for first, end in itertools.pairwise([0, *splits, n]):
+        assert lib.ls_qk_matmul(
+            w.ctypes.data, kind, n_blocks, first, end, acts.ctypes.data, m, out.ctypes.data, n
+        )
+    return out
+
+
+@pytest.mark.parametrize("kind", [GGML_TYPE_Q4_K, GGML_TYPE_Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 33])
+@pytest.mark.parametrize("n_blocks", [3, 1])
+def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
+    rng = np.random.default_rng(m * 10 + n_blocks + kind)
+    w = weights(rng, kind, 301, n_blocks)  # an odd row count: the last row has no partner
+    acts = quantized(ggml_cpu, rng, m, n_blocks)
+    expected = ggml_matmul(ggml_cpu, kind, w, acts).view(np.uint32)
+    assert ours(kind, w, acts).view(np.uint32).tolist() == expected.tolist()
+    # Cut in shares (even bounds, as q0swap.c cuts them, and odd ones).
+    assert np.array_equal(ours(kind, w, acts, (2, 150, 201)).view(np.uint32), expected)
+
+
+def test_other_weight_types_are_refused():
+    out = np.zeros((2, 4), dtype=np.float32)
+    w, acts = np.zeros(4 * 144, dtype=np.uint8), np.zeros((2, 1), dtype=Q8_K)
+    q5_k = 13
+    assert not rowscan.library().ls_qk_matmul(
+        w.ctypes.data, q5_k, 1, 0, 4, acts.ctypes.data, 2, out.ctypes.data, 4
+    )
