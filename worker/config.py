@@ -255,11 +255,12 @@ class WorkerConfig:
     cpu_matmul: str = setting(
         "auto",
         help=(
-            "CPU kernel for quantized (K-quant) weights: dot, a dot product a row (the fastest "
-            "for a few streams); tiled, ggml's tiled matmul for every pass, one row included "
-            "(the fastest for many streams and long prompts); both batch-invariant. auto: dot "
-            "with --batch-invariant, else ggml's own choice, tiled from 8 rows up "
-            "(docs/scheduling.md)."
+            "CPU kernel for quantized (K-quant) weights: dot, ggml's dot product a row, which "
+            "passes that draw run as loomserve's AVX-512 VNNI kernel (the same numbers, the "
+            "fastest there for any number of streams); tiled, ggml's tiled matmul for every "
+            "pass, one row included (ggml's fastest for many streams and long prompts); both "
+            "batch-invariant. auto: dot with --batch-invariant, else ggml's own choice, tiled "
+            "from 8 rows up (docs/scheduling.md)."
         ),
         choices=CPU_MATMUL_MODES,
     )
