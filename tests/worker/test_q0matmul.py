@@ -43,22 +43,24 @@ class ComputeParams(ctypes.Structure):
     ]
 
 
+# ggml's vec_dot functions: n, &out, its stride, weights, their stride, activations, theirs,
+# rows (1).
+VEC_DOT_ARGTYPES = [ctypes.c_int, *[ctypes.c_void_p, ctypes.c_size_t] * 3, ctypes.c_int]
+
+
+def ggml_cpu_library() -> ctypes.CDLL:
+    """llama.cpp's ggml-cpu, its fp16 tables set up."""
+    lib = ctypes.CDLL(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so"))
+    lib.ggml_cpu_init()
+    return lib
+
+
 @pytest.fixture(scope="module")
 def ggml_cpu():
-    lib = ctypes.CDLL(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so"))
-    lib.ggml_cpu_init()  # its fp16 tables
+    lib = ggml_cpu_library()
     lib.quantize_row_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     for vec_dot in (lib.ggml_vec_dot_q8_0_q8_0, lib.ggml_vec_dot_q5_0_q8_0):
-        vec_dot.argtypes = [
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-        ]
+        vec_dot.argtypes = VEC_DOT_ARGTYPES
     lib.llamafile_sgemm.restype = ctypes.c_bool
     lib.llamafile_sgemm.argtypes = [
         ctypes.POINTER(ComputeParams),
@@ -117,18 +119,28 @@ def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndar
     return out
 
 
-def ours(kind: int, w: np.ndarray, acts: np.ndarray, splits: tuple[int, ...] = ()) -> np.ndarray:
-    """q0matmul.c's, the weight rows cut at `splits` as the threads of a pass cut them."""
+def cut_among_threads(
+    kernel, kind: int, w: np.ndarray, acts: np.ndarray, splits: tuple[int, ...] = ()
+) -> np.ndarray:
+    """A kernel's outputs (ls_q0_matmul's or ls_qk_matmul's), the weight rows cut at `splits`
+    as the threads of a pass cut them."""
     n, n_blocks = w.shape
     m = acts.shape[0]
     out = np.full((m, n), np.nan, dtype=np.float32)
-    bounds = [0, *splits, n]
-    lib = rowscan.library()
-    for first, end in itertools.pairwise(bounds):
-        assert lib.ls_q0_matmul(
+    for first, end in itertools.pairwise([0, *splits, n]):
+        assert kernel(
             w.ctypes.data, kind, n_blocks, first, end, acts.ctypes.data, m, out.ctypes.data, n
         )
     return out
+
+
+def assert_the_same_bits(kernel, kind: int, w: np.ndarray, acts: np.ndarray, expected) -> None:
+    """The kernel's outputs are `expected` to the bit, whole and cut in shares (even bounds,
+    as q0swap.c cuts them, and odd ones)."""
+    bits = expected.view(np.uint32)
+    assert cut_among_threads(kernel, kind, w, acts).view(np.uint32).tolist() == bits.tolist()
+    splits = (2, len(w) // 2, len(w) * 2 // 3 | 1)
+    assert np.array_equal(cut_among_threads(kernel, kind, w, acts, splits).view(np.uint32), bits)
 
 
 @pytest.mark.parametrize("kind", [GGML_TYPE_Q8_0, GGML_TYPE_Q5_0], ids=["Q8_0", "Q5_0"])
@@ -138,10 +150,8 @@ def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
     rng = np.random.default_rng(m * 100 + n_blocks + kind)
     w = weights(rng, kind, 1001, n_blocks)  # an odd row count: the last row has no partner
     acts = quantized(ggml_cpu, rng, m, n_blocks)
-    expected = ggml_matmul(ggml_cpu, kind, w, acts).view(np.uint32)
-    assert ours(kind, w, acts).view(np.uint32).tolist() == expected.tolist()
-    # Cut in shares (even bounds, as graphdraw.c's q0_matmul cuts them, and an odd one).
-    assert np.array_equal(ours(kind, w, acts, (2, 500, 777)).view(np.uint32), expected)
+    expected = ggml_matmul(ggml_cpu, kind, w, acts)
+    assert_the_same_bits(rowscan.library().ls_q0_matmul, kind, w, acts, expected)
 
 
 def test_other_weight_types_are_refused():

@@ -8,14 +8,12 @@ Gemma's tokens through whole passes, swapped and not: test_default_model.py."""
 from __future__ import annotations
 
 import ctypes
-import itertools
-from pathlib import Path
 
-import llama_cpp as llama
 import numpy as np
 import pytest
 
 from loomserve.worker.engine import rowscan
+from tests.worker.test_q0matmul import VEC_DOT_ARGTYPES, assert_the_same_bits, ggml_cpu_library
 
 QK_K = 256
 Q4_K = np.dtype(
@@ -37,20 +35,10 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def ggml_cpu():
-    lib = ctypes.CDLL(str(Path(llama.__file__).parent / "lib" / "libggml-cpu.so"))
-    lib.ggml_cpu_init()  # its fp16 tables
+    lib = ggml_cpu_library()
     lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     for vec_dot in (lib.ggml_vec_dot_q4_K_q8_K, lib.ggml_vec_dot_q6_K_q8_K):
-        vec_dot.argtypes = [
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-        ]
+        vec_dot.argtypes = VEC_DOT_ARGTYPES
     return lib
 
 
@@ -98,19 +86,6 @@ def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndar
     return out
 
 
-def ours(kind: int, w: np.ndarray, acts: np.ndarray, splits: tuple[int, ...] = ()) -> np.ndarray:
-    """qkmatmul.c's, the weight rows cut at `splits` as the threads of a pass cut them."""
-    n, n_blocks = w.shape
-    m = acts.shape[0]
-    out = np.full((m, n), np.nan, dtype=np.float32)
-    lib = rowscan.library()
-    for first, end in itertools.pairwise([0, *splits, n]):
-        assert lib.ls_qk_matmul(
-            w.ctypes.data, kind, n_blocks, first, end, acts.ctypes.data, m, out.ctypes.data, n
-        )
-    return out
-
-
 @pytest.mark.parametrize("kind", [GGML_TYPE_Q4_K, GGML_TYPE_Q6_K], ids=["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 33])
 @pytest.mark.parametrize("n_blocks", [3, 1])
@@ -118,10 +93,8 @@ def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
     rng = np.random.default_rng(m * 10 + n_blocks + kind)
     w = weights(rng, kind, 301, n_blocks)  # an odd row count: the last row has no partner
     acts = quantized(ggml_cpu, rng, m, n_blocks)
-    expected = ggml_matmul(ggml_cpu, kind, w, acts).view(np.uint32)
-    assert ours(kind, w, acts).view(np.uint32).tolist() == expected.tolist()
-    # Cut in shares (even bounds, as q0swap.c cuts them, and odd ones).
-    assert np.array_equal(ours(kind, w, acts, (2, 150, 201)).view(np.uint32), expected)
+    expected = ggml_matmul(ggml_cpu, kind, w, acts)
+    assert_the_same_bits(rowscan.library().ls_qk_matmul, kind, w, acts, expected)
 
 
 def test_other_weight_types_are_refused():

@@ -72,13 +72,7 @@ int ls_q0_matmul_supported(void) {
 #ifdef X86
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
 
-/* ggml's hsum_float_8: the high half onto the low, then pairs, then the last two. */
-TARGET static inline float lane_sum(__m256 x) {
-    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
+#include "lane_sum.h"
 
 /* Block b of a weight row as 32 signed bytes, and its scale. */
 TARGET static inline __m256i block_q8(const char *row, int64_t b, float *d) {

@@ -51,48 +51,40 @@ static int bound;                  /* ls_q0_bind found everything and the CPU ca
 static atomic_int q0_swap_on;      /* ls_q0_swap: swap the matmuls where it can */
 static atomic_long q0_swapped;     /* matmuls swapped, for tests and benchmarks */
 
-/* GGML_OP_CUSTOM in place of a MUL_MAT of Q8_0 or Q5_0 weights: each thread quantizes the
- * pass's activations as ggml does and computes its share of the weight rows (in pairs, for
- * q0matmul.c). */
-static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    (void)userdata;
-    const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
-    int64_t k = w->ne[0], n = w->ne[1], m = x->ne[1], nb = k / Q8_BLOCK;
-    int64_t pairs = (n + 1) / 2;
-    int64_t first = 2 * (pairs * ith / nth), end = 2 * (pairs * (ith + 1) / nth);
-    if (end > n) end = n;
-    if (first >= end) return;
-    int64_t ldo = (int64_t)(dst->nb[1] / sizeof(float));
-    float *out = dst->data;
-    char *acts = ls_q0_thread_buffer(0, (size_t)(m * nb * Q8_BLOCK_BYTES));
-    if (!acts) abort(); /* out of memory: as ggml's own allocations end */
-    for (int64_t j = 0; j < m; j++)
-        quantize_q8((const float *)((const char *)x->data + j * x->nb[1]),
-                    acts + j * nb * Q8_BLOCK_BYTES, k);
-    if (!ls_q0_matmul(w->data, w->type, nb, first, end, acts, m, out, ldo)) abort();
-}
+typedef int (*kernel_fn)(const void *weights, int type, int64_t nb, int64_t first_row,
+                         int64_t end_row, const void *acts, int64_t m, float *out, int64_t ldo);
 
-/* GGML_OP_CUSTOM in place of a MUL_MAT of Q4_K or Q6_K weights: each thread quantizes the
- * pass's activations to Q8_K as ggml does and computes its share of the weight rows (in
- * pairs, for qkmatmul.c). */
-static void qk_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    (void)userdata;
+/* This thread's share of a swapped matmul: it quantizes the pass's activations as ggml does
+ * for the weights' type (blocks of `block` floats, `block_bytes` bytes each), then runs the
+ * kernel on its share of the weight rows, cut in pairs. */
+static void run_swapped(struct ggml_tensor *dst, int ith, int nth, quantize_q8_fn quantize,
+                        int64_t block, int64_t block_bytes, kernel_fn kernel) {
     const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
-    int64_t k = w->ne[0], n = w->ne[1], m = x->ne[1], nb = k / QK_K;
+    int64_t k = w->ne[0], n = w->ne[1], m = x->ne[1], nb = k / block;
     int64_t pairs = (n + 1) / 2;
     int64_t first = 2 * (pairs * ith / nth), end = 2 * (pairs * (ith + 1) / nth);
     if (end > n) end = n;
     if (first >= end) return;
-    int64_t block_bytes = ls_q8k_block_bytes();
     char *acts = ls_q0_thread_buffer(0, (size_t)(m * nb * block_bytes));
     if (!acts) abort(); /* out of memory: as ggml's own allocations end */
     for (int64_t j = 0; j < m; j++)
-        quantize_q8k((const float *)((const char *)x->data + j * x->nb[1]),
-                     acts + j * nb * block_bytes, k);
-    float *out = dst->data;
-    if (!ls_qk_matmul(w->data, w->type, nb, first, end, acts, m, out,
-                      (int64_t)(dst->nb[1] / sizeof(float))))
+        quantize((const float *)((const char *)x->data + j * x->nb[1]), acts + j * nb * block_bytes,
+                 k);
+    if (!kernel(w->data, w->type, nb, first, end, acts, m, dst->data,
+                (int64_t)(dst->nb[1] / sizeof(float))))
         abort();
+}
+
+/* GGML_OP_CUSTOM in place of a MUL_MAT of Q8_0 or Q5_0 weights (q0matmul.c). */
+static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    run_swapped(dst, ith, nth, quantize_q8, Q8_BLOCK, Q8_BLOCK_BYTES, ls_q0_matmul);
+}
+
+/* And of Q4_K or Q6_K weights, their activations in Q8_K blocks (qkmatmul.c). */
+static void qk_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    run_swapped(dst, ith, nth, quantize_q8k, QK_K, ls_q8k_block_bytes(), ls_qk_matmul);
 }
 
 /* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights in host memory, as

@@ -71,13 +71,7 @@ int64_t ls_q8k_block_bytes(void) {
 #ifdef X86
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
 
-/* ggml's hsum_float_8: the high half onto the low, then pairs, then the last two. */
-TARGET static inline float lane_sum(__m256 x) {
-    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
+#include "lane_sum.h"
 
 /* The mins' four lanes summed as ggml sums them: lanes 0 + 2 and 1 + 3, then those two. */
 TARGET static inline float min_lane_sum(__m128 x) {
