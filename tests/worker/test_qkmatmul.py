@@ -1,7 +1,8 @@
-"""qkmatmul.c, the matmuls of Q4_K and Q6_K weights that q0swap.c swaps in for ggml's dot
-products: the same outputs to the bit as ggml_vec_dot_q4_K_q8_K and ggml_vec_dot_q6_K_q8_K,
+"""qkmatmul.c, the matmuls of Q4_K, Q5_K and Q6_K weights that q0swap.c swaps in for ggml's
+dot products: the same outputs to the bit as ggml_vec_dot_q4_K_q8_K, _q5_K_ and _q6_K_,
 called here through ctypes on llama.cpp's own ggml, the activations quantized by ggml's
-quantize_row_q8_K.
+quantize_row_q8_K. Ten superblocks a row: Q5_K's mins are summed into one float per
+superblock by a fused multiply-add in ggml's build, which an unfused sum fails from three.
 
 Gemma's tokens through whole passes, swapped and not: test_default_model.py."""
 
@@ -19,13 +20,22 @@ QK_K = 256
 Q4_K = np.dtype(
     [("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", (12,)), ("qs", "u1", (QK_K // 2,))]
 )  # ggml's block_q4_K, 144 bytes
+Q5_K = np.dtype(
+    [
+        ("d", "<f2"),
+        ("dmin", "<f2"),
+        ("scales", "u1", (12,)),
+        ("qh", "u1", (QK_K // 8,)),
+        ("qs", "u1", (QK_K // 2,)),
+    ]
+)  # ggml's block_q5_K, 176 bytes
 Q6_K = np.dtype(
     [("ql", "u1", (QK_K // 2,)), ("qh", "u1", (QK_K // 4,)), ("scales", "i1", (16,)), ("d", "<f2")]
 )  # ggml's block_q6_K, 210 bytes
 Q8_K = np.dtype([("d", "<f4"), ("qs", "i1", (QK_K,)), ("bsums", "<i2", (QK_K // 16,))])
 
-GGML_TYPE_Q4_K, GGML_TYPE_Q6_K = 12, 14
-TYPES = {GGML_TYPE_Q4_K: Q4_K, GGML_TYPE_Q6_K: Q6_K}
+GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K = 12, 13, 14
+TYPES = {GGML_TYPE_Q4_K: Q4_K, GGML_TYPE_Q5_K: Q5_K, GGML_TYPE_Q6_K: Q6_K}
 
 pytestmark = pytest.mark.skipif(
     rowscan.library() is None or not rowscan.library().ls_q0_matmul_supported(),
@@ -37,7 +47,11 @@ pytestmark = pytest.mark.skipif(
 def ggml_cpu():
     lib = ggml_cpu_library()
     lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    for vec_dot in (lib.ggml_vec_dot_q4_K_q8_K, lib.ggml_vec_dot_q6_K_q8_K):
+    for vec_dot in (
+        lib.ggml_vec_dot_q4_K_q8_K,
+        lib.ggml_vec_dot_q5_K_q8_K,
+        lib.ggml_vec_dot_q6_K_q8_K,
+    ):
         vec_dot.argtypes = VEC_DOT_ARGTYPES
     return lib
 
@@ -75,8 +89,11 @@ def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndar
     n, n_blocks = w.shape
     m = acts.shape[0]
     out = np.zeros((m, n), dtype=np.float32)
-    q4 = kind == GGML_TYPE_Q4_K
-    vec_dot = ggml_cpu.ggml_vec_dot_q4_K_q8_K if q4 else ggml_cpu.ggml_vec_dot_q6_K_q8_K
+    vec_dot = {
+        GGML_TYPE_Q4_K: ggml_cpu.ggml_vec_dot_q4_K_q8_K,
+        GGML_TYPE_Q5_K: ggml_cpu.ggml_vec_dot_q5_K_q8_K,
+        GGML_TYPE_Q6_K: ggml_cpu.ggml_vec_dot_q6_K_q8_K,
+    }[kind]
     for j in range(m):
         for r in range(n):
             vec_dot(
@@ -86,9 +103,9 @@ def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndar
     return out
 
 
-@pytest.mark.parametrize("kind", [GGML_TYPE_Q4_K, GGML_TYPE_Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", list(TYPES), ids=["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 33])
-@pytest.mark.parametrize("n_blocks", [3, 1])
+@pytest.mark.parametrize("n_blocks", [10, 3, 1])
 def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
     rng = np.random.default_rng(m * 10 + n_blocks + kind)
     w = weights(rng, kind, 301, n_blocks)  # an odd row count: the last row has no partner
@@ -100,7 +117,7 @@ def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
 def test_other_weight_types_are_refused():
     out = np.zeros((2, 4), dtype=np.float32)
     w, acts = np.zeros(4 * 144, dtype=np.uint8), np.zeros((2, 1), dtype=Q8_K)
-    q5_k = 13
+    q3_k = 11
     assert not rowscan.library().ls_qk_matmul(
-        w.ctypes.data, q5_k, 1, 0, 4, acts.ctypes.data, 2, out.ctypes.data, 4
+        w.ctypes.data, q3_k, 1, 0, 4, acts.ctypes.data, 2, out.ctypes.data, 4
     )

@@ -72,8 +72,8 @@ def cpu_matmul_environment(config: WorkerConfig) -> dict[str, str]:
     holds. The dot product is the faster for one row; the tiled matmul for many (on this
     project's 2-core Xeon, Gemma 3 270M: prefill 16-27 % faster, 16 sequences' decode 6 %,
     one sequence's 17 % slower; docs/scheduling.md). Where passes draw on an AVX-512 VNNI
-    CPU, q0swap.c runs the dot product's arithmetic for Q4_K and Q6_K on qkmatmul.c, faster
-    than either; it swaps them only with "dot"."""
+    CPU, q0swap.c runs the dot product's arithmetic for Q4_K, Q5_K and Q6_K on qkmatmul.c,
+    faster than either; it swaps them only with "dot"."""
     mode = config.cpu_matmul
     if mode == "auto":
         mode = "dot" if config.batch_invariant else "ggml"

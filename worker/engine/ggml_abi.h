@@ -13,6 +13,7 @@
 #define GGML_TYPE_Q5_0 6
 #define GGML_TYPE_Q8_0 8
 #define GGML_TYPE_Q4_K 12
+#define GGML_TYPE_Q5_K 13
 #define GGML_TYPE_Q6_K 14
 #define GGML_TYPE_I32 26
 #define GGML_OP_MUL_MAT 29

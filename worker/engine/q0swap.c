@@ -1,5 +1,5 @@
-/* ggml's matmuls of Q8_0 and Q5_0 weights swapped for q0matmul.c's, and of Q4_K and Q6_K
- * weights for qkmatmul.c's (where ggml keeps its dot product for K-quants), which give the
+/* ggml's matmuls of Q8_0 and Q5_0 weights swapped for q0matmul.c's, and of Q4_K, Q5_K and
+ * Q6_K weights for qkmatmul.c's (where ggml keeps its dot product for K-quants), which give the
  * same numbers to the bit, sooner, where the CPU has AVX-512 VNNI.
  *
  * The hook is graphdraw.c's sampler: llama.cpp builds every attached backend sampler into
@@ -81,7 +81,7 @@ static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata)
     run_swapped(dst, ith, nth, quantize_q8, Q8_BLOCK, Q8_BLOCK_BYTES, ls_q0_matmul);
 }
 
-/* And of Q4_K or Q6_K weights, their activations in Q8_K blocks (qkmatmul.c). */
+/* And of Q4_K, Q5_K or Q6_K weights, their activations in Q8_K blocks (qkmatmul.c). */
 static void qk_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
     run_swapped(dst, ith, nth, quantize_q8k, QK_K, ls_q8k_block_bytes(), ls_qk_matmul);
@@ -101,8 +101,9 @@ static int swap_matmul(struct ggml_tensor *t) {
     if ((w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && k % Q8_BLOCK == 0) {
         row_bytes = (size_t)ls_q0_row_bytes(w->type, k / Q8_BLOCK);
         kernel = q0_matmul;
-    } else if ((w->type == GGML_TYPE_Q4_K || w->type == GGML_TYPE_Q6_K) && k % QK_K == 0 &&
-               atomic_load(&kquant_swap_on)) {
+    } else if ((w->type == GGML_TYPE_Q4_K || w->type == GGML_TYPE_Q5_K ||
+                w->type == GGML_TYPE_Q6_K) &&
+               k % QK_K == 0 && atomic_load(&kquant_swap_on)) {
         row_bytes = (size_t)ls_qk_row_bytes(w->type, k / QK_K);
         kernel = qk_matmul;
     } else {
@@ -156,7 +157,7 @@ void ls_q0_swap(int on) {
     atomic_store(&q0_swap_on, on && bound);
 }
 
-/* Whether graphs built from now on swap Q4_K and Q6_K matmuls too: only where ggml would run
+/* Whether graphs built from now on swap Q4_K, Q5_K and Q6_K matmuls too: only where ggml would run
  * its dot product for them at every row count (the worker's `--cpu-matmul dot`), whose
  * arithmetic qkmatmul.c repeats; ggml's tiled matmul sums in another order. */
 void ls_q0_swap_kquants(int on) {

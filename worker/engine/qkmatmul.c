@@ -1,24 +1,26 @@
-/* The matmuls of Q4_K and Q6_K weights, with ggml's dot products' arithmetic to the bit and
- * in fewer instructions (q0swap.c swaps them into a pass's graph where the worker keeps
+/* The matmuls of Q4_K, Q5_K and Q6_K weights, with ggml's dot products' arithmetic to the bit
+ * and in fewer instructions (q0swap.c swaps them into a pass's graph where the worker keeps
  * ggml's dot product for K-quants: `--cpu-matmul dot`, batch invariance's default).
  *
  * Why: with batch invariance ggml multiplies K-quant weights one activation row and one
- * weight row at a time (ggml_vec_dot_q4_K_q8_K, ggml_vec_dot_q6_K_q8_K, 256 bits wide), for
- * every row of a pass, unpacking the weights again for each activation row. On Gemma 3 270M
- * (Q4_K_M) its Q4_K and Q6_K matrices are what is left to ggml of a pass once q0matmul.c
- * runs the Q8_0 and Q5_0 ones.
+ * weight row at a time (ggml_vec_dot_q4_K_q8_K and its kin, 256 bits wide), for every row of
+ * a pass, unpacking the weights again for each activation row. On Gemma 3 270M (Q4_K_M) its
+ * Q4_K and Q6_K matrices are what is left to ggml of a pass once q0matmul.c runs the Q8_0 and
+ * Q5_0 ones.
  *
  * Each output is computed as ggml's dot product computes it, per 256-weight superblock:
  * integer products in eight lanes (four weights a lane times their sub-block's scale; for
- * Q4_K beside them the mins times the activations' block sums in four lanes, for Q6_K the
- * weights' offset of 32 taken off through the block sums), all exact; converted to float,
- * times the superblock's factors (y.d * x.d; -y.d * x.dmin for the mins), fused-multiply-added
- * into the lanes' sums; then the lanes summed in ggml's order (hsum_float_8, and the four
- * mins' lanes in theirs). Integers add up the same in any order, so only the floats follow
- * ggml's. Here a 512-bit register holds two weight rows' lanes, a superblock of a weight
- * row pair is unpacked (its quants and scales) once for up to 16 activation rows, and each
- * 32 weights of one activation row cost a multiply-add of bytes and one of words (vpdpwssd).
- * The activations are Q8_K blocks as ggml's quantize_row_q8_K writes them.
+ * Q4_K beside them the mins times the activations' block sums in four lanes, for Q5_K the
+ * same summed to one integer, for Q6_K the weights' offset of 32 taken off through the block
+ * sums), all exact; converted to float, times the superblock's factors (y.d * x.d; -y.d *
+ * x.dmin for the mins), fused-multiply-added into the lanes' sums (Q5_K's mins into one float,
+ * as ggml's compiled `summs += dmin * ...` fuses them); then the lanes summed in ggml's order
+ * (hsum_float_8, and Q4_K's four mins' lanes in theirs). Integers add up the same in any
+ * order, so only the floats follow ggml's. Here a 512-bit register holds two weight rows'
+ * lanes, a superblock of a weight row pair is unpacked (its quants and scales) once for up to
+ * 16 activation rows, and each 32 weights of one activation row cost a multiply-add of bytes
+ * and one of words (vpdpwssd). The activations are Q8_K blocks as ggml's quantize_row_q8_K
+ * writes them. test_qkmatmul.py holds all three to the ggml that llama-cpp-python built.
  */
 
 #include <stdint.h>
@@ -40,6 +42,13 @@ typedef struct {
 } __attribute__((packed)) BlockQ4K;
 
 typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];   /* as Q4_K's */
+    uint8_t qh[QK_K / 8]; /* each weight's fifth bit: sub-block k's in bit k of 32 bytes */
+    uint8_t qs[QK_K / 2]; /* the low four bits, as Q4_K's */
+} __attribute__((packed)) BlockQ5K;
+
+typedef struct {
     uint8_t ql[QK_K / 2];    /* 6-bit weights: low four bits (two a byte) */
     uint8_t qh[QK_K / 4];    /* their high two bits (four a byte) */
     int8_t scales[QK_K / 16]; /* each 16 weights' scale */
@@ -55,11 +64,13 @@ typedef struct {
 int ls_q0_matmul_supported(void);
 
 #define TYPE_Q4_K 12 /* ggml's type numbers */
+#define TYPE_Q5_K 13
 #define TYPE_Q6_K 14
 
 /* Bytes a row of nb superblocks of a weight type takes; 0 for a type not served here. */
 int64_t ls_qk_row_bytes(int type, int64_t nb) {
     if (type == TYPE_Q4_K) return nb * (int64_t)sizeof(BlockQ4K);
+    if (type == TYPE_Q5_K) return nb * (int64_t)sizeof(BlockQ5K);
     if (type == TYPE_Q6_K) return nb * (int64_t)sizeof(BlockQ6K);
     return 0;
 }
@@ -115,14 +126,8 @@ TARGET static inline __m512i spread(__m512i words, int i, int j) {
         _mm512_inserti64x4(_mm512_set1_epi16((short)i), _mm256_set1_epi16((short)j), 1), words);
 }
 
-TARGET static inline void unpack_q4k(const void *w0, const void *w1, Unpacked *u) {
-    const BlockQ4K *x0 = w0, *x1 = w1;
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    for (int j = 0; j < 4; j++) {
-        __m512i bits = pair_of(x0->qs + 32 * j, x1->qs + 32 * j);
-        u->q[2 * j] = _mm512_and_si512(bits, m4);
-        u->q[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(bits, 4), m4);
-    }
+/* A Q4_K or Q5_K superblock pair's scales, mins and factors (the blocks start alike). */
+TARGET static inline void unpack_scales_q4k(const BlockQ4K *x0, const BlockQ4K *x1, Unpacked *u) {
     uint32_t t0[4], t1[4];
     scales_and_mins(x0->scales, t0);
     scales_and_mins(x1->scales, t1);
@@ -134,6 +139,17 @@ TARGET static inline void unpack_q4k(const void *w0, const void *w1, Unpacked *u
     u->d = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(x0->d)), _mm256_set1_ps(_cvtsh_ss(x1->d)), 1);
     u->dmin = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(_cvtsh_ss(x0->dmin))),
                                    _mm_set1_ps(_cvtsh_ss(x1->dmin)), 1);
+}
+
+TARGET static inline void unpack_q4k(const void *w0, const void *w1, Unpacked *u) {
+    const BlockQ4K *x0 = w0, *x1 = w1;
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    for (int j = 0; j < 4; j++) {
+        __m512i bits = pair_of(x0->qs + 32 * j, x1->qs + 32 * j);
+        u->q[2 * j] = _mm512_and_si512(bits, m4);
+        u->q[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(bits, 4), m4);
+    }
+    unpack_scales_q4k(x0, x1, u);
 }
 
 /* As ggml's dot product unpacks a Q6_K superblock: in each half of 128 weights, the low and
@@ -191,6 +207,37 @@ TARGET static inline void step_q4k(const Unpacked *u, const BlockQ8K *y, __m512 
     *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(products(u, y)), *acc);
 }
 
+/* A Q5_K superblock as ggml's dot product unpacks it: Q4_K's nibbles, each with its fifth
+ * bit (sub-block k's is bit k of the 32 high-bit bytes); scales and mins as Q4_K's. */
+TARGET static inline void unpack_q5k(const void *w0, const void *w1, Unpacked *u) {
+    const BlockQ5K *x0 = w0, *x1 = w1;
+    unpack_scales_q4k(w0, w1, u);
+    const __m512i m4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
+    __m512i high = pair_of(x0->qh, x1->qh);
+    for (int j = 0; j < 4; j++) {
+        __m512i bits = pair_of(x0->qs + 32 * j, x1->qs + 32 * j);
+        __m512i h0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2 * j), one), 4);
+        __m512i h1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2 * j + 1), one), 4);
+        u->q[2 * j] = _mm512_or_si512(_mm512_and_si512(bits, m4), h0);
+        u->q[2 * j + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m4), h1);
+    }
+}
+
+/* As Q4_K's, but ggml sums a row's four mins' products as one integer a superblock, times
+ * -y.d * x.dmin, into one float: lane 0 of acc_m for row 0, lane 4 for row 1. */
+TARGET static inline void step_q5k(const Unpacked *u, const BlockQ8K *y, __m512 *acc,
+                                   __m256 *acc_m) {
+    __m256i bsums = _mm256_loadu_si256((const __m256i *)y->bsums);
+    __m128i q8s = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+    __m256i prod = _mm256_madd_epi16(u->mins, _mm256_broadcastsi128_si256(q8s));
+    prod = _mm256_hadd_epi32(prod, prod);
+    prod = _mm256_hadd_epi32(prod, prod);
+    __m256 dmin = _mm256_mul_ps(_mm256_set1_ps(-y->d), u->dmin);
+    *acc_m = _mm256_fmadd_ps(dmin, _mm256_cvtepi32_ps(prod), *acc_m);
+    __m512 d = _mm512_mul_ps(_mm512_set1_ps(y->d), u->d);
+    *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(products(u, y)), *acc);
+}
+
 TARGET static inline void step_q6k(const Unpacked *u, const BlockQ8K *y, __m512 *acc,
                                    __m256 *acc_m) {
     (void)acc_m;
@@ -203,9 +250,19 @@ TARGET static inline void step_q6k(const Unpacked *u, const BlockQ8K *y, __m512 
     *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(products(u, y), offset)), *acc);
 }
 
+/* How ggml ends an output: the eight lanes' sum, plus the mins' four lanes summed in
+ * their order (Q4_K), or their one float (Q5_K), or nothing more (Q6_K). */
+enum { NO_MINS, MIN_LANES, MIN_SUM };
+
+TARGET static inline float finish(__m256 acc, __m128 acc_m, int mins) {
+    if (mins == MIN_LANES) return lane_sum(acc) + min_lane_sum(acc_m);
+    if (mins == MIN_SUM) return lane_sum(acc) + _mm_cvtss_f32(acc_m);
+    return lane_sum(acc);
+}
+
 /* Activation rows [first, first + count) against weight rows w0 and w1 (nb superblocks of
  * `block` bytes each); out1 NULL where w1 only stands in for a missing partner. */
-#define ROW_PAIR(name, unpack, step, has_mins)                                                  \
+#define ROW_PAIR(name, unpack, step, mins)                                                  \
     TARGET static void name(const char *w0, const char *w1, int64_t nb, int64_t block,        \
                             const BlockQ8K *acts, int64_t first, int count, float *out0,       \
                             float *out1, int64_t ldo) {                                        \
@@ -222,20 +279,17 @@ TARGET static inline void step_q6k(const Unpacked *u, const BlockQ8K *y, __m512 
                 step(&u, acts + (first + i) * nb + b, &acc[i], &acc_m[i]);                     \
         }                                                                                      \
         for (int i = 0; i < count; i++) {                                                      \
-            out0[(first + i) * ldo] =                                                          \
-                has_mins ? lane_sum(_mm512_castps512_ps256(acc[i])) +                          \
-                               min_lane_sum(_mm256_castps256_ps128(acc_m[i]))                  \
-                         : lane_sum(_mm512_castps512_ps256(acc[i]));                           \
+            out0[(first + i) * ldo] = finish(_mm512_castps512_ps256(acc[i]),                   \
+                                             _mm256_castps256_ps128(acc_m[i]), mins);          \
             if (out1)                                                                          \
-                out1[(first + i) * ldo] =                                                      \
-                    has_mins ? lane_sum(_mm512_extractf32x8_ps(acc[i], 1)) +                   \
-                                   min_lane_sum(_mm256_extractf128_ps(acc_m[i], 1))            \
-                             : lane_sum(_mm512_extractf32x8_ps(acc[i], 1));                    \
+                out1[(first + i) * ldo] = finish(_mm512_extractf32x8_ps(acc[i], 1),            \
+                                                 _mm256_extractf128_ps(acc_m[i], 1), mins);    \
         }                                                                                      \
     }
 
-ROW_PAIR(row_pair_q4k, unpack_q4k, step_q4k, 1)
-ROW_PAIR(row_pair_q6k, unpack_q6k, step_q6k, 0)
+ROW_PAIR(row_pair_q4k, unpack_q4k, step_q4k, MIN_LANES)
+ROW_PAIR(row_pair_q5k, unpack_q5k, step_q5k, MIN_SUM)
+ROW_PAIR(row_pair_q6k, unpack_q6k, step_q6k, NO_MINS)
 
 TARGET static void matmul_avx512(const char *weights, int type, int64_t nb, int64_t first_row,
                                  int64_t end_row, const BlockQ8K *acts, int64_t m, float *out,
@@ -256,6 +310,8 @@ TARGET static void matmul_avx512(const char *weights, int type, int64_t nb, int6
                 float *out1 = paired ? out + r + 1 : NULL;
                 if (type == TYPE_Q4_K)
                     row_pair_q4k(w0, w1, nb, block, acts, j, count, out + r, out1, ldo);
+                else if (type == TYPE_Q5_K)
+                    row_pair_q5k(w0, w1, nb, block, acts, j, count, out + r, out1, ldo);
                 else
                     row_pair_q6k(w0, w1, nb, block, acts, j, count, out + r, out1, ldo);
             }
@@ -264,10 +320,10 @@ TARGET static void matmul_avx512(const char *weights, int type, int64_t nb, int6
 }
 #endif
 
-/* out[j * ldo + r] for weight rows r in [first_row, end_row) of a Q4_K or Q6_K matrix
+/* out[j * ldo + r] for weight rows r in [first_row, end_row) of a Q4_K, Q5_K or Q6_K matrix
  * (`type`, ggml's number; nb superblocks a row) and the m activation rows `acts` (Q8_K blocks
- * as ggml quantized them): ggml's ggml_vec_dot_q4_K_q8_K or ggml_vec_dot_q6_K_q8_K to the
- * bit. Returns 0 (nothing written) for another type or where this CPU lacks AVX-512 VNNI. */
+ * as ggml quantized them): ggml's ggml_vec_dot_q4_K_q8_K, _q5_K_ or _q6_K_ to the bit.
+ * Returns 0 (nothing written) for another type or where this CPU lacks AVX-512 VNNI. */
 int ls_qk_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,
                  const void *acts, int64_t m, float *out, int64_t ldo) {
 #ifdef X86
