@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from loomserve.worker.engine import rowscan
-from loomserve.worker.engine.graph_draw import graph_draw_library
+from loomserve.worker.engine.graph_draw import SWAPPED_TYPES, graph_draw_library
 
 QK = 32
 Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])  # ggml's block_q8_0, 34 bytes
@@ -182,3 +182,30 @@ def test_the_swap_binds_wherever_the_kernel_runs():
         assert lib.ls_q0_bind(
             str(libs / "libggml-base.so").encode(), str(libs / "libggml-cpu.so").encode()
         )
+    # Binding checked every type's kernel against this ggml's own dot product.
+    assert all(lib.ls_q0_swappable(kind) for kind in SWAPPED_TYPES)
+    assert not lib.ls_q0_swappable(2)  # Q4_0: no kernel
+
+
+# Each swapped type's dot product in ggml, and that of a type of smaller blocks (which reads
+# no further than the row it is given).
+VEC_DOTS = {
+    GGML_TYPE_Q8_0: ("ggml_vec_dot_q8_0_q8_0", "ggml_vec_dot_q5_0_q8_0"),
+    GGML_TYPE_Q5_0: ("ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q4_0_q8_0"),
+    12: ("ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q3_K_q8_K"),
+    13: ("ggml_vec_dot_q5_K_q8_K", "ggml_vec_dot_q4_K_q8_K"),
+    14: ("ggml_vec_dot_q6_K_q8_K", "ggml_vec_dot_q4_K_q8_K"),
+}
+
+
+@pytest.mark.parametrize("kind", list(VEC_DOTS), ids=list(SWAPPED_TYPES.values()))
+def test_the_check_at_binding_finds_a_kernel_that_differs(kind):
+    """What decides which types are swapped: the kernel against ggml's own dot product for
+    the type, output for output. Against another type's dot product it disagrees."""
+    lib, ggml_cpu = graph_draw_library(), ggml_cpu_library()
+    assert lib is not None
+    right, wrong = (
+        ctypes.cast(getattr(ggml_cpu, name), ctypes.c_void_p) for name in VEC_DOTS[kind]
+    )
+    assert lib.ls_q0_check(kind, right)
+    assert not lib.ls_q0_check(kind, wrong)

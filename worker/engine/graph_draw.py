@@ -69,6 +69,10 @@ class DrawState(ctypes.Structure):
     ]
 
 
+# ggml's numbers of the weight types whose matmuls q0swap.c can swap (q0matmul.c, qkmatmul.c).
+SWAPPED_TYPES = {8: "Q8_0", 6: "Q5_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
 @functools.cache
 def graph_draw_library() -> Any | None:
     """rowscan's library, bound to the ggml that llama.cpp loaded; None where the draw cannot
@@ -86,8 +90,15 @@ def graph_draw_library() -> Any | None:
     # The matmuls that passes which draw run instead of ggml's (q0matmul.c: the same numbers,
     # sooner), where the CPU can.
     ggml_cpu = libs / "libggml-cpu.so"
-    if ggml_cpu.exists():
-        lib.ls_q0_bind(str(ggml_base).encode(), str(ggml_cpu).encode())
+    if ggml_cpu.exists() and lib.ls_q0_bind(str(ggml_base).encode(), str(ggml_cpu).encode()):
+        # Each type is checked against this ggml's own dot product as it binds.
+        differing = [name for kind, name in SWAPPED_TYPES.items() if not lib.ls_q0_swappable(kind)]
+        if differing:
+            log.warning(
+                "this ggml's dot product differs from loomserve's kernel for these weights; "
+                "they stay on ggml's",
+                types=differing,
+            )
     return lib
 
 

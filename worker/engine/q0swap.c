@@ -6,7 +6,9 @@
  * each pass's graph, and the sampler hands the graph here, which turns each MUL_MAT that
  * q0matmul.c serves into a GGML_OP_CUSTOM running it on llama.cpp's threads. A pass built with
  * no sampler attached runs ggml's own; the numbers cannot tell the two apart, so batch
- * invariance holds either way.
+ * invariance holds either way. That rests on the kernels repeating the arithmetic of the ggml
+ * that is loaded, so ls_q0_bind checks each type against ggml's own dot product first and
+ * leaves any type that differs (another llama.cpp, another build) to ggml.
  */
 
 #include <dlfcn.h>
@@ -40,6 +42,9 @@ typedef bool (*buffer_is_host_fn)(void *);
 typedef int (*graph_n_nodes_fn)(void *);
 typedef struct ggml_tensor *(*graph_node_fn)(void *, int);
 typedef void (*quantize_q8_fn)(const float *, void *, int64_t);
+typedef void (*vec_dot_fn)(int n, float *out, size_t, const void *weights, size_t,
+                           const void *acts, size_t, int rows);
+typedef void (*init_fn)(void);
 
 static buffer_is_host_fn buffer_is_host;
 static graph_n_nodes_fn graph_n_nodes;
@@ -48,6 +53,7 @@ static quantize_q8_fn quantize_q8;  /* ggml-cpu's quantize_row_q8_0 */
 static quantize_q8_fn quantize_q8k; /* and quantize_row_q8_K */
 static atomic_int kquant_swap_on;   /* ls_q0_swap_kquants: ggml keeps its dot product for them */
 static int bound;                  /* ls_q0_bind found everything and the CPU can */
+static uint32_t swappable;         /* 1 << type for each type whose check agreed */
 static atomic_int q0_swap_on;      /* ls_q0_swap: swap the matmuls where it can */
 static atomic_long q0_swapped;     /* matmuls swapped, for tests and benchmarks */
 
@@ -98,6 +104,7 @@ static int swap_matmul(struct ggml_tensor *t) {
     int64_t k = w->ne[0];
     size_t row_bytes;
     void (*kernel)(struct ggml_tensor *, int, int, void *);
+    if (w->type < 0 || w->type > 31 || !(swappable & (1u << w->type))) return 0;
     if ((w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && k % Q8_BLOCK == 0) {
         row_bytes = (size_t)ls_q0_row_bytes(w->type, k / Q8_BLOCK);
         kernel = q0_matmul;
@@ -130,6 +137,70 @@ void ls_q0_swap_graph(void *graph) {
         if (swap_matmul(graph_node(graph, i))) atomic_fetch_add(&q0_swapped, 1);
 }
 
+#define CHECK_K 768   /* weights a row in the check: 24 blocks of 32, 3 superblocks */
+#define CHECK_ROWS 5  /* weight rows: two pairs and one alone */
+#define CHECK_M 3     /* activation rows */
+
+static uint32_t next_random(uint32_t *state) {
+    *state = *state * 1664525u + 1013904223u;
+    return *state >> 8;
+}
+
+/* Whether the kernel for weights of `type` gives the numbers of `vec_dot` (ggml's dot product
+ * for them): five rows of pseudo-random weights (their fp16 factors finite, of either sign)
+ * against three rows of activations that ggml's quantizer wrote, output for output. */
+static int agrees(int type, vec_dot_fn vec_dot) {
+    int kquant = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K;
+    quantize_q8_fn quantize = kquant ? quantize_q8k : quantize_q8;
+    kernel_fn kernel = kquant ? ls_qk_matmul : ls_q0_matmul;
+    int64_t block = kquant ? QK_K : Q8_BLOCK, nb = CHECK_K / block;
+    int64_t row_bytes = kquant ? ls_qk_row_bytes(type, nb) : ls_q0_row_bytes(type, nb);
+    int64_t act_row_bytes = nb * (kquant ? ls_q8k_block_bytes() : Q8_BLOCK_BYTES);
+    if (!quantize || !vec_dot || row_bytes <= 0) return 0;
+    /* Where each block keeps its fp16 factors: d (and dmin) first, Q6_K's d last. */
+    int64_t block_bytes = row_bytes / nb, halves[2] = {0, 2};
+    int n_halves = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K ? 2 : 1;
+    if (type == GGML_TYPE_Q6_K) halves[0] = block_bytes - 2;
+    unsigned char *w = malloc((size_t)(CHECK_ROWS * row_bytes));
+    unsigned char *acts = malloc((size_t)(CHECK_M * act_row_bytes));
+    float x[CHECK_K], ours[CHECK_M * CHECK_ROWS];
+    int same = w && acts;
+    uint32_t state = 12345u + (uint32_t)type;
+    for (int64_t i = 0; same && i < CHECK_ROWS * row_bytes; i++)
+        w[i] = (unsigned char)next_random(&state);
+    for (int64_t b = 0; same && b < CHECK_ROWS * nb; b++)
+        for (int h = 0; h < n_halves; h++) {
+            uint32_t r = next_random(&state);
+            uint16_t half = (uint16_t)(0x1000 + (r & 0x7ff) + ((r >> 11) & 1) * 0x8000);
+            memcpy(w + b * block_bytes + halves[h], &half, sizeof half);
+        }
+    for (int j = 0; same && j < CHECK_M; j++) {
+        for (int i = 0; i < CHECK_K; i++)
+            x[i] = (float)((int)(next_random(&state) % 2001) - 1000) / 250.0f;
+        quantize(x, acts + j * act_row_bytes, CHECK_K);
+    }
+    same = same && kernel(w, type, nb, 0, CHECK_ROWS, acts, CHECK_M, ours, CHECK_ROWS);
+    for (int j = 0; same && j < CHECK_M; j++)
+        for (int r = 0; same && r < CHECK_ROWS; r++) {
+            float ref;
+            vec_dot(CHECK_K, &ref, 0, w + r * row_bytes, 0, acts + j * act_row_bytes, 0, 1);
+            same = memcmp(&ref, &ours[j * CHECK_ROWS + r], sizeof ref) == 0;
+        }
+    free(w);
+    free(acts);
+    return same;
+}
+
+/* ls_q0_bind's check of one type, with `vec_dot` as ggml's dot product for it (for tests). */
+int ls_q0_check(int type, void *vec_dot) {
+    return agrees(type, (vec_dot_fn)vec_dot);
+}
+
+/* Whether matmuls of weights of `type` are swapped (bound, and its check agreed). */
+int ls_q0_swappable(int type) {
+    return type >= 0 && type <= 31 && (swappable >> type & 1u);
+}
+
 /* ggml's calls from the libraries at ggml_base and ggml_cpu (llama.cpp loaded them already):
  * the graph's, and ggml-cpu's quantizer for the activations; then the matmuls of Q8_0 and
  * Q5_0 weights are swapped (ls_q0_swap) where the CPU has AVX-512 VNNI. Returns whether they
@@ -146,6 +217,21 @@ int ls_q0_bind(const char *ggml_base, const char *ggml_cpu) {
     int can = op_name && strcmp(op_name(GGML_OP_MUL_MAT), "MUL_MAT") == 0 &&
               strcmp(op_name(GGML_OP_CUSTOM), "CUSTOM") == 0 && buffer_is_host &&
               graph_n_nodes && graph_node && quantize_q8 && ls_q0_matmul_supported();
+    /* Each type's kernel against ggml's own dot product (its fp16 tables set up first). */
+    static const struct {
+        int type;
+        const char *vec_dot;
+    } types[] = {{GGML_TYPE_Q8_0, "ggml_vec_dot_q8_0_q8_0"},
+                 {GGML_TYPE_Q5_0, "ggml_vec_dot_q5_0_q8_0"},
+                 {GGML_TYPE_Q4_K, "ggml_vec_dot_q4_K_q8_K"},
+                 {GGML_TYPE_Q5_K, "ggml_vec_dot_q5_K_q8_K"},
+                 {GGML_TYPE_Q6_K, "ggml_vec_dot_q6_K_q8_K"}};
+    init_fn cpu_init = (init_fn)dlsym(cpu, "ggml_cpu_init");
+    if (can && cpu_init) cpu_init();
+    swappable = 0;
+    for (size_t i = 0; can && cpu_init && i < sizeof types / sizeof types[0]; i++)
+        if (agrees(types[i].type, (vec_dot_fn)dlsym(cpu, types[i].vec_dot)))
+            swappable |= 1u << types[i].type;
     bound = can;
     atomic_store(&q0_swap_on, can);
     return can;

@@ -120,6 +120,11 @@ TARGET static inline __m512i pair_of(const uint8_t *a, const uint8_t *b) {
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
 
+/* Two rows' fp16 factors: row 0's in lanes 0-7, row 1's in 8-15. */
+TARGET static inline __m512 factors(uint16_t d0, uint16_t d1) {
+    return _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(d0)), _mm256_set1_ps(_cvtsh_ss(d1)), 1);
+}
+
 /* Word i of `words` in each of row 0's 16 lanes, word j in row 1's. */
 TARGET static inline __m512i spread(__m512i words, int i, int j) {
     return _mm512_permutexvar_epi16(
@@ -136,7 +141,7 @@ TARGET static inline void unpack_scales_q4k(const BlockQ4K *x0, const BlockQ4K *
         _mm256_cvtepu8_epi16(_mm_set_epi32((int)t1[1], (int)t1[0], (int)t0[1], (int)t0[0])));
     for (int c = 0; c < 8; c++) u->scale[c] = spread(scales, c, 8 + c);
     u->mins = _mm256_cvtepu8_epi16(_mm_set_epi32((int)t1[3], (int)t1[2], (int)t0[3], (int)t0[2]));
-    u->d = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(x0->d)), _mm256_set1_ps(_cvtsh_ss(x1->d)), 1);
+    u->d = factors(x0->d, x1->d);
     u->dmin = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(_cvtsh_ss(x0->dmin))),
                                    _mm_set1_ps(_cvtsh_ss(x1->dmin)), 1);
 }
@@ -176,12 +181,13 @@ TARGET static inline void unpack_q6k(const void *w0, const void *w1, Unpacked *u
         _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x0->scales))),
         _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x1->scales)), 1);
     for (int c = 0; c < 8; c++) {
-        __m256i i0 = _mm256_set_m128i(_mm_set1_epi16((short)(2 * c + 1)), _mm_set1_epi16((short)(2 * c)));
-        __m256i i1 = _mm256_set_m128i(_mm_set1_epi16((short)(2 * c + 17)), _mm_set1_epi16((short)(2 * c + 16)));
+        short first = (short)(2 * c);
+        __m256i i0 = _mm256_set_m128i(_mm_set1_epi16(first + 1), _mm_set1_epi16(first));
+        __m256i i1 = _mm256_set_m128i(_mm_set1_epi16(first + 17), _mm_set1_epi16(first + 16));
         u->scale[c] = _mm512_permutexvar_epi16(
             _mm512_inserti64x4(_mm512_castsi256_si512(i0), i1, 1), u->scales);
     }
-    u->d = _mm512_insertf32x8(_mm512_set1_ps(_cvtsh_ss(x0->d)), _mm256_set1_ps(_cvtsh_ss(x1->d)), 1);
+    u->d = factors(x0->d, x1->d);
 }
 
 /* The eight lanes' integer sums of an activation superblock against an unpacked pair: each
@@ -216,8 +222,10 @@ TARGET static inline void unpack_q5k(const void *w0, const void *w1, Unpacked *u
     __m512i high = pair_of(x0->qh, x1->qh);
     for (int j = 0; j < 4; j++) {
         __m512i bits = pair_of(x0->qs + 32 * j, x1->qs + 32 * j);
-        __m512i h0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2 * j), one), 4);
-        __m512i h1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2 * j + 1), one), 4);
+        __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(high, 2 * j), one);
+        __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(high, 2 * j + 1), one);
+        h0 = _mm512_slli_epi16(h0, 4);
+        h1 = _mm512_slli_epi16(h1, 4);
         u->q[2 * j] = _mm512_or_si512(_mm512_and_si512(bits, m4), h0);
         u->q[2 * j + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bits, 4), m4), h1);
     }

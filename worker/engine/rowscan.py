@@ -80,6 +80,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_q0_swap": ([ctypes.c_int], None),
     "ls_q0_swapped": ([], _LENGTH),
     "ls_q0_swap_kquants": ([ctypes.c_int], None),
+    "ls_q0_swappable": ([ctypes.c_int], ctypes.c_int),
+    "ls_q0_check": ([ctypes.c_int, ctypes.c_void_p], ctypes.c_int),
     "ls_qk_matmul": (
         [_ROW, ctypes.c_int, _LENGTH, _LENGTH, _LENGTH, _ROW, _LENGTH, _ROW, _LENGTH],
         ctypes.c_int,
