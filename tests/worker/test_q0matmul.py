@@ -1,7 +1,7 @@
-"""q0matmul.c, the matmuls of Q8_0 and Q5_0 weights that graphdraw.c swaps in for ggml's:
-the same outputs to the bit as ggml's own kernels (llamafile's sgemm for two rows and more,
-ggml_vec_dot_q8_0_q8_0 and ggml_vec_dot_q5_0_q8_0 for one), called here through ctypes on
-llama.cpp's own ggml.
+"""q0matmul.c, the matmuls of Q8_0, Q5_0 and Q4_0 weights that q0swap.c swaps in for
+ggml's: the same outputs to the bit as ggml's own kernels (llamafile's sgemm for two rows and
+more, ggml_vec_dot_q8_0_q8_0 and its kin for one), called here through ctypes on llama.cpp's
+own ggml; and the check q0swap.c runs as it binds.
 
 Gemma's tokens through whole passes, swapped and not: test_default_model.py."""
 
@@ -21,8 +21,9 @@ from loomserve.worker.engine.graph_draw import SWAPPED_TYPES, graph_draw_library
 QK = 32
 Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (QK,))])  # ggml's block_q8_0, 34 bytes
 Q5_0 = np.dtype([("d", "<f2"), ("qh", "u1", (4,)), ("qs", "u1", (QK // 2,))])  # 22 bytes
-GGML_TYPE_F32, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0 = 0, 6, 8
-TYPES = {GGML_TYPE_Q8_0: Q8_0, GGML_TYPE_Q5_0: Q5_0}
+Q4_0 = np.dtype([("d", "<f2"), ("qs", "u1", (QK // 2,))])  # 18 bytes
+GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0 = 0, 2, 6, 8
+TYPES = {GGML_TYPE_Q8_0: Q8_0, GGML_TYPE_Q5_0: Q5_0, GGML_TYPE_Q4_0: Q4_0}
 
 pytestmark = pytest.mark.skipif(
     rowscan.library() is None or not rowscan.library().ls_q0_matmul_supported(),
@@ -59,7 +60,11 @@ def ggml_cpu_library() -> ctypes.CDLL:
 def ggml_cpu():
     lib = ggml_cpu_library()
     lib.quantize_row_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    for vec_dot in (lib.ggml_vec_dot_q8_0_q8_0, lib.ggml_vec_dot_q5_0_q8_0):
+    for vec_dot in (
+        lib.ggml_vec_dot_q8_0_q8_0,
+        lib.ggml_vec_dot_q5_0_q8_0,
+        lib.ggml_vec_dot_q4_0_q8_0,
+    ):
         vec_dot.argtypes = VEC_DOT_ARGTYPES
     lib.llamafile_sgemm.restype = ctypes.c_bool
     lib.llamafile_sgemm.argtypes = [
@@ -82,8 +87,9 @@ def weights(rng: np.random.Generator, kind: int, rows: int, n_blocks: int) -> np
     if kind == GGML_TYPE_Q8_0:
         w["qs"] = rng.integers(-127, 128, size=(rows, n_blocks, QK))
     else:
-        w["qh"] = rng.integers(0, 256, size=(rows, n_blocks, 4))
         w["qs"] = rng.integers(0, 256, size=(rows, n_blocks, QK // 2))
+    if kind == GGML_TYPE_Q5_0:
+        w["qh"] = rng.integers(0, 256, size=(rows, n_blocks, 4))
     return w
 
 
@@ -103,8 +109,11 @@ def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndar
     m = acts.shape[0]
     out = np.zeros((m, n), dtype=np.float32)
     if m == 1:  # llamafile's sgemm declines one row: ggml's dot product, a row at a time
-        q8 = kind == GGML_TYPE_Q8_0
-        vec_dot = ggml_cpu.ggml_vec_dot_q8_0_q8_0 if q8 else ggml_cpu.ggml_vec_dot_q5_0_q8_0
+        vec_dot = {
+            GGML_TYPE_Q8_0: ggml_cpu.ggml_vec_dot_q8_0_q8_0,
+            GGML_TYPE_Q5_0: ggml_cpu.ggml_vec_dot_q5_0_q8_0,
+            GGML_TYPE_Q4_0: ggml_cpu.ggml_vec_dot_q4_0_q8_0,
+        }[kind]
         for r in range(n):
             vec_dot(
                 n_blocks * QK, out[0, r:].ctypes.data, 0, w[r].ctypes.data, 0,
@@ -143,7 +152,7 @@ def assert_the_same_bits(kernel, kind: int, w: np.ndarray, acts: np.ndarray, exp
     assert np.array_equal(cut_among_threads(kernel, kind, w, acts, splits).view(np.uint32), bits)
 
 
-@pytest.mark.parametrize("kind", [GGML_TYPE_Q8_0, GGML_TYPE_Q5_0], ids=["Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", list(TYPES), ids=["Q8_0", "Q5_0", "Q4_0"])
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 40])
 @pytest.mark.parametrize("n_blocks", [20, 3])
 def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
@@ -159,9 +168,9 @@ def test_other_weight_types_are_refused():
     w, acts = weights(rng, GGML_TYPE_Q8_0, 4, 2), np.zeros((2, 2), dtype=Q8_0)
     out = np.zeros((2, 4), dtype=np.float32)
     lib = rowscan.library()
-    q4_0 = 2
+    q4_1 = 3
     assert not lib.ls_q0_matmul(
-        w.ctypes.data, q4_0, 2, 0, 4, acts.ctypes.data, 2, out.ctypes.data, 4
+        w.ctypes.data, q4_1, 2, 0, 4, acts.ctypes.data, 2, out.ctypes.data, 4
     )
 
 
@@ -184,7 +193,7 @@ def test_the_swap_binds_wherever_the_kernel_runs():
         )
     # Binding checked every type's kernel against this ggml's own dot product.
     assert all(lib.ls_q0_swappable(kind) for kind in SWAPPED_TYPES)
-    assert not lib.ls_q0_swappable(2)  # Q4_0: no kernel
+    assert not lib.ls_q0_swappable(3)  # Q4_1: no kernel
 
 
 # Each swapped type's dot product in ggml, and that of a type of smaller blocks (which reads
@@ -192,6 +201,7 @@ def test_the_swap_binds_wherever_the_kernel_runs():
 VEC_DOTS = {
     GGML_TYPE_Q8_0: ("ggml_vec_dot_q8_0_q8_0", "ggml_vec_dot_q5_0_q8_0"),
     GGML_TYPE_Q5_0: ("ggml_vec_dot_q5_0_q8_0", "ggml_vec_dot_q4_0_q8_0"),
+    GGML_TYPE_Q4_0: ("ggml_vec_dot_q4_0_q8_0", "ggml_vec_dot_iq4_nl_q8_0"),
     12: ("ggml_vec_dot_q4_K_q8_K", "ggml_vec_dot_q3_K_q8_K"),
     13: ("ggml_vec_dot_q5_K_q8_K", "ggml_vec_dot_q4_K_q8_K"),
     14: ("ggml_vec_dot_q6_K_q8_K", "ggml_vec_dot_q4_K_q8_K"),

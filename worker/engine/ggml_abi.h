@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #define GGML_TYPE_F32 0
+#define GGML_TYPE_Q4_0 2
 #define GGML_TYPE_Q5_0 6
 #define GGML_TYPE_Q8_0 8
 #define GGML_TYPE_Q4_K 12

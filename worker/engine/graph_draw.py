@@ -70,7 +70,7 @@ class DrawState(ctypes.Structure):
 
 
 # ggml's numbers of the weight types whose matmuls q0swap.c can swap (q0matmul.c, qkmatmul.c).
-SWAPPED_TYPES = {8: "Q8_0", 6: "Q5_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+SWAPPED_TYPES = {8: "Q8_0", 6: "Q5_0", 2: "Q4_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-/* The matmuls of Q8_0 and Q5_0 weights, with llama.cpp's arithmetic to the bit and in fewer
- * instructions (graphdraw.c swaps them into the graph of a pass that draws).
+/* The matmuls of Q8_0, Q5_0 and Q4_0 weights, with llama.cpp's arithmetic to the bit and in
+ * fewer instructions (q0swap.c swaps them into the graph of a pass that draws).
  *
  * Why: on a CPU these are most of a decode pass for a small model with a large vocabulary.
  * On Gemma 3 270M (Q4_K_M) the tied output matrix, 262,144 x 640 in Q8_0, took 47 % of a pass
@@ -15,8 +15,8 @@
  * fixed order (hsum_float_8). Here a 512-bit register holds two weight rows' lanes, and the
  * activations go in unsigned (offset by 128, the offset's product subtracted again, exact),
  * so a block pair of one activation row costs five instructions where ggml spends about
- * fourteen. The activations are quantized by ggml's own quantize_row_q8_0, and a Q5_0 block
- * is unpacked to bytes as ggml unpacks it.
+ * fourteen. The activations are quantized by ggml's own quantize_row_q8_0, and a Q5_0 or Q4_0
+ * block is unpacked to bytes as ggml unpacks it.
  *
  * Measured on this project's Xeon (one thread, Gemma's 262,144 x 640 Q8_0 matrix, random
  * weights): 64 rows 200 ms against ggml's 284, 16 rows 65 against 88, 4 rows 36 against 42,
@@ -38,7 +38,8 @@
 #define ROWS_AT_ONCE 16 /* activation rows a pass over a weight row pair keeps in registers */
 #define CHUNK_BYTES (256 * 1024) /* weight rows a group of activation rows passes over */
 
-#define TYPE_Q5_0 6 /* ggml's type numbers */
+#define TYPE_Q4_0 2 /* ggml's type numbers */
+#define TYPE_Q5_0 6
 #define TYPE_Q8_0 8
 
 typedef struct {
@@ -52,8 +53,14 @@ typedef struct {
     uint8_t qs[QK / 2]; /* its low four bits: weight j in byte j % 16, high nibble from 16 */
 } __attribute__((packed)) BlockQ5;
 
+typedef struct {
+    uint16_t d;
+    uint8_t qs[QK / 2]; /* 4-bit weights plus 8: weight j in byte j % 16, high nibble from 16 */
+} __attribute__((packed)) BlockQ4;
+
 /* Bytes a row of nb blocks of a weight type takes; 0 for a type not served here. */
 int64_t ls_q0_row_bytes(int type, int64_t nb) {
+    if (type == TYPE_Q4_0) return nb * (int64_t)sizeof(BlockQ4);
     if (type == TYPE_Q8_0) return nb * (int64_t)sizeof(BlockQ8);
     if (type == TYPE_Q5_0) return nb * (int64_t)sizeof(BlockQ5);
     return 0;
@@ -93,6 +100,17 @@ TARGET static inline __m256i block_q5(const char *row, int64_t b, float *d) {
     uint32_t high;
     memcpy(&high, x->qh, sizeof high);
     return _mm256_or_si256(nibbles, _mm256_maskz_mov_epi8(~high, _mm256_set1_epi8((char)0xF0)));
+}
+
+/* A Q4_0 block as ggml unpacks it: the low nibbles, then the high ones, each minus 8. */
+TARGET static inline __m256i block_q4(const char *row, int64_t b, float *d) {
+    const BlockQ4 *x = (const BlockQ4 *)row + b;
+    *d = _cvtsh_ss(x->d);
+    __m128i qs = _mm_loadu_si128((const __m128i *)x->qs);
+    __m256i nibbles = _mm256_and_si256(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1),
+        _mm256_set1_epi8(15));
+    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
 }
 
 /* Rows [first, first + count) of the activations against weight rows r0 and r1 (nb blocks
@@ -136,6 +154,7 @@ TARGET static inline __m512 block_step(__m512i w, __m512i w_offset, __m512 dw, c
 
 ROW_PAIR(row_pair_q8, block_q8)
 ROW_PAIR(row_pair_q5, block_q5)
+ROW_PAIR(row_pair_q4, block_q4)
 
 /* A last weight row without a partner: the same arithmetic, 256 bits wide. */
 TARGET static void single_row(const char *r0, int type, int64_t nb, const uint8_t *au,
@@ -144,7 +163,9 @@ TARGET static void single_row(const char *r0, int type, int64_t nb, const uint8_
         __m256 sum = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
             float dw;
-            __m256i w = type == TYPE_Q8_0 ? block_q8(r0, b, &dw) : block_q5(r0, b, &dw);
+            __m256i w = type == TYPE_Q8_0   ? block_q8(r0, b, &dw)
+                        : type == TYPE_Q5_0 ? block_q5(r0, b, &dw)
+                                            : block_q4(r0, b, &dw);
             __m256i a = _mm256_load_si256((const __m256i *)(au + (j * nb + b) * QK));
             __m256i dot = _mm256_sub_epi32(
                 _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, w),
@@ -177,12 +198,13 @@ TARGET static void matmul_avx512(const char *weights, int type, int64_t nb, int6
             int count = m - j < ROWS_AT_ONCE ? (int)(m - j) : ROWS_AT_ONCE;
             for (int64_t r = start; r < stop; r += 2) {
                 const char *r0 = weights + r * row_bytes;
+                const char *r1 = r0 + row_bytes;
                 if (type == TYPE_Q8_0)
-                    row_pair_q8(r0, r0 + row_bytes, nb, au, ad, j, count, out + r, out + r + 1,
-                                ldo);
+                    row_pair_q8(r0, r1, nb, au, ad, j, count, out + r, out + r + 1, ldo);
+                else if (type == TYPE_Q5_0)
+                    row_pair_q5(r0, r1, nb, au, ad, j, count, out + r, out + r + 1, ldo);
                 else
-                    row_pair_q5(r0, r0 + row_bytes, nb, au, ad, j, count, out + r, out + r + 1,
-                                ldo);
+                    row_pair_q4(r0, r1, nb, au, ad, j, count, out + r, out + r + 1, ldo);
             }
         }
     }
@@ -205,8 +227,8 @@ void *ls_q0_thread_buffer(int slot, size_t bytes) {
     return buffers[slot];
 }
 
-/* out[j * ldo + r] for weight rows r in [first_row, end_row) of a Q8_0 or Q5_0 matrix (`type`,
- * ggml's number; nb blocks a row) and the m activation rows `acts` (Q8_0 blocks as ggml
+/* out[j * ldo + r] for weight rows r in [first_row, end_row) of a Q8_0, Q5_0 or Q4_0 matrix
+ * (`type`, ggml's number; nb blocks a row) and the m activation rows `acts` (Q8_0 blocks as ggml
  * quantized them): ggml's outputs to the bit. Returns 0 (nothing written) for another type,
  * where this CPU lacks AVX-512 VNNI, or where memory runs out. */
 int ls_q0_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,

@@ -1,4 +1,4 @@
-/* ggml's matmuls of Q8_0 and Q5_0 weights swapped for q0matmul.c's, and of Q4_K, Q5_K and
+/* ggml's matmuls of Q8_0, Q5_0 and Q4_0 weights swapped for q0matmul.c's, and of Q4_K, Q5_K and
  * Q6_K weights for qkmatmul.c's (where ggml keeps its dot product for K-quants), which give the
  * same numbers to the bit, sooner, where the CPU has AVX-512 VNNI.
  *
@@ -81,7 +81,7 @@ static void run_swapped(struct ggml_tensor *dst, int ith, int nth, quantize_q8_f
         abort();
 }
 
-/* GGML_OP_CUSTOM in place of a MUL_MAT of Q8_0 or Q5_0 weights (q0matmul.c). */
+/* GGML_OP_CUSTOM in place of a MUL_MAT of Q8_0, Q5_0 or Q4_0 weights (q0matmul.c). */
 static void q0_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
     run_swapped(dst, ith, nth, quantize_q8, Q8_BLOCK, Q8_BLOCK_BYTES, ls_q0_matmul);
@@ -105,7 +105,8 @@ static int swap_matmul(struct ggml_tensor *t) {
     size_t row_bytes;
     void (*kernel)(struct ggml_tensor *, int, int, void *);
     if (w->type < 0 || w->type > 31 || !(swappable & (1u << w->type))) return 0;
-    if ((w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0) && k % Q8_BLOCK == 0) {
+    if ((w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q5_0 || w->type == GGML_TYPE_Q4_0) &&
+        k % Q8_BLOCK == 0) {
         row_bytes = (size_t)ls_q0_row_bytes(w->type, k / Q8_BLOCK);
         kernel = q0_matmul;
     } else if ((w->type == GGML_TYPE_Q4_K || w->type == GGML_TYPE_Q5_K ||
@@ -222,6 +223,7 @@ int ls_q0_bind(const char *ggml_base, const char *ggml_cpu) {
         int type;
         const char *vec_dot;
     } types[] = {{GGML_TYPE_Q8_0, "ggml_vec_dot_q8_0_q8_0"},
+                 {GGML_TYPE_Q4_0, "ggml_vec_dot_q4_0_q8_0"},
                  {GGML_TYPE_Q5_0, "ggml_vec_dot_q5_0_q8_0"},
                  {GGML_TYPE_Q4_K, "ggml_vec_dot_q4_K_q8_K"},
                  {GGML_TYPE_Q5_K, "ggml_vec_dot_q5_K_q8_K"},
