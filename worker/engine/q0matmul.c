@@ -88,29 +88,30 @@ TARGET static inline __m256i block_q8(const char *row, int64_t b, float *d) {
     return _mm256_loadu_si256((const __m256i *)x->qs);
 }
 
-/* A Q5_0 block as ggml's dot product unpacks it: the low nibbles, then the high ones, each
- * minus 16 unless its fifth bit is set (0xF0 or'ed into the byte where it is clear). */
+/* 16 bytes of 4-bit weights as ggml unpacks them: the low nibbles, then the high ones. */
+TARGET static inline __m256i nibbles(const uint8_t *qs) {
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(
+        _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+        _mm256_set1_epi8(15));
+}
+
+/* A Q5_0 block as ggml's dot product unpacks it: its nibbles, each minus 16 unless its fifth
+ * bit is set (0xF0 or'ed into the byte where it is clear). */
 TARGET static inline __m256i block_q5(const char *row, int64_t b, float *d) {
     const BlockQ5 *x = (const BlockQ5 *)row + b;
     *d = _cvtsh_ss(x->d);
-    __m128i qs = _mm_loadu_si128((const __m128i *)x->qs);
-    __m256i nibbles = _mm256_and_si256(
-        _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1),
-        _mm256_set1_epi8(15));
     uint32_t high;
     memcpy(&high, x->qh, sizeof high);
-    return _mm256_or_si256(nibbles, _mm256_maskz_mov_epi8(~high, _mm256_set1_epi8((char)0xF0)));
+    return _mm256_or_si256(nibbles(x->qs),
+                           _mm256_maskz_mov_epi8(~high, _mm256_set1_epi8((char)0xF0)));
 }
 
-/* A Q4_0 block as ggml unpacks it: the low nibbles, then the high ones, each minus 8. */
+/* A Q4_0 block as ggml unpacks it: its nibbles, each minus 8. */
 TARGET static inline __m256i block_q4(const char *row, int64_t b, float *d) {
     const BlockQ4 *x = (const BlockQ4 *)row + b;
     *d = _cvtsh_ss(x->d);
-    __m128i qs = _mm_loadu_si128((const __m128i *)x->qs);
-    __m256i nibbles = _mm256_and_si256(
-        _mm256_inserti128_si256(_mm256_castsi128_si256(qs), _mm_srli_epi16(qs, 4), 1),
-        _mm256_set1_epi8(15));
-    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+    return _mm256_sub_epi8(nibbles(x->qs), _mm256_set1_epi8(8));
 }
 
 /* Rows [first, first + count) of the activations against weight rows r0 and r1 (nb blocks
