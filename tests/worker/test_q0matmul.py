@@ -93,15 +93,22 @@ def weights(rng: np.random.Generator, kind: int, rows: int, n_blocks: int) -> np
     return w
 
 
-def quantized(ggml_cpu, rng: np.random.Generator, rows: int, n_blocks: int) -> np.ndarray:
-    """Activations quantized by ggml's quantize_row_q8_0, as the mul_mat quantizes them."""
-    floats = (rng.standard_normal((rows, n_blocks * QK)) * rng.uniform(0.1, 5, (rows, 1))).astype(
-        np.float32
-    )
-    blocks = np.zeros((rows, n_blocks), dtype=Q8_0)
+def quantized_by(
+    quantize, block: np.dtype, rng: np.random.Generator, rows: int, n_blocks: int
+) -> np.ndarray:
+    """Activations quantized by one of ggml's quantizers into its `block`s, as the mul_mat
+    quantizes them."""
+    n = n_blocks * block["qs"].shape[0]
+    floats = (rng.standard_normal((rows, n)) * rng.uniform(0.1, 5, (rows, 1))).astype(np.float32)
+    blocks = np.zeros((rows, n_blocks), dtype=block)
     for r in range(rows):
-        ggml_cpu.quantize_row_q8_0(floats[r].ctypes.data, blocks[r].ctypes.data, n_blocks * QK)
+        quantize(floats[r].ctypes.data, blocks[r].ctypes.data, n)
     return blocks
+
+
+def quantized(ggml_cpu, rng: np.random.Generator, rows: int, n_blocks: int) -> np.ndarray:
+    """Activations as quantize_row_q8_0 writes them."""
+    return quantized_by(ggml_cpu.quantize_row_q8_0, Q8_0, rng, rows, n_blocks)
 
 
 def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndarray:

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 
 from loomserve.worker.engine import rowscan
-from tests.worker.test_q0matmul import VEC_DOT_ARGTYPES, assert_the_same_bits, ggml_cpu_library
+from tests.worker.test_q0matmul import (
+    VEC_DOT_ARGTYPES,
+    assert_the_same_bits,
+    ggml_cpu_library,
+    quantized_by,
+)
 
 QK_K = 256
 Q4_K = np.dtype(
@@ -73,14 +78,8 @@ def weights(rng: np.random.Generator, kind: int, rows: int, n_blocks: int) -> np
 
 
 def quantized(ggml_cpu, rng: np.random.Generator, rows: int, n_blocks: int) -> np.ndarray:
-    """Activations quantized by ggml's quantize_row_q8_K, as its mul_mat quantizes them."""
-    floats = (rng.standard_normal((rows, n_blocks * QK_K)) * rng.uniform(0.1, 5, (rows, 1))).astype(
-        np.float32
-    )
-    blocks = np.zeros((rows, n_blocks), dtype=Q8_K)
-    for r in range(rows):
-        ggml_cpu.quantize_row_q8_K(floats[r].ctypes.data, blocks[r].ctypes.data, n_blocks * QK_K)
-    return blocks
+    """Activations as quantize_row_q8_K writes them."""
+    return quantized_by(ggml_cpu.quantize_row_q8_K, Q8_K, rng, rows, n_blocks)
 
 
 def ggml_matmul(ggml_cpu, kind: int, w: np.ndarray, acts: np.ndarray) -> np.ndarray:
