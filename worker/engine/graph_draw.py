@@ -87,8 +87,8 @@ def graph_draw_library() -> Any | None:
     ggml_base = libs / "libggml-base.so"
     if not ggml_base.exists() or not lib.ls_graph_bind(str(ggml_base).encode()):
         return None
-    # The matmuls that passes which draw run instead of ggml's (q0matmul.c: the same numbers,
-    # sooner), where the CPU can.
+    # The matmuls that passes which draw run instead of ggml's (q0matmul.c, qkmatmul.c: the
+    # same numbers, sooner), where the CPU can.
     ggml_cpu = libs / "libggml-cpu.so"
     if ggml_cpu.exists() and lib.ls_q0_bind(str(ggml_base).encode(), str(ggml_cpu).encode()):
         # Each type is checked against this ggml's own dot product as it binds.

@@ -75,7 +75,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_graph_iface": ([], ctypes.c_void_p),
     "ls_graph_draw_bytes": ([], _LENGTH),
     "ls_graph_bind": ([ctypes.c_char_p], ctypes.c_int),
-    # q0matmul.c's matmuls, which graphdraw.c swaps into passes that draw
+    # q0matmul.c's and qkmatmul.c's matmuls, which q0swap.c swaps into passes that draw
     "ls_q0_bind": ([ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int),
     "ls_q0_swap": ([ctypes.c_int], None),
     "ls_q0_swapped": ([], _LENGTH),
