@@ -44,6 +44,7 @@ from loomserve.gateway.http.json_route import OffLoopJSONRoute
 from loomserve.gateway.http.middleware import (
     AccessMiddleware,
     AuthMiddleware,
+    BarePathMiddleware,
     BodyLimitMiddleware,
 )
 from loomserve.gateway.http.ops import models_router, slots_router, status_router
@@ -147,6 +148,7 @@ def create_app(
     # Outside the body limit (no key, no body read), inside the access log (401s counted).
     app.add_middleware(AuthMiddleware, tenants=config.api_keys, priorities=config.key_priorities)
     app.add_middleware(AccessMiddleware, metrics=metrics)
+    app.add_middleware(BarePathMiddleware)  # outside the keys and the log: they see /v1 paths
     if config.otlp_endpoint is not None:
         tracing.enable()
         app.add_middleware(TracingMiddleware)  # outside the access middleware: sees the id

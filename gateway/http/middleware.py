@@ -24,6 +24,48 @@ QUIET_PATHS = frozenset({"/health", "/live", "/metrics", "/slots", "/status"})
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+# The API's paths without their /v1, as llama-server and vLLM-style proxies also answer them:
+# a client given a bare base URL (http://host:8000) still finds them. /models/load and
+# /models/unload are the model manager's own routes, never an alias.
+BARE_PATHS = frozenset(
+    {
+        "/chat/completions",
+        "/completions",
+        "/embeddings",
+        "/models",
+        "/responses",
+        "/responses/input_tokens",
+        "/messages",
+        "/messages/count_tokens",
+    }
+)
+MANAGER_PATHS = frozenset({"/models/load", "/models/unload"})
+
+
+def v1_path(method: str, path: str) -> str | None:
+    """The /v1 route a bare API path stands for; None for any other path."""
+    if path in BARE_PATHS:
+        return "/v1" + path
+    if method == "GET" and path.startswith("/models/") and path not in MANAGER_PATHS:
+        return "/v1" + path  # one model's card
+    return None
+
+
+class BarePathMiddleware:
+    """Routes the bare paths (v1_path) to their /v1 routes, before anything reads the path:
+    keys, error shapes and logs see the one route. /openapi.json lists each route once."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            routed = v1_path(scope["method"], scope["path"])
+            if routed is not None:
+                scope = {**scope, "path": routed, "raw_path": routed.encode()}
+        await self.app(scope, receive, send)
+
+
 class BodyLimitMiddleware:
     """413 for bodies over max_bytes, by Content-Length or by counting a streamed body; 408
     for a body that takes longer than timeout to arrive (a slow-body attack holds no slot).
