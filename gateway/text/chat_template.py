@@ -81,6 +81,7 @@ class Renderer(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> str: ...
 
 
@@ -143,9 +144,11 @@ class BuiltinChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for messages (each a dict with role and string content). Tools are
-        not rendered: tools/template.py probes that, and writes them as a system prompt."""
+        not rendered: tools/template.py probes that, and writes them as a system prompt; nor
+        are kwargs (chat_template_kwargs): the format is C++ code that reads none."""
         # The C strings must live until the call returns: keep the encoded bytes here.
         encoded = [(m["role"].encode(), str(m.get("content") or "").encode()) for m in messages]
         chat = (llama_cpp.llama_chat_message * len(encoded))(
@@ -215,19 +218,23 @@ class ChatTemplate:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for messages (dicts with role and string content, and tool calls),
-        with the OpenAI tool definitions the request gave (None, as HF passes, when none)."""
+        with the OpenAI tool definitions the request gave (None, as HF passes, when none) and
+        chat_template_kwargs as more variables (enable_thinking...; they cannot replace the
+        ones HF passes)."""
         try:
-            return self._template.render(
-                messages=messages,
-                tools=tools,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                add_generation_prompt=add_generation_prompt,
-                raise_exception=_raise_exception,
-                strftime_now=lambda fmt: datetime.now().strftime(fmt),
-            )
+            variables = {
+                "messages": messages,
+                "tools": tools,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+                "add_generation_prompt": add_generation_prompt,
+                "raise_exception": _raise_exception,
+                "strftime_now": lambda fmt: datetime.now().strftime(fmt),
+            }
+            return self._template.render({**(kwargs or {}), **variables})
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, RecursionError) as exc:

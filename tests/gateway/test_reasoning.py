@@ -1,0 +1,183 @@
+"""The reasoning families and the splitter (gateway/text/reasoning.py): detection from real
+chat templates (llama.cpp's models/templates, copied into tests/data/templates), and each
+family's output split whole and one character at a time, with the same result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loomserve.gateway.text.chat_template import ChatTemplate
+from loomserve.gateway.text.reasoning import (
+    AfterReasoning,
+    ReasoningSplitter,
+    Split,
+    choose_family,
+    detect_family,
+    family_named,
+    family_names,
+    split_whole,
+)
+from loomserve.gateway.text.stop import StopMatch, StopMatcher
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "templates"
+
+DETECTED = {
+    "Qwen-Qwen3-0.6B.jinja": "deepseek_r1",
+    "Qwen-QwQ-32B.jinja": "deepseek_r1",
+    "Qwen3.5-4B.jinja": "deepseek_r1",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja": "deepseek_r1",
+    "deepseek-ai-DeepSeek-V3.1.jinja": "deepseek_r1",
+    "GLM-4.6.jinja": "deepseek_r1",
+    "HuggingFaceTB-SmolLM3-3B.jinja": "deepseek_r1",
+    "NVIDIA-Nemotron-Nano-v2.jinja": "deepseek_r1",
+    "Kimi-K2-Thinking.jinja": "deepseek_r1",
+    "MiniMax-M2.jinja": "deepseek_r1",
+    "openai-gpt-oss-120b.jinja": "gpt_oss",
+    "mistralai-Ministral-3-14B-Reasoning-2512.jinja": "mistral",
+    "ByteDance-Seed-OSS.jinja": "seed_oss",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": "command_r7b",
+    "Qwen-Qwen2.5-7B-Instruct.jinja": None,
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": None,
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": None,
+}
+
+
+@pytest.mark.parametrize(("name", "family"), sorted(DETECTED.items()))
+def test_family_detected_from_the_template(name: str, family: str | None) -> None:
+    found = detect_family((TEMPLATES / name).read_text())
+    assert (found.name if found else None) == family
+
+
+def _render(name: str, **kwargs: object) -> str:
+    template = ChatTemplate((TEMPLATES / name).read_text(), "<s>", "</s>")
+    return template.render([{"role": "user", "content": "Hi"}], kwargs=kwargs)
+
+
+def test_starts_inside_read_off_the_rendered_prompt() -> None:
+    r1 = family_named("deepseek_r1")
+    # DeepSeek-R1's and Qwen3.5's templates open the block in the prompt; Qwen3's leaves it
+    # to the model, and with enable_thinking false closes an empty one.
+    r1_distill = "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"
+    assert r1.starts_inside(_render(r1_distill, enable_thinking=True))
+    assert r1.starts_inside(_render("Qwen3.5-4B.jinja"))
+    assert not r1.starts_inside(_render("Qwen3.5-4B.jinja", enable_thinking=False))
+    assert r1.starts_inside(_render("deepseek-ai-DeepSeek-V3.1.jinja", thinking=True))
+    assert not r1.starts_inside(_render("deepseek-ai-DeepSeek-V3.1.jinja"))
+    assert not r1.starts_inside(_render("Qwen-Qwen3-0.6B.jinja"))
+    off = _render("Qwen-Qwen3-0.6B.jinja", enable_thinking=False)
+    assert off.endswith("<think>\n\n</think>\n\n")
+    assert not r1.starts_inside(off)
+
+
+def test_names_and_choice() -> None:
+    names = family_names()
+    assert {"deepseek_r1", "qwen3", "gpt_oss", "mistral", "seed_oss"} <= set(names)
+    assert family_named("qwen3").name == "deepseek_r1"
+    with pytest.raises(ValueError, match=r"auto, none, .*deepseek_r1"):
+        family_named("nope")
+    assert choose_family("none", "<think>") is None
+    assert choose_family("auto", "plain") is None
+    family = choose_family("auto", "{{ '<think>' }}")
+    assert family is not None and family.name == "deepseek_r1"
+    family = choose_family("mistral", "{{ '<think>' }}")
+    assert family is not None and family.name == "mistral"
+
+
+# (family, starts inside, output, reasoning, content)
+CASES = [
+    ("deepseek_r1", False, "<think>\nabc\n</think>\n\nAnswer", "abc", "Answer"),
+    ("deepseek_r1", True, "abc </think>Answer.", "abc", "Answer."),
+    ("deepseek_r1", True, "<think>\nabc</think>Answer", "abc", "Answer"),
+    ("deepseek_r1", False, "Plain answer, no thinking.", "", "Plain answer, no thinking."),
+    ("deepseek_r1", False, "<think>\n\n</think>\n\nOnly the answer", "", "Only the answer"),
+    ("deepseek_r1", False, "<think>cut inside the blo", "cut inside the blo", ""),
+    (
+        "deepseek_r1",
+        True,
+        "cut inside, then half a marker </thi",
+        "cut inside, then half a marker </thi",
+        "",
+    ),
+    ("deepseek_r1", False, "<thin", "", "<thin"),
+    ("deepseek_r1", False, "<think>a<b</think>x </think> y", "a<b", "x </think> y"),
+    ("deepseek_r1", False, "<think>ünïcødé 思考</think>答え", "ünïcødé 思考", "答え"),
+    ("mistral", False, "[THINK]Let me see.[/THINK]42", "Let me see.", "42"),
+    ("seed_oss", False, "<seed:think>hmm</seed:think>Yes", "hmm", "Yes"),
+    ("kimi_vl", False, "◁think▷deep◁/think▷shallow", "deep", "shallow"),
+    (
+        "gpt_oss",
+        False,
+        "<|channel|>analysis<|message|>User says hi.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hello!",
+        "User says hi.",
+        "Hello!",
+    ),
+    ("gpt_oss", False, "<|channel|>final<|message|>Hello!", "", "Hello!"),
+    (
+        "command_r7b",
+        False,
+        "<|START_THINKING|>plan<|END_THINKING|><|START_RESPONSE|>Done",
+        "plan",
+        "Done",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "inside", "text", "reasoning", "content"), CASES)
+def test_split_whole_and_one_character_at_a_time(
+    name: str, inside: bool, text: str, reasoning: str, content: str
+) -> None:
+    family = family_named(name)
+    assert split_whole(family, inside, text) == Split(reasoning, content)
+    splitter = ReasoningSplitter(family, inside)
+    got = Split()
+    for char in text:
+        part = splitter.push(char)
+        got.reasoning += part.reasoning
+        got.content += part.content
+        if part.content:  # the answer never comes before reasoning that follows it
+            assert not splitter.push("").reasoning
+    rest = splitter.finish()
+    assert Split(got.reasoning + rest.reasoning, got.content + rest.content) == Split(
+        reasoning, content
+    )
+
+
+def test_only_a_possible_marker_is_held_back() -> None:
+    splitter = ReasoningSplitter(family_named("deepseek_r1"))
+    assert splitter.push("<thi") == Split()  # may be the start of <think>
+    assert splitter.push("nk>Some") == Split("Some", "")
+    assert splitter.push(" more </th") == Split(" more", "")  # " </th" may end it
+    assert splitter.push("ink>\nAns") == Split("", "Ans")
+    assert splitter.push("wer") == Split("", "wer")
+
+
+class _Ends:
+    """A matcher that ends the reply once it reads CALL (a test double for ToolCallEnd)."""
+
+    def __init__(self) -> None:
+        self.read = ""
+
+    def push(self, text: str) -> StopMatch:
+        self.read += text
+        return StopMatch(text, "CALL" in self.read)
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_after_reasoning_shows_the_tools_end_only_the_answer() -> None:
+    inner = _Ends()
+    matcher = AfterReasoning(
+        StopMatcher(("STOP",)), ReasoningSplitter(family_named("deepseek_r1")), inner
+    )
+    assert matcher.push("<think>I could CALL it") == StopMatch("<think>I could CALL it", False)
+    assert matcher.push("</think>So: CA") == StopMatch("</think>So: CA", False)
+    assert inner.read == "So: CA"
+    assert matcher.push("LL now").matched
+    stops = AfterReasoning(
+        StopMatcher(("STOP",)), ReasoningSplitter(family_named("mistral")), inner
+    )
+    assert stops.push("[THINK]x STOP") == StopMatch("[THINK]x ", True)
