@@ -13,12 +13,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-# The head of a call written name first; the arguments' JSON starts right after it.
-_CALL_HEAD = re.compile(
-    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:'
-)
+# The head of a call written name first (after Command-R's "tool_call_id", if any); the
+# arguments' JSON starts right after it.
+_ID = r'(?:"tool_call_id"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*)?'
+_NAME = r"\{\s*" + _ID + r'"(?:name|tool_name)"\s*:\s*"((?:[^"\\]|\\.)*)"'
+_CALL_HEAD = re.compile(_NAME + r'\s*,\s*"(?:arguments|parameters)"\s*:')
 # The head of a call cut short before its arguments: only its name is known.
-_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CALL_NAME = re.compile(_NAME)
 _HEAD_LIMIT = 512  # characters; past this an object is not written name first
 
 
@@ -102,7 +103,10 @@ def as_call(text: str) -> tuple[str, str] | None:
         value: Any = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name", value.get("tool_name"))  # Command-R: "tool_name"
+    if not isinstance(name, str):
         return None
     key = "arguments" if "arguments" in value else "parameters"
     if key not in value:
@@ -110,7 +114,7 @@ def as_call(text: str) -> tuple[str, str] | None:
     arguments = value[key]
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return value["name"], arguments
+    return name, arguments
 
 
 def _unquote(body: str) -> str:

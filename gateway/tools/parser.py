@@ -183,10 +183,11 @@ class ToolCallParser:
         if buffer[0] == "{":
             self._mode, self._object = "object", CallObject()
             return True
-        if buffer[0] == "]" and closes is None:
+        if buffer[0] == "]":  # a list of calls ends (before the closing marker, if any)
             self._run_text += "]"
             self._buffer = buffer[1:]
-            self._end_run()
+            if closes is None:
+                self._end_run()
             return True
         if closes is not None:
             if buffer.startswith(closes):
