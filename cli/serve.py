@@ -27,6 +27,7 @@ import structlog
 from loomserve.cli.default_model import MODELS_MAX, NamedModel
 from loomserve.cli.models import ManagedModel, ModelManager
 from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
+from loomserve.worker.host_cpus import default_cpu_budget
 from loomserve.worker.openmp import spin_environment
 
 log = structlog.get_logger(__name__)
@@ -103,10 +104,9 @@ def shares_cores(plan: ServePlan) -> bool:
 
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # what this process may use (containers, taskset)
-    except AttributeError:
-        return os.cpu_count() or 1
+    # What this process may keep busy: its affinity mask (cpusets, taskset), or its cgroup's
+    # CPU quota (a container's CPU limit) where that is smaller.
+    return default_cpu_budget().count
 
 
 def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click.Command) -> int:
@@ -129,6 +129,8 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
             workers=[e for each in endpoints for e in each],
             gpus=list(plan.gpus) or None,
             threads=plan.options.get("threads"),
+            cpus=_cores(),
+            cpus_from=default_cpu_budget().source,
             models={model.name: str(model.path) for model in plan.models},
             models_max=plan.models_max if plan.managed else None,
         )

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from loomserve.protocol.settings import setting
+from loomserve.worker.host_cpus import CpuBudget, thread_budget
 from loomserve.worker.host_memory import memory_limit_bytes
 
 MIB = 1024**2
@@ -53,10 +53,12 @@ class WorkerConfig:
         -1,
         help="Layers to offload to the GPU; -1 for all (when built with a GPU backend).",
     )
-    # 0: the machine's cores
+    # 0: the CPUs this worker may use: its affinity mask, or its cgroup's CPU quota where
+    # that is smaller (host_cpus.py)
     threads: int = setting(
         0,
-        help="CPU threads for llama.cpp; 0 for all cores.",
+        help="CPU threads for llama.cpp; 0: the CPUs this worker may use (its affinity mask, "
+        "or its container's CPU quota where that is smaller).",
     )
     # 0: one a llama.cpp thread, up to sampling.py's MAX_SAMPLING_THREADS
     sampling_threads: int = setting(
@@ -419,4 +421,10 @@ class WorkerConfig:
 
     @property
     def n_threads(self) -> int:
-        return self.threads or os.cpu_count() or 1
+        """llama.cpp's threads: --threads, else the CPUs this worker may use (host_cpus.py)."""
+        return self.thread_budget.count
+
+    @property
+    def thread_budget(self) -> CpuBudget:
+        """n_threads and where it came from (the option, the affinity mask, a CPU quota)."""
+        return thread_budget(self.threads)

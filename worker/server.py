@@ -235,6 +235,7 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
         layers=model.n_layers,
         runs_on=model.runs_on,
         threads=config.n_threads,
+        threads_from=config.thread_budget.source,  # option, affinity, or a cgroup quota
         vocab_fingerprint=info.vocab_fingerprint[:16],
     )
     log.info(

@@ -345,6 +345,29 @@ def test_defaults_make_a_cpu_deployment() -> None:
     assert env_of(one(objects, "StatefulSet", "worker"))["LOOMSERVE_LOG_JSON"] == "true"
 
 
+@pytest.mark.parametrize(
+    ("cpu", "threads"), [("2", "2"), (4, "4"), ("1500m", "2"), ("250m", "1"), (0.5, "1")]
+)
+def test_a_cpu_workers_threads_match_its_cpu_limit(cpu: str | float, threads: str) -> None:
+    """The default worker requests and limits the same CPUs (a limit above the request is
+    throttled whenever the node is busy) and runs one llama.cpp thread per CPU of the limit,
+    rounded up as the worker reads a quota itself (worker/host_cpus.py)."""
+    resources = container(one(render({}), "StatefulSet", "worker"))["resources"]
+    assert resources["requests"]["cpu"] == resources["limits"]["cpu"] == "2"
+    assert env_of(one(render({}), "StatefulSet", "worker"))["LOOMSERVE_THREADS"] == "2"
+    limited = render({"worker": {"resources": {"limits": {"cpu": cpu}}}})
+    assert env_of(one(limited, "StatefulSet", "worker"))["LOOMSERVE_THREADS"] == threads
+
+
+def test_worker_env_threads_and_no_cpu_limit_are_respected() -> None:
+    chosen = render({"worker": {"env": {"LOOMSERVE_THREADS": 6}}})
+    assert env_of(one(chosen, "StatefulSet", "worker"))["LOOMSERVE_THREADS"] == "6"
+    unlimited = render({"worker": {"resources": {"limits": {"cpu": None}}}})
+    statefulset = one(unlimited, "StatefulSet", "worker")
+    assert "cpu" not in container(statefulset)["resources"]["limits"]
+    assert "LOOMSERVE_THREADS" not in env_of(statefulset)  # the worker reads its mask or quota
+
+
 def test_one_model_keeps_the_objects_it_always_had() -> None:
     """Without `models`, one group of `worker`: its names and selector as before, so an
     upgrade keeps the StatefulSet (whose selector cannot change) and the gateways' endpoint."""
@@ -381,7 +404,7 @@ def test_each_model_gets_a_worker_group_named_after_it() -> None:
     assert container(chat)["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert container(embed)["resources"] == {
         "requests": {"cpu": "2", "memory": "2Gi"},
-        "limits": {"memory": "2Gi"},
+        "limits": {"cpu": "2", "memory": "2Gi"},
     }
     # Autoscaling per group: `worker` turns it on, the chat model off again (its replicas are
     # fixed), the embedding model scales on its own workers' queue with its own bounds.

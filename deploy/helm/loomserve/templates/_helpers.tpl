@@ -71,6 +71,17 @@ overrides both. Anything but a LOOMSERVE_* name is refused: it would be silently
 {{- end }}
 {{- end }}
 
+{{/* Threads for a CPU quantity ("2", 2, "1500m", "0.5"): whole CPUs rounded up, at least 1,
+as the worker itself reads a CPU quota (worker/host_cpus.py). */}}
+{{- define "loomserve.cpuThreads" -}}
+{{- $cpu := toString . }}
+{{- if hasSuffix "m" $cpu }}
+{{- max 1 (div (add (atoi (trimSuffix "m" $cpu)) 999) 1000) }}
+{{- else }}
+{{- max 1 (int (ceil (float64 $cpu))) }}
+{{- end }}
+{{- end }}
+
 {{/* prometheus.io scrape annotations for a port and path, when metrics.podAnnotations. */}}
 {{- define "loomserve.scrapeAnnotations" -}}
 {{- if .root.Values.metrics.podAnnotations }}
