@@ -104,6 +104,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None  # the same while loomserve's version and model are
     choices: list[ChatChoice]
     usage: Usage
 

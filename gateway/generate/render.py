@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cache
+from importlib.metadata import version
 from typing import Any
 
 from loomserve.gateway.api.errors import APIError
@@ -29,6 +32,14 @@ DONE_EVENT = "data: [DONE]\n\n"
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying JSON."""
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@cache
+def system_fingerprint(model: str) -> str:
+    """OpenAI's `system_fingerprint`: what served the answer, the same until loomserve's
+    version or the model changes (clients log it, or key caches of answers on it)."""
+    served_by = f"loomserve {version('loomserve')} {model}".encode()
+    return "fp_" + hashlib.sha256(served_by).hexdigest()[:10]
 
 
 def error_event(error: APIError) -> str:
@@ -124,8 +135,15 @@ class StreamChunks:
 
     def _head(self) -> dict[str, Any]:
         r = self.request
-        kind = "chat.completion.chunk" if r.chat else "text_completion"
-        return {"id": r.id, "object": kind, "created": r.created, "model": r.model}
+        if not r.chat:
+            return {"id": r.id, "object": "text_completion", "created": r.created, "model": r.model}
+        return {
+            "id": r.id,
+            "object": "chat.completion.chunk",
+            "created": r.created,
+            "model": r.model,
+            "system_fingerprint": system_fingerprint(r.model),
+        }
 
 
 def _text(token: bytes) -> str:
@@ -197,6 +215,7 @@ def response_body(
             id=request.id,
             created=request.created,
             model=request.model,
+            system_fingerprint=system_fingerprint(request.model),
             choices=chat_choices,
             usage=usage,
         )

@@ -71,3 +71,17 @@ def test_bare_paths_leave_the_other_routes_and_the_schema_alone(gateway: Proc) -
     assert httpx.get(gateway.url + "/chat/completions/extra").status_code == 404
     paths = httpx.get(gateway.url + "/openapi.json").json()["paths"]
     assert "/v1/chat/completions" in paths and "/chat/completions" not in paths
+
+
+# --- system_fingerprint -----------------------------------------------------------------
+
+
+def test_chat_completions_carry_a_stable_system_fingerprint(gateway: Proc) -> None:
+    client = bare_client(gateway)
+    first = client.chat.completions.create(**CHAT)
+    again = client.chat.completions.create(**CHAT)
+    fingerprint = first.system_fingerprint
+    assert fingerprint is not None and fingerprint.startswith("fp_")
+    assert again.system_fingerprint == fingerprint
+    chunks = list(client.chat.completions.create(**CHAT, stream=True))
+    assert chunks and {c.system_fingerprint for c in chunks} == {fingerprint}
