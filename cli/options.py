@@ -96,7 +96,7 @@ def _option(declared: Field[Any], info: SettingInfo) -> Decorator:
         kwargs["type"] = click.Choice(info.choices)
     elif annotation.removesuffix("|None") in ("int", "float"):
         kwargs["type"] = _number(annotation.removesuffix("|None"), info)
-    return click.option(flag, option_name(declared, info), **kwargs)
+    return click.option(flag, *info.aliases, option_name(declared, info), **kwargs)
 
 
 def _number(kind: str, info: SettingInfo) -> click.ParamType:

@@ -148,13 +148,15 @@ class GatewayConfig:
     # key -> the priorities its requests may claim (clamped into); keys not here: any
     key_priorities: dict[str, PriorityRange] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template overriding the model's own
-    # CORS: browser origins allowed to call the API
-    allowed_origins: tuple[str, ...] = setting(
+    # CORS: browser origins allowed to call the API (http/app.py answers their preflights)
+    cors_origins: tuple[str, ...] = setting(
         (),
         help=(
-            "Browser origin allowed to call the API (CORS; repeatable, `*` for any). Without any, "
-            "no cross-origin request is allowed."
+            "Browser origin allowed to call the API (CORS: a web page served from it, such as a "
+            "chat UI, may send requests), as scheme://host[:port]; repeatable, `*` for any. "
+            "Without any, no cross-origin request is allowed."
         ),
+        aliases=("--allowed-origins",),
     )
     max_body_bytes: int = setting(
         8 * 1024 * 1024,

@@ -20,6 +20,7 @@ class SettingInfo:
     """What the command line says of one setting."""
 
     __slots__ = (
+        "aliases",
         "alone",
         "choices",
         "flag",
@@ -42,6 +43,7 @@ class SettingInfo:
         negatable: bool,
         alone: bool,
         path: str | None,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.help = help
         self.low = low  # the least value accepted (excluded when low_open)
@@ -54,6 +56,7 @@ class SettingInfo:
         # sets it itself (the worker's endpoint) or shares the gateway's option of the name.
         self.alone = alone
         self.path = path  # "file": an existing file; "any": an existing file or folder
+        self.aliases = tuple(aliases)  # other flags taking it (an older name, another server's)
 
 
 def setting(
@@ -68,10 +71,11 @@ def setting(
     negatable: bool = True,
     alone: bool = False,
     path: str | None = None,
+    aliases: Sequence[str] = (),
     default_factory: Callable[[], Any] | Any = MISSING,
 ) -> Any:
     """A dataclass field with its command-line description."""
-    info = SettingInfo(help, low, high, low_open, choices, flag, negatable, alone, path)
+    info = SettingInfo(help, low, high, low_open, choices, flag, negatable, alone, path, aliases)
     made: Field[Any] = field(
         default=default, default_factory=default_factory, metadata={SETTING: info}
     )

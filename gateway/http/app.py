@@ -152,11 +152,11 @@ def create_app(
     if config.otlp_endpoint is not None:
         tracing.enable()
         app.add_middleware(TracingMiddleware)  # outside the access middleware: sees the id
-    if config.allowed_origins:
+    if config.cors_origins:
         # Outermost, so that errors (401, 413) carry the headers too and a browser shows them.
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(config.allowed_origins),
+            allow_origins=list(config.cors_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["X-Request-Id", "Retry-After"],

@@ -69,7 +69,7 @@ class ServedModel:
                 architecture=vocab.architecture or "unknown",
                 override="--chat-template (a llama.cpp built-in name, Jinja text or a file)",
             )
-        template_tools = TemplateTools.probe(chosen.renderer)
+        template_tools = TemplateTools.probe(chosen.renderer, config.tool_call_parser)
         log.debug("chat template", model=name, tool_format=template_tools.format.name)
         return cls(
             name,

@@ -18,8 +18,8 @@ from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import ChatCompletionRequest, NamedToolChoice
 from loomserve.gateway.text.tokenizer import Pieces, Vocab
 from loomserve.gateway.tools.format import ToolFormat
+from loomserve.gateway.tools.framed import ToolParser, tool_parser
 from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
-from loomserve.gateway.tools.parser import ToolCallParser
 from loomserve.gateway.tools.template import TemplateTools, system_with_tools
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -38,9 +38,10 @@ class ToolRequest:
     # own system text, then the tools' prompt ("" when the template shows tools itself).
     injected_prompt: str = ""
 
-    def parser(self) -> ToolCallParser:
+    def parser(self) -> ToolParser:
         """A fresh parser for one reply."""
-        return ToolCallParser(self.format, None if self.parallel else 1)
+        schemas = {d["function"]["name"]: d["function"].get("parameters") for d in self.definitions}
+        return tool_parser(self.format, self.max_calls, schemas)
 
     @property
     def max_calls(self) -> int | None:
@@ -124,8 +125,9 @@ def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) ->
 class MarkerPieces:
     """A vocabulary's pieces, with the control tokens that spell call markers written out.
 
-    Mistral's [TOOL_CALLS] and Llama 3's <|python_tag|> are control tokens, which text
-    otherwise leaves out; the parser needs to see them, as llama-server keeps them.
+    Mistral's [TOOL_CALLS], Llama 3's <|python_tag|>, Harmony's <|call|> and many other
+    families' markers are control tokens, which text otherwise leaves out; the parser needs
+    to see them, as llama-server keeps them.
     """
 
     __slots__ = ("_markers", "_vocab")
@@ -133,9 +135,7 @@ class MarkerPieces:
     def __init__(self, vocab: Vocab, fmt: ToolFormat) -> None:
         self._vocab = vocab
         self._markers: dict[int, bytes] = {}
-        for marker in (*fmt.opens, fmt.closes or ""):
-            if not marker:
-                continue
+        for marker in fmt.markers():
             ids = vocab.tokenize(marker, add_special=False, parse_special=True)
             if len(ids) == 1 and not vocab.piece(ids[0]):
                 self._markers[ids[0]] = marker.encode()

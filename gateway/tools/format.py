@@ -311,6 +311,8 @@ def detect(template_source: str, renders_tools: bool, override: str = "auto") ->
     """The format a template's model uses, from markers in the template's own text (or the
     family named by --tool-call-parser)."""
     if override != "auto":
+        if override not in FAMILIES:
+            raise ValueError(f"unknown tool-call parser {override!r}; one of: {PARSER_NAMES}")
         return FAMILIES[override]
     s = template_source
     if "<function=" in s and "<parameter=" in s:

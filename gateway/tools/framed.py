@@ -485,7 +485,7 @@ _JSON_TYPES = {
 
 def _typed(value: str, schema: Any) -> Any:
     """An XML-ish parameter's text as the JSON value its schema asks for; else the text."""
-    types = _schema_types(schema)
+    types = schema_types(schema)
     if not types or types == {"string"}:
         return value
     try:
@@ -503,7 +503,7 @@ def _typed(value: str, schema: Any) -> Any:
     return value
 
 
-def _schema_types(schema: Any) -> set[str]:
+def schema_types(schema: Any) -> set[str]:
     """The JSON types a parameter's schema allows (anyOf/oneOf followed one level)."""
     if not isinstance(schema, dict):
         return set()
@@ -515,7 +515,7 @@ def _schema_types(schema: Any) -> set[str]:
     found: set[str] = set()
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or ():
-            found |= _schema_types(option)
+            found |= schema_types(option)
     if not found and "properties" in schema:
         return {"object"}
     return found

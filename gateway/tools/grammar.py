@@ -19,7 +19,8 @@ from typing import Any
 from llama_cpp.llama_grammar import SchemaConverter
 
 from loomserve.gateway.text.grammar import MAX_SCHEMA_REPEAT, schema_problem
-from loomserve.gateway.tools.format import ToolFormat
+from loomserve.gateway.tools.format import ToolFormat, XmlArguments
+from loomserve.gateway.tools.framed import schema_types
 
 # A character of a JSON string: anything but a quote, a backslash or a control character,
 # or an escape.
@@ -42,7 +43,8 @@ def tool_grammar(
     """GBNF whose root is one call (several, when parallel and the format allows) of these
     (name, parameters schema) functions, in fmt's syntax."""
     converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-    alternatives = []
+    alternatives: list[str] = []
+    framed_rules: list[str] = []  # the framed calls' own rules, beside the converter's
     for i, (name, parameters) in enumerate(functions):
         schema = copy.deepcopy(parameters) if parameters else {"type": "object"}
         problem = schema_problem(schema)  # bounded before the converter writes it out
@@ -51,10 +53,15 @@ def tool_grammar(
         try:
             # Each function's own "#/$defs/..." references resolve within its own schema.
             converter.resolve_refs(schema, f"tool-{i}")
+            if fmt.framed is not None:
+                alternatives.append(_framed_call(converter, fmt, i, name, schema, framed_rules))
+                continue
+            head = {fmt.index_key: {"type": "string", "pattern": "^[0-9]{1,3}$"}}
+            properties = {fmt.name_key: {"const": name}, fmt.arguments_key: schema}
             call = {
                 "type": "object",
-                "properties": {"name": {"const": name}, fmt.arguments_key: schema},
-                "required": ["name", fmt.arguments_key],
+                "properties": {**head, **properties} if fmt.index_key else properties,
+                "required": [*([fmt.index_key] if fmt.index_key else []), *properties],
                 "additionalProperties": False,
             }
             alternatives.append(converter.visit(call, f"call-{i}"))
@@ -62,15 +69,78 @@ def tool_grammar(
             raise ToolGrammarError(f"function {name!r}: unsupported JSON schema: {exc}") from exc
         except RecursionError as exc:
             raise ToolGrammarError(f"function {name!r}: the schema is too deep") from exc
-    rules = [_bounded_strings(converter.format_grammar()), f"call ::= {' | '.join(alternatives)}"]
+    rules = [_bounded_strings(converter.format_grammar()), *framed_rules]
+    rules.append(f"call ::= {' | '.join(alternatives)}")
     wrapped = f"{_literal(fmt.call_prefix)} call {_literal(fmt.call_suffix)}"
+    separator = fmt.separator
+    if fmt.framed is not None and fmt.starts_in_call:  # the prompt opened the first call
+        separator += fmt.framed.opens[0]
     if parallel and fmt.parallel:
         rules.append(f"wrapped-call ::= {wrapped}")
-        calls = f"wrapped-call ({_literal(fmt.separator)} wrapped-call)*"
+        calls = f"wrapped-call ({_literal(separator)} wrapped-call)*"
     else:
         calls = wrapped
     rules.append(f"root ::= {_literal(fmt.list_prefix)} {calls} {_literal(fmt.list_suffix)}")
     return "\n".join(rules) + "\n"
+
+
+def _framed_call(
+    converter: SchemaConverter,
+    fmt: ToolFormat,
+    i: int,
+    name: str,
+    schema: dict[str, Any],
+    rules: list[str],
+) -> str:
+    """The rule of one function's framed call (format.py's Framed), its arguments held to
+    the schema: a JSON object, or one XML-ish element per parameter."""
+    framed = fmt.framed
+    assert framed is not None
+    opener = "" if fmt.starts_in_call else framed.opens[0]
+    before, _, after = framed.name_written.partition("{name}")
+    written = [_literal(opener + before.replace("{index}", ""))]
+    written += [_literal(name)]
+    index_parts = after.split("{index}")
+    written += [_literal(index_parts[0])]
+    for part in index_parts[1:]:  # Kimi's functions.NAME:0
+        written += ["[0-9]{1,3}", _literal(part)]
+    if framed.xml is None:
+        arguments = converter.visit(schema, f"call-{i}-arguments")
+    else:
+        arguments = _xml_arguments(converter, framed.xml, i, schema, rules)
+    parts = [*written, _literal(framed.written_after_name), arguments]
+    parts += [_literal(framed.written_after_args + framed.close)]
+    rules.append(f"call-{i}-framed ::= " + " ".join(p for p in parts if p))
+    return f"call-{i}-framed"
+
+
+def _xml_arguments(
+    converter: SchemaConverter,
+    xml: XmlArguments,
+    i: int,
+    schema: dict[str, Any],
+    rules: list[str],
+) -> str:
+    """One element per parameter, in the schema's order (the optional ones optional); a
+    string's text is any characters but `<`, at most MAX_TOOL_STRING_CHARS of them."""
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    newline = _literal("\n") if xml.trim_newline else ""
+    elements = []
+    for j, (key, value_schema) in enumerate(properties.items()):
+        if schema_types(value_schema) == {"string"} and "enum" not in value_schema:
+            value = f"[^<]{{0,{MAX_TOOL_STRING_CHARS}}}"
+        else:
+            value = converter.visit(value_schema, f"call-{i}-p{j}")
+        head = _literal(xml.key_open + key + xml.key_close + xml.value_open)
+        element = " ".join(
+            p
+            for p in (head, newline, value, newline, _literal(xml.value_close + xml.separator))
+            if p
+        )
+        elements.append(f"({element})" + ("" if key in required else "?"))
+    rules.append(f"call-{i}-parameters ::= " + (" ".join(elements) or '""'))
+    return f"call-{i}-parameters"
 
 
 def _bounded_strings(grammar: str) -> str:

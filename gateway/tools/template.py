@@ -73,8 +73,9 @@ class TemplateTools:
     renders_system: bool  # a system message shows up
 
     @classmethod
-    def probe(cls, template: Renderer) -> TemplateTools:
-        """Render probes through the template and see what comes out."""
+    def probe(cls, template: Renderer, parser: str = "auto") -> TemplateTools:
+        """Render probes through the template and see what comes out; parser names the call
+        syntax (format.py's FAMILIES), or `auto`: the one the template's text shows."""
         tool = {
             "type": "function",
             "function": {
@@ -104,7 +105,7 @@ class TemplateTools:
         system = {"role": "system", "content": _PROBE_SYSTEM}
         renders_tools = _shows(template, [user], _PROBE_TOOL, tools=[tool])
         return cls(
-            format=detect(template.source, renders_tools),
+            format=detect(template.source, renders_tools, parser),
             renders_tools=renders_tools,
             renders_calls=_shows(template, [user, call], _PROBE_CALL),
             renders_results=_shows(template, [user, call, result], _PROBE_RESULT),
