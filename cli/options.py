@@ -24,6 +24,7 @@ from loomserve.gateway.config import (
     parse_key_file,
     unnamed_key_tenant,
 )
+from loomserve.gateway.tools.format import PARSER_NAMES
 from loomserve.protocol.settings import SettingInfo, setting_info
 from loomserve.worker.config import WorkerConfig
 
@@ -258,6 +259,12 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
 
         template = load_override(template)
+    tool_parser = opts.get("tool_call_parser") or "auto"
+    if tool_parser not in PARSER_NAMES:
+        raise click.BadParameter(
+            f"unknown tool-call parser {tool_parser!r}; one of: {', '.join(PARSER_NAMES)}",
+            param_hint="--tool-call-parser",
+        )
     files = named_models(opts["model"])
     one = len(files) == 1 and not files[0].named
     return GatewayConfig(

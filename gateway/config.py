@@ -148,6 +148,17 @@ class GatewayConfig:
     # key -> the priorities its requests may claim (clamped into); keys not here: any
     key_priorities: dict[str, PriorityRange] = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja template overriding the model's own
+    # The tool-call syntax (gateway/tools/format.py's families) or auto: the one the chat
+    # template's text shows. cli/options.py checks the name, which this layer cannot import.
+    tool_call_parser: str = setting(
+        "auto",
+        help=(
+            "Tool-call syntax parsed from replies and forced by tool_choice: auto (detected from "
+            "the chat template) or a family: hermes, qwen3_coder, glm, minimax_m2, harmony, "
+            "deepseek_v3_1, deepseek_r1, kimi_k2, mistral_args, mistral, llama3, granite, "
+            "firefunction, command_r7b, functionary_v3_1, functionary_v3_2, json, generic."
+        ),
+    )
     # CORS: browser origins allowed to call the API (http/app.py answers their preflights)
     cors_origins: tuple[str, ...] = setting(
         (),
