@@ -22,6 +22,7 @@ from loomserve.gateway.config import (
     GatewayConfig,
     check_api_key,
     parse_key_file,
+    parse_template_kwargs,
     unnamed_key_tenant,
 )
 from loomserve.gateway.tools.format import PARSER_NAMES
@@ -259,6 +260,18 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
 
         template = load_override(template)
+    parser = opts.get("reasoning_parser")
+    if parser and parser not in ("auto", "none"):
+        from loomserve.gateway.text.reasoning import family_named
+
+        try:
+            family_named(parser)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--reasoning-parser") from None
+    try:
+        parse_template_kwargs(opts.get("chat_template_kwargs") or "")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--chat-template-kwargs") from None
     tool_parser = opts.get("tool_call_parser") or "auto"
     if tool_parser not in PARSER_NAMES:
         raise click.BadParameter(

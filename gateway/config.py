@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from loomserve.gateway.endpoints import split_tcp
 from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
@@ -78,6 +80,19 @@ def parse_priority_range(text: str) -> PriorityRange:
     if best is not None and worst is not None and best > worst:
         raise ValueError(f"priority={text!r}: MIN is more than MAX")
     return PriorityRange(best, worst)
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """--chat-template-kwargs as a dict ("" for none); ValueError when not a JSON object."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--chat-template-kwargs is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--chat-template-kwargs must be a JSON object")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +172,25 @@ class GatewayConfig:
             "the chat template) or a family: hermes, qwen3_coder, glm, minimax_m2, harmony, "
             "deepseek_v3_1, deepseek_r1, kimi_k2, mistral_args, mistral, llama3, granite, "
             "firefunction, command_r7b, functionary_v3_1, functionary_v3_2, json, generic."
+        ),
+    )
+    # Which think-block markers split a reply into reasoning and answer (text/reasoning.py);
+    # cli/options.py checks the name, which this layer cannot import.
+    reasoning_parser: str = setting(
+        "auto",
+        help=(
+            "Reasoning family whose think block is split from the answer (into "
+            "message.reasoning_content): auto (detected from the chat template), none (raw "
+            "text), or a family: deepseek_r1 "
+            "(alias qwen3, glm45, ...), gpt_oss, mistral, seed_oss, kimi_vl, command_r7b."
+        ),
+    )
+    # Variables every chat's template render gets (a JSON object), under the request's own.
+    chat_template_kwargs: str = setting(
+        "",
+        help=(
+            "JSON object of chat template variables for every request (e.g. "
+            "'{\"enable_thinking\": false}'); a request's chat_template_kwargs override them."
         ),
     )
     # CORS: browser origins allowed to call the API (http/app.py answers their preflights)
@@ -280,8 +314,13 @@ class GatewayConfig:
             raise ValueError(
                 "model_load_timeout must be positive, max_waiting_for_load not negative"
             )
+        self.template_kwargs()  # a bad --chat-template-kwargs fails at start-up
         if self.max_body_bytes < 1 or self.request_timeout <= 0 or self.shutdown_timeout < 0:
             raise ValueError("body size and timeouts must be positive")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """--chat-template-kwargs as a dict."""
+        return parse_template_kwargs(self.chat_template_kwargs)
 
     @property
     def served_model_name(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
 
 from loomserve.gateway.api.schemas import ToolCall
 
@@ -24,6 +24,10 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # of completion_tokens, those of the think block
+
+
 class Usage(BaseModel):
     """Token counts of a response: the one usage type of the gateway, as OpenAI shapes it."""
 
@@ -31,6 +35,18 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only for a reply whose think block was split from its answer (render.py).
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    # No return annotation: pydantic then keeps the model's own schema in the OpenAPI document.
+    @model_serializer(mode="wrap")
+    def _without_details(self, handler: SerializerFunctionWrapHandler):
+        return _drop_none(handler(self), ("completion_tokens_details",))
+
+    def with_reasoning(self, reasoning_tokens: int) -> Usage:
+        """The same counts, with the reasoning part of completion_tokens."""
+        details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        return self.model_copy(update={"completion_tokens_details": details})
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
@@ -90,6 +106,19 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # The think block of a reasoning model's reply, under both names clients read
+    # (llama-server's and DeepSeek's reasoning_content, vLLM's reasoning); left out otherwise.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")  # no return annotation: as Usage's
+    def _without_reasoning(self, handler: SerializerFunctionWrapHandler):
+        return _drop_none(handler(self), ("reasoning_content", "reasoning"))
+
+
+def _drop_none(fields: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields without those of `names` that are None (extras that most answers lack)."""
+    return {k: v for k, v in fields.items() if not (k in names and v is None)}
 
 
 class ChatChoice(BaseModel):

@@ -268,7 +268,11 @@ class ChatCompletionRequest(GenerationFields):
         default=None, json_schema_extra={"items": {"enum": ["text"]}, "minItems": 1, "maxItems": 1}
     )
     prediction: Any = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = Field(
+        default=None,
+        description="none, minimal, low, medium or high: sets the chat template's "
+        "enable_thinking, thinking and reasoning_effort variables.",
+    )
     verbosity: str | None = None
     web_search_options: Any = None
     functions: list[Any] | None = None
@@ -280,6 +284,17 @@ class ChatCompletionRequest(GenerationFields):
         default=None, description="Accepted, unused: prefix caching is automatic."
     )
     safety_identifier: str | None = Field(default=None, description="Accepted, unused.")
+    # llama-server's and vLLM's extras for reasoning models
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="Variables for the chat template (enable_thinking, thinking, ...), over "
+        "the server's --chat-template-kwargs.",
+    )
+    reasoning_format: str | None = Field(
+        default=None,
+        description="none: the think block stays in content, raw. Default: split into "
+        "reasoning_content (auto, deepseek, deepseek-legacy and parsed do the same).",
+    )
 
 
 class TokenizeRequest(RequestModel):

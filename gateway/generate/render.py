@@ -23,6 +23,7 @@ from loomserve.gateway.api.response_bodies import (
 )
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
 from loomserve.gateway.request.generation_request import GenerationRequest
+from loomserve.gateway.text.reasoning import ReasoningSplitter, Split, split_whole
 from loomserve.gateway.tools.parser import ContentDelta, ToolCallParser, ToolEvent
 from loomserve.gateway.tools.replies import assistant_message, tool_call_delta
 
@@ -58,6 +59,9 @@ class StreamChunks:
 
     request: GenerationRequest
     _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
+    # With reasoning: each choice's splitter, and the reasoning it sent (for its usage).
+    _splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
+    _reasoning: dict[int, list[str]] = field(default_factory=dict)
     # Completions' text_offset: characters each choice has sent so far.
     _offsets: dict[int, int] = field(default_factory=dict)
 
@@ -90,29 +94,65 @@ class StreamChunks:
 
     def finish(self, index: int, reason: str) -> str:
         held = ""
+        splitter = self._splitters.get(index)
+        if splitter is not None:  # a reply cut inside its think block ends there
+            held = self._split_events(index, splitter.finish())
         parser = self._parser(index)
         if parser is not None:
             events = parser.finish(cut=reason == "length")
-            held = "".join(self._tool_event(index, e) for e in events)
+            held += "".join(self._tool_event(index, e) for e in events)
             reason = parser.finish_reason(reason)
         body: dict[str, Any] = {"delta": {}} if self.request.chat else {"text": ""}
         return held + self._choice(index, body, reason)
 
     def usage(self, usage: Usage) -> str:
+        reasoning = self.request.reasoning
+        if reasoning is not None:
+            texts = ("".join(parts) for parts in self._reasoning.values())
+            usage = usage.with_reasoning(sum(reasoning.count_tokens(t) for t in texts))
         return sse({**self._head(), "choices": [], "usage": usage.model_dump()})
 
     def _chat_text(self, index: int, delta: TextDelta) -> str:
         logprobs = None
         if self.request.logprobs:
             logprobs = chat_logprobs(delta.logprobs).model_dump()
+        reasoning = self.request.reasoning
+        if reasoning is None:
+            return self._answer(index, delta.text, logprobs, bool(delta.logprobs))
+        splitter = self._splitters.get(index)
+        if splitter is None:
+            splitter = self._splitters[index] = reasoning.splitter()
+        split = splitter.push(delta.text)
+        if not split.reasoning:
+            return self._answer(index, split.content, logprobs, bool(delta.logprobs))
+        # The tokens' logprobs go with the reasoning, which comes first.
+        first = self._reasoning_delta(index, split.reasoning, logprobs)
+        return first + (self._answer(index, split.content, None, False) if split.content else "")
+
+    def _answer(self, index: int, text: str, logprobs: Any, scored: bool) -> str:
+        """The answer's text as content and tool-call deltas."""
         parser = self._parser(index)
         if parser is None:
-            return self._choice(index, {"delta": {"content": delta.text}}, None, logprobs)
-        events = [self._tool_event(index, e) for e in parser.push(delta.text)]
-        if logprobs is not None and delta.logprobs:
+            if not text and logprobs is None and self.request.reasoning is not None:
+                return ""  # the splitter holds a possible marker back: nothing to send yet
+            return self._choice(index, {"delta": {"content": text}}, None, logprobs)
+        events = [self._tool_event(index, e) for e in parser.push(text)]
+        if logprobs is not None and scored:
             # The tokens' logprobs go out at once, in a delta of their own.
             events.insert(0, self._choice(index, {"delta": {"content": ""}}, None, logprobs))
         return "".join(events)
+
+    def _reasoning_delta(self, index: int, text: str, logprobs: Any = None) -> str:
+        self._reasoning.setdefault(index, []).append(text)
+        delta = {"reasoning_content": text, "reasoning": text}
+        return self._choice(index, {"delta": delta}, None, logprobs)
+
+    def _split_events(self, index: int, split: Split) -> str:
+        """The events of what a splitter gave at the end of a reply."""
+        events = self._reasoning_delta(index, split.reasoning) if split.reasoning else ""
+        if split.content:
+            events += self._answer(index, split.content, None, False)
+        return events
 
     def _parser(self, index: int) -> ToolCallParser | None:
         if index not in self._parsers:
@@ -201,8 +241,16 @@ def response_body(
     asked = request.logprobs
     if request.chat:
         chat_choices = []
+        reasoning_tokens = 0
         for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):
-            message, reason = assistant_message(request.tools, text, done.finish_reason)
+            thought, answer = None, text
+            if request.reasoning is not None:
+                split = split_whole(request.reasoning.family, request.reasoning.inside, text)
+                thought, answer = split.reasoning or None, split.content
+                reasoning_tokens += request.reasoning.count_tokens(split.reasoning)
+            message, reason = assistant_message(request.tools, answer, done.finish_reason)
+            if thought is not None:
+                message.reasoning_content = message.reasoning = thought
             chat_choices.append(
                 ChatChoice(
                     index=i,
@@ -217,7 +265,7 @@ def response_body(
             model=request.model,
             system_fingerprint=system_fingerprint(request.model),
             choices=chat_choices,
-            usage=usage,
+            usage=usage if request.reasoning is None else usage.with_reasoning(reasoning_tokens),
         )
     choices = []
     for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):

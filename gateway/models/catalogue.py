@@ -21,14 +21,16 @@ import dataclasses
 import shutil
 import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.request.params import model_sampling_defaults
 from loomserve.gateway.text.chat_template import Renderer, choose_template
+from loomserve.gateway.text.reasoning import MarkerText, ReasoningFamily, choose_family
 from loomserve.gateway.text.tokenizer import Pieces, Vocab
 from loomserve.gateway.tools.checks import MarkerPieces
 from loomserve.gateway.tools.template import TemplateTools
@@ -48,10 +50,25 @@ class ServedModel:
     vocab: Vocab
     template: Renderer
     template_tools: TemplateTools  # what the template renders of tools; the call syntax
-    tool_pieces: Pieces  # the vocabulary's pieces, with control-token call markers as text
+    # The vocabulary's pieces, with control-token call (and reasoning) markers as text.
+    tool_pieces: Pieces
     # What a request's unset sampling fields become: the model's defaults or neutral ones.
     sampling_defaults: SamplingParams
     fingerprint: str
+    # The think-block markers of its replies (--reasoning-parser, or its template's); None:
+    # its replies are all answer.
+    reasoning: ReasoningFamily | None = None
+    # --chat-template-kwargs: every render's variables, under a request's own.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The vocabulary's pieces with the reasoning markers' control tokens written out.
+    text_pieces: Pieces | None = None
+
+    def pieces(self, tools: bool) -> Pieces:
+        """What a chat reply's tokens read as: the reasoning markers, and with tools the call
+        markers, written out where they are control tokens."""
+        if tools:
+            return self.tool_pieces
+        return self.text_pieces or self.vocab
 
     @classmethod
     def build(cls, name: str, vocab: Vocab, config: GatewayConfig) -> ServedModel:
@@ -70,15 +87,25 @@ class ServedModel:
                 override="--chat-template (a llama.cpp built-in name, Jinja text or a file)",
             )
         template_tools = TemplateTools.probe(chosen.renderer, config.tool_call_parser)
-        log.debug("chat template", model=name, tool_format=template_tools.format.name)
+        reasoning = choose_family(config.reasoning_parser, chosen.renderer.source)
+        log.debug(
+            "chat template",
+            model=name,
+            tool_format=template_tools.format.name,
+            reasoning=reasoning.name if reasoning else "none",
+        )
+        tool_pieces = MarkerPieces(vocab, template_tools.format).pieces()
         return cls(
             name,
             vocab,
             chosen.renderer,
             template_tools,
-            MarkerPieces(vocab, template_tools.format).pieces(),
+            MarkerText.over(tool_pieces, vocab, reasoning),
             _sampling_defaults(name, config, vocab),
             vocab.fingerprint(),
+            reasoning,
+            config.template_kwargs(),
+            MarkerText.over(vocab, vocab, reasoning),
         )
 
 

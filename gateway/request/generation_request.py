@@ -12,9 +12,11 @@ sample of prompt p.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
+from loomserve.gateway.text.reasoning import AfterReasoning, ReasoningFamily, ReasoningSplitter
 from loomserve.gateway.text.stop import StopMatcher, TextMatcher
 from loomserve.gateway.tools.checks import ToolRequest
 from loomserve.gateway.tools.end import PromptEcho, ToolCallEnd
@@ -31,6 +33,20 @@ class Prompt:
     tokens: list[int]  # after the chat template for chat
     params: SamplingParams  # max_tokens already capped by what the slot's context leaves
     text: str = ""  # the prompt as text, for completions' echo
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyReasoning:
+    """How a chat reply's think block is split from its answer (text/reasoning.py)."""
+
+    family: ReasoningFamily
+    inside: bool  # the prompt opened the block: the reply starts in it
+    # Tokens of a text, for usage's reasoning_tokens: the reasoning re-tokenized, an
+    # estimate (a token that straddles the end marker is not split the same way).
+    count_tokens: Callable[[str], int]
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.family, self.inside)
 
 
 @dataclass(slots=True)
@@ -51,6 +67,7 @@ class GenerationRequest:
     score_only: bool = False
     priority: int = 0  # lower is served first when the worker schedules by priority
     tenant: str = DEFAULT_TENANT  # the API key's name, else the body's `user`
+    reasoning: ReplyReasoning | None = None  # chat whose think block is split from the answer
 
     def tool_parser(self) -> ToolCallParser | None:
         """A parser for the reply's tool calls, when the request has tools."""
@@ -62,7 +79,11 @@ class GenerationRequest:
         tools = self.tools
         if tools is None:
             return stops
-        ending = ToolCallEnd(stops, tools.parser())
+        ending: TextMatcher = ToolCallEnd(stops, tools.parser())
+        if self.reasoning is not None:  # the calls' end reads the answer only
+            ending = AfterReasoning(
+                stops, self.reasoning.splitter(), ToolCallEnd(StopMatcher(()), tools.parser())
+            )
         if tools.injected_prompt and tools.choice == "auto":
             return PromptEcho(ending, tools.injected_prompt)
         return ending

@@ -44,7 +44,6 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "audio": lambda v: v is None,
     "modalities": lambda v: v is None or list(v) == ["text"],
     "prediction": lambda v: v is None,
-    "reasoning_effort": lambda v: v is None,
     "verbosity": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     "functions": lambda v: not v,

@@ -91,15 +91,31 @@ def chat_prompt(
     messages: list[ChatMessage],
     template_tools: TemplateTools,
     tools: list[dict[str, Any]] | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of the chat template rendered over the messages (and tools), with BOS once.
 
     Long work (Jinja, tokenizing): call it in a thread."""
+    return chat_tokens(vocab, chat_text(template, messages, template_tools, tools, kwargs))
+
+
+def chat_text(
+    template: Renderer,
+    messages: list[ChatMessage],
+    template_tools: TemplateTools,
+    tools: list[dict[str, Any]] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The chat template rendered over the messages (and tools), with chat_template_kwargs."""
     dicts, tools = template_tools.prepare([_message_dict(m) for m in messages], tools)
     try:
-        text = template.render(dicts, tools=tools)
+        return template.render(dicts, tools=tools, kwargs=kwargs)
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from exc
+
+
+def chat_tokens(vocab: Vocab, text: str) -> list[int]:
+    """A rendered chat's token ids, with BOS once."""
     tokens = vocab.tokenize(text, add_special=False, parse_special=True)
     # Templates usually write the BOS text themselves; add it only where they did not.
     if vocab.add_bos and vocab.bos_id >= 0 and (not tokens or tokens[0] != vocab.bos_id):

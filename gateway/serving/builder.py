@@ -9,6 +9,7 @@ so each prompt's SamplingParams is made then, once, with its max_tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,13 @@ from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import ChatCompletionRequest
 from loomserve.gateway.config import DEFAULT_TENANT, PriorityRange
 from loomserve.gateway.models.catalogue import ServedModel
-from loomserve.gateway.request import limits, prompts
-from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest, Prompt
+from loomserve.gateway.request import limits, prompts, thinking
+from loomserve.gateway.request.generation_request import (
+    ApiBody,
+    GenerationRequest,
+    Prompt,
+    ReplyReasoning,
+)
 from loomserve.gateway.request.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -30,6 +36,7 @@ from loomserve.gateway.request.params import (
     user_tenant,
     with_max_tokens,
 )
+from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.checks import ToolRequest, tool_request
 
 # A body this small (its JSON, every field) with no grammar to compile is drafted on the
@@ -55,6 +62,7 @@ class Drafted:
     fields: dict[str, Any]  # sampling_fields: every SamplingParams field but max_tokens
     tools: ToolRequest | None
     texts: list[tuple[list[int], str]]  # each prompt's token ids and its echo text
+    reasoning: ReplyReasoning | None = None  # chat: how its reply's think block is split
 
 
 def check_body(body: ApiBody, served: ServedModel, slot_context: int | None) -> None:
@@ -62,6 +70,9 @@ def check_body(body: ApiBody, served: ServedModel, slot_context: int | None) -> 
     context can hold (slot_context None: no worker to ask; the 503 comes soon enough)."""
     reject_unsupported(body)
     stop_strings(body.stop)
+    if isinstance(body, ChatCompletionRequest):  # their 400s before any thread work
+        thinking.splits_reasoning(body)
+        thinking.template_kwargs(body, served.template_kwargs)
     if slot_context is None:
         return
     if isinstance(body, ChatCompletionRequest):
@@ -94,14 +105,26 @@ def draft(served: ServedModel, body: ApiBody) -> Drafted:
     tools = tool_request(body, served.template_tools, vocab)
     if tools is not None and tools.grammar:
         fields["grammar"] = tools.grammar
-    tokens = prompts.chat_prompt(
-        vocab,
+    text = prompts.chat_text(
         served.template,
         body.messages,
         served.template_tools,
         tools.definitions if tools else None,
+        thinking.template_kwargs(body, served.template_kwargs),
     )
-    return Drafted(fields, tools, [(tokens, "")])
+    tokens = prompts.chat_tokens(vocab, text)
+    reasoning = None
+    family = served.reasoning
+    if family is not None and thinking.splits_reasoning(body):
+        reasoning = ReplyReasoning(family, family.starts_inside(text), _token_counter(vocab))
+    return Drafted(fields, tools, [(tokens, "")], reasoning)
+
+
+def _token_counter(vocab: Vocab) -> Callable[[str], int]:
+    def count(text: str) -> int:
+        return len(vocab.tokenize(text, add_special=False, parse_special=False)) if text else 0
+
+    return count
 
 
 def requested_tokens(body: ApiBody) -> tuple[int | None, int | None]:
@@ -154,6 +177,7 @@ def build(
         arrived_at=arrived,
         created=int(time.time()),
         tools=drafted.tools,
+        reasoning=drafted.reasoning,
         score_only=score_only(body),
         priority=priority,
         tenant=caller.tenant or user_tenant(body.user) or DEFAULT_TENANT,

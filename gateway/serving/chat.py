@@ -28,7 +28,7 @@ from loomserve.gateway.generate.streaming import (
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.models.catalogue import ServedModel
 from loomserve.gateway.models.registry import Models
-from loomserve.gateway.request import prompts
+from loomserve.gateway.request import prompts, thinking
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest
 from loomserve.gateway.serving import builder
 from loomserve.gateway.serving.builder import Caller
@@ -88,8 +88,14 @@ class ChatServing:
         def count() -> int:
             tools = tool_request(body, served.template_tools, served.vocab)
             definitions = tools.definitions if tools else None
+            kwargs = thinking.template_kwargs(body, served.template_kwargs)
             tokens = prompts.chat_prompt(
-                served.vocab, served.template, body.messages, served.template_tools, definitions
+                served.vocab,
+                served.template,
+                body.messages,
+                served.template_tools,
+                definitions,
+                kwargs,
             )
             return len(tokens)
 
@@ -146,7 +152,7 @@ class ChatServing:
         self, served: ServedModel, request: GenerationRequest
     ) -> GenerationGroup:
         """Every choice of the request submitted, and tracked for draining."""
-        pieces = served.tool_pieces if request.tools else served.vocab
+        pieces = served.pieces(bool(request.tools)) if request.chat else served.vocab
         workers = self.workers(served.name)
         group = await GenerationGroup.start(workers, pieces, request, self.metrics)
         self.drain.track(group)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loomserve.gateway.text.stop import StopMatch, StopMatcher, TextMatcher
+from loomserve.gateway.text.tokenizer import Pieces, Vocab
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,3 +282,34 @@ class AfterReasoning:
     def flush(self) -> str:
         """Text the stop strings held back, once generation ended without a match."""
         return self.stops.flush()
+
+
+class MarkerText:
+    """Pieces that write out the control tokens of a family's markers (gpt-oss's
+    `<|channel|>`, `<|end|>`...), which text otherwise leaves out: the splitter must see
+    them. Every other token reads as `base` has it."""
+
+    __slots__ = ("_base", "_markers")
+
+    def __init__(self, base: Pieces, vocab: Vocab, family: ReasoningFamily) -> None:
+        self._base = base
+        self._markers: dict[int, bytes] = {}
+        for marker in (family.start, family.end, *family.content_prefixes):
+            for token in vocab.tokenize(marker, add_special=False, parse_special=True):
+                if token not in (vocab.bos_id, vocab.eos_id) and not vocab.piece(token):
+                    self._markers[token] = vocab.text_of(token).encode()
+
+    @classmethod
+    def over(cls, base: Pieces, vocab: Vocab, family: ReasoningFamily | None) -> Pieces:
+        """base, with the family's control-token markers written out when it has some."""
+        if family is None:
+            return base
+        marked = cls(base, vocab, family)
+        return marked if marked._markers else base
+
+    @property
+    def n_tokens(self) -> int:
+        return self._base.n_tokens
+
+    def piece(self, token_id: int) -> bytes:
+        return self._markers.get(token_id) or self._base.piece(token_id)

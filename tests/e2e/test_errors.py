@@ -103,7 +103,10 @@ def test_api_key(gateway: Proc) -> None:
         *(
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **f}, p)
             for f, p in [
-                ({"reasoning_effort": "high"}, "reasoning_effort"),
+                ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+                ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+                ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+                ({"reasoning_format": "markdown"}, "reasoning_format"),
                 ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
                 ({"modalities": ["text", "audio"]}, "modalities"),
                 ({"store": True}, "store"),

@@ -1,0 +1,126 @@
+"""Reasoning models end to end on the tiny model: served with Qwen3's chat template (the
+think block split from the answer at `<think>`/`</think>`), its output forced by a grammar to
+a fixture's exact text, through /v1/chat/completions (whole and streamed); with Qwen3.5's
+template, which opens the block in the prompt, through /v1/responses and /v1/messages; and
+the thinking controls (chat_template_kwargs, reasoning_effort, Anthropic's thinking) reach
+the template, which the prompt's token count shows."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.procs import Proc, start_gateway, start_worker
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "templates"
+QWEN3 = TEMPLATES / "Qwen-Qwen3-0.6B.jinja"
+QWEN35 = TEMPLATES / "Qwen3.5-4B.jinja"
+OUTPUT = "<think>\nabc, then def\n</think>\n\nThe answer."
+GRAMMAR = f"root ::= {json.dumps(OUTPUT)}"
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def gateways(tiny_model_path: Path) -> Iterator[tuple[Proc, Proc]]:
+    """A worker, a gateway with Qwen3's template, one with Qwen3.5's."""
+    with (
+        start_worker(tiny_model_path, slots=2, ctx_size=2048) as worker,
+        start_gateway(tiny_model_path, worker.endpoint, chat_template=QWEN3) as qwen3,
+        start_gateway(tiny_model_path, worker.endpoint, chat_template=QWEN35) as qwen35,
+    ):
+        yield qwen3, qwen35
+
+
+def post(gateway: Proc, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(gateway.url + path, json=body, timeout=30)
+
+
+def events(gateway: Proc, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON payloads of a streamed answer, in order."""
+    payloads = []
+    with httpx.stream("POST", gateway.url + path, json=body, timeout=30) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                payloads.append(json.loads(line.removeprefix("data: ")))
+    return payloads
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"messages": MESSAGES, "max_tokens": 64, "temperature": 0, **fields}
+
+
+def test_a_whole_answer_splits_reasoning_from_content(gateways: tuple[Proc, Proc]) -> None:
+    reply = post(gateways[0], "/v1/chat/completions", chat_body(grammar=GRAMMAR)).json()
+    message = reply["choices"][0]["message"]
+    assert message["content"] == "The answer."
+    assert message["reasoning_content"] == message["reasoning"] == "abc, then def"
+    usage = reply["usage"]
+    reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"]
+    assert 0 < reasoning_tokens < usage["completion_tokens"]
+
+
+def test_a_stream_splits_reasoning_from_content(gateways: tuple[Proc, Proc]) -> None:
+    body = chat_body(grammar=GRAMMAR, stream=True, stream_options={"include_usage": True})
+    payloads = events(gateways[0], "/v1/chat/completions", body)
+    deltas = [p["choices"][0]["delta"] for p in payloads if p["choices"]]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    assert reasoning == "".join(d.get("reasoning") or "" for d in deltas) == "abc, then def"
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer."
+    assert payloads[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+
+
+def test_reasoning_format_none_keeps_the_raw_text(gateways: tuple[Proc, Proc]) -> None:
+    body = chat_body(grammar=GRAMMAR, reasoning_format="none")
+    message = post(gateways[0], "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert message["content"] == OUTPUT
+    assert "reasoning_content" not in message
+
+
+def test_a_reply_cut_inside_the_block_is_reasoning_only(gateways: tuple[Proc, Proc]) -> None:
+    cut = OUTPUT[: OUTPUT.index(", then")]  # "<think>\nabc"
+    tokens = post(gateways[0], "/tokenize", {"content": cut}).json()["tokens"]
+    body = chat_body(grammar=GRAMMAR, max_tokens=len(tokens))
+    reply = post(gateways[0], "/v1/chat/completions", body).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == ""
+    assert choice["message"]["reasoning_content"] == "abc"
+
+
+def prompt_tokens(gateway: Proc, **fields: Any) -> int:
+    body = chat_body(max_tokens=1, **fields)
+    response = post(gateway, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens"]
+
+
+def test_chat_template_kwargs_reach_the_template(gateways: tuple[Proc, Proc]) -> None:
+    qwen3 = gateways[0]
+    thinking = prompt_tokens(qwen3)
+    # Qwen3 with enable_thinking false closes an empty think block in the prompt.
+    off = prompt_tokens(qwen3, chat_template_kwargs={"enable_thinking": False})
+    assert off > thinking
+    assert prompt_tokens(qwen3, reasoning_effort="none") == off
+    assert prompt_tokens(qwen3, reasoning_effort="high") == thinking
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("chat_template_kwargs", ["enable_thinking"]),
+        ("reasoning_effort", "extreme"),
+        ("reasoning_format", "markdown"),
+    ],
+)
+def test_bad_thinking_controls_are_a_400_naming_the_field(
+    gateways: tuple[Proc, Proc], field: str, value: Any
+) -> None:
+    response = post(gateways[0], "/v1/chat/completions", chat_body(**{field: value}))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == field
