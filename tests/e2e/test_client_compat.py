@@ -1,9 +1,13 @@
 """What clients that are not OpenAI's own SDK with its defaults expect, against a real worker on
-the tiny model: the API's paths without /v1 (a bare base URL), `system_fingerprint`."""
+the tiny model: the API's paths without /v1 (a bare base URL), `system_fingerprint`, and CORS for
+a chat UI served from another origin (in Debian's Chromium, driven by Playwright)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -85,3 +89,77 @@ def test_chat_completions_carry_a_stable_system_fingerprint(gateway: Proc) -> No
     assert again.system_fingerprint == fingerprint
     chunks = list(client.chat.completions.create(**CHAT, stream=True))
     assert chunks and {c.system_fingerprint for c in chunks} == {fingerprint}
+
+
+# --- CORS, in a browser -----------------------------------------------------------------
+
+# A chat UI's call: JSON and a bearer key, so the browser sends a preflight first.
+FETCH_CHAT = """async ([url, key]) => {
+    const response = await fetch(url + "/v1/chat/completions", {
+        method: "POST",
+        headers: {"Content-Type": "application/json", "Authorization": "Bearer " + key},
+        body: JSON.stringify({model: "tiny-llama", max_tokens: 4, stream: true,
+                              messages: [{role: "user", content: "hi"}]}),
+    });
+    return {status: response.status, id: response.headers.get("x-request-id"),
+            body: await response.text()};
+}"""
+# The same call where the browser refuses it: fetch's TypeError, whose text is the browser's.
+FETCH_REFUSED = """async ([url, key]) => {
+    try {
+        await fetch(url + "/v1/models", {headers: {"Authorization": "Bearer " + key}});
+        return "answered";
+    } catch (error) {
+        return "refused";
+    }
+}"""
+
+
+@contextmanager
+def page_server() -> Iterator[str]:
+    """An origin of its own (another port on 127.0.0.1) serving an empty page, as a chat UI's."""
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<!doctype html><title>chat ui</title>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_page_of_an_allowed_origin_calls_the_api(browser, tiny_model_path: Path) -> None:
+    """The preflight of a keyed JSON POST passes (no key needed for it), the stream is read;
+    a page of another origin is refused by the browser, and so is every page by default."""
+    with ExitStack() as stack:
+        allowed = stack.enter_context(page_server())
+        other = stack.enter_context(page_server())
+        worker = stack.enter_context(start_worker(tiny_model_path, slots=2, ctx_size=512))
+        gateway = stack.enter_context(
+            start_gateway(tiny_model_path, worker.endpoint, api_key="sk-ui", cors_origins=[allowed])
+        )
+        closed = stack.enter_context(start_gateway(tiny_model_path, worker.endpoint))
+        page = browser.new_page()
+        page.goto(allowed + "/")
+        answer = page.evaluate(FETCH_CHAT, [gateway.url, "sk-ui"])
+        assert answer["status"] == 200, answer
+        assert answer["id"]  # an exposed header, readable by the page
+        assert answer["body"].rstrip().endswith("data: [DONE]")
+        assert page.evaluate(FETCH_CHAT, [gateway.url, "wrong"])["status"] == 401
+        assert page.evaluate(FETCH_REFUSED, [closed.url, ""]) == "refused"
+        page.goto(other + "/")
+        assert page.evaluate(FETCH_REFUSED, [gateway.url, "sk-ui"]) == "refused"
+        page.close()
