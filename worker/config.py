@@ -217,14 +217,16 @@ class WorkerConfig:
         ),
         low=1,
     )
-    # A tick running longer than this many seconds is stuck (a native call that never
-    # returns): the worker says it is not ready, tells every gateway, and exits (status 3)
-    # for its supervisor to restart it (watchdog.py).
+    # A tick that has used no CPU for this many seconds is stuck (waiting for what will not
+    # come); one that keeps using CPU is slow (a starved host) and may run 10 times as long
+    # (watchdog.py). Stuck, the worker says it is not ready, tells every gateway, and exits
+    # (status 3) for its supervisor to restart it.
     tick_watchdog: float = setting(
         30.0,
         help=(
-            "Seconds a tick may run before the worker calls it stuck, declares its engine dead "
-            "and exits (status 3) to be restarted."
+            "Seconds a tick may run without using CPU before the worker calls it stuck, "
+            "declares its engine dead and exits (status 3) to be restarted; a tick that keeps "
+            "using CPU (a slow pass on a starved host) may run 10 times as long."
         ),
         low=1.0,
     )
