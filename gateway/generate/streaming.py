@@ -105,9 +105,14 @@ class EventStreamResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], prompt_tokens: int = 0
+    ) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
+        # The request's prompt tokens, known before its first token (the Messages API's
+        # message_start carries them).
+        self.prompt_tokens = prompt_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

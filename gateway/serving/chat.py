@@ -181,7 +181,9 @@ class ChatServing:
         limit_send_buffer(http.scope.get("state", {}))
         chunks = StreamChunks(request)
         return EventStreamResponse(
-            event_stream(group, chunks), on_close=lambda: self._close_group(group)
+            event_stream(group, chunks),
+            on_close=lambda: self._close_group(group),
+            prompt_tokens=sum(len(prompt.tokens) for prompt in request.prompts),
         )
 
 

@@ -54,16 +54,20 @@ async def run_translated(
     whole: Callable[[dict[str, Any]], dict[str, Any]],
     stream: Translate,
     params: dict[str, str],
+    counted: Callable[[int], None] | None = None,
 ) -> Response:
     """Run a chat request; answer its body through `whole`, or its stream through `stream`.
 
     An error's `param` names the chat field: `params` renames it to the caller's API's.
+    `counted` is told the prompt's token count before a stream's first event.
     """
     try:
         response = await chat.generate(http, body)
     except APIError as error:
         raise renamed(error, params) from None
     if isinstance(response, EventStreamResponse):
+        if counted is not None:
+            counted(response.prompt_tokens)
         events = stream(chat_chunks(response.body_iterator))
         return EventStreamResponse(events, on_close=response.on_close)
     if response.status_code != 200:

@@ -181,11 +181,13 @@ def _text_of(content: Any, param: str) -> str:
 def _usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     if usage is None:
         return {"input_tokens": 0, "output_tokens": 0}
-    details = usage.get("prompt_tokens_details") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    # Anthropic's input_tokens are the prompt's tokens not read from the cache: with
+    # cache_read_input_tokens (and cache_creation_input_tokens, none here) they sum to it.
     return {
-        "input_tokens": usage["prompt_tokens"],
+        "input_tokens": usage["prompt_tokens"] - cached,
         "output_tokens": usage["completion_tokens"],
-        "cache_read_input_tokens": details.get("cached_tokens", 0),
+        "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
 
@@ -276,6 +278,13 @@ class MessageEvents:
     _open: str | None = None  # "text" or "tool_use"
     _calls: dict[int, int] = field(default_factory=dict)  # chat call index -> block index
     _finish: str | None = None
+    # The prompt's tokens, told by the chat path before the first event (run_translated):
+    # message_start says them, as Anthropic's does; which the cache held, message_delta says.
+    prompt_tokens: int = 0
+
+    def counted(self, prompt_tokens: int) -> None:
+        """Told the prompt's token count before the stream starts."""
+        self.prompt_tokens = prompt_tokens
 
     async def translate(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         """The whole event stream of one message."""
@@ -287,7 +296,12 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
         }
         yield named_event("message_start", {"type": "message_start", "message": start})
         usage = None
@@ -386,6 +400,7 @@ def messages_router(chat: ChatServing, **router_options: Any) -> APIRouter:
             lambda whole: whole_message(message_id, model, whole),
             stream.translate,
             PARAMS,
+            counted=stream.counted,
         )
 
     @router.post("/v1/messages/count_tokens", tags=["anthropic"])

@@ -53,6 +53,12 @@ def client(gateway: Proc, key: str = KEY) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=gateway.url, api_key=key, max_retries=0)
 
 
+def prompt_of(usage: Any) -> int:
+    """The whole prompt's tokens of an Anthropic usage: those read from the cache included."""
+    cached = (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+    return int(usage.input_tokens) + cached
+
+
 def chat(gateway: Proc, **fields: Any) -> Any:
     api = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
     return api.chat.completions.create(model=MODEL, temperature=0, **fields)
@@ -78,7 +84,7 @@ def test_create_is_the_chat_answer(gateway: Proc) -> None:
     assert text == (choice.message.content or "")
     stop = {"length": "max_tokens", "stop": "end_turn"}[choice.finish_reason]
     assert message.stop_reason == stop
-    assert message.usage.input_tokens == expected.usage.prompt_tokens
+    assert prompt_of(message.usage) == expected.usage.prompt_tokens
     assert message.usage.output_tokens == expected.usage.completion_tokens
 
 
@@ -97,7 +103,7 @@ def test_stream_gives_the_same_message_as_create(gateway: Proc) -> None:
     assert streamed_text == whole_text
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    assert prompt_of(final.usage) == prompt_of(whole.usage)
 
 
 def test_stream_events_are_anthropics(gateway: Proc) -> None:
@@ -180,7 +186,7 @@ def test_tool_use_and_tool_result_round_trip(gateway: Proc) -> None:
         tools=[CHAT_TOOL],
         max_tokens=8,
     )
-    assert second.usage.input_tokens == expected.usage.prompt_tokens  # the same prompt
+    assert prompt_of(second.usage) == expected.usage.prompt_tokens  # the same prompt
     text = "".join(block.text for block in second.content if block.type == "text")
     assert text == (expected.choices[0].message.content or "")
     counted = api.messages.count_tokens(model=MODEL, messages=history, tools=[TOOL])
@@ -195,7 +201,40 @@ def test_count_tokens_is_the_prompt_of_create(gateway: Proc) -> None:
     message = client(gateway).messages.create(
         model=MODEL, max_tokens=1, system="be brief", messages=messages, extra_body=GREEDY
     )
-    assert counted.input_tokens == message.usage.input_tokens > 0
+    assert counted.input_tokens == prompt_of(message.usage) > 0
+
+
+def test_message_start_carries_the_prompts_tokens(gateway: Proc) -> None:
+    """As Anthropic's: clients show the context used from message_start, before any text."""
+    messages: Any = [{"role": "user", "content": "what does the start say"}]
+    counted = client(gateway).messages.count_tokens(model=MODEL, messages=messages)
+    body = {"model": MODEL, "max_tokens": 4, "stream": True, "messages": messages}
+    answer = httpx.post(
+        gateway.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30
+    )
+    events = [json.loads(line[6:]) for line in answer.text.splitlines() if line[:6] == "data: "]
+    start, delta = events[0], events[-2]
+    assert start["type"] == "message_start" and delta["type"] == "message_delta"
+    assert start["message"]["usage"]["input_tokens"] == counted.input_tokens > 0
+    assert start["message"]["usage"]["output_tokens"] == 0
+    assert prompt_of(anthropic.types.Usage(**delta["usage"])) == counted.input_tokens
+
+
+def test_input_tokens_leave_out_the_cache_reads(gateway: Proc) -> None:
+    """Anthropic's usage: input_tokens + cache_read_input_tokens + cache_creation_input_tokens
+    is the prompt; a prompt read again from the prefix cache counts its tokens once."""
+    messages: Any = [{"role": "user", "content": " ".join(["a long prompt kept in cache"] * 20)}]
+    counted = client(gateway).messages.count_tokens(model=MODEL, messages=messages)
+    fields: Any = {"model": MODEL, "max_tokens": 2, "messages": messages, "extra_body": GREEDY}
+    first = client(gateway).messages.create(**fields)
+    again = client(gateway).messages.create(**fields)
+    with client(gateway).messages.stream(**fields) as stream:
+        streamed = stream.get_final_message()
+    for usage in (first.usage, again.usage, streamed.usage):
+        assert prompt_of(usage) == counted.input_tokens
+    assert again.usage.cache_read_input_tokens
+    assert again.usage.input_tokens == counted.input_tokens - again.usage.cache_read_input_tokens
+    assert streamed.usage.cache_read_input_tokens
 
 
 def test_errors_are_anthropics(gateway: Proc) -> None:
