@@ -3,7 +3,9 @@ to chat and back.
 
 In: `system`, `messages` with text, `tool_use` and `tool_result` blocks, `tools`,
 `tool_choice` (auto, any, tool, none), `max_tokens`, `stop_sequences`, `temperature`,
-`top_p`, `top_k` become one ChatCompletionRequest, run by the chat path. Out: a Message, or
+`top_p`, `top_k`, `thinking` (the template's thinking switches) become one
+ChatCompletionRequest, run by the chat path. Out: a Message (thinking blocks first when
+`thinking` is enabled), or
 Anthropic's events (message_start, content_block_start/delta/stop, message_delta,
 message_stop). Errors take Anthropic's shape for these paths (errors.py).
 """
@@ -46,19 +48,43 @@ PARTIAL_TRIES = 256  # a cut call's input: how many shorter prefixes to try to p
 ANSWER = "A Message; with `stream`, server-sent events (message_start ... message_stop)"
 
 
+def thinking_kwargs(thinking: Any) -> dict[str, Any] | None:
+    """The chat template's variables for Anthropic's `thinking` (None: the template's
+    default); 400 naming the field for what it cannot be."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        return {"enable_thinking": False, "thinking": False}
+    if kind != "enabled":
+        raise invalid_request(
+            "thinking must be {type: enabled, budget_tokens} or disabled", "thinking"
+        )
+    budget = thinking.get("budget_tokens")
+    if type(budget) is not int or budget < 1:
+        raise invalid_request(
+            "thinking.budget_tokens must be a positive integer", "thinking.budget_tokens"
+        )
+    # Seed-OSS's template reads thinking_budget; the others only the switches.
+    return {"enable_thinking": True, "thinking": True, "thinking_budget": budget}
+
+
+def shows_thinking(body: CountTokensRequest) -> bool:
+    """Whether the answer carries thinking blocks: only when the request enabled thinking."""
+    return isinstance(body.thinking, dict) and body.thinking.get("type") == "enabled"
+
+
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request a Messages body asks for; 400 for what it cannot be."""
-    thinking = body.thinking
-    if thinking is not None and not (
-        isinstance(thinking, dict) and thinking.get("type") == "disabled"
-    ):
-        raise invalid_request("extended thinking is not supported", "thinking")
+    kwargs = thinking_kwargs(body.thinking)
     messages: list[dict[str, Any]] = []
     if body.system:
         messages.append({"role": "system", "content": _text_of(body.system, "system")})
     for position, message in enumerate(body.messages):
         messages += _chat_messages(message, f"messages[{position}]")
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
+    if kwargs is not None:
+        fields["chat_template_kwargs"] = kwargs
     if body.tools:
         fields["tools"] = [
             {
@@ -239,11 +265,16 @@ def _partial_object(text: str) -> Any:
     return {}
 
 
-def whole_message(message_id: str, model: str, chat: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion as an Anthropic Message."""
+def whole_message(
+    message_id: str, model: str, chat: dict[str, Any], thinking: bool = False
+) -> dict[str, Any]:
+    """A chat completion as an Anthropic Message; with `thinking`, its reasoning first, as
+    a thinking block (unsigned: the signature is empty)."""
     choice = chat["choices"][0]
     reply = choice["message"]
     content: list[dict[str, Any]] = []
+    if thinking and reply.get("reasoning_content"):
+        content.append(_thinking_block(reply["reasoning_content"]))
     if reply.get("content"):
         content.append({"type": "text", "text": reply["content"]})
     for call in reply.get("tool_calls") or []:
@@ -268,14 +299,19 @@ def whole_message(message_id: str, model: str, chat: dict[str, Any]) -> dict[str
     }
 
 
+def _thinking_block(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 @dataclass(slots=True)
 class MessageEvents:
     """Chat chunks in, Anthropic's stream events out."""
 
     id: str
     model: str
+    thinking: bool = False  # the reasoning goes out as a thinking block (else it is dropped)
     _block: int = -1  # the open block's index; -1 before the first
-    _open: str | None = None  # "text" or "tool_use"
+    _open: str | None = None  # "thinking", "text" or "tool_use"
     _calls: dict[int, int] = field(default_factory=dict)  # chat call index -> block index
     _finish: str | None = None
     # The prompt's tokens, told by the chat path before the first event (run_translated):
@@ -336,6 +372,12 @@ class MessageEvents:
     def _choice(self, choice: dict[str, Any]) -> list[str]:
         events: list[str] = []
         delta = choice.get("delta") or {}
+        if self.thinking and delta.get("reasoning_content"):
+            if self._open != "thinking":
+                events += self._close()
+                events.append(self._start(_thinking_block(""), "thinking"))
+            thinking = {"type": "thinking_delta", "thinking": delta["reasoning_content"]}
+            events.append(self._delta(thinking))
         if delta.get("content"):
             if self._open != "text":
                 events += self._close()
@@ -388,16 +430,18 @@ def messages_router(chat: ChatServing, **router_options: Any) -> APIRouter:
         responses=streamed_responses(ANSWER),
     )
     async def create_message(body: MessagesRequest, http: Request) -> Response:
-        """A message (Anthropic's Messages API): text and tool use; streams when `stream`."""
+        """A message (Anthropic's Messages API): text, tool use, and thinking when enabled;
+        streams when `stream`."""
         request = chat_request(body)
         message_id = f"msg_{uuid.uuid4().hex}"
         model = chat.model_name(body.model)
-        stream = MessageEvents(message_id, model)
+        thinking = shows_thinking(body)
+        stream = MessageEvents(message_id, model, thinking)
         return await run_translated(
             chat,
             http,
             request,
-            lambda whole: whole_message(message_id, model, whole),
+            lambda whole: whole_message(message_id, model, whole, thinking),
             stream.translate,
             PARAMS,
             counted=stream.counted,

@@ -46,7 +46,11 @@ class CountTokensRequest(RequestModel):
     )
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: Any = Field(default=None, description="Not supported unless disabled.")
+    thinking: Any = Field(
+        default=None,
+        description="{type: enabled, budget_tokens} or {type: disabled}: the chat template's "
+        "enable_thinking and thinking switches; enabled, the answer has thinking blocks.",
+    )
 
 
 class MessagesRequest(CountTokensRequest):

@@ -41,6 +41,7 @@ PARAMS = {
     "response_format": "text.format",
     "response_format.json_schema": "text.format",
     "messages": "input",
+    "reasoning_effort": "reasoning.effort",
 }
 STATELESS = (
     "gateways keep no state, so that any one behind a load balancer can answer: "
@@ -77,6 +78,7 @@ def chat_request(body: ResponsesInputTokensRequest) -> ChatCompletionRequest:
         fields["tool_choice"] = choice
     if body.parallel_tool_calls is not None:
         fields["parallel_tool_calls"] = body.parallel_tool_calls
+    fields |= _reasoning(body.reasoning)
     text_format = body.text.format if body.text else None
     if text_format is not None and text_format.type == "json_schema":
         schema = {"name": text_format.name or "response", "schema": text_format.schema_}
@@ -97,6 +99,17 @@ def chat_request(body: ResponsesInputTokensRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         raise renamed(validation_error(exc.errors()), PARAMS) from exc
+
+
+def _reasoning(reasoning: Any) -> dict[str, Any]:
+    """`reasoning.effort` as chat's reasoning_effort (the template's thinking switches);
+    `summary` is accepted, and the reasoning items carry the whole text instead."""
+    if reasoning is None:
+        return {}
+    if not isinstance(reasoning, dict):
+        raise invalid_request("reasoning must be an object", "reasoning")
+    effort = reasoning.get("effort")
+    return {} if effort is None else {"reasoning_effort": effort}
 
 
 def _reject_state(body: ResponsesInputTokensRequest) -> None:
@@ -145,7 +158,7 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], position: in
             {"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": content}
         )
     elif kind == "reasoning":
-        return  # this server's models do not reason in items; nothing to render
+        return  # earlier turns' thinking: templates drop it from the history anyway
     else:
         raise invalid_request(
             f"{param}: items of type {kind!r} are not supported; send messages, "

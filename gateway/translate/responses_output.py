@@ -27,11 +27,12 @@ def response_usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     details = usage.get("prompt_tokens_details") or {}
+    reasoning = usage.get("completion_tokens_details") or {}
     return {
         "input_tokens": usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
         "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning.get("reasoning_tokens", 0)},
         "total_tokens": usage["total_tokens"],
     }
 
@@ -101,6 +102,12 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning item: the think block's text as reasoning_text content (no summary)."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" or text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def _call_item(
     item_id: str, call_id: str, name: str, arguments: str, status: str
 ) -> dict[str, Any]:
@@ -114,6 +121,13 @@ def _call_item(
     }
 
 
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """A content part: output_text (with its annotations and logprobs) or reasoning_text."""
+    if kind == "output_text":
+        return {"type": kind, "text": text, "annotations": [], "logprobs": []}
+    return {"type": kind, "text": text}
+
+
 def whole_response(head: ResponseHead, chat: dict[str, Any]) -> dict[str, Any]:
     """A chat completion as a Response object."""
     choice = chat["choices"][0]
@@ -121,6 +135,8 @@ def whole_response(head: ResponseHead, chat: dict[str, Any]) -> dict[str, Any]:
     incomplete = choice["finish_reason"] == "length"
     item_status = "incomplete" if incomplete else "completed"
     output = []
+    if message.get("reasoning_content"):
+        output.append(_reasoning_item(_new_id("rs"), message["reasoning_content"], item_status))
     if message.get("content"):
         output.append(_message_item(_new_id("msg"), message["content"], item_status))
     for call in message.get("tool_calls") or []:
@@ -140,8 +156,8 @@ class _Item:
 
     index: int
     id: str
-    kind: str  # "message" or "function_call"
-    text: str = ""  # the message's text, or the call's arguments
+    kind: str  # "message", "reasoning" or "function_call"
+    text: str = ""  # the message's or the reasoning's text, or the call's arguments
     call_id: str = ""
     name: str = ""
 
@@ -197,33 +213,10 @@ class ResponseEvents:
     def _choice(self, choice: dict[str, Any]) -> list[str]:
         events: list[str] = []
         delta = choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            events += self._text_delta("reasoning", delta["reasoning_content"])
         if delta.get("content"):
-            item = self._open
-            if item is None or item.kind != "message":
-                events += self._close()
-                item = self._start("message", _new_id("msg"))
-                events.append(self._added(item))
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                events.append(
-                    self.event(
-                        "response.content_part.added",
-                        item_id=item.id,
-                        output_index=item.index,
-                        content_index=0,
-                        part=part,
-                    )
-                )
-            item.text += delta["content"]
-            events.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=item.id,
-                    output_index=item.index,
-                    content_index=0,
-                    delta=delta["content"],
-                    logprobs=[],
-                )
-            )
+            events += self._text_delta("message", delta["content"])
         for call in delta.get("tool_calls") or []:
             item = self._calls.get(call["index"])
             if item is None:
@@ -247,6 +240,38 @@ class ResponseEvents:
             self._finish = choice["finish_reason"]
         return events
 
+    def _text_delta(self, kind: str, text: str) -> list[str]:
+        """Text for the open message or reasoning item, opening it first when needed."""
+        events: list[str] = []
+        item = self._open
+        part_kind = "output_text" if kind == "message" else "reasoning_text"
+        if item is None or item.kind != kind:
+            events += self._close()
+            item = self._start(kind, _new_id("msg" if kind == "message" else "rs"))
+            events.append(self._added(item))
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=item.index,
+                    content_index=0,
+                    part=_part(part_kind, ""),
+                )
+            )
+        item.text += text
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        events.append(
+            self.event(
+                f"response.{part_kind}.delta",
+                item_id=item.id,
+                output_index=item.index,
+                content_index=0,
+                delta=text,
+                **extra,
+            )
+        )
+        return events
+
     def _start(self, kind: str, item_id: str) -> _Item:
         item = _Item(len(self._items), item_id, kind)
         self._items.append(item)
@@ -256,6 +281,8 @@ class ResponseEvents:
     def _added(self, item: _Item) -> str:
         if item.kind == "message":
             shape = _message_item(item.id, "", "in_progress")
+        elif item.kind == "reasoning":
+            shape = _reasoning_item(item.id, "", "in_progress")
         else:
             shape = _call_item(item.id, item.call_id, item.name, "", "in_progress")
         return self.event("response.output_item.added", output_index=item.index, item=shape)
@@ -264,6 +291,8 @@ class ResponseEvents:
         status = "incomplete" if self._finish == "length" else "completed"
         if item.kind == "message":
             return _message_item(item.id, item.text, status)
+        if item.kind == "reasoning":
+            return _reasoning_item(item.id, item.text, status)
         return _call_item(item.id, item.call_id, item.name, item.text, status)
 
     def _close(self) -> list[str]:
@@ -284,6 +313,14 @@ class ResponseEvents:
                     logprobs=[],
                 )
             )
+            events.append(
+                self.event("response.content_part.done", **where, content_index=0, part=part)
+            )
+        elif item.kind == "reasoning":
+            events.append(
+                self.event("response.reasoning_text.done", **where, content_index=0, text=item.text)
+            )
+            part = _part("reasoning_text", item.text)
             events.append(
                 self.event("response.content_part.done", **where, content_index=0, part=part)
             )

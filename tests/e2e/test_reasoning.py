@@ -7,6 +7,7 @@ the template, which the prompt's token count shows."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,3 +125,132 @@ def test_bad_thinking_controls_are_a_400_naming_the_field(
     response = post(gateways[0], "/v1/chat/completions", chat_body(**{field: value}))
     assert response.status_code == 400
     assert response.json()["error"]["param"] == field
+
+
+# --- /v1/responses and /v1/messages ----------------------------------------------------
+# Qwen3.5's template opens the think block in the prompt: the tiny model's whole reply, cut
+# at max_tokens, is reasoning.
+
+THINK_TOKENS = 8
+
+
+def chat_reasoning(gateway: Proc, **fields: Any) -> str:
+    body = chat_body(max_tokens=THINK_TOKENS, **fields)
+    message = post(gateway, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert message["content"] == "" and message["reasoning_content"]
+    return message["reasoning_content"]
+
+
+def responses_body(**fields: Any) -> dict[str, Any]:
+    return {
+        "input": "Say something.",
+        "max_output_tokens": THINK_TOKENS,
+        "temperature": 0,
+        **fields,
+    }
+
+
+def test_responses_carry_a_reasoning_item(gateways: tuple[Proc, Proc]) -> None:
+    qwen35 = gateways[1]
+    thought = chat_reasoning(qwen35)
+    whole = post(qwen35, "/v1/responses", responses_body()).json()
+    (item,) = whole["output"]
+    assert item["type"] == "reasoning" and item["summary"] == []
+    assert item["content"] == [{"type": "reasoning_text", "text": thought}]
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    streamed = events(qwen35, "/v1/responses", responses_body(stream=True))
+    kinds = [e["type"] for e in streamed]
+    deltas = "".join(e["delta"] for e in streamed if e["type"] == "response.reasoning_text.delta")
+    assert deltas == thought
+    done = next(e for e in streamed if e["type"] == "response.reasoning_text.done")
+    assert done["text"] == thought
+    assert kinds.index("response.output_item.added") < kinds.index("response.reasoning_text.delta")
+    final = streamed[-1]["response"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": thought}]
+    # reasoning.effort "none" turns thinking off: the answer is a message.
+    off = post(qwen35, "/v1/responses", responses_body(reasoning={"effort": "none"})).json()
+    assert [i["type"] for i in off["output"]] == ["message"]
+
+
+def messages_body(**fields: Any) -> dict[str, Any]:
+    return {
+        "max_tokens": THINK_TOKENS,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Say something."}],
+        **fields,
+    }
+
+
+def test_messages_carry_thinking_blocks_when_thinking_is_enabled(
+    gateways: tuple[Proc, Proc],
+) -> None:
+    qwen35 = gateways[1]
+    thought = chat_reasoning(qwen35, chat_template_kwargs={"enable_thinking": True})
+    enabled = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    whole = post(qwen35, "/v1/messages", messages_body(**enabled)).json()
+    assert whole["content"] == [{"type": "thinking", "thinking": thought, "signature": ""}]
+    streamed = events(qwen35, "/v1/messages", messages_body(stream=True, **enabled))
+    starts = [e["content_block"] for e in streamed if e["type"] == "content_block_start"]
+    assert starts == [{"type": "thinking", "thinking": "", "signature": ""}]
+    deltas = [e["delta"] for e in streamed if e["type"] == "content_block_delta"]
+    assert "".join(d["thinking"] for d in deltas if d["type"] == "thinking_delta") == thought
+    # Not enabled: no thinking block; disabled: the template closes the block, text comes.
+    assert post(qwen35, "/v1/messages", messages_body()).json()["content"] == []
+    disabled = post(qwen35, "/v1/messages", messages_body(thinking={"type": "disabled"})).json()
+    assert [b["type"] for b in disabled["content"]] == ["text"]
+    assert _prompt(disabled["usage"]) > _prompt(whole["usage"])
+    bad = post(
+        qwen35, "/v1/messages", messages_body(thinking={"type": "enabled", "budget_tokens": 0})
+    )
+    assert bad.status_code == 400 and "budget_tokens" in bad.json()["error"]["message"]
+
+
+def _prompt(usage: dict[str, Any]) -> int:
+    """The prompt's tokens in Anthropic's usage: those read from the cache and the rest."""
+    return usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+
+
+async def _translated(translate: Any, payloads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def chunks() -> Any:
+        for payload in payloads:
+            yield payload
+
+    out = []
+    async for event in translate(chunks()):
+        out.append(json.loads(event.split("data: ", 1)[1]))
+    return out
+
+
+def test_a_split_stream_translates_to_responses_and_messages(gateways: tuple[Proc, Proc]) -> None:
+    """The real chat stream of a forced reply (a think block, then the answer), through the
+    Responses and Messages translators: reasoning first, then the answer."""
+    from loomserve.gateway.translate.messages import MessageEvents, whole_message
+    from loomserve.gateway.translate.responses_output import (
+        ResponseEvents,
+        ResponseHead,
+        whole_response,
+    )
+    from loomserve.gateway.translate.responses_schemas import ResponsesRequest
+
+    qwen3 = gateways[0]
+    body = chat_body(grammar=GRAMMAR, stream=True, stream_options={"include_usage": True})
+    payloads = events(qwen3, "/v1/chat/completions", body)
+    whole_chat = post(qwen3, "/v1/chat/completions", chat_body(grammar=GRAMMAR)).json()
+    head = ResponseHead(ResponsesRequest(input="x"), "tiny")
+    expected = [
+        {"type": "reasoning_text", "text": "abc, then def"},
+        {"type": "output_text", "text": "The answer.", "annotations": [], "logprobs": []},
+    ]
+    whole = whole_response(head, whole_chat)
+    assert [i["content"][0] for i in whole["output"]] == expected
+    streamed = asyncio.run(_translated(ResponseEvents(head).translate, payloads))
+    assert [i["content"][0] for i in streamed[-1]["response"]["output"]] == expected
+    message = whole_message("msg_1", "tiny", whole_chat, thinking=True)
+    assert message["content"] == [
+        {"type": "thinking", "thinking": "abc, then def", "signature": ""},
+        {"type": "text", "text": "The answer."},
+    ]
+    anthropic = asyncio.run(_translated(MessageEvents("msg_1", "tiny", True).translate, payloads))
+    deltas = [e["delta"] for e in anthropic if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == "abc, then def"
+    assert "".join(d.get("text", "") for d in deltas) == "The answer."
