@@ -24,7 +24,8 @@ from loomserve.gateway.api.response_bodies import (
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
 from loomserve.gateway.request.generation_request import GenerationRequest
 from loomserve.gateway.text.reasoning import ReasoningSplitter, Split, split_whole
-from loomserve.gateway.tools.parser import ContentDelta, ToolCallParser, ToolEvent
+from loomserve.gateway.tools.framed import ToolParser
+from loomserve.gateway.tools.parser import ContentDelta, ToolEvent
 from loomserve.gateway.tools.replies import assistant_message, tool_call_delta
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -58,7 +59,7 @@ class StreamChunks:
     """
 
     request: GenerationRequest
-    _parsers: dict[int, ToolCallParser | None] = field(default_factory=dict)
+    _parsers: dict[int, ToolParser | None] = field(default_factory=dict)
     # With reasoning: each choice's splitter, and the reasoning it sent (for its usage).
     _splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
     _reasoning: dict[int, list[str]] = field(default_factory=dict)
@@ -154,7 +155,7 @@ class StreamChunks:
             events += self._answer(index, split.content, None, False)
         return events
 
-    def _parser(self, index: int) -> ToolCallParser | None:
+    def _parser(self, index: int) -> ToolParser | None:
         if index not in self._parsers:
             self._parsers[index] = self.request.tool_parser()
         return self._parsers[index]

@@ -20,7 +20,7 @@ from loomserve.gateway.text.reasoning import AfterReasoning, ReasoningFamily, Re
 from loomserve.gateway.text.stop import StopMatcher, TextMatcher
 from loomserve.gateway.tools.checks import ToolRequest
 from loomserve.gateway.tools.end import PromptEcho, ToolCallEnd
-from loomserve.gateway.tools.parser import ToolCallParser
+from loomserve.gateway.tools.framed import ToolParser
 from loomserve.protocol.messages import DEFAULT_TENANT, Generate, SamplingParams
 
 ApiBody = CompletionRequest | ChatCompletionRequest
@@ -69,7 +69,7 @@ class GenerationRequest:
     tenant: str = DEFAULT_TENANT  # the API key's name, else the body's `user`
     reasoning: ReplyReasoning | None = None  # chat whose think block is split from the answer
 
-    def tool_parser(self) -> ToolCallParser | None:
+    def tool_parser(self) -> ToolParser | None:
         """A parser for the reply's tool calls, when the request has tools."""
         return self.tools.parser() if self.tools is not None else None
 

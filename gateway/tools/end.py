@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loomserve.gateway.text.stop import StopMatch, StopMatcher, TextMatcher
-from loomserve.gateway.tools.parser import ToolCallParser
+from loomserve.gateway.tools.framed import ToolParser
 
 ECHO_CHARS = 24  # a reply that starts with this much of the injected tool prompt copies it
 
@@ -33,7 +33,7 @@ class ToolCallEnd:
     """StopMatcher's interface (push, flush): the request's stop strings, then the calls."""
 
     stops: StopMatcher
-    parser: ToolCallParser
+    parser: ToolParser
     _ended: bool = field(default=False, init=False)
 
     def push(self, text: str) -> StopMatch:

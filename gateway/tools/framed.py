@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from loomserve.gateway.tools.format import Framed, ToolFormat
 from loomserve.gateway.tools.parser import (
@@ -420,7 +420,7 @@ class FramedCallParser:
         return events
 
 
-ToolParser = ToolCallParser | FramedCallParser
+ToolParser: TypeAlias = ToolCallParser | FramedCallParser  # either family's parser
 
 
 def tool_parser(
@@ -440,7 +440,7 @@ def parse_any(
     schemas: dict[str, Any] | None = None,
 ) -> tuple[str, list[ParsedCall]]:
     """The content and the calls of a whole reply in any family's syntax."""
-    return read_reply(tool_parser(fmt, max_calls, schemas), text, cut)  # type: ignore[arg-type]
+    return read_reply(tool_parser(fmt, max_calls, schemas), text, cut)
 
 
 def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:
@@ -473,7 +473,7 @@ def _property(schema: Any, key: str | None) -> Any:
     return properties.get(key) if isinstance(properties, dict) else None
 
 
-_JSON_TYPES = {
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "integer": int,
     "number": (int, float),
     "boolean": bool,

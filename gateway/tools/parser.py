@@ -22,6 +22,7 @@ arguments in it; this module decides what the text is: content, a call, or a rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loomserve.gateway.tools.call_object import CallObject, as_call, decoded_string
 from loomserve.gateway.tools.format import ToolFormat
@@ -354,7 +355,15 @@ def parse_reply(
     return read_reply(ToolCallParser(fmt, max_calls), text, cut)
 
 
-def read_reply(parser: ToolCallParser, text: str, cut: bool) -> tuple[str, list[ParsedCall]]:
+class ReplyParser(Protocol):
+    """What read_reply needs of a parser: ToolCallParser, or framed.py's FramedCallParser."""
+
+    def push(self, text: str) -> list[ToolEvent]: ...
+
+    def finish(self, cut: bool = False) -> list[ToolEvent]: ...
+
+
+def read_reply(parser: ReplyParser, text: str, cut: bool) -> tuple[str, list[ParsedCall]]:
     """parse_reply with a fresh parser of one's own, which then knows the reply's ending."""
     content: list[str] = []
     calls: list[ParsedCall] = []
