@@ -254,3 +254,21 @@ def test_a_split_stream_translates_to_responses_and_messages(gateways: tuple[Pro
     deltas = [e["delta"] for e in anthropic if e["type"] == "content_block_delta"]
     assert "".join(d.get("thinking", "") for d in deltas) == "abc, then def"
     assert "".join(d.get("text", "") for d in deltas) == "The answer."
+
+
+def test_the_openai_sdk_reads_the_reasoning(gateways: tuple[Proc, Proc]) -> None:
+    """openai's client keeps the fields it does not know in model_extra, whole and streamed."""
+    import openai
+
+    client = openai.OpenAI(base_url=gateways[0].url + "/v1", api_key="none")
+    fields = {"messages": MESSAGES, "model": "tiny-llama", "max_tokens": 64, "temperature": 0}
+    fields = {**fields, "extra_body": {"grammar": GRAMMAR}}
+    whole = client.chat.completions.create(**fields)
+    message = whole.choices[0].message
+    assert message.content == "The answer."
+    assert message.model_extra["reasoning_content"] == "abc, then def"
+    thought = ""
+    for chunk in client.chat.completions.create(**fields, stream=True):
+        if chunk.choices:
+            thought += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+    assert thought == "abc, then def"
