@@ -209,7 +209,8 @@ def serve(
         models = named_models(opts["model"], models_dir) or named_models([""])
         if len(models) == 1 and not models[0].named and opts["served_model_name"]:
             # One model: the manager knows it by the name the gateways serve it under.
-            models = [dataclasses.replace(models[0], name=opts["served_model_name"])]
+            name = opts["served_model_name"].split(",")[0].strip()  # NAME,ALIAS,...
+            models = [dataclasses.replace(models[0], name=name)]
         threads = serving.threads_per_worker(opts["threads"], replicas)
         options = {**opts, "threads": threads, "log_level": log_level, "log_json": log_json}
         # Bad settings fail here, not in a child.

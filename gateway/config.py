@@ -95,6 +95,11 @@ def parse_template_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
+def served_names(text: str) -> list[str]:
+    """The names of a --served-model-name value: the name, then its aliases."""
+    return [name.strip() for name in text.split(",")]
+
+
 @dataclass(frozen=True, slots=True)
 class KeyFile:
     """An --api-key-file's keys: each key's tenant, and the priorities bounded per key."""
@@ -153,11 +158,25 @@ class GatewayConfig:
         8000,
         help="HTTP port to listen on.",
     )
-    # served name in /v1/models; default: the file's stem
+    # served name in /v1/models; default: the file's stem. "a,b,c": a, and aliases b and c
     model_name: str | None = setting(
         None,
-        help="Model name in the API, for a single --model. Default: the model file's name.",
+        help=(
+            "Model name in the API, for a single --model. Several, comma-separated (NAME,ALIAS,"
+            "...): answers and /v1/models carry the first, a request may name any. Default: the "
+            "model file's name."
+        ),
         flag="--served-model-name",
+    )
+    # A `model` nobody serves runs on the default model instead of a 404 (llama-server's way)
+    any_model_name: bool = setting(
+        False,
+        help=(
+            "Answer a request whose `model` no model is served under with the default model "
+            "(the one model, or serve's first), as llama-server does, instead of a 404; for "
+            "clients that send a fixed name."
+        ),
+        negatable=False,
     )
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> its tenant; empty: no auth
     # key -> the priorities its requests may claim (clamped into); keys not here: any
@@ -288,6 +307,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.model_path is not None and self.models:
             raise ValueError("give one model file (--model PATH) or named ones (NAME=PATH)")
+        if self.model_name is not None and not all(served_names(self.model_name)):
+            raise ValueError(f"--served-model-name {self.model_name!r} has an empty name")
         if self.model_name and self.model_path is None:
             raise ValueError(
                 "--served-model-name names the model of a single --model PATH; without one, "
@@ -326,8 +347,13 @@ class GatewayConfig:
     def served_model_name(self) -> str:
         """The one-model gateway's name for its model: --served-model-name, else the stem."""
         if self.model_name:
-            return self.model_name
+            return served_names(self.model_name)[0]
         return self.model_path.stem if self.model_path is not None else ""
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """The other names of --served-model-name, which requests may use for the model."""
+        return tuple(served_names(self.model_name)[1:]) if self.model_name else ()
 
     def model_files(self) -> list[tuple[str, Path]]:
         """The gateway's own model files, by served name."""

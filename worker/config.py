@@ -418,8 +418,11 @@ class WorkerConfig:
 
     @property
     def model_name(self) -> str:
-        """The name the model is served under: --served-model-name, else the file's stem."""
-        return self.served_model_name or self.model_path.stem
+        """The name the model is served under: --served-model-name (its first name, where
+        serve's gateways take aliases after it: NAME,ALIAS,...), else the file's stem."""
+        if self.served_model_name:
+            return self.served_model_name.split(",")[0].strip()
+        return self.model_path.stem
 
     @property
     def n_threads(self) -> int:

@@ -72,25 +72,34 @@ class Models:
 
     def name_of(self, requested: str | None) -> str:
         """The served name a request's `model` (possibly absent) stands for; 404 for one
-        nobody serves, 400 when it is absent and several models are served."""
-        if requested is None:
-            names = self.names()
-            default = self.catalogue.default
-            if default is not None:
-                return default.name
-            if len(names) == 1:
-                return names[0]
-            raise invalid_request(
-                f"this server serves several models ({', '.join(names)}); say which in `model`",
-                "model",
-            )
-        if self.catalogue.only is not None:  # the one-model gateway knows one name only
-            if requested != self.catalogue.only.name:
+        nobody serves (with --any-model-name, the default model's), 400 when it is absent and
+        several models are served."""
+        if requested is not None:
+            known = self._known_name(requested)
+            if known is not None:
+                return known
+            if not self.config.any_model_name:
                 raise self._not_found(requested)
-            return requested
-        if requested not in self.names():
+        names = self.names()
+        default = self.catalogue.default
+        if default is not None:
+            return default.name
+        if len(names) == 1:
+            return names[0]
+        if requested is not None:  # --any-model-name, and no model is the default
             raise self._not_found(requested)
-        return requested
+        raise invalid_request(
+            f"this server serves several models ({', '.join(names)}); say which in `model`",
+            "model",
+        )
+
+    def _known_name(self, requested: str) -> str | None:
+        """The served name of a model named by its name or an alias; None for another name."""
+        only = self.catalogue.only
+        if only is not None:  # the one-model gateway knows its name and aliases only
+            aliases = self.config.model_aliases
+            return only.name if requested == only.name or requested in aliases else None
+        return requested if requested in self.names() else None
 
     async def get(self, requested: str | None, *, worker: bool = True) -> ServedModel:
         """The model a request runs on. `worker`: it must be served now (the request goes

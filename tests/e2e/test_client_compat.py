@@ -163,3 +163,33 @@ def test_a_page_of_an_allowed_origin_calls_the_api(browser, tiny_model_path: Pat
         page.goto(other + "/")
         assert page.evaluate(FETCH_REFUSED, [gateway.url, "sk-ui"]) == "refused"
         page.close()
+
+
+# --- model names: aliases, and any name ---------------------------------------------------
+
+
+def test_aliases_and_any_model_name(tiny_model_path: Path) -> None:
+    """A fixed name a client sends (gpt-4o-mini) runs on the model it is an alias of; with
+    --any-model-name, any name runs on the default model; else other names stay a 404."""
+    names = f"{MODEL},gpt-4o-mini, test"
+    with ExitStack() as stack:
+        worker = stack.enter_context(
+            start_worker(tiny_model_path, slots=2, ctx_size=512, served_model_name=names)
+        )
+        strict = stack.enter_context(
+            start_gateway(tiny_model_path, worker.endpoint, served_model_name=names)
+        )
+        lenient = stack.enter_context(
+            start_gateway(tiny_model_path, worker.endpoint, any_model_name=True)
+        )
+        client = bare_client(strict)
+        for name in ("gpt-4o-mini", "test", MODEL):
+            answer = client.chat.completions.create(**{**CHAT, "model": name})
+            assert answer.model == MODEL  # answers carry the model's own name, as vLLM's
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert client.models.retrieve("gpt-4o-mini").id == MODEL
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(**{**CHAT, "model": "claude-3-5-sonnet"})
+        any_name = bare_client(lenient).chat.completions.create(**{**CHAT, "model": "gpt-4o"})
+        assert any_name.model == MODEL
+        assert bare_client(lenient).models.retrieve("gpt-4o").id == MODEL
