@@ -61,6 +61,10 @@ def check_api_key(key: str) -> str:
 def parse_key_line(line: str) -> tuple[str, str]:
     """(key, tenant) from an --api-key-file line's first word: `name:key`, or a bare key."""
     name, sep, key = line.partition(":")
+    if sep and not key and _KEY_NAME.fullmatch(name):
+        # `carol:` reads as a tenant whose key was left out, not as the key "carol:" (the
+        # line is not echoed: it might be a key after all).
+        raise ValueError("a name and ':' with no key after it; write name:key")
     if sep and key and _KEY_NAME.fullmatch(name):
         return check_api_key(key), name
     return check_api_key(line), unnamed_key_tenant(line)

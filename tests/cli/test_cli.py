@@ -171,6 +171,21 @@ def test_api_key_file_names_the_keys_tenants(tmp_path: Path, tiny_model_path: Pa
     assert gateway.key_priorities == {}
 
 
+def test_a_key_file_name_without_a_key_is_refused_naming_its_line(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """`carol:` was once the literal key "carol:", without a word: a key left out."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-alice\n# bob is away\ncarol:\n")
+    params = parse("gateway", ["--model", str(tiny_model_path), "--api-key-file", str(keys)])
+    with pytest.raises(click.BadParameter, match=r"line 3: a name and ':' with no key"):
+        build_gateway_config(params.pop("worker_endpoint"), **params)
+    served = CliRunner().invoke(
+        main, ["serve", "--model", str(tiny_model_path), "--api-key-file", str(keys)]
+    )
+    assert served.exit_code == 2 and "line 3" in served.output
+
+
 def test_a_key_with_whitespace_is_refused_from_every_source(
     tmp_path: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
