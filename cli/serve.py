@@ -28,7 +28,7 @@ from loomserve.cli.default_model import MODELS_MAX, NamedModel
 from loomserve.cli.models import ManagedModel, ModelManager
 from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
 from loomserve.worker.host_cpus import default_cpu_budget
-from loomserve.worker.openmp import spin_environment
+from loomserve.worker.openmp import wait_environment
 
 log = structlog.get_logger(__name__)
 
@@ -202,7 +202,7 @@ def child_specs(
     model manager the workers start on demand."""
     workers = []
     numbered = 0
-    spin = spin_environment(os.environ, shares_cores(plan))
+    spin = wait_environment(os.environ, shares_cores(plan))
     for model, own in zip(plan.models, endpoints, strict=True):
         for index, endpoint in enumerate(own):
             values = {**plan.options, "model": str(model.path), "bind": endpoint}

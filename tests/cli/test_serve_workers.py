@@ -15,7 +15,7 @@ import pytest
 from loomserve.cli import serve as serving
 from loomserve.cli.default_model import NamedModel
 from loomserve.cli.main import main
-from loomserve.worker.openmp import SHARED_CORES_SPIN
+from loomserve.worker.openmp import SHARED_CORES_WAIT
 from tests.cli.test_cli import ROOT, children_of, clean_env, role
 from tests.procs import free_port
 
@@ -130,8 +130,8 @@ def test_serve_with_two_workers_routes_to_both(tiny_model_path: Path, tmp_path: 
         assert process.wait(30) == 0, log_path.read_text()[-3000:]
 
 
-def test_workers_that_share_the_cores_get_a_short_openmp_spin(tmp_path: Path, monkeypatch) -> None:
-    """libgomp's own spin where the workers' threads fit the cores; the short one where the
+def test_workers_that_share_the_cores_wait_passively(tmp_path: Path, monkeypatch) -> None:
+    """libgomp's own spin where the workers' threads fit the cores; passive waiting where the
     workers that may run at once have more threads than there are cores (worker/openmp.py);
     a user's own setting always."""
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
@@ -139,17 +139,19 @@ def test_workers_that_share_the_cores_get_a_short_openmp_spin(tmp_path: Path, mo
     monkeypatch.setattr(serving, "_cores", lambda: 4)
     two = (NamedModel("a", Path("a.gguf"), True), NamedModel("b", Path("b.gguf"), True))
 
-    def spins(serve_plan: serving.ServePlan) -> set[str | None]:
+    def waits(serve_plan: serving.ServePlan) -> set[str | None]:
         children = specs(serve_plan, tmp_path)
         gateways = [c for c in children if c.name.startswith("gateway")]
-        assert {c.env.get("GOMP_SPINCOUNT") for c in gateways} == {os.environ.get("GOMP_SPINCOUNT")}
-        return {c.env.get("GOMP_SPINCOUNT") for c in children if c.name.startswith("worker")}
+        assert {c.env.get("OMP_WAIT_POLICY") for c in gateways} == {None}
+        workers = [c for c in children if c.name.startswith("worker")]
+        assert {c.env.get("GOMP_SPINCOUNT") for c in workers} == {os.environ.get("GOMP_SPINCOUNT")}
+        return {c.env.get("OMP_WAIT_POLICY") for c in workers}
 
-    short = {SHARED_CORES_SPIN}
-    assert spins(plan(options={"threads": 0})) == {None}  # one worker, every core
-    assert spins(plan(workers=2, options={"threads": 2})) == {None}  # serve's split
-    assert spins(plan(workers=2, options={"threads": 4})) == short
-    assert spins(plan(models=two, models_max=2, options={"threads": 0})) == short
-    assert spins(plan(models=two, models_max=1, options={"threads": 0})) == {None}
+    passive = {SHARED_CORES_WAIT["OMP_WAIT_POLICY"]}
+    assert waits(plan(options={"threads": 0})) == {None}  # one worker, every core
+    assert waits(plan(workers=2, options={"threads": 2})) == {None}  # serve's split
+    assert waits(plan(workers=2, options={"threads": 4})) == passive
+    assert waits(plan(models=two, models_max=2, options={"threads": 0})) == passive
+    assert waits(plan(models=two, models_max=1, options={"threads": 0})) == {None}
     monkeypatch.setenv("GOMP_SPINCOUNT", "INFINITE")
-    assert spins(plan(workers=2, options={"threads": 4})) == {"INFINITE"}
+    assert waits(plan(workers=2, options={"threads": 4})) == {None}  # the user's, kept
