@@ -36,6 +36,7 @@ from loomserve.gateway.request.params import (
     user_tenant,
     with_max_tokens,
 )
+from loomserve.gateway.text.think_grammar import after_thinking
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.checks import ToolRequest, tool_request
 
@@ -115,8 +116,14 @@ def draft(served: ServedModel, body: ApiBody) -> Drafted:
     tokens = prompts.chat_tokens(vocab, text)
     reasoning = None
     family = served.reasoning
-    if family is not None and thinking.splits_reasoning(body):
-        reasoning = ReplyReasoning(family, family.starts_inside(text), _token_counter(vocab))
+    if family is not None:
+        inside = family.starts_inside(text)
+        if fields["grammar"] and not body.grammar:
+            # A JSON format's or a forced call's grammar: the model thinks first (a request's
+            # own GBNF is taken as it is, think block and all).
+            fields["grammar"] = after_thinking(fields["grammar"], family, inside)
+        if thinking.splits_reasoning(body):
+            reasoning = ReplyReasoning(family, inside, _token_counter(vocab))
     return Drafted(fields, tools, [(tokens, "")], reasoning)
 
 

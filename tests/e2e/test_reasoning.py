@@ -272,3 +272,27 @@ def test_the_openai_sdk_reads_the_reasoning(gateways: tuple[Proc, Proc]) -> None
         if chunk.choices:
             thought += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
     assert thought == "abc, then def"
+
+
+def test_a_json_format_constrains_only_what_follows_the_thinking(
+    gateways: tuple[Proc, Proc], tiny_model_path: Path
+) -> None:
+    """Qwen3.5's prompt opens the block: with a JSON response_format the model still thinks
+    freely (the same greedy thinking as without it), where a grammar over the whole reply
+    would have made it start with JSON. (Bytes that are no whole character are banned: any
+    grammar refuses broken UTF-8, which the tiny model writes.)"""
+    from loomserve.gateway.text.tokenizer import Vocab
+
+    vocab = Vocab(tiny_model_path)
+    try:
+        high = [t for t in range(vocab.n_tokens) if vocab.piece(t) and vocab.piece(t)[0] >= 0x80]
+    finally:
+        vocab.close()
+    ban = {str(token): -100 for token in high}
+    qwen35 = gateways[1]
+    free = chat_reasoning(qwen35, logit_bias=ban)
+    constrained = chat_reasoning(qwen35, logit_bias=ban, response_format={"type": "json_object"})
+    assert constrained == free and not free.startswith("{")
+    # A request's own grammar is taken as it is: the whole reply, think block included.
+    raw = chat_reasoning(qwen35, grammar='root ::= "{" [a-z ]+')
+    assert raw.startswith("{")
