@@ -21,6 +21,7 @@ FLASH_ATTN_MODES = ("auto", "on", "off")
 BACKEND_SAMPLING_MODES = ("auto", "on", "draw", "off")
 # ggml's CPU matmul for K-quant weights (worker/engine/engine.py: cpu_matmul_environment).
 CPU_MATMUL_MODES = ("auto", "dot", "tiled")
+CPU_KERNELS = ("loomserve", "ggml")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -267,6 +268,16 @@ class WorkerConfig:
             "from 8 rows up (docs/scheduling.md)."
         ),
         choices=CPU_MATMUL_MODES,
+    )
+    cpu_kernels: str = setting(
+        "loomserve",
+        help=(
+            "Whose kernels multiply the quantized weights (Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K) "
+            "in passes that draw inside llama_decode: loomserve, its AVX-512 VNNI kernels, "
+            "ggml's numbers to the bit, sooner (where the CPU has VNNI and the llama.cpp is "
+            "one loomserve has verified); ggml, ggml's own (docs/sampling.md)."
+        ),
+        choices=CPU_KERNELS,
     )
     # Self-speculative n-gram drafting in the tick (worker/sched/speculation.py): each generating
     # slot may draft up to num_speculative_tokens tokens that followed an earlier occurrence

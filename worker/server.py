@@ -253,6 +253,7 @@ def _log_start(config: WorkerConfig, engine: Engine, info: ModelInfo) -> None:
         strategy=config.strategy,
         batch_invariant=config.batch_invariant,
         cpu_matmul=engine.cpu_matmul,
+        cpu_kernels=engine.cpu_kernels,  # loomserve: its kernels swapped into draw passes
     )
     if config.ctx_size > engine.slot_context:
         log.warning(

@@ -193,9 +193,10 @@ def test_the_swapped_matmuls_give_ggmls_tokens(engine: Engine):
     tokens, swapped = {}, {}
     # Every kernel swapped; the Q8_0 and Q5_0 ones alone (q0matmul.c); none.
     for kinds in ("all", "q0", "none"):
-        lib.ls_q0_swap(kinds != "none")
-        drawing = Engine(config)  # which sets the K-quants' swap: on, with ggml's dot product
+        # Engine sets the swap (--cpu-kernels) and the K-quants' (on, with ggml's dot product).
+        drawing = Engine(replace(config, cpu_kernels="ggml" if kinds == "none" else "loomserve"))
         assert drawing.cpu_matmul == "dot"
+        assert drawing.cpu_kernels == ("ggml" if kinds == "none" else "loomserve")
         if kinds == "q0":
             lib.ls_q0_swap_kquants(0)
         try:

@@ -548,14 +548,15 @@ def test_a_requests_bias_and_penalties_change_its_own_tokens_only(engine, config
     assert {rid: tokens for rid, (tokens, _) in together.items()} == {
         rid: tokens for rid, (tokens, _) in alone.items()
     }
-    # The tokens are the promise; the logits alone and batched agree to about 1e-4 here, a
-    # plain request's as much as these (its logprobs differ from the second token on, by
-    # 1e-7, growing along the sequence).
+    # The tokens are the promise; the logits alone and batched agree to about 1e-4 on an
+    # AVX-512 Xeon and 1.3e-3 on an AVX2-only EPYC (this F32 model's one-row dot product and
+    # many-row sgemm sum in other orders), a plain request's as much as these (its logprobs
+    # differ from the second token on, by 1e-7, growing along the sequence).
     for rid in ("adjusted", "adjusted-seeded"):
         for batched, lone in zip(together[rid][1], alone[rid][1], strict=True):
             assert batched.top_ids == lone.top_ids
             assert [batched.logprob, *batched.top_logprobs] == pytest.approx(
-                [lone.logprob, *lone.top_logprobs], rel=1e-3, abs=1e-4
+                [lone.logprob, *lone.top_logprobs], rel=5e-3, abs=1e-4
             )
     assert alone["adjusted"][0] != alone["plain"][0]
     assert alone["adjusted-seeded"][0] != alone["seeded"][0]

@@ -34,7 +34,12 @@ from loomserve.worker.engine.backend_sampling import (
     backend_sampling_available,
 )
 from loomserve.worker.engine.batch import TokenBatch
-from loomserve.worker.engine.graph_draw import GraphDraws, GraphDrawSampler, graph_draw_library
+from loomserve.worker.engine.graph_draw import (
+    SWAPPED_TYPES,
+    GraphDraws,
+    GraphDrawSampler,
+    graph_draw_library,
+)
 from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
 from loomserve.worker.engine.sampling import HostSampler, Sampler, build_sampler
 from loomserve.worker.sched.slots import Run
@@ -175,6 +180,15 @@ class Engine:
             # Its passes' K-quant matmuls repeat ggml's dot product (qkmatmul.c): swapped
             # only where ggml would run that product at every row count.
             draw_library.ls_q0_swap_kquants(self.cpu_matmul == "dot")
+            draw_library.ls_q0_swap(config.cpu_kernels == "loomserve")
+        # Whose kernels the passes that draw multiply with (logged at start-up).
+        self.cpu_kernels = (
+            "loomserve"
+            if draw_library is not None
+            and config.cpu_kernels == "loomserve"
+            and any(draw_library.ls_q0_swappable(kind) for kind in SWAPPED_TYPES)
+            else "ggml"
+        )
         self.memory = llama.llama_get_memory(self.ctx)
         # Sharing cells in one cache is free; copying a whole KV stream pays for itself only
         # from about a dozen prompt tokens that need not be evaluated again.
@@ -227,7 +241,9 @@ class Engine:
             if graph_draw_library() is None:
                 raise EngineError(
                     "this build cannot draw inside llama_decode: it needs the C draw "
-                    "(x86-64 with AVX2 or AVX-512) and llama.cpp's backend sampling"
+                    "(x86-64 with AVX2 or AVX-512), llama.cpp's backend sampling and a "
+                    "llama.cpp whose layout loomserve has verified (the warning above says "
+                    "which part is missing; docs/sampling.md)"
                 )
             return "draw"
         if mode == "off":

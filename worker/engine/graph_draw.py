@@ -38,7 +38,7 @@ import llama_cpp as llama
 import numpy as np
 import structlog
 
-from loomserve.worker.engine import rowscan
+from loomserve.worker.engine import native_fence, rowscan
 from loomserve.worker.engine.backend_sampling import (
     backend_sampling_available,
     sampler_chain,
@@ -76,12 +76,22 @@ SWAPPED_TYPES = {8: "Q8_0", 6: "Q5_0", 2: "Q4_0", 12: "Q4_K", 13: "Q5_K", 14: "Q
 @functools.cache
 def graph_draw_library() -> Any | None:
     """rowscan's library, bound to the ggml that llama.cpp loaded; None where the draw cannot
-    run in the graph: no C draw, a llama.cpp without backend sampling, or a ggml whose tensor
-    graphdraw.c does not know."""
+    run in the graph: no C draw, a llama.cpp without backend sampling, or one that
+    native_fence.py has not verified."""
     lib = rowscan.library()
     if lib is None or not backend_sampling_available():
         return None
     if lib.ls_graph_draw_bytes() != ctypes.sizeof(DrawState):
+        return None
+    # Only where this llama.cpp is one whose layout the C code is proven to match.
+    fence = native_fence.verdict(lib)
+    if not fence.allowed:
+        log.warning(
+            "loomserve's draw and kernels inside llama.cpp's graph are off with this "
+            "llama.cpp: the host sampler and ggml's matmuls serve (the same tokens, slower)",
+            install=fence.install,
+            reason=fence.reason,
+        )
         return None
     libs = Path(llama.__file__).parent / "lib"
     ggml_base = libs / "libggml-base.so"

@@ -87,6 +87,9 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
         ctypes.c_int,
     ),
     "ls_graph_rows_drawn": ([], _LENGTH),
+    # abiprobe.c's: ggml's tensor as found through its public calls, and as declared
+    "ls_abi_probe": ([ctypes.c_char_p, _ROW], _LENGTH),
+    "ls_abi_declared": ([_ROW], _LENGTH),
     "ls_q0_matmul_supported": ([], ctypes.c_int),
     # weights, their type, blocks a row, first row, end row, activations (Q8_0), rows, out,
     # its stride
