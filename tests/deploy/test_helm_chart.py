@@ -349,8 +349,8 @@ def test_defaults_make_a_cpu_deployment() -> None:
     ("cpu", "threads"), [("2", "2"), (4, "4"), ("1500m", "2"), ("250m", "1"), (0.5, "1")]
 )
 def test_a_cpu_workers_threads_match_its_cpu_limit(cpu: str | float, threads: str) -> None:
-    """The default worker requests and limits the same CPUs (a limit above the request is
-    throttled whenever the node is busy) and runs one llama.cpp thread per CPU of the limit,
+    """The default worker requests and limits the same CPUs (above its request a pod runs only
+    on CPU other pods left idle) and runs one llama.cpp thread per CPU of the limit,
     rounded up as the worker reads a quota itself (worker/host_cpus.py)."""
     resources = container(one(render({}), "StatefulSet", "worker"))["resources"]
     assert resources["requests"]["cpu"] == resources["limits"]["cpu"] == "2"
@@ -366,6 +366,16 @@ def test_worker_env_threads_and_no_cpu_limit_are_respected() -> None:
     statefulset = one(unlimited, "StatefulSet", "worker")
     assert "cpu" not in container(statefulset)["resources"]["limits"]
     assert "LOOMSERVE_THREADS" not in env_of(statefulset)  # the worker reads its mask or quota
+
+
+def test_a_worker_on_a_crowded_node_can_wait_passively() -> None:
+    statefulset = one(render({}), "StatefulSet", "worker")
+    assert "OMP_WAIT_POLICY" not in env_of(statefulset)  # libgomp's spin by default
+    passive = render({"worker": {"openmpWaitPolicy": "PASSIVE"}})
+    statefulset = one(passive, "StatefulSet", "worker")
+    assert env_of(statefulset)["OMP_WAIT_POLICY"] == "PASSIVE"
+    for version in KUBERNETES:
+        kubernetes_validate.validate(statefulset, version, strict=True)
 
 
 def test_one_model_keeps_the_objects_it_always_had() -> None:
