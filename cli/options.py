@@ -175,8 +175,8 @@ def gateway_options(func):
             default=None,
             help="File of accepted API keys, one per line: `name:key` names the key's tenant "
             "(for fair shares and metrics), a bare key is a tenant of its own; "
-            "`priority=MIN..MAX` after a key bounds its requests' priority; `#` starts a "
-            "comment line.",
+            "`priority=MIN..MAX` after a key bounds its requests' priority; `role=admin` lets "
+            "it see every tenant's requests in /slots; `#` starts a comment line.",
         ),
         click.option(
             "--chat-template",
@@ -247,6 +247,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
     """A GatewayConfig from the command's options and the worker endpoints."""
     keys = {key: unnamed_key_tenant(key) for key in opts["api_key"]}
     priorities = {}
+    admins: frozenset[str] = frozenset()
     if opts["api_key_file"]:
         path = opts["api_key_file"]
         try:
@@ -255,6 +256,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
             raise click.BadParameter(f"{path}: {exc}", param_hint="--api-key-file") from None
         keys.update(key_file.tenants)
         priorities = key_file.priorities
+        admins = key_file.admins
     template = opts["chat_template"]
     if template:
         from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
@@ -288,6 +290,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         worker_endpoints=(workers,) if isinstance(workers, str) else tuple(workers),
         api_keys=keys,
         key_priorities=priorities,
+        admin_keys=admins,
         chat_template=template,
         curve_server_key_file=opts.get("curve_server_key_file"),
         curve_secret_key_file=opts.get("curve_secret_key_file"),

@@ -110,16 +110,18 @@ class KeyFile:
 
     tenants: dict[str, str]  # key -> its tenant
     priorities: dict[str, PriorityRange]  # key -> its bounds, for the keys that have some
+    admins: frozenset[str] = frozenset()  # keys with role=admin: they see every tenant's slots
 
 
 def parse_key_file(text: str) -> KeyFile:
     """The keys of an --api-key-file; ValueError naming the line for a bad one.
 
-    One key a line, `name:key` or a bare key, optionally followed by `priority=MIN..MAX`;
-    blank lines and lines whose first non-blank character is `#` are skipped.
+    One key a line, `name:key` or a bare key, optionally followed by `priority=MIN..MAX` and
+    `role=admin`; blank lines and lines whose first non-blank character is `#` are skipped.
     """
     tenants: dict[str, str] = {}
     priorities: dict[str, PriorityRange] = {}
+    admins: set[str] = set()
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split()
         if not words or words[0].startswith("#"):
@@ -128,16 +130,19 @@ def parse_key_file(text: str) -> KeyFile:
             key, tenant = parse_key_line(words[0])
             for setting in words[1:]:
                 name, sep, value = setting.partition("=")
-                if name != "priority" or not sep:
+                if setting == "role=admin":
+                    admins.add(key)
+                elif name == "priority" and sep:
+                    priorities[key] = parse_priority_range(value)
+                else:
                     raise ValueError(
                         f"unknown setting {setting!r}: API keys cannot contain whitespace, "
-                        "and after the key only priority=MIN..MAX may follow"
+                        "and after the key only priority=MIN..MAX and role=admin may follow"
                     )
-                priorities[key] = parse_priority_range(value)
         except ValueError as exc:
             raise ValueError(f"line {number}: {exc}") from None
         tenants[key] = tenant
-    return KeyFile(tenants, priorities)
+    return KeyFile(tenants, priorities, frozenset(admins))
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +190,9 @@ class GatewayConfig:
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> its tenant; empty: no auth
     # key -> the priorities its requests may claim (clamped into); keys not here: any
     key_priorities: dict[str, PriorityRange] = field(default_factory=dict)
+    # keys that see every tenant's requests in /slots (a key file's role=admin); the others
+    # see their own tenant's and only counts of the rest
+    admin_keys: frozenset[str] = frozenset()
     chat_template: str | None = None  # a Jinja template overriding the model's own
     # The tool-call syntax (gateway/tools/format.py's families) or auto: the one the chat
     # template's text shows. cli/options.py checks the name, which this layer cannot import.

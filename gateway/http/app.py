@@ -146,7 +146,12 @@ def create_app(
         BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_timeout
     )
     # Outside the body limit (no key, no body read), inside the access log (401s counted).
-    app.add_middleware(AuthMiddleware, tenants=config.api_keys, priorities=config.key_priorities)
+    app.add_middleware(
+        AuthMiddleware,
+        tenants=config.api_keys,
+        priorities=config.key_priorities,
+        admins=config.admin_keys,
+    )
     app.add_middleware(AccessMiddleware, metrics=metrics)
     app.add_middleware(BarePathMiddleware)  # outside the keys and the log: they see /v1 paths
     if config.otlp_endpoint is not None:

@@ -195,8 +195,9 @@ OPEN_PREFIXES = ("/docs", "/redoc")
 
 
 class AuthMiddleware:
-    """401 for a request without a valid API key, when keys are set; the key's tenant and
-    priority bounds go on the request's state (fair shares, metrics, priorities).
+    """401 for a request without a valid API key, when keys are set; the key's tenant,
+    priority bounds and whether it is an admin's go on the request's state (fair shares,
+    metrics, priorities, what /slots shows).
 
     A key comes as `Authorization: Bearer <key>`, or as `x-api-key: <key>` as Anthropic's
     clients send it. Every key is compared, so the time taken says nothing about which one
@@ -208,11 +209,13 @@ class AuthMiddleware:
         app: ASGIApp,
         tenants: dict[str, str],
         priorities: dict[str, PriorityRange],
+        admins: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
         self.keys = [(key.encode(), key) for key in tenants]
         self.tenants = tenants
         self.priorities = priorities
+        self.admins = admins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -234,6 +237,7 @@ class AuthMiddleware:
         state = scope.setdefault("state", {})
         state["tenant"] = self.tenants[key]
         state["priorities"] = self.priorities.get(key)
+        state["admin"] = key in self.admins
         await self.app(scope, receive, send)
 
     def _matching_key(self, scope: Scope) -> str | None:

@@ -8,7 +8,7 @@ import dataclasses
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from loomserve.gateway.api.response_bodies import ModelActionResult, ModelStatus
@@ -27,15 +27,17 @@ def slots_router(pool: WorkerPool) -> APIRouter:
     router = APIRouter()
 
     @router.get("/slots", tags=["llama.cpp"])
-    async def slots(model: str | None = None) -> JSONResponse:
+    async def slots(request: Request, model: str | None = None) -> JSONResponse:
         """Every worker's slots (of `model` only, when given), gathered now: per slot its
         state, request id, tenant, priority, prompt tokens (cached and computed), tokens
         generated, age and tokens/s; per worker its model, health, queue per tenant. Never
-        prompt text."""
+        prompt text. With API keys, a key sees its own tenant's requests, and of the others'
+        only that slots are busy and how many wait; an admin key sees all."""
         workers = await pool.slots(SLOTS_TIMEOUT_SECONDS)
         if model is not None:
             workers = [worker for worker in workers if worker.model == model]
-        return JSONResponse({"workers": [worker_body(worker) for worker in workers]})
+        viewer = _viewer(request)
+        return JSONResponse({"workers": [worker_body(worker, viewer) for worker in workers]})
 
     return router
 
@@ -80,8 +82,17 @@ def status_router() -> APIRouter:
     return router
 
 
-def worker_body(worker: WorkerSlots) -> dict[str, Any]:
-    """One worker's part of GET /slots."""
+def _viewer(request: Request) -> str | None:
+    """The tenant whose requests alone /slots may show; None: every tenant's (no API keys,
+    or an admin's key)."""
+    state = request.state
+    if getattr(state, "admin", False):
+        return None
+    return getattr(state, "tenant", None)
+
+
+def worker_body(worker: WorkerSlots, viewer: str | None = None) -> dict[str, Any]:
+    """One worker's part of GET /slots; with a viewer, only that tenant's requests are named."""
     info, beat, report = worker.info, worker.heartbeat, worker.report
     body: dict[str, Any] = {
         "endpoint": worker.endpoint,
@@ -95,23 +106,55 @@ def worker_body(worker: WorkerSlots) -> dict[str, Any]:
     if beat is not None:
         body |= {"slots_idle": beat.load.free_slots, "slots_processing": beat.load.running}
     if report is not None:
-        body |= _report_body(report)
+        body |= _report_body(report, viewer)
     return body
 
 
-def _report_body(report: SlotsReport) -> dict[str, Any]:
-    slots = [slot_body(slot) for slot in report.slots]
+def _report_body(report: SlotsReport, viewer: str | None) -> dict[str, Any]:
+    slots = [slot_body(slot, viewer) for slot in report.slots]
+    tenants = [dataclasses.asdict(tenant) for tenant in report.tenants]
+    if viewer is not None:
+        # The other tenants' requests as one anonymous count: how busy, never whose.
+        others = [tenant for tenant in tenants if tenant["tenant"] != viewer]
+        tenants = [tenant for tenant in tenants if tenant["tenant"] == viewer]
+        if others:
+            running = sum(tenant["running"] for tenant in others)
+            waiting = sum(tenant["waiting"] for tenant in others)
+            tenants.append({"tenant": None, "running": running, "waiting": waiting})
     return {
         "queue_depth": report.queue_depth,
         "tokens_per_second": round(sum(slot.tokens_per_second for slot in report.slots), 2),
-        "tenants": [dataclasses.asdict(tenant) for tenant in report.tenants],
+        "tenants": tenants,
         "slots": slots,
     }
 
 
-def slot_body(slot: SlotState) -> dict[str, Any]:
-    """One slot, in llama-server's terms where it has them (id, is_processing)."""
+# A busy slot of a tenant the viewer is not: what it runs, for whom and how far, is not said.
+HIDDEN_FIELDS = (
+    "request_id",
+    "gateway",
+    "tenant",
+    "priority",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_tokens",
+    "generated_tokens",
+    "age_seconds",
+    "tokens_per_second",
+)
+
+
+def slot_body(slot: SlotState, viewer: str | None = None) -> dict[str, Any]:
+    """One slot, in llama-server's terms where it has them (id, is_processing); a busy slot
+    of another tenant than the viewer's (when there is one) with its details left null."""
     busy = slot.state != "idle"
+    if busy and viewer is not None and slot.tenant != viewer:
+        return {
+            "id": slot.index,
+            "state": slot.state,
+            "is_processing": True,
+            **dict.fromkeys(HIDDEN_FIELDS),
+        }
     return {
         "id": slot.index,
         "state": slot.state,

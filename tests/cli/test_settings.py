@@ -32,6 +32,7 @@ GATEWAY_DERIVED = {
     "model_name": "served_model_name",
     "api_keys": "api_key",
     "key_priorities": "api_key_file",  # `priority=` on a key file's lines
+    "admin_keys": "api_key_file",  # `role=admin` on a key file's lines
 }
 MIB = 1024 * 1024
 

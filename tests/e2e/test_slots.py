@@ -166,3 +166,40 @@ def test_slots_name_a_worker_that_is_down(long_model_path: Path) -> None:
         down = by_endpoint[doomed.endpoint]
         assert down["status"] == "unavailable" and down["reason"]
         assert "slots" not in down and down["error"]
+
+
+def test_a_key_sees_its_own_tenants_slots_and_an_admin_all(
+    long_model_path: Path, tmp_path: Path
+) -> None:
+    """bob's key once listed alice's request id, tenant and counts: now bob sees that a slot
+    is busy and how many run and wait, not whose; alice sees hers; an admin key sees all."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-alice\nbob:sk-bob\nops:sk-ops role=admin\n")
+    with ExitStack() as stack:
+        worker = stack.enter_context(start_worker(long_model_path, slots=2, ctx_size=CTX))
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, worker.endpoint, api_key_file=keys)
+        )
+
+        def slots(key: str) -> httpx.Response:
+            auth = {"Authorization": f"Bearer {key}"}
+            response = httpx.get(gateway.url + "/slots", headers=auth, timeout=10)
+            assert response.status_code == 200, response.text
+            return response
+
+        with streaming(gateway, "alice-secret-req", user="x", key="sk-alice"):
+            seen = wait_for(
+                lambda: slots("sk-ops").json(),
+                lambda body: busy_slot(body, "alice-secret-req") is not None,
+                10,
+                "alice's slot",
+            )
+            assert busy_slot(seen, "alice-secret-req")["tenant"] == "alice"  # type: ignore[index]
+            assert busy_slot(slots("sk-alice").json(), "alice-secret-req") is not None
+            for_bob = slots("sk-bob")
+            assert "alice" not in for_bob.text  # neither her tenant nor her request id
+            (only,) = for_bob.json()["workers"]
+            busy = [s for s in only["slots"] if s["is_processing"]]
+            assert len(busy) == 1 and busy[0]["state"] in ("prefilling", "generating")
+            assert busy[0]["request_id"] is None and busy[0]["generated_tokens"] is None
+            assert only["tenants"] == [{"tenant": None, "running": 1, "waiting": 0}]
