@@ -122,14 +122,17 @@ def _xml_arguments(
     rules: list[str],
 ) -> str:
     """One element per parameter, in the schema's order (the optional ones optional); a
-    string's text is any characters but `<`, at most MAX_TOOL_STRING_CHARS of them."""
+    string's text is any characters but `<`, as many as its minLength and maxLength allow
+    (without a maxLength, at most MAX_TOOL_STRING_CHARS beyond its minLength)."""
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     newline = _literal("\n") if xml.trim_newline else ""
     elements = []
     for j, (key, value_schema) in enumerate(properties.items()):
         if schema_types(value_schema) == {"string"} and "enum" not in value_schema:
-            value = f"[^<]{{0,{MAX_TOOL_STRING_CHARS}}}"
+            low = int(value_schema.get("minLength", 0))
+            high = int(value_schema.get("maxLength", low + MAX_TOOL_STRING_CHARS))
+            value = f"[^<]{{{low},{high}}}"
         else:
             value = converter.visit(value_schema, f"call-{i}-p{j}")
         head = _literal(xml.key_open + key + xml.key_close + xml.value_open)
