@@ -126,16 +126,16 @@ def watched_run(
 
 
 def test_a_real_tick_slowed_by_work_that_uses_cpu_is_not_declared_dead(engine) -> None:
-    limit = 0.5
+    limit = 0.3
 
-    def slow(_gave_up: threading.Event) -> None:  # ten limits of CPU time, inside the tick
+    def slow(_gave_up: threading.Event) -> None:  # eight limits of CPU time, inside the tick
         spent = time.thread_time()
-        while time.thread_time() - spent < 10 * limit:
+        while time.thread_time() - spent < 8 * limit:
             sum(range(1000))
 
     started = time.monotonic()
     fired, _ = watched_run(engine, slow, limit)
-    assert time.monotonic() - started > 10 * limit  # the tick did outlast its limit, tenfold
+    assert time.monotonic() - started > 8 * limit  # the tick did outlast its limit, eightfold
     assert fired == []
 
 
