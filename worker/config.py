@@ -182,6 +182,15 @@ class WorkerConfig:
         "127.0.0.1",
         help="Address of the metrics endpoint (0.0.0.0 for Prometheus in another container).",
     )
+    # The endpoint needs no key: whoever reaches it reads the per-tenant gauges' labels.
+    metrics_tenants: str = setting(
+        "name",
+        help=(
+            "How the metrics' per-tenant series name a tenant: name (its API key's name), hash "
+            "(a short hash of it, the same on every worker), or off (no per-tenant series)."
+        ),
+        choices=("name", "hash", "off"),
+    )
     # The name gateways serve the model under (they place the worker by it, ModelInfo) and
     # the metrics' model_name label. None: the file's stem.
     served_model_name: str | None = setting(

@@ -9,6 +9,7 @@ the scheduler (a contract in pyproject.toml checks that it does not import it).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -28,7 +29,8 @@ UBATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 class WorkerMetrics:
     """Every worker metric, in a registry of its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenant_labels: str = "name") -> None:
+        """tenant_labels: how per-tenant series name a tenant (TenantLabels)."""
         self.registry = registry = CollectorRegistry()
 
         def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
@@ -133,7 +135,7 @@ class WorkerMetrics:
             "Accepted drafted tokens by their position in the draft (0: the first).",
             ("position",),
         )
-        self._tenant_labels = TenantLabels()
+        self._tenant_labels = TenantLabels(tenant_labels)
         self._decode = self.batch_tokens.labels(kind="decode")
         self._prefill = self.batch_tokens.labels(kind="prefill")
         self._padding = self.batch_tokens.labels(kind="padding")
@@ -233,16 +235,30 @@ MAX_TENANT_LABELS = 16  # tenants beyond these (by first sight) are counted as "
 OTHER_TENANT = "other"
 
 
-class TenantLabels:
-    """The tenants with a label of their own: the first MAX_TENANT_LABELS seen, for good."""
+TENANT_LABELS = ("name", "hash", "off")  # --metrics-tenants
 
-    def __init__(self) -> None:
+
+def hashed_tenant(tenant: str) -> str:
+    """A tenant's label that does not spell its name: the same on every worker and restart,
+    so a dashboard can follow one tenant (a name easy to guess can still be guessed)."""
+    return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:12]
+
+
+class TenantLabels:
+    """The tenants with a label of their own: the first MAX_TENANT_LABELS seen, for good.
+
+    mode: name, the tenant's own name; hash, hashed_tenant's; off, no per-tenant series.
+    """
+
+    def __init__(self, mode: str = "name") -> None:
+        self.mode = mode
         self.names: dict[str, None] = {}  # insertion-ordered; only ever grows to the bound
 
     def label(self, tenant: str) -> str:
-        if tenant not in self.names and len(self.names) < MAX_TENANT_LABELS:
-            self.names[tenant] = None
-        return tenant if tenant in self.names else OTHER_TENANT
+        shown = tenant if self.mode == "name" else hashed_tenant(tenant)
+        if shown not in self.names and len(self.names) < MAX_TENANT_LABELS:
+            self.names[shown] = None
+        return shown if shown in self.names else OTHER_TENANT
 
 
 class _SchedulingCollector:
@@ -285,6 +301,8 @@ class _SchedulingCollector:
             )
 
     def _tenants(self, counts: dict[str, tuple[int, int]]) -> Iterator[Metric]:
+        if self.labels.mode == "off":
+            return
         labels = [self.labels.label(tenant) for tenant in counts]
         by_label: dict[str, list[int]] = {tenant: [0, 0] for tenant in list(self.labels.names)}
         for label, (n_running, n_waiting) in zip(labels, counts.values(), strict=True):

@@ -100,7 +100,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         ready=True,
     )
     _log_start(config, engine, info)
-    metrics = WorkerMetrics() if config.metrics_port is not None else None
+    metrics = WorkerMetrics(config.metrics_tenants) if config.metrics_port is not None else None
     # IO and the loop share these and the outbox, never each other (channels.py).
     inbox, board = Inbox(), StatsBoard(config.slots)
     try:

@@ -1,5 +1,7 @@
 """GET /slots on the real engine: a slot busy with a long request shows its id, tenant and
-tokens as they grow, the API key guards it, and no prompt text appears anywhere in it.
+tokens as they grow, the API key guards it, and no prompt text appears anywhere in it. A key
+sees only its own tenant's requests (an admin key all), and the worker's metrics name tenants
+only as --metrics-tenants says.
 
 The generation is long (ignore_eos over a 16k context, seconds on the tiny model), so it is
 still running while the slots are read.
@@ -16,7 +18,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import LONG_CTX
-from tests.procs import Proc, start_gateway, start_worker
+from tests.procs import Proc, free_port, scrape_metrics, start_gateway, start_worker
 
 CTX = LONG_CTX
 # Words the slots view must never echo: the prompt's text.
@@ -203,3 +205,36 @@ def test_a_key_sees_its_own_tenants_slots_and_an_admin_all(
             assert len(busy) == 1 and busy[0]["state"] in ("prefilling", "generating")
             assert busy[0]["request_id"] is None and busy[0]["generated_tokens"] is None
             assert only["tenants"] == [{"tenant": None, "running": 1, "waiting": 0}]
+
+
+def test_the_worker_metrics_name_tenants_only_as_asked(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """The worker's metrics port needs no key: --metrics-tenants hash labels a tenant by a
+    hash of its name, off leaves the per-tenant series out."""
+    from loomserve.worker.metrics import hashed_tenant
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-alice\n")
+    for mode in ("hash", "off"):
+        port = free_port()
+        with ExitStack() as stack:
+            worker = stack.enter_context(
+                start_worker(tiny_model_path, metrics_port=port, metrics_tenants=mode)
+            )
+            gateway = stack.enter_context(
+                start_gateway(tiny_model_path, worker.endpoint, api_key_file=keys)
+            )
+            body = {"prompt": "hi", "max_tokens": 2}
+            auth = {"Authorization": "Bearer sk-alice"}
+            answer = httpx.post(gateway.url + "/v1/completions", json=body, headers=auth)
+            assert answer.status_code == 200, answer.text
+            url = f"http://127.0.0.1:{port}/metrics"
+            text = httpx.get(url, timeout=10).text
+            assert "alice" not in text
+            labels = {
+                dict(key)["tenant"]
+                for name, key in scrape_metrics(url)
+                if name == "loomserve:num_requests_running_by_tenant"
+            }
+            assert labels == ({hashed_tenant("alice")} if mode == "hash" else set()), mode
