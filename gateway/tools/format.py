@@ -68,6 +68,9 @@ class Framed:
     written_after_args: str = ""  # between the arguments and CLOSE, as written
     content_name: str = ""  # a "call" of this name is the answer's text (Functionary v3.2)
     name_as_id: bool = False  # the name's text is the call's id (Kimi's functions.NAME:0)
+    # The arguments are an object with bare keys and strings between this marker (Gemma 4's
+    # <|"|>), not JSON; read whole, as JSON.
+    string_quote: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,8 @@ class ToolFormat:
             return json.dumps(call, ensure_ascii=False)
         if framed.xml is not None and isinstance(arguments, dict):
             args = framed.xml.write(arguments)
+        elif framed.string_quote:
+            args = _write_quoted(arguments, framed.string_quote)
         else:
             args = arguments if isinstance(arguments, str) else json.dumps(arguments)
         written = framed.name_written.format(name=name, index=index)
@@ -125,7 +130,7 @@ class ToolFormat:
         found = [*self.opens, self.closes or ""]
         if self.framed is not None:
             f = self.framed
-            found += [*f.opens, *f.name_ends, f.close, f.args_open, *f.between]
+            found += [*f.opens, *f.name_ends, f.close, f.args_open, *f.between, f.string_quote]
             if f.xml is not None:
                 found += [f.xml.key_open, f.xml.key_close, f.xml.value_open, f.xml.value_close]
         return tuple(dict.fromkeys(m for m in found if m.strip()))
@@ -136,6 +141,19 @@ class ToolFormat:
             alphabet = string.ascii_letters + string.digits
             return "".join(secrets.choice(alphabet) for _ in range(self.id_alphabet_length))
         return "call_" + secrets.token_hex(12)
+
+
+def _write_quoted(value: Any, quote: str) -> str:
+    """A value as Gemma 4's template writes a call's arguments: keys bare and in order,
+    strings between quote markers."""
+    if isinstance(value, str):
+        return f"{quote}{value}{quote}"
+    if isinstance(value, dict):
+        items = (f"{k}:{_write_quoted(v, quote)}" for k, v in sorted(value.items()))
+        return "{" + ",".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_write_quoted(v, quote) for v in value) + "]"
+    return json.dumps(value)
 
 
 def _json_family(name: str, opens: tuple[str, ...], closes: str | None, **more: Any) -> ToolFormat:
@@ -296,12 +314,20 @@ FUNCTIONARY_V32 = _framed_family(
     starts_in_call=True, templates=("meetkai-functionary-medium-v3.2",),
 )  # fmt: skip
 
+# Gemma 4: <|tool_call>call:NAME{key:<|"|>text<|"|>,n:1}<tool_call|>, one marker per call.
+GEMMA4 = _framed_family(
+    "gemma4",
+    Framed(opens=("<|tool_call>call:",), name_ends=("{",), close="<tool_call|>",
+           string_quote='<|"|>'),
+    templates=("google-gemma-4-31B-it",),
+)  # fmt: skip
+
 FAMILIES: dict[str, ToolFormat] = {
     f.name: f
     for f in (
         HERMES, QWEN3_CODER, GLM, MINIMAX, HARMONY, DEEPSEEK_V31, DEEPSEEK_R1, KIMI_K2,
         MISTRAL_ARGS, MISTRAL, LLAMA3, GRANITE, FIREFUNCTION, COMMAND_R7B, FUNCTIONARY_V31,
-        FUNCTIONARY_V32, JSON, GENERIC,
+        FUNCTIONARY_V32, GEMMA4, JSON, GENERIC,
     )
 }  # fmt: skip
 PARSER_NAMES = ("auto", *FAMILIES)  # --tool-call-parser's choices
@@ -327,6 +353,8 @@ def detect(template_source: str, renders_tools: bool, override: str = "auto") ->
         return KIMI_K2
     if "tool▁call▁begin" in s:
         return DEEPSEEK_R1 if "```json" in s else DEEPSEEK_V31
+    if "<|tool_call>" in s and "<tool_call|>" in s:
+        return GEMMA4
     if "<|START_ACTION|>" in s:
         return COMMAND_R7B
     if "<tool_call>" in s:

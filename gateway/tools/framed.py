@@ -52,6 +52,7 @@ class _Call:
     started: bool = False  # the arguments began
     members: int = 0  # XML arguments: parameters written
     key: str | None = None  # XML arguments: the parameter whose value is read
+    quoted: str = ""  # Gemma 4's arguments as written, until they close
 
 
 @dataclass(slots=True)
@@ -254,6 +255,8 @@ class FramedCallParser:
                 return True
             call.started = True
             buffer = self._buffer
+        if self._framed.string_quote:
+            return self._step_quoted()
         used = 0
         for ch in buffer:
             used += 1
@@ -277,6 +280,43 @@ class FramedCallParser:
         if call.depth == 0:
             self._mode = "after_args"
         return call.depth == 0
+
+    def _step_quoted(self) -> bool:
+        """Gemma 4's arguments: an object with bare keys, strings between quote markers; sent
+        whole, as JSON, once the object closes."""
+        quote, call = self._framed.string_quote, self._call
+        while self._buffer:
+            buffer = self._buffer
+            if call.in_string:
+                at = buffer.find(quote)
+                if at < 0:
+                    keep = _partial_marker(buffer, (quote,))
+                    call.quoted += buffer[: len(buffer) - keep]
+                    self._eat(len(buffer) - keep)
+                    return False
+                call.quoted += buffer[: at + len(quote)]
+                self._eat(at + len(quote))
+                call.in_string = False
+                continue
+            if buffer.startswith(quote):
+                call.quoted += quote
+                self._eat(len(quote))
+                call.in_string = True
+                continue
+            if quote.startswith(buffer):
+                return False  # maybe a quote marker, cut short
+            ch = buffer[0]
+            call.quoted += ch
+            self._eat(1)
+            if ch in "{[":
+                call.depth += 1
+            elif ch in "}]":
+                call.depth -= 1
+                if call.depth == 0:
+                    self._add_args(call, quoted_to_json(call.quoted, quote))
+                    self._mode = "after_args"
+                    return True
+        return False
 
     def _step_xml(self) -> bool:
         xml, call, framed = self._framed.xml, self._call, self._framed
@@ -441,6 +481,22 @@ def parse_any(
 ) -> tuple[str, list[ParsedCall]]:
     """The content and the calls of a whole reply in any family's syntax."""
     return read_reply(tool_parser(fmt, max_calls, schemas), text, cut)
+
+
+_BARE_KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_.-]*)(\s*:)")
+
+
+def quoted_to_json(text: str, quote: str) -> str:
+    """Gemma 4's `{key:<|"|>text<|"|>,n:1}` as JSON text: strings between the quote markers
+    become JSON strings, bare keys are quoted; numbers, true, false, null stay."""
+    parts = text.split(quote)
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2:  # inside a string
+            out.append(json.dumps(part, ensure_ascii=False))
+        else:
+            out.append(_BARE_KEY.sub(lambda m: json.dumps(m.group(1)) + m.group(2), part))
+    return "".join(out)
 
 
 def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:

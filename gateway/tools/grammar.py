@@ -104,7 +104,9 @@ def _framed_call(
     written += [_literal(index_parts[0])]
     for part in index_parts[1:]:  # Kimi's functions.NAME:0
         written += ["[0-9]{1,3}", _literal(part)]
-    if framed.xml is None:
+    if framed.string_quote:
+        arguments = _quoted_arguments(converter, framed.string_quote, i, schema, rules)
+    elif framed.xml is None:
         arguments = converter.visit(schema, f"call-{i}-arguments")
     else:
         arguments = _xml_arguments(converter, framed.xml, i, schema, rules)
@@ -144,6 +146,39 @@ def _xml_arguments(
         elements.append(f"({element})" + ("" if key in required else "?"))
     rules.append(f"call-{i}-parameters ::= " + (" ".join(elements) or '""'))
     return f"call-{i}-parameters"
+
+
+def _quoted_arguments(
+    converter: SchemaConverter,
+    quote: str,
+    i: int,
+    schema: dict[str, Any],
+    rules: list[str],
+) -> str:
+    """Gemma 4's arguments: `{key:value,...}` with bare keys in sorted order (as its template
+    writes them), the required ones first, and strings between quote markers; other values
+    as JSON. Optional parameters after the first are each optional."""
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    keys = sorted(properties, key=lambda k: (k not in required, k))
+    members = []
+    for j, key in enumerate(keys):
+        value_schema = properties[key]
+        if schema_types(value_schema) == {"string"} and "enum" not in value_schema:
+            low = int(value_schema.get("minLength", 0))
+            high = int(value_schema.get("maxLength", low + MAX_TOOL_STRING_CHARS))
+            value = f"{_literal(quote)} [^<]{{{low},{high}}} {_literal(quote)}"
+        else:
+            value = converter.visit(value_schema, f"call-{i}-q{j}")
+        members.append((key in required, f"{_literal(key + ':')} {value}"))
+    body = ""
+    for n, (needed, member) in enumerate(members):
+        part = member if n == 0 else f'"," {member}'
+        body += f" {part}" if needed or n == 0 else f" ({part})?"
+    if members and not members[0][0]:  # nothing required: no arguments at all is a call too
+        body = f" ({body.strip()})?"
+    rules.append(f'call-{i}-quoted ::= "{{"{body} "}}"')
+    return f"call-{i}-quoted"
 
 
 def _bounded_strings(grammar: str) -> str:

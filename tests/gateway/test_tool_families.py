@@ -305,6 +305,28 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
         [("get_weather", {"city": "Paris"}), ("get_time", {})],
     ),
     ("functionary_v3_2", "get_weather\n" + NESTED, "", [("get_weather", NESTED_ARGS)]),
+    # --- Gemma 4: bare keys, strings between <|"|> markers
+    (
+        "gemma4",
+        "<|channel>thought\nI'm\nthinking<channel|><|tool_call>call:get_weather"
+        '{city:<|"|>Paris<|"|>}<tool_call|>',
+        "<|channel>thought\nI'm\nthinking<channel|>",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "gemma4",
+        'Sure.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
+        "<|tool_call>call:get_time{}<tool_call|>",
+        "Sure.",
+        [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})],
+    ),
+    (
+        "gemma4",
+        '<|tool_call>call:get_weather{city:<|"|>Zürich 東京<|"|>,where:{near:[<|"|>lake<|"|>,'
+        "{depth:2.5}],ok:true}}<tool_call|>",
+        "",
+        [("get_weather", NESTED_ARGS)],
+    ),
 ]
 
 
@@ -334,6 +356,7 @@ CUT_CASES = [
      '<|tool_call_argument_begin|>{"city": ', '{"city": '),
     ("mistral_args", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', '{"city": "Pa'),
     ("functionary_v3_1", '<function=get_weather>{"city": "Pa', '{"city": "Pa'),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Pa', ""),
     ("deepseek_r1", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
      'get_weather\n```json\n{"ci', '{"ci'),
 ]  # fmt: skip
@@ -476,6 +499,8 @@ DETECTED = {
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "command_r7b",
     "meetkai-functionary-medium-v3.1": "functionary_v3_1",
     "meetkai-functionary-medium-v3.2": "functionary_v3_2",
+    "google-gemma-4-31B-it": "gemma4",
+    "google-gemma-2-2b-it": "json",  # tools not rendered: probed, it is "generic"
     "Qwen-Qwen2.5-7B-Instruct": "hermes",
     "Qwen-Qwen3-0.6B": "hermes",
     "Qwen-QwQ-32B": "hermes",
