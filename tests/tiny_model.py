@@ -79,10 +79,12 @@ def write_tiny_model(
     shape: ModelShape = TINY,
     sampling: dict[str, float | int] | None = None,
     chat_template: str | None = None,
+    pooling: int | None = None,
 ) -> Path:
     """Write a generated model (the tiny one unless shape says otherwise) to path; `sampling`
     adds general.sampling.* defaults (e.g. {"temp": 0.0, "top_k": 5}); with chat_template,
-    the model ships that template."""
+    the model ships that template; with pooling, it declares that pooling (4: rank, a
+    reranker's)."""
     tokens, scores, token_types = vocabulary(shape.extra_vocab)
     dtype = np.float16 if shape.f16 else np.float32
     n_vocab = len(tokens)
@@ -119,6 +121,8 @@ def write_tiny_model(
     writer.add_add_eos_token(False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    if pooling is not None:  # a llama_pooling_type: the model declares a pooling head
+        writer.add_pooling_type(gguf.PoolingType(pooling))
 
     writer.add_tensor("token_embd.weight", weight(n_vocab, shape.n_embd, gain=8.0))
     writer.add_tensor("output_norm.weight", np.ones(shape.n_embd, dtype=np.float32))

@@ -142,3 +142,33 @@ def test_without_embeddings_the_endpoint_answers_400(tiny_model_path: Path) -> N
             gateway.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 2}
         )
         assert completion.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def reranker_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model declaring rank pooling: llama.cpp writes n_cls_out floats (here 1) a
+    sequence, not n_embd."""
+    from tests.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("reranker") / "tiny-reranker.gguf", pooling=4)
+
+
+def test_a_reranker_returns_its_scores_and_nothing_beyond_them(reranker_path: Path) -> None:
+    """Rank pooling: each input's score (n_cls_out floats, as llama.cpp wrote them, not
+    normalized), the same for the same input every time; never the memory past them (which
+    came back as a 64-float vector of heap bytes, different each time, then a NaN and a 500)."""
+    with (
+        start_worker(reranker_path, slots=2, embeddings=True) as worker,
+        start_gateway(reranker_path, worker.endpoint) as gateway,
+    ):
+        body = {"model": "tiny-reranker", "input": TEXTS, "encoding_format": "float"}
+        answers = [
+            httpx.post(gateway.url + "/v1/embeddings", json=body, timeout=60) for _ in range(3)
+        ]
+        assert all(a.status_code == 200 for a in answers), answers[0].text
+        vectors = [[d["embedding"] for d in a.json()["data"]] for a in answers]
+        assert all(len(v) == 1 for v in vectors[0])  # the tiny llama has one classifier output
+        assert vectors[0] == vectors[1] == vectors[2]
+        assert all(np.isfinite(v).all() for v in vectors[0])
+        # A score, not a direction: not scaled to length 1.
+        assert any(abs(abs(v[0]) - 1.0) > 1e-3 for v in vectors[0])

@@ -37,11 +37,12 @@ log = structlog.get_logger(__name__)
 
 MAX_SEQUENCES = 32  # inputs per llama_decode
 MAX_PENDING_INPUTS = 4096  # inputs waiting; more are refused as queue_full
+RANK = llama.LLAMA_POOLING_TYPE_RANK  # a reranker's classifier head
 POOLING_NAMES = {
     llama.LLAMA_POOLING_TYPE_MEAN: "mean",
     llama.LLAMA_POOLING_TYPE_CLS: "cls",
     llama.LLAMA_POOLING_TYPE_LAST: "last",
-    getattr(llama, "LLAMA_POOLING_TYPE_RANK", 4): "rank",
+    RANK: "rank",
 }
 
 
@@ -88,8 +89,16 @@ class Embedder:
 
     def __init__(self, engine: Engine, config: WorkerConfig, pooling: int) -> None:
         self.max_tokens = min(engine.slot_context, config.batch_tokens)
-        self.size = llama.llama_model_n_embd(engine.model)
         self.pooling = pooling
+        # What llama.cpp writes a sequence: a pooled vector of the model's width, or for a
+        # reranker (rank pooling) its classifier's scores, n_cls_out floats (1 or 2), which
+        # are served as they are (scores, not directions: never normalized).
+        self.scores = pooling == RANK
+        self.size = (
+            llama.llama_model_n_cls_out(engine.model)
+            if self.scores
+            else llama.llama_model_n_embd(engine.model)
+        )
         params = llama.llama_context_default_params()
         params.embeddings = True
         params.pooling_type = pooling
@@ -195,9 +204,14 @@ class Embedder:
             return code
         for seq, (job, index) in enumerate(group):
             pointer = llama.llama_get_embeddings_seq(self.ctx, seq)
+            if not pointer:  # llama.cpp pooled nothing for it: never read a NULL
+                return -1
+            # Exactly the floats llama.cpp wrote for the sequence (self.size), copied.
             vector = np.ctypeslib.as_array(pointer, shape=(self.size,)).astype(np.float32)
             norm = float(np.linalg.norm(vector))
-            job.vectors[index] = vector / norm if norm > 0 else vector
+            if not self.scores and norm > 0:
+                vector = vector / norm
+            job.vectors[index] = vector
         return 0
 
     def _take_done(self) -> list[tuple[bytes, Reply]]:
