@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import ctypes
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import pytest
 
+from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.text.chat_template import ChatTemplate
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.format import FAMILIES, PARSER_NAMES, ToolFormat, detect
@@ -20,6 +22,7 @@ from loomserve.gateway.tools.framed import tool_parser
 from loomserve.gateway.tools.grammar import tool_grammar
 from loomserve.gateway.tools.parser import ArgumentsDelta, CallStart, ContentDelta
 from loomserve.gateway.tools.template import TemplateTools
+from loomserve.protocol.settings import setting_info
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
 
@@ -537,3 +540,11 @@ def test_the_override_names_a_family_or_fails_with_the_list() -> None:
     with pytest.raises(ValueError, match="qwen3_coder"):
         detect(source, True, "qwen4")
     assert PARSER_NAMES[0] == "auto" and set(PARSER_NAMES[1:]) == set(FAMILIES)
+
+
+def test_the_options_help_names_every_family() -> None:
+    declared = next(f for f in fields(GatewayConfig) if f.name == "tool_call_parser")
+    info = setting_info(declared)
+    assert info is not None
+    for name in PARSER_NAMES:
+        assert name in info.help, name
