@@ -3,6 +3,7 @@ v1 cfs_quota_us/cfs_period_us) as well as the affinity mask, on fake cgroup tree
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from loomserve.worker.host_cpus import (
     quota_cpus,
     thread_budget,
 )
+from tests.procs import start_worker
 
 
 def v2_tree(tmp_path: Path, cpu_max: str, path: str = "/") -> tuple[Path, Path]:
@@ -101,3 +103,17 @@ def test_the_option_wins_and_says_so() -> None:
     default = WorkerConfig(model_path=Path("m.gguf"))
     assert default.n_threads == default.thread_budget.count >= 1
     assert default.thread_budget.source in (AFFINITY, V2_QUOTA, V1_QUOTA)
+
+
+def test_the_start_up_line_says_where_the_threads_came_from(tiny_model_path: Path) -> None:
+    """A real worker's `model loaded` line: the threads and their source, mask or quota by
+    default, the option when given."""
+    for threads, sources in ((0, (AFFINITY, V2_QUOTA, V1_QUOTA)), (1, (OPTION,))):
+        with start_worker(tiny_model_path, threads=threads, log_json=True) as worker:
+            loaded = next(
+                json.loads(line)
+                for line in worker.logs().splitlines()
+                if '"event": "model loaded"' in line
+            )
+        assert loaded["threads_from"] in sources
+        assert loaded["threads"] == (threads or thread_budget(0).count)
