@@ -50,8 +50,10 @@ STOP_SLACK = 1.0  # seconds past twice the shutdown timeout before a stopping wo
 # A tick that keeps using CPU may run this many limits (10: 300 s at the default 30 s).
 HARD_LIMIT_FACTOR = 10.0
 # CPU-seconds per second over the last limit below which a tick makes no progress: 2 % of a
-# core. An idle worker's own threads (heartbeats, the IO thread, this one) use far less; a
-# starved one, at a load of 40 on 2 cores, still gets about 10 %.
+# core. An idle worker's own threads (the IO thread, heartbeats, this one) used 0.6 % with a
+# gateway pinging it 4 times a second (the tiny model, 2 threads, on the 2-core VM); a
+# starved worker's 2 threads, at a load of 40 on 2 cores, still get about 10 %. Many gateways
+# pinging often could lift a stuck worker's own use above it: the hard limit ends that.
 MIN_CPU_SHARE = 0.02
 
 
