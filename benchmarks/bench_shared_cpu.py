@@ -170,7 +170,7 @@ def report(
                 + ", ".join(ratios)
             )
     theirs = [s for s in servers if s.startswith("llama-server")]
-    if theirs and 0 in busy:
+    if theirs:
         lines.append("")
         lines.append("loomserve's worst / llama-server's worst, per cell")
         for server in (s for s in servers if s.startswith("loomserve")):
@@ -236,6 +236,8 @@ def main(
         else:
             click.echo("no llama-server binary (LOOMSERVE_LLAMA_SERVER): loomserve only", err=True)
         names = list(servers)
+        cells = repetitions * len(busy_levels) * len(stream_counts) * len(names)
+        click.echo(f"{cells} runs of at most {run_seconds:g} s each", err=True)
         turn = 0
         for repetition in range(repetitions):
             for n_busy in busy_levels:
