@@ -211,14 +211,15 @@ COMMAND_R7B = _json_family(
     name_key="tool_name", index_key="tool_call_id",
     templates=("CohereForAI-c4ai-command-r7b-12-2024-tool_use",),
 )  # fmt: skip
-# Qwen3-Coder, Qwen3.5, Nemotron 3: <tool_call>\n<function=NAME>\n<parameter=KEY>\nvalue\n
-# </parameter>\n</function>\n</tool_call>
+# Qwen3-Coder, Qwen3.5, Nemotron 3 (and Seed-OSS, in <seed:tool_call>): <tool_call>\n
+# <function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n</function>\n</tool_call>
 QWEN3_CODER = _framed_family(
     "qwen3_coder",
     Framed(opens=("<function=",), name_ends=(">",), close="</function>", args_open=">",
            xml=XmlArguments("<parameter=", ">", "</parameter>", trim_newline=True,
                              separator="\n"),
-           between=("<tool_call>", "</tool_call>"), written_after_name=">\n"),
+           between=("<tool_call>", "</tool_call>", "<seed:tool_call>", "</seed:tool_call>"),
+           written_after_name=">\n"),
     call_prefix="<tool_call>\n", call_suffix="\n</tool_call>", separator="\n",
     templates=("Qwen3-Coder", "Qwen3.5-4B", "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"),
 )  # fmt: skip

@@ -96,6 +96,13 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
         "",
         [("get_weather", {**NESTED_ARGS, "metric": False, "note": "42"})],
     ),
+    (  # Seed-OSS writes Qwen3-Coder's calls in tags of its own
+        "qwen3_coder",
+        "<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</seed:tool_call>",
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
     # --- GLM-4.5/4.6/4.7
     (
         "glm",
@@ -333,6 +340,9 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
 ]
 
 
+KIMI_TWO_CALLS = next(r for f, r, _, calls in CASES if f == "kimi_k2" and len(calls) == 2)
+
+
 @pytest.mark.parametrize(("family", "reply", "content", "calls"), CASES)
 def test_each_family_reads_the_same_whole_and_a_character_at_a_time(
     family: str, reply: str, content: str, calls: list[tuple[str, Any]]
@@ -396,7 +406,7 @@ def test_a_repeated_framed_call_is_dropped_and_counted() -> None:
 
 def test_parallel_false_keeps_the_first_call() -> None:
     fmt = FAMILIES["kimi_k2"]
-    reply = CASES[17][1]
+    reply = KIMI_TWO_CALLS
     parser = tool_parser(fmt, 1, SCHEMAS)
     _, calls = _events_to_reply(parser.push(reply) + parser.finish())
     assert calls == [("get_weather", '{"city": "Paris"}')]
@@ -404,7 +414,7 @@ def test_parallel_false_keeps_the_first_call() -> None:
 
 def test_kimi_calls_keep_the_models_own_ids() -> None:
     parser = tool_parser(FAMILIES["kimi_k2"], None, SCHEMAS)
-    starts = [e for e in parser.push(CASES[17][1]) if isinstance(e, CallStart)]
+    starts = [e for e in parser.push(KIMI_TWO_CALLS) if isinstance(e, CallStart)]
     assert [e.id for e in starts] == ["functions.get_weather:0", "functions.get_time:1"]
 
 
@@ -503,6 +513,7 @@ DETECTED = {
     "meetkai-functionary-medium-v3.1": "functionary_v3_1",
     "meetkai-functionary-medium-v3.2": "functionary_v3_2",
     "google-gemma-4-31B-it": "gemma4",
+    "ByteDance-Seed-OSS": "qwen3_coder",
     "google-gemma-2-2b-it": "json",  # tools not rendered: probed, it is "generic"
     "Qwen-Qwen2.5-7B-Instruct": "hermes",
     "Qwen-Qwen3-0.6B": "hermes",
