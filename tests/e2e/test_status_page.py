@@ -1,6 +1,8 @@
 """The gateway's /status page in a real browser (Debian's Chromium, driven by Playwright) over
 a worker on the real engine: it shows the live figures of /slots and /health (a busy slot's
-request id, tokens/s), fetches nothing from anywhere else, and logs no console error.
+request id, tokens/s), fetches nothing from anywhere else, and logs no console error. Slots
+are grouped under their worker, whose long endpoint is written once; a tenant's key shows
+another tenant's busy slot without its details.
 
 The screenshot is kept under the test's tmp_path; its path is printed. Without Chromium
 (`apt-get install chromium`) or Playwright the test skips and says which is missing.
@@ -35,7 +37,7 @@ def test_status_page_shows_live_slots(browser, long_model_path: Path, tmp_path: 
         page.goto(gateway.url + "/status")
         page.wait_for_selector("#health.ok", timeout=15_000)
         page.wait_for_function(
-            "document.querySelectorAll('#slots tbody tr').length === 2", timeout=15_000
+            "document.querySelectorAll('#slots tr.slot').length === 2", timeout=15_000
         )
         assert worker.endpoint in page.inner_text("#workers")
 
@@ -92,10 +94,68 @@ def test_status_page_asks_for_the_api_key(browser, long_model_path: Path) -> Non
         page.fill("#key", "sk-status")
         page.click("#keyform button")
         page.wait_for_function(
-            "document.querySelectorAll('#slots tbody tr').length === 2", timeout=15_000
+            "document.querySelectorAll('#slots tr.slot').length === 2", timeout=15_000
         )
         page.wait_for_function("document.querySelector('#problem').textContent === ''")
         assert page.is_hidden("#keyform")
         page.close()
     # Only the browser's own line for each refused /slots, before the key was given.
     assert errors and all("401" in error for error in errors), errors
+
+
+def test_slots_are_grouped_under_their_worker(
+    browser, long_model_path: Path, tmp_path: Path
+) -> None:
+    """Each worker's endpoint heads its slots once (it was repeated on every slot row: 1,700
+    px for 16 slots); seen with bob's key, alice's busy slot shows only that it is busy."""
+    keys = tmp_path / "keys"
+    keys.write_text("alice:sk-alice\nbob:sk-bob\n")
+    with ExitStack() as stack:
+        workers = [
+            stack.enter_context(start_worker(long_model_path, slots=2, ctx_size=CTX))
+            for _ in range(2)
+        ]
+        endpoints = [worker.endpoint for worker in workers]
+        gateway = stack.enter_context(start_gateway(long_model_path, endpoints, api_key_file=keys))
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(gateway.url + "/status")
+        page.fill("#key", "sk-bob")
+        page.click("#keyform button")
+        page.wait_for_function(
+            "document.querySelectorAll('#slots tr.slot').length === 4", timeout=15_000
+        )
+        groups = page.eval_on_selector_all(
+            "#slots tbody",
+            "bs => bs.map(b => [b.rows[0].innerText, b.querySelectorAll('tr.slot').length])",
+        )
+        assert sorted(title.split()[0] for title, _ in groups) == sorted(endpoints)
+        assert [count for _, count in groups] == [2, 2]
+        slots_text = page.inner_text("#slots")
+        for endpoint in endpoints:
+            assert slots_text.count(endpoint) == 1
+        slot_rows = page.eval_on_selector_all(
+            "#slots tr.slot", "rows => rows.map(r => r.innerText)"
+        )
+        assert not any("ipc://" in row or "tcp://" in row for row in slot_rows)
+
+        url = gateway.url + "/v1/completions"
+        headers = {"X-Request-Id": "alice-secret-req", "Authorization": "Bearer sk-alice"}
+        with httpx.stream("POST", url, json=LONG, headers=headers, timeout=30) as stream:
+            lines = stream.iter_lines()  # kept: a collected iterator closes the stream
+            assert next(lines).startswith("data: ")
+            page.wait_for_function(
+                "document.querySelector('#slots').innerText.includes('generating')",
+                timeout=15_000,
+            )
+            page.wait_for_function(
+                "document.querySelector('#tenants').innerText.includes('other tenants')",
+                timeout=15_000,
+            )
+            assert "alice" not in page.inner_text("body")
+            screenshot = tmp_path / "status-groups.png"
+            page.screenshot(path=str(screenshot), full_page=True)
+            print(f"status page screenshot: {screenshot}")
+        page.close()
+    assert errors == []
