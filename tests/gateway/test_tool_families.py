@@ -559,3 +559,48 @@ def test_the_options_help_names_every_family() -> None:
     assert info is not None
     for name in PARSER_NAMES:
         assert name in info.help, name
+
+
+CONVERSATION: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "abc123XYZ",  # nine letters and digits, as Mistral's templates insist
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "abc123XYZ", "name": "get_weather", "content": "sunny"},
+]
+HISTORY_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The weather.", "parameters": WEATHER},
+    }
+]
+
+
+@pytest.mark.parametrize(("template", "family"), sorted(DETECTED.items()))
+def test_a_call_in_the_history_reaches_the_model_in_its_familys_syntax(
+    template: str, family: str
+) -> None:
+    """The conversation rendered as at serving time (what the template cannot show written as
+    text): the family's parser finds the earlier call in the prompt, and the tool's result is
+    there too."""
+    if family == "firefunction":
+        pytest.skip("its template reads a `functions` variable that llama.cpp alone passes")
+    renderer = ChatTemplate((TEMPLATES / f"{template}.jinja").read_text(), "<s>", "</s>")
+    probe = TemplateTools.probe(renderer)
+    messages, tools = probe.prepare(CONVERSATION, HISTORY_TOOLS)
+    prompt = renderer.render(messages, tools=tools, add_generation_prompt=True)
+    assert "sunny" in prompt
+    if probe.format.bare_json:  # a call is a reply that is JSON: read the assistant's turn
+        prompt = prompt[prompt.find('{"name": "get_weather"') :]
+    _, calls = read(probe.format, prompt)
+    found = [json.loads(arguments) for name, arguments in calls if name == "get_weather"]
+    assert {"city": "Paris", "days": 3} in found, prompt
