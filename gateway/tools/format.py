@@ -199,6 +199,12 @@ GRANITE = _json_family(
     "granite", ("<|tool_call|>",), None, list_prefix="<|tool_call|>[", list_suffix="]",
     separator=", ", templates=("ibm-granite-granite-3.3-2B-Instruct",),
 )  # fmt: skip
+# Phi-4-mini: <|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>; its template
+# lists the tools between <|tool|> and <|/tool|> (llama.cpp ships none to test with).
+PHI4 = _json_family(
+    "phi4", ("<|tool_call|>",), "<|/tool_call|>", list_prefix="<|tool_call|>[",
+    list_suffix="]<|/tool_call|>", separator=", ",
+)  # fmt: skip
 # Firefunction v2: " functools[{"name": ..., "arguments": {...}}]".
 FIREFUNCTION = _json_family(
     "firefunction", (" functools", "functools"), None, list_prefix=" functools[",
@@ -328,7 +334,7 @@ FAMILIES: dict[str, ToolFormat] = {
     for f in (
         HERMES, QWEN3_CODER, GLM, MINIMAX, HARMONY, DEEPSEEK_V31, DEEPSEEK_R1, KIMI_K2,
         MISTRAL_ARGS, MISTRAL, LLAMA3, GRANITE, FIREFUNCTION, COMMAND_R7B, FUNCTIONARY_V31,
-        FUNCTIONARY_V32, GEMMA4, JSON, GENERIC,
+        FUNCTIONARY_V32, GEMMA4, PHI4, JSON, GENERIC,
     )
 }  # fmt: skip
 PARSER_NAMES = ("auto", *FAMILIES)  # --tool-call-parser's choices
@@ -362,6 +368,8 @@ def detect(template_source: str, renders_tools: bool, override: str = "auto") ->
         return HERMES
     if "[TOOL_CALLS]" in s:
         return MISTRAL_ARGS if "[ARGS]" in s else MISTRAL
+    if "<|/tool|>" in s:
+        return PHI4
     if "<|tool_call|>" in s:
         return GRANITE
     if "functools[" in s:

@@ -284,6 +284,15 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
         "<think>\nok\n</think>\n\n",
         [("get_weather", NESTED_ARGS), ("get_time", {})],
     ),
+    # --- Phi-4-mini
+    (
+        "phi4",
+        'Sure.<|tool_call|>[{"name": "get_weather", "arguments": '
+        + NESTED
+        + '}, {"name": "get_time", "arguments": {}}]<|/tool_call|>',
+        "Sure.",
+        [("get_weather", NESTED_ARGS), ("get_time", {})],
+    ),
     # --- Firefunction v2
     (
         "firefunction",
