@@ -216,6 +216,12 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, description="Assistant messages.")
     tool_call_id: str | None = Field(default=None, description="Tool messages: the call answered.")
+    reasoning_content: str | None = Field(
+        default=None,
+        description="Assistant messages: their thinking, for templates that render it (as "
+        "reasoning_content, and as gpt-oss's thinking); `reasoning` is the same.",
+    )
+    reasoning: str | None = None
 
 
 class FunctionDefinition(BaseModel):

@@ -152,6 +152,10 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id:
         result["tool_call_id"] = message.tool_call_id
+    thought = message.reasoning_content or message.reasoning
+    if thought and message.role == "assistant":
+        # Qwen3, DeepSeek, MiniMax, Seed-OSS templates read reasoning_content; gpt-oss's thinking.
+        result["reasoning_content"] = result["thinking"] = thought
     return result
 
 

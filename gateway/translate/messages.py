@@ -135,6 +135,7 @@ def _chat_messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     texts: list[str] = []
+    thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for position, block in enumerate(message.content):
@@ -162,6 +163,8 @@ def _chat_messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]
             results.append(
                 {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
             )
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            thoughts.append(block["thinking"])  # for templates that render an earlier turn's
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
@@ -173,7 +176,12 @@ def _chat_messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]
     result = list(results)
     if message.role == "assistant":
         result.append(
-            {"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls or None}
+            {
+                "role": "assistant",
+                "content": "".join(texts) or None,
+                "tool_calls": calls or None,
+                "reasoning_content": "".join(thoughts) or None,
+            }
         )
     elif texts or not results:
         result.append({"role": "user", "content": "".join(texts)})

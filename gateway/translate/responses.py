@@ -63,6 +63,8 @@ def chat_request(body: ResponsesInputTokensRequest) -> ChatCompletionRequest:
     else:
         for position, item in enumerate(body.input):
             _add_item(messages, item, position)
+    if messages and _thought_only(messages[-1]):
+        messages.pop()  # thinking with no turn after it: nothing to render it with
     if not any(m["role"] != "system" for m in messages):
         raise invalid_request("the input holds no message to answer", "input")
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
@@ -136,7 +138,14 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], position: in
             raise invalid_request(
                 f"{param}.role must be user, system, developer or assistant", param
             )
-        messages.append({"role": role, "content": _text_of(item.get("content"), param)})
+        content = _text_of(item.get("content"), param)
+        last = messages[-1] if messages else None
+        if _thought_only(last) and role == "assistant":
+            last["content"] = content  # the reasoning item before it was this turn's
+            return
+        if _thought_only(last):
+            messages.pop()  # thinking of no turn: nothing to render it with
+        messages.append({"role": role, "content": content})
     elif kind == "function_call":
         call = {
             "id": _string(item, "call_id", param),
@@ -158,13 +167,30 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], position: in
             {"role": "tool", "tool_call_id": _string(item, "call_id", param), "content": content}
         )
     elif kind == "reasoning":
-        return  # earlier turns' thinking: templates drop it from the history anyway
+        # An earlier turn's thinking, for templates that render it (a tool loop's): it joins
+        # the assistant turn that follows it.
+        parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+        text = "".join(
+            p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+        if text:
+            messages.append({"role": "assistant", "content": None, "reasoning_content": text})
     else:
         raise invalid_request(
             f"{param}: items of type {kind!r} are not supported; send messages, "
             "function_call and function_call_output",
             param,
         )
+
+
+def _thought_only(message: dict[str, Any] | None) -> bool:
+    """Whether a chat message is a reasoning item's turn with nothing else in it yet."""
+    return (
+        message is not None
+        and message["role"] == "assistant"
+        and message.get("content") is None
+        and not message.get("tool_calls")
+    )
 
 
 def _string(item: dict[str, Any], key: str, param: str) -> str:

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from loomserve.gateway.api.response_bodies import Usage
-from loomserve.gateway.api.schemas import ChatCompletionRequest
+from loomserve.gateway.api.schemas import ChatCompletionRequest, ChatMessage
 from loomserve.gateway.generate.assembly import Done, TextDelta
 from loomserve.gateway.generate.render import StreamChunks, response_body
+from loomserve.gateway.request import prompts
 from loomserve.gateway.request.generation_request import GenerationRequest, ReplyReasoning
 from loomserve.gateway.text.chat_template import ChatTemplate
 from loomserve.gateway.text.reasoning import (
@@ -26,6 +27,7 @@ from loomserve.gateway.text.reasoning import (
     split_whole,
 )
 from loomserve.gateway.text.stop import StopMatch, StopMatcher
+from loomserve.gateway.tools.template import TemplateTools
 from tests.gateway.scripted import request
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "templates"
@@ -256,3 +258,79 @@ def test_a_stream_cut_inside_the_block_sends_what_was_held_at_its_finish() -> No
     assert "".join(d.get("reasoning", "") for d in _deltas(events)) == "partial"
     deltas = _deltas(chunks.finish(0, "length"))
     assert deltas[0] == {"reasoning_content": " </thi", "reasoning": " </thi"}
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("Qwen3.5-4B.jinja", "<think>\nI should look it up.\n</think>"),
+        ("openai-gpt-oss-120b.jinja", "<|channel|>analysis<|message|>I should look it up.<|end|>"),
+    ],
+)
+def test_an_assistant_turns_thinking_goes_back_through_the_template(
+    name: str, expected: str
+) -> None:
+    """In a tool loop the model sees its own thinking of the turn that called the tool."""
+    template = ChatTemplate((TEMPLATES / name).read_text(), "<s>", "</s>")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        ChatMessage(role="user", content="Hi"),
+        ChatMessage(
+            role="assistant",
+            content="",
+            tool_calls=[call],
+            reasoning_content="I should look it up.",
+        ),
+        ChatMessage(role="tool", tool_call_id="c1", content="42"),
+    ]
+    function = {
+        "name": "f",
+        "description": "F.",
+        "parameters": {"type": "object", "properties": {}},
+    }
+    tools = [{"type": "function", "function": function}]
+    text = prompts.chat_text(template, messages, TemplateTools.probe(template), tools)
+    assert expected in text
+
+
+def test_earlier_thinking_in_responses_and_messages_history_joins_its_turn() -> None:
+    from loomserve.gateway.translate import messages, responses
+    from loomserve.gateway.translate.messages_schemas import CountTokensRequest
+    from loomserve.gateway.translate.responses_schemas import ResponsesRequest
+
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [], "content": []}
+    thought["content"] = [{"type": "reasoning_text", "text": "hmm"}]
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    body = ResponsesRequest(
+        input=[
+            {"role": "user", "content": "hi"},
+            thought,
+            call,
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            thought,  # the thinking of no turn is dropped
+            {"role": "user", "content": "and?"},
+        ]
+    )
+    chat = responses.chat_request(body).messages
+    assert [(m.role, m.reasoning_content) for m in chat] == [
+        ("user", None),
+        ("assistant", "hmm"),
+        ("tool", None),
+        ("user", None),
+    ]
+    assert chat[1].tool_calls and chat[1].tool_calls[0].id == "c1"
+    anthropic = CountTokensRequest(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": ""},
+                    {"type": "text", "text": "yo"},
+                ],
+            },
+            {"role": "user", "content": "and?"},
+        ]
+    )
+    turn = messages.chat_request(anthropic).messages[1]
+    assert (turn.content, turn.reasoning_content) == ("yo", "hmm")
