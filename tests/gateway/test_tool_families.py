@@ -150,6 +150,14 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
         "",
         [("get_weather", {"city": "Paris"})],
     ),
+    (  # the analysis channel first: the reasoning parser's to split off
+        "harmony",
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>"
+        'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}'
+        "<|call|>",
+        "<|channel|>analysis<|message|>Need the weather.",  # the markers around calls go
+        [("get_weather", {"city": "Paris"})],
+    ),
     (
         "harmony",
         ' to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": '
@@ -613,3 +621,29 @@ def test_a_call_in_the_history_reaches_the_model_in_its_familys_syntax(
     _, calls = read(probe.format, prompt)
     found = [json.loads(arguments) for name, arguments in calls if name == "get_weather"]
     assert {"city": "Paris", "days": 3} in found, prompt
+
+
+NESTED_CALLS = [("get_weather", {**NESTED_ARGS, "days": 3}), ("get_time", {})]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_nested_unicode_calls_read_back_whole_and_cut_anywhere(family: str) -> None:
+    """Two calls (nested JSON, text outside ASCII) as the family writes them, after some text:
+    read back whole; and the reply cut after any character (by max_tokens, or ended there)
+    reads the same fed whole and a character at a time."""
+    fmt = FAMILIES[family]
+    text = fmt.write_calls(NESTED_CALLS)
+    if fmt.starts_in_call and fmt.framed is not None:
+        text = text.removeprefix(fmt.framed.opens[0])
+    elif not fmt.bare_json:
+        text = "Sure. " + text
+    expected = NESTED_CALLS if fmt.parallel else NESTED_CALLS[:1]
+    content, calls = read(fmt, text)
+    assert content.strip() in ("", "Sure.")
+    assert [(name, json.loads(arguments)) for name, arguments in calls] == expected
+    for end in range(1, len(text), 3):
+        for cut in (True, False):
+            assert read(fmt, text[:end], cut=cut, step=1) == read(fmt, text[:end], cut=cut), (
+                end,
+                cut,
+            )
