@@ -106,6 +106,8 @@ class FramedCallParser:
             if call.index is not None:
                 if mode == "args" and self._framed.xml is not None and not cut:
                     self._close_xml(call)
+                elif not (cut or call.args):  # ended (not cut) before any arguments: none
+                    call.args = "{}"
                 self._send(call)
             self._buffer = ""
         elif mode == "run":

@@ -647,3 +647,13 @@ def test_nested_unicode_calls_read_back_whole_and_cut_anywhere(family: str) -> N
                 end,
                 cut,
             )
+
+
+def test_a_call_ended_before_its_arguments_has_none() -> None:
+    """Ended (not cut) after the name: `{}`; cut there by max_tokens: nothing yet."""
+    kimi = "<|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>"
+    for family, text in (("glm", "<tool_call>get_time\n"), ("kimi_k2", kimi)):
+        fmt = FAMILIES[family]
+        name = "get_time"
+        assert read(fmt, text) == ("", [(name, "{}")]) == read(fmt, text, step=1), text
+        assert read(fmt, text, cut=True) == ("", [(name, "")]), text
