@@ -296,3 +296,56 @@ def test_a_json_format_constrains_only_what_follows_the_thinking(
     # A request's own grammar is taken as it is: the whole reply, think block included.
     raw = chat_reasoning(qwen35, grammar='root ::= "{" [a-z ]+')
     assert raw.startswith("{")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_are_read_from_the_answer_only(
+    gateways: tuple[Proc, Proc], stream: bool
+) -> None:
+    """A call written while thinking is thinking; the one after the block is a call."""
+    output = f"<think>\nMaybe {CALL}? Yes.\n</think>\n\n{CALL}"
+    body = chat_body(tools=TOOLS, grammar=f"root ::= {json.dumps(output)}", max_tokens=200)
+    url = "/v1/chat/completions"
+    if stream:
+        reasoning, names, arguments, finish = "", [], "", None
+        for payload in events(gateways[0], url, {**body, "stream": True}):
+            for choice in payload["choices"]:
+                delta = choice["delta"]
+                reasoning += delta.get("reasoning_content") or ""
+                for call in delta.get("tool_calls") or []:
+                    names += [call["function"]["name"]] if call["function"].get("name") else []
+                    arguments += call["function"].get("arguments") or ""
+                finish = choice["finish_reason"] or finish
+    else:
+        choice = post(gateways[0], url, body).json()["choices"][0]
+        message, finish = choice["message"], choice["finish_reason"]
+        reasoning = message["reasoning_content"]
+        names = [c["function"]["name"] for c in message["tool_calls"]]
+        arguments = "".join(c["function"]["arguments"] for c in message["tool_calls"])
+        assert not message["content"]
+    assert reasoning == f"Maybe {CALL}? Yes."
+    assert names == ["get_time"] and json.loads(arguments) == {"city": "Paris"}
+    assert finish == "tool_calls"
+
+
+def test_a_forced_call_may_follow_thinking(gateways: tuple[Proc, Proc]) -> None:
+    """tool_choice required on Qwen3's template: the call's grammar is wrapped to start after
+    an optional think block; the tiny model skips it and calls at once."""
+    body = chat_body(tools=TOOLS, tool_choice="required", max_tokens=300)
+    response = post(gateways[0], "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"]
