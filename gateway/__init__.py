@@ -19,7 +19,8 @@ Subpackages by job, each importing only those below it (pyproject's import contr
     tools/     tool calls: checks.py, the call formats (format.py), rendering through the
                chat template (template.py), the grammar of a required call, the parser
                (parser.py, which reads each call's JSON with call_object.py)
-    text/      tokenizer, chat templates, JSON-schema grammars, stop strings
+    text/      tokenizer, chat templates, JSON-schema grammars, stop strings, reasoning
+               markers (reasoning.py splits a reply's thinking from its answer)
     api/       OpenAI's request bodies (schemas.py, of fields.py's strict JSON types),
                response bodies (response_bodies.py) and error shape (errors.py)
     workers/   WorkerPool (pool.py) picks a worker (routing.py) among its members
