@@ -44,6 +44,20 @@ def template_kwargs(body: ChatCompletionRequest, defaults: dict[str, Any]) -> di
     return {**defaults, **effort_kwargs(body.reasoning_effort), **(own or {})}
 
 
+def check_budget(body: ChatCompletionRequest) -> None:
+    """A thinking budget is a 400 naming its field: the worker cannot yet end a think block
+    after N tokens, and a budget silently ignored would let a reply think to max_tokens."""
+    for name in ("thinking_token_budget", "reasoning_budget"):
+        budget = getattr(body, name)
+        if budget is None:
+            continue
+        if budget <= 0:
+            raise invalid_request(f"{name} must be a positive number of tokens", name)
+        raise invalid_request(
+            f"{name} is not supported yet: bound the whole reply with max_tokens", name
+        )
+
+
 def splits_reasoning(body: ChatCompletionRequest) -> bool:
     """Whether the reply's think block goes to reasoning_content (False: `reasoning_format`
     "none", the raw text in content); 400 for a value llama-server does not take."""

@@ -74,6 +74,7 @@ def check_body(body: ApiBody, served: ServedModel, slot_context: int | None) -> 
     if isinstance(body, ChatCompletionRequest):  # their 400s before any thread work
         thinking.splits_reasoning(body)
         thinking.template_kwargs(body, served.template_kwargs)
+        thinking.check_budget(body)
     if slot_context is None:
         return
     if isinstance(body, ChatCompletionRequest):

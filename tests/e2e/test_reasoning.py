@@ -117,6 +117,9 @@ def test_chat_template_kwargs_reach_the_template(gateways: tuple[Proc, Proc]) ->
         ("chat_template_kwargs", ["enable_thinking"]),
         ("reasoning_effort", "extreme"),
         ("reasoning_format", "markdown"),
+        ("thinking_token_budget", 0),
+        ("thinking_token_budget", 64),
+        ("reasoning_budget", -1),
     ],
 )
 def test_bad_thinking_controls_are_a_400_naming_the_field(
