@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -18,6 +19,7 @@ from loomserve.gateway.request.generation_request import GenerationRequest, Repl
 from loomserve.gateway.text.chat_template import ChatTemplate
 from loomserve.gateway.text.reasoning import (
     AfterReasoning,
+    MarkerText,
     ReasoningSplitter,
     Split,
     choose_family,
@@ -334,3 +336,51 @@ def test_earlier_thinking_in_responses_and_messages_history_joins_its_turn() -> 
     )
     turn = messages.chat_request(anthropic).messages[1]
     assert (turn.content, turn.reasoning_content) == ("yo", "hmm")
+
+
+class _ControlVocab:
+    """A vocabulary whose gpt-oss markers are control tokens (no piece of their own)."""
+
+    n_tokens = 10
+    bos_id, eos_id = 0, 1
+    _texts: ClassVar[dict[int, str]] = {
+        2: "<|channel|>",
+        3: "analysis",
+        4: "<|message|>",
+        5: "<|end|>",
+        6: "hi",
+        7: "<|start|>",
+        8: "assistant",
+        9: "final",
+    }
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool = True) -> list[int]:
+        ids, rest = [], text
+        while rest:  # an unknown character reads as token 6, plain text
+            token = next((t for t, s in self._texts.items() if rest.startswith(s)), 6)
+            ids.append(token)
+            rest = rest[len(self._texts[token]) if rest.startswith(self._texts[token]) else 1 :]
+        return ids
+
+    def piece(self, token_id: int) -> bytes:
+        return b"" if token_id in (0, 1, 2, 4, 5, 7) else self._texts[token_id].encode()
+
+    def text_of(self, token_id: int) -> str:
+        return self._texts.get(token_id, "")
+
+
+def test_control_token_markers_are_written_out() -> None:
+    vocab = _ControlVocab()
+    family = family_named("gpt_oss")
+    pieces = MarkerText.over(vocab, vocab, family)  # type: ignore[arg-type]
+    assert [pieces.piece(t) for t in (2, 3, 4, 6, 5)] == [
+        b"<|channel|>",
+        b"analysis",
+        b"<|message|>",
+        b"hi",
+        b"<|end|>",
+    ]
+    assert pieces.piece(1) == b""  # EOS stays silent
+    plain = family_named("deepseek_r1")  # its markers are not control tokens here: no change
+    assert MarkerText.over(vocab, vocab, None) is vocab
+    assert MarkerText.over(vocab, vocab, plain) is vocab
