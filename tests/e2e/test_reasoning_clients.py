@@ -94,3 +94,49 @@ def test_the_anthropic_sdk_reads_thinking_blocks(gateways: tuple[Proc, Proc]) ->
     with client.messages.stream(**fields) as stream:
         final = stream.get_final_message()
     assert [(b.type, b.thinking) for b in final.content] == [("thinking", thought)]
+
+
+def test_the_agents_sdk_calls_a_tool_after_thinking(gateways: tuple[Proc, Proc]) -> None:
+    """The Agents SDK over chat completions, against Qwen3's template: the reply (forced) thinks
+    with a call-like text in its thinking, then calls; the SDK runs that one call."""
+    import openai
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_time(city: str) -> str:
+        """The time in a city."""
+        asked.append(city)
+        return f"noon in {city}"
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Paris"}}\n</tool_call>'
+    output = f"<think>\nI could write {call} here, but I only think it.\n</think>\n\n{call}"
+    model = OpenAIChatCompletionsModel(
+        model=MODEL,
+        openai_client=openai.AsyncOpenAI(
+            base_url=gateways[0].url + "/v1", api_key="unused", max_retries=0
+        ),
+    )
+    settings = ModelSettings(
+        temperature=0, max_tokens=256, extra_body={"grammar": f"root ::= {json.dumps(output)}"}
+    )
+    agent = Agent(
+        name="clock",
+        instructions="Tell the time.",
+        tools=[get_time],
+        model=model,
+        model_settings=settings,
+        tool_use_behavior="stop_on_first_tool",
+    )
+    result = Runner.run_sync(agent, "What time is it in Paris?", max_turns=2)
+    assert asked == ["Paris"]
+    assert result.final_output == "noon in Paris"
