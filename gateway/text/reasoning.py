@@ -229,9 +229,8 @@ class ReasoningSplitter:
         if not text:
             return
         if kind == "reasoning":
-            # Whitespace held inside the block joins the reasoning once more of it follows.
             out.reasoning += text
-            self._reasoned = True
+            self._reasoned = True  # its leading whitespace is trimmed: later whitespace is text
         else:
             out.content += text
 
