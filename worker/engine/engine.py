@@ -208,6 +208,7 @@ class Engine:
             else 0,
         )
         self.batch = TokenBatch(config.batch_tokens)
+        self.last_outputs = 0  # rows of logits the last decode made (output_logits)
 
     # --- set-up -------------------------------------------------------------------
 
@@ -349,8 +350,18 @@ class Engine:
             self.graph_draws.bind(runs)
 
     def output_logits(self, n_outputs: int) -> np.ndarray:
-        """The last decode's logits, one row per token that asked for them, in batch order."""
+        """The last decode's logits, one row per token that asked for them, in batch order:
+        a view of llama.cpp's buffer, which holds a row for each output of the last
+        successful decode (llama.h: llama_get_logits), so no more rows are ever read."""
+        if not 0 <= n_outputs <= self.last_outputs:
+            raise ValueError(
+                f"{n_outputs} rows of logits asked; the last decode made {self.last_outputs}"
+            )
+        if n_outputs == 0:  # the buffer may not exist yet: read nothing
+            return np.empty((0, self.n_vocab), dtype=np.float32)
         pointer = llama.llama_get_logits(self.ctx)
+        if not pointer:
+            raise RuntimeError("llama.cpp returned no logits for the last decode")
         return np.ctypeslib.as_array(pointer, shape=(n_outputs, self.n_vocab))
 
     def vocab_tokens(self) -> list[tuple[bytes, int]]:
@@ -373,7 +384,11 @@ class Engine:
     def decode(self, batch: TokenBatch) -> int:
         """One forward pass over the batch; llama_decode's return code (0 is success)."""
         batch.struct.n_tokens = batch.n_tokens
-        return llama.llama_decode(self.ctx, batch.struct)
+        self.last_outputs = 0
+        code = llama.llama_decode(self.ctx, batch.struct)
+        if code == 0:  # the rows of logits output_logits may read
+            self.last_outputs = int(np.count_nonzero(batch.logits[: batch.n_tokens]))
+        return code
 
     # --- the KV cache -------------------------------------------------------------------
 
