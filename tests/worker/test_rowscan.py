@@ -369,7 +369,9 @@ def test_llama_cpps_openmp_threads_are_found_once_it_is_loaded():
     for threads in (2, 3, 16):
         drawn = rowscan.draw_rows(logits, rows, cuts, seeds, threads)
         assert drawn.tokens.tolist() == alone.tokens.tolist()
-        assert drawn.head_mass.tolist() == alone.head_mass.tolist()
+        # A row the C draw leaves (a top-p alone on an AVX2 CPU) has no head mass yet.
+        served = alone.tokens >= 0
+        assert drawn.head_mass[served].tolist() == alone.head_mass[served].tolist()
 
 
 def test_argmax_rows_numpy_serves_what_the_library_cannot():
