@@ -214,7 +214,8 @@ class GatewayConfig:
             "Reasoning family whose think block is split from the answer (into "
             "message.reasoning_content): auto (detected from the chat template), none (raw "
             "text), or a family: deepseek_r1 "
-            "(alias qwen3, glm45, ...), gpt_oss, mistral, seed_oss, kimi_vl, command_r7b."
+            "(alias qwen3, glm45, ...), gpt_oss, mistral, seed_oss, kimi_vl, gemma4, apriel, "
+            "solar_open, command_r7b."
         ),
     )
     # Variables every chat's template render gets (a JSON object), under the request's own.

@@ -34,6 +34,8 @@ class ReasoningFamily:
     # Text the answer may open with (after the block, or with no block at all) that only
     # frames it, dropped: gpt-oss's `<|start|>assistant<|channel|>final<|message|>`.
     content_prefixes: tuple[str, ...] = ()
+    # Text that closes the answer (Apriel's `[END FINAL RESPONSE]`): dropped, and what follows.
+    content_suffixes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # vLLM's --reasoning-parser names for the same markers
     templates: str = ""  # which models' templates, for the docs
 
@@ -77,6 +79,29 @@ REASONING_FAMILIES: tuple[ReasoningFamily, ...] = (
         "◁/think▷",
         ("◁think▷",),
         templates="Kimi-VL Thinking",
+    ),
+    ReasoningFamily(
+        "gemma4",
+        "<|channel>thought",
+        "<channel|>",
+        ("<|channel>thought",),
+        templates="Gemma 4",
+    ),
+    ReasoningFamily(
+        "apriel",
+        "Here are my reasoning steps:",
+        "[BEGIN FINAL RESPONSE]",
+        ("[BEGIN FINAL RESPONSE]",),
+        content_suffixes=("[END FINAL RESPONSE]",),
+        templates="Apriel 1.5 and 1.6 Thinker (the 1.6 prompt opens the reasoning)",
+    ),
+    ReasoningFamily(
+        "solar_open",
+        "<|think|>",
+        "<|end|>",
+        ("<|begin|>assistant<|think|>",),
+        content_prefixes=("<|begin|>assistant<|content|>",),
+        templates="Solar Open",
     ),
     ReasoningFamily(
         "command_r7b",
@@ -147,7 +172,7 @@ class Split:
     content: str = ""
 
 
-_START, _REASONING, _AFTER_END, _CONTENT = range(4)
+_START, _REASONING, _AFTER_END, _CONTENT, _ENDED = range(5)
 
 
 @dataclass(slots=True)
@@ -183,7 +208,7 @@ class ReasoningSplitter:
             self._add(out, "content", held.lstrip())
         elif self._state == _CONTENT:
             self._add(out, "content", held)
-        self._state = _CONTENT
+        self._state = _ENDED
         return out
 
     def _advance(self, out: Split, final: bool) -> None:
@@ -221,8 +246,18 @@ class ReasoningSplitter:
                     return  # whitespace only, or the start of a prefix
                 self._held, self._state = answer, _CONTENT
                 continue
-            self._held = ""
-            self._add(out, "content", held)
+            if self._state == _ENDED:
+                self._held = ""  # after the answer's closing text: nothing more is answer
+                return
+            suffixes = family.content_suffixes
+            cut = min((i for i in (held.find(s) for s in suffixes) if i >= 0), default=-1)
+            if cut >= 0:
+                self._add(out, "content", held[:cut])
+                self._held, self._state = "", _ENDED
+                return
+            keep = 0 if final else max((_marker_tail(held, s) for s in suffixes), default=0)
+            self._add(out, "content", held[: len(held) - keep])
+            self._held = held[len(held) - keep :]
             return
 
     def _add(self, out: Split, kind: Kind, text: str) -> None:
