@@ -140,7 +140,7 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], position: in
             )
         content = _text_of(item.get("content"), param)
         last = messages[-1] if messages else None
-        if _thought_only(last) and role == "assistant":
+        if last is not None and _thought_only(last) and role == "assistant":
             last["content"] = content  # the reasoning item before it was this turn's
             return
         if _thought_only(last):
