@@ -11,7 +11,27 @@ import click
 from loomserve.cli.options import CONTEXT_SETTINGS, curve_client_options
 
 
-@click.command("worker-health", context_settings=CONTEXT_SETTINGS)
+class _WorkerHealthCommand(click.Command):
+    """worker-health, pointing the names operators guess for --worker at it: click suggests
+    only names spelled alike, and --endpoint is not."""
+
+    GUESSES = ("--endpoint", "--worker-endpoint", "--bind", "--address")
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if exc.option_name not in self.GUESSES:
+                raise
+            # click keeps only possibilities spelled like the name: say it in the message.
+            message = (
+                f"No such option {exc.option_name!r}. Did you mean '--worker' "
+                "(the worker's ZeroMQ endpoint)?"
+            )
+            raise click.NoSuchOption(exc.option_name, message, ctx=ctx) from None
+
+
+@click.command("worker-health", cls=_WorkerHealthCommand, context_settings=CONTEXT_SETTINGS)
 @click.option(
     "--worker",
     "worker_endpoint",

@@ -258,9 +258,14 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         priorities = key_file.priorities
         admins = key_file.admins
     template = opts["chat_template"]
+    template_from = ""
     if template:
-        from loomserve.gateway.text.chat_template import load_override  # loads llama.cpp
+        from loomserve.gateway.text.chat_template import (  # loads llama.cpp
+            load_override,
+            override_origin,
+        )
 
+        template_from = override_origin(template)
         template = load_override(template)
     parser = opts.get("reasoning_parser")
     if parser and parser not in ("auto", "none"):
@@ -292,6 +297,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         key_priorities=priorities,
         admin_keys=admins,
         chat_template=template,
+        chat_template_from=template_from,
         curve_server_key_file=opts.get("curve_server_key_file"),
         curve_secret_key_file=opts.get("curve_secret_key_file"),
         otlp_endpoint=traces_url(opts.get("otlp_endpoint")),

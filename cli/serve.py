@@ -12,6 +12,7 @@ gateway's /metrics counts them all.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ import structlog
 from loomserve.cli.default_model import MODELS_MAX, NamedModel
 from loomserve.cli.models import ManagedModel, ModelManager
 from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
+from loomserve.gateway.http.middleware import READY_PROBE_AGENT
 from loomserve.worker.host_cpus import default_cpu_budget
 from loomserve.worker.openmp import wait_environment
 
@@ -139,9 +141,11 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
             if child.spec.name.startswith("gateway"):
                 _forget_gateway_metrics(pid, metrics_dir)
 
+        default = plan.models[0].name if plan.managed else None
         supervisor = Supervisor(
             children,
-            ready_probe=lambda: health_ok(_probe_host(plan.host), plan.port),
+            # Several models: ready once the default one (the first) serves, not before.
+            ready_probe=lambda: health_ok(_probe_host(plan.host), plan.port, default),
             on_ready=lambda: log.info("ready", url=url, openai_base_url=f"{url}/v1"),
             on_exit=on_exit,
             max_restart_delay=plan.max_restart_delay,
@@ -289,13 +293,20 @@ def child_env(
     return env
 
 
-def health_ok(host: str, port: int, timeout: float = 1.0) -> bool:
-    """Whether GET /health on host:port answers 200."""
+def health_ok(host: str, port: int, model: str | None = None, timeout: float = 1.0) -> bool:
+    """Whether GET /health on host:port answers 200 (and, given a model, says it is loaded:
+    a worker of it is in rotation). Sent as READY_PROBE_AGENT, whose 503s are not logged."""
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
+        connection.request("GET", "/health", headers={"User-Agent": READY_PROBE_AGENT})
+        response = connection.getresponse()
+        if response.status != 200:
+            return False
+        if model is None:
+            return True
+        body = json.loads(response.read())
+        return body.get("models", {}).get(model) == "loaded"
+    except (OSError, ValueError, AttributeError):
         return False
     finally:
         connection.close()

@@ -194,6 +194,9 @@ class GatewayConfig:
     # see their own tenant's and only counts of the rest
     admin_keys: frozenset[str] = frozenset()
     chat_template: str | None = None  # a Jinja template overriding the model's own
+    # Where chat_template came from, as the log names it: "--chat-template FILE", a built-in
+    # name or "--chat-template (Jinja text)"; "" without one.
+    chat_template_from: str = ""
     # The tool-call syntax (gateway/tools/format.py's families) or auto: the one the chat
     # template's text shows. cli/options.py checks the name, which this layer cannot import.
     tool_call_parser: str = setting(

@@ -20,6 +20,9 @@ log = structlog.get_logger(__name__)
 
 # Polled (by probes, Prometheus, the /status page): logged only when they fail.
 QUIET_PATHS = frozenset({"/health", "/live", "/metrics", "/slots", "/status"})
+# `serve`'s readiness probe polls /health until it answers 200: its 503s while the workers
+# load are expected, and not logged (cli/serve.py sends this User-Agent).
+READY_PROBE_AGENT = "loomserve-serve-ready-probe"
 # A client's X-Request-Id is taken as the request's id when it looks like one.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -171,7 +174,9 @@ class AccessMiddleware:
             route = scope.get("route")
             path = getattr(route, "path", "other")
             self.metrics.http_requests.labels(path, str(status)).inc()
-            if scope["path"] not in QUIET_PATHS or status >= 400:
+            quiet = scope["path"] in QUIET_PATHS
+            probing = quiet and _header(scope, b"user-agent") == READY_PROBE_AGENT
+            if not quiet or (status >= 400 and not probing):
                 log.info(
                     "http request",
                     method=scope["method"],

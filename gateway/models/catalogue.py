@@ -88,9 +88,10 @@ class ServedModel:
             )
         template_tools = TemplateTools.probe(chosen.renderer, config.tool_call_parser)
         reasoning = choose_family(config.reasoning_parser, chosen.renderer.source)
-        log.debug(
+        log.info(
             "chat template",
             model=name,
+            template=config.chat_template_from or chosen.origin,
             tool_format=template_tools.format.name,
             reasoning=reasoning.name if reasoning else "none",
         )

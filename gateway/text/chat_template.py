@@ -93,6 +93,16 @@ def builtin_templates() -> list[str]:
     return [name.decode() for name in names]
 
 
+def override_origin(value: str) -> str:
+    """Where a --chat-template value's template comes from, as the log names it (the file's
+    path, the built-in's name); call before load_override, which replaces a path by its text."""
+    if value in builtin_templates():
+        return f"--chat-template {value} (llama.cpp built-in)"
+    if _is_file(value):
+        return f"--chat-template {value}"
+    return "--chat-template (Jinja text)"
+
+
 def load_override(value: str) -> str:
     """What --chat-template gives the gateway: a built-in name as it is, a file's text, or
     Jinja text; the Jinja compiled once here, so a mistake fails at start-up.

@@ -310,6 +310,8 @@ class WorkerClient:
                 log.warning("unexpected message from the worker", type=type(message).__name__)
 
     def _on_model_info(self, info: ModelInfo) -> None:
+        # The answer to a repeated Hello (one on connecting, one from the ping loop) repeats.
+        repeated = info == self.info
         self.model, problem = self._preparation.place(info)
         self.incompatible = problem
         self.info = info
@@ -318,7 +320,7 @@ class WorkerClient:
         self._answered.set()
         if problem:
             log.error("refusing to serve with this worker", worker=self.endpoint, reason=problem)
-        else:
+        elif not repeated:
             log.info(
                 "worker ready",
                 worker=self.endpoint,

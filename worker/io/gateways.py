@@ -247,8 +247,10 @@ class GatewayDesk:
             if not gateways.can_admit(gateway):
                 self._refuse_gateway(gateway)
                 return False
-            self._admit(gateway, now)
-            log.info("gateway connected", gateway=name_of(gateway), gateway_id=message.gateway_id)
+            if self._admit(gateway, now):  # a gateway says Hello again until it hears back
+                log.info(
+                    "gateway connected", gateway=name_of(gateway), gateway_id=message.gateway_id
+                )
             # Not ready while draining or dying: a Hello must not put it back in rotation.
             send(gateway, self.replies.hello())
             return False
@@ -302,11 +304,13 @@ class GatewayDesk:
             log.warning("dropped a message only workers send", type=type(message).__name__)
         return False
 
-    def _admit(self, gateway: bytes, now: float) -> None:
+    def _admit(self, gateway: bytes, now: float) -> bool:
+        """Admit the gateway (again); whether it is new."""
         new = gateway not in self.table
         self.table.admit(gateway, now)
         if new and self._on_gateways:
             self._on_gateways(len(self.table))
+        return new
 
     def _refuse_gateway(self, gateway: bytes) -> None:
         self.counters.gateways_refused += 1
