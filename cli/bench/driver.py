@@ -15,7 +15,8 @@ from typing import Any
 
 from loomserve.cli.bench.client import StreamingClient
 from loomserve.cli.bench.datasets import BenchRequest
-from loomserve.cli.bench.metrics import BenchmarkMetrics, meets_slos
+from loomserve.cli.bench.honesty import probe_flaw, server_pace
+from loomserve.cli.bench.metrics import BenchmarkMetrics, meets_slos, pacing_stats
 from loomserve.cli.bench.points import PointSettings, summarize_run
 from loomserve.cli.bench.repeats import combine, format_repeats
 from loomserve.cli.bench.runner import LoadShape, RunResult, run_load, warm_up
@@ -172,6 +173,8 @@ class Driver:
             cut_by_budget = bool(metrics.unfinished or metrics.not_sent) and (
                 time.monotonic() >= deadline - 0.05
             )
+            pace = server_pace(run.records, shape.request_rate, 0)  # cut-offs: complete
+            pacing = pacing_stats(run.records, shape.request_rate)
             return ProbeOutcome(
                 value=value,
                 met=met,
@@ -179,6 +182,7 @@ class Driver:
                 seconds=run.duration_s,
                 point=point,
                 complete=not cut_by_budget,
+                flaw=probe_flaw(run.records, pace, pacing.kept_up),
             )
 
         if plan.find == "max-rate":

@@ -125,3 +125,33 @@ def cache_warning(
         f"was it run before with --seed {seed}? Prefill is cheaper than measured load would "
         "make it; rerun with another --seed (or restart the server) for cold prompts"
     )
+
+
+def probe_flaw(
+    records: Sequence[RequestRecord], pace: ServerPace, generator_kept_up: bool
+) -> str | None:
+    """Why a --find probe at a finite rate measured something other than the server at that
+    rate (None: nothing): the server fell behind, the generator did, or its requests went out
+    in less time than one of them takes, so it was one burst into the slots whatever the rate.
+    """
+    if math.isinf(pace.offered_rate):
+        return None
+    released = [r.dispatched_s for r in records if r.dispatched_s is not None]
+    latencies = [r.e2e_s for r in records if r.success and r.e2e_s is not None]
+    if len(released) >= 2 and latencies:
+        window = max(released) - min(released)
+        latency = statistics.median(latencies)
+        if window < latency:
+            return (
+                f"its {len(released)} requests went out in {window:.2f} s, less than one "
+                f"request's latency ({latency:.2f} s): a burst, not a rate; raise --num-prompts"
+            )
+    if not generator_kept_up:
+        return "the generator fell behind its schedule"
+    completed = pace.completion_rate
+    if completed is not None and completed < KEEP_UP_RATIO * pace.offered_rate:
+        return (
+            f"the server fell behind: it completed {completed:.2f} req/s of the "
+            f"{pace.offered_rate:.2f} offered"
+        )
+    return None

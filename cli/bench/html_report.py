@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from loomserve.cli.bench import svg
+from loomserve.cli.bench.search import NOT_COUNTED, stopped_words
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1260px;color:#222;padding:0 1em}
@@ -211,8 +212,18 @@ def _value(value: Any) -> str:
     return f"{value:g}" if isinstance(value, int | float) else fmt(value)
 
 
+def _verdict(probe: dict[str, Any]) -> str:
+    """A probe's verdict in the console's words: pass, FAIL (with its flaw), or not counted."""
+    if not probe.get("complete", True):
+        return NOT_COUNTED
+    if probe["passed"]:
+        return "pass"
+    return "FAIL" + (f" ({probe['flaw']})" if probe.get("flaw") else "")
+
+
 def _search_section(search: dict[str, Any]) -> str:
     probes = [p for p in search["probes"] if p.get("complete", True)]
+    cut = [p for p in search["probes"] if not p.get("complete", True)]
     answer = search.get("answer")
     unit = "req/s" if search["mode"] == "max-rate" else "concurrent requests"
     target = search["target_attainment"]
@@ -224,25 +235,32 @@ def _search_section(search: dict[str, Any]) -> str:
             f"{target:.0%}"
         )
     else:
-        text = f"No value tried met the target of {target:.0%} ({escape(search['stopped'])})."
+        text = f"No value tried met the target of {target:.0%}."
+    if search["stopped"] != "converged":
+        text += f" Stopped: {escape(stopped_words(search['stopped']))}."
     ordered = sorted(probes, key=lambda p: p["value"])
+    series = [
+        svg.Series("attainment", [p["value"] for p in ordered], [p["attainment"] for p in ordered])
+    ]
+    if cut:  # drawn apart: measured while --duration ran out, they decide nothing
+        cut = sorted(cut, key=lambda p: p["value"])
+        series.append(
+            svg.Series(NOT_COUNTED, [p["value"] for p in cut], [p["attainment"] for p in cut])
+        )
     curve = svg.line_chart(
         "Attainment against load",
-        unit,
+        unit + (" (log scale)" if search["mode"] == "max-rate" else ""),
         "share within every SLO",
-        [
-            svg.Series(
-                "attainment", [p["value"] for p in ordered], [p["attainment"] for p in ordered]
-            )
-        ],
+        series,
         markers=True,
         hline=(target, f"target {target:.0%}"),
+        log_x=search["mode"] == "max-rate",  # rates double and bisect geometrically
     )
-    columns = ("probe", "value", "met", "total", "attainment", "passed")
+    columns = ("probe", "value", "met", "total", "attainment", "verdict")
     head = "<tr>" + "".join(f"<th>{c}</th>" for c in columns) + "</tr>"
     rows = "".join(
         f"<tr><td>{i + 1}</td><td>{fmt(p['value'])}</td><td>{p['met']}</td><td>{p['total']}</td>"
-        f"<td>{p['attainment']:.1%}</td><td>{fmt(p['passed'])}</td></tr>"
+        f"<td>{p['attainment']:.1%}</td><td>{escape(_verdict(p))}</td></tr>"
         for i, p in enumerate(search["probes"])
     )
     best = next((p for p in probes if answer and p["value"] == answer["value"]), None)

@@ -19,6 +19,9 @@ from typing import Any
 MODES = {"max-rate": "request_rate", "max-concurrency": "max_concurrency"}
 MIN_RATE = 0.01  # req/s: below this a search gives up finding a passing rate
 MAX_DOUBLINGS = 12
+BUDGET = "budget"  # the stop reason when --duration runs out, as the result JSON keeps it
+STOPPED_WORDS = {BUDGET: "the search's --duration ran out: raise --duration"}
+NOT_COUNTED = "cut off by --duration; not counted"  # the console's words, and the report's
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +34,16 @@ class ProbeOutcome:
     seconds: float
     point: dict[str, Any] = field(default_factory=dict)  # the run's point for the result JSON
     complete: bool = True  # False: the search's time ran out during it, so it decides nothing
+    # Why the probe did not measure the server at its value (honesty.probe_flaw): it fails
+    # whatever its attainment, so no answer rests on a rate the server could not sustain.
+    flaw: str | None = None
 
     @property
     def attainment(self) -> float:
         return self.met / self.total if self.total else 0.0
+
+    def passes(self, target: float) -> bool:
+        return self.flaw is None and self.attainment >= target
 
 
 Probe = Callable[[float, int], Awaitable[ProbeOutcome]]
@@ -81,11 +90,17 @@ def midpoint(low: float, high: float, mode: str) -> float:
 def format_probe(index: int, outcome: ProbeOutcome, target: float, mode: str) -> str:
     """One line per probe, printed as it finishes."""
     unit = "req/s" if mode == "max-rate" else "in flight"
-    verdict = "pass" if outcome.attainment >= target else "FAIL"
+    verdict = "pass" if outcome.passes(target) else "FAIL"
+    why = f" ({outcome.flaw})" if outcome.flaw else ""
     return (
         f"probe {index + 1}: {outcome.value:.3g} {unit} -> attainment {outcome.attainment:.1%} "
-        f"({outcome.met}/{outcome.total}) {verdict} in {outcome.seconds:.1f} s"
+        f"({outcome.met}/{outcome.total}) {verdict}{why} in {outcome.seconds:.1f} s"
     )
+
+
+def stopped_words(stopped: str) -> str:
+    """Why the search stopped, in words that say what to change."""
+    return STOPPED_WORDS.get(stopped, stopped)
 
 
 async def find_limit(
@@ -106,16 +121,16 @@ async def find_limit(
 
     async def run(value: float) -> ProbeOutcome | None:
         if time.monotonic() >= deadline:
-            result.stopped = "budget"
+            result.stopped = BUDGET
             return None
         outcome = await probe(value, len(result.probes))
         result.probes.append(outcome)
         if not outcome.complete:
-            echo(f"probe {len(result.probes)}: {value:.3g} cut off by --duration; not counted")
-            result.stopped = "budget"
+            echo(f"probe {len(result.probes)}: {value:.3g} {NOT_COUNTED}")
+            result.stopped = BUDGET
             return None
         echo(format_probe(len(result.probes) - 1, outcome, target, mode))
-        if outcome.attainment >= target:
+        if outcome.passes(target):
             if result.best is None or value > result.best.value:
                 result.best = outcome
         elif result.worst is None or value < result.worst.value:
@@ -128,7 +143,7 @@ async def find_limit(
         outcome = await run(value)
         if outcome is None:
             return result
-        passed = outcome.attainment >= target
+        passed = outcome.passes(target)
         if passed and result.worst is None:
             value *= 2
         elif not passed and result.best is None:
@@ -158,16 +173,21 @@ def format_answer(result: SearchResult) -> str:
     goal = f"{result.target:.0%} of requests within every SLO"
     if result.best is None:
         worst = f"{result.worst.value:.3g} {unit}" if result.worst else "the start value"
-        return f"No {what} tried meets {goal}: even {worst} fails ({result.stopped})."
+        flaw = f": {result.worst.flaw}" if result.worst and result.worst.flaw else ""
+        return (
+            f"No {what} tried meets {goal}: even {worst} fails{flaw} "
+            f"({stopped_words(result.stopped)})."
+        )
     low, high = wilson_interval(result.best.met, result.best.total)
     line = (
         f"Max {what} meeting {goal}: {result.best.value:.3g} {unit} (attainment "
         f"{result.best.attainment:.1%}, 95% CI {low:.1%}-{high:.1%}, n={result.best.total})"
     )
     if result.worst is not None:
-        line += f"; {result.worst.value:.3g} {unit} fails ({result.worst.attainment:.1%})"
+        why = result.worst.flaw or f"{result.worst.attainment:.1%}"
+        line += f"; {result.worst.value:.3g} {unit} fails ({why})"
     if result.stopped != "converged":
-        line += f" [stopped: {result.stopped}]"
+        line += f" [stopped: {stopped_words(result.stopped)}]"
     return line
 
 
@@ -180,7 +200,9 @@ def search_dict(result: SearchResult) -> dict[str, Any]:
             "met": outcome.met,
             "total": outcome.total,
             "attainment": outcome.attainment,
-            "passed": outcome.attainment >= result.target,
+            # A probe cut off by --duration decides nothing: neither passed nor failed.
+            "passed": outcome.passes(result.target) if outcome.complete else None,
+            "flaw": outcome.flaw,
             "seconds": outcome.seconds,
             "complete": outcome.complete,
         } | outcome.point

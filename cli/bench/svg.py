@@ -35,6 +35,15 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
     return [first + i * step for i in range(int((high - first) / step) + 2)]
 
 
+def _log_ticks(low: float, high: float, count: int = 8) -> list[float]:
+    """Powers of two spanning [low, high] (both positive), at most about count of them."""
+    first, last = math.floor(math.log2(low)), math.ceil(math.log2(high))
+    if last <= first:
+        last = first + 1
+    stride = max(1, math.ceil((last - first) / count))
+    return [2.0**k for k in range(first, last + stride, stride)]
+
+
 def _fmt(value: float) -> str:
     return f"{value:.0f}" if abs(value) >= 100 or value == int(value) else f"{value:.4g}"
 
@@ -91,19 +100,25 @@ def line_chart(
     series: Sequence[Series],
     markers: bool = False,
     hline: tuple[float, str] | None = None,
+    log_x: bool = False,
 ) -> str:
-    """Lines (with optional point markers and one labelled horizontal line) on shared axes."""
+    """Lines (with optional point markers and one labelled horizontal line) on shared axes;
+    log_x spaces x on a log scale (a search that doubles and bisects geometrically)."""
     points = [(x, y) for s in series for x, y in zip(s.xs, s.ys, strict=False) if y is not None]
+    if log_x:
+        points = [(x, y) for x, y in points if 0 < x < math.inf]
     if not points:
         return empty(title)
     xs = [x for x, _ in points]
     ys = [y for _, y in points] + ([hline[0]] if hline else [])
-    x_ticks = _ticks(min(xs), max(xs))
+    x_ticks = _log_ticks(min(xs), max(xs)) if log_x else _ticks(min(xs), max(xs))
     y_ticks = _ticks(min(0.0, min(ys)), max(ys))
     x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
+    scale = math.log if log_x else (lambda x: x)
 
     def sx(x: float) -> float:
-        return LEFT + (x - x0) / ((x1 - x0) or 1.0) * (WIDTH - LEFT - RIGHT)
+        span = (scale(x1) - scale(x0)) or 1.0
+        return LEFT + (scale(x) - scale(x0)) / span * (WIDTH - LEFT - RIGHT)
 
     def sy(y: float) -> float:
         return HEIGHT - BOTTOM - (y - y0) / ((y1 - y0) or 1.0) * (HEIGHT - TOP - BOTTOM)
@@ -120,7 +135,7 @@ def line_chart(
         color = PALETTE[i % len(PALETTE)]
         runs: list[list[str]] = [[]]
         for x, y in zip(s.xs, s.ys, strict=False):
-            if y is None:
+            if y is None or (log_x and not 0 < x < math.inf):
                 runs.append([])
             else:
                 runs[-1].append(f"{sx(x):.1f},{sy(y):.1f}")
@@ -132,7 +147,7 @@ def line_chart(
                 )
         if markers or sum(len(r) for r in runs) == 1:
             for x, y in zip(s.xs, s.ys, strict=False):
-                if y is not None:
+                if y is not None and not (log_x and not 0 < x < math.inf):
                     body.append(
                         f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3.5" fill="{color}">'
                         f"<title>{escape(s.name)}: {_fmt(x)}, {_fmt(y)}</title></circle>"
