@@ -6,8 +6,10 @@ endpoints, which every gateway knows from the start: a gateway connects to a mod
 as soon as it runs, and learns its model from it. A gateway asks the manager for a model no
 worker serves (LoadModel, on the ROUTER socket at the control endpoint); the manager starts
 its workers, first stopping the least recently used idle model when --models-max are loaded.
-A model is idle when its workers' heartbeats say nothing has been queued or running for a
-while (Heartbeat.idle_seconds): one with requests in flight is never stopped, and one idle
+A model is idle when no gateway has a request in flight on it (each says which models it has
+requests on with every question it asks, LoadModel's included: what the gateway knows, ahead
+of the workers) and its workers' heartbeats say nothing has been queued or running for a
+while (Heartbeat.idle_seconds): one with requests in flight is never evicted, and one idle
 for --idle-unload seconds is stopped to free its memory.
 
 Everything here runs in the supervisor's loop (on_poll), without blocking it.
@@ -44,6 +46,9 @@ PING_SECONDS = 1.0  # how often each loaded model's workers are asked for their 
 LOAD_GRACE_SECONDS = 2.0
 MIN_IDLE_SECONDS = 0.25  # a model idle for less is not evicted: a request may be arriving
 REFRESH_SECONDS = 0.5  # how long an eviction waits for fresh heartbeats (local sockets)
+# A gateway tells the models it has requests in flight on with every question (at least every
+# second, its poll); a report older than this is of a gateway gone.
+BUSY_REPORT_SECONDS = 5.0
 
 
 @dataclass(slots=True)
@@ -97,6 +102,9 @@ class ModelManager:
         self._control.setsockopt(zmq.LINGER, 0)
         self._control.bind(control)
         self._pings: dict[str, zmq.Socket] = {}  # one DEALER per loaded worker endpoint
+        # Each gateway's latest report of its busy models, by its socket identity, with when
+        # (time.monotonic()) it came.
+        self._gateway_busy: dict[bytes, tuple[frozenset[str], float]] = {}
         self._next_ping = 0.0
 
     def close(self) -> None:
@@ -136,7 +144,11 @@ class ModelManager:
             failed = next((c.failed for c in model.workers if c.failed), None)
             if failed:
                 self._unloaded(model, error=f"{model.name}: {failed}")
-            elif self.idle_unload is not None and model.idle_seconds >= self.idle_unload:
+            elif (
+                self.idle_unload is not None
+                and model.idle_seconds >= self.idle_unload
+                and not self.busy_in_gateways(model.name)
+            ):
                 log.info("model idle; unloading", model=model.name, idle_s=self.idle_unload)
                 self._unload(model, reason="idle")
 
@@ -205,13 +217,23 @@ class ModelManager:
         for child in model.workers:
             self.supervisor.stop_child(child)
 
+    def busy_in_gateways(self, name: str) -> bool:
+        """Whether a gateway said, in its latest report, it has requests in flight on it."""
+        now = time.monotonic()
+        return any(
+            name in busy and now - at < BUSY_REPORT_SECONDS
+            for busy, at in self._gateway_busy.values()
+        )
+
     def _eviction_candidate(self) -> ManagedModel | None:
-        """The loaded model idle the longest, never one with work or just loaded."""
+        """The loaded model idle the longest, never one with work (in a gateway's count or a
+        worker's) or just loaded."""
         now = time.monotonic()
         idle = [
             model
             for model in self.models.values()
             if model.phase == ModelPhase.LOADED
+            and not self.busy_in_gateways(model.name)
             and not model.busy
             and model.idle_seconds >= MIN_IDLE_SECONDS
             and now - model.loaded_at >= LOAD_GRACE_SECONDS
@@ -227,6 +249,8 @@ class ModelManager:
         except DecodeError as exc:
             log.warning("dropped a bad control message", error=str(exc))
             return
+        if isinstance(message, LoadModel | UnloadModel | ModelsQuery):
+            self._gateway_busy[peer] = (frozenset(message.busy), time.monotonic())
         if isinstance(message, LoadModel):
             answer = self.load(message.name)
         elif isinstance(message, UnloadModel):

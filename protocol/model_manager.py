@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 # `loomserve serve` with several models owns their workers; its gateways ask it for a model
@@ -16,11 +16,17 @@ class ModelPhase(StrEnum):
     UNLOADING = "unloading"  # its worker drains and exits
 
 
+# Each question also says which models have requests in flight in the asking gateway (`busy`):
+# the manager never evicts one of them, nor stops an unloading one before they end. The
+# workers' heartbeats lag what the gateway knows (a request sent is not yet a running one).
+
+
 @dataclass(slots=True)
 class LoadModel:
     """Start the model's worker (evicting the least recently used idle one past the cap)."""
 
     name: str
+    busy: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -28,11 +34,14 @@ class UnloadModel:
     """Stop the model's worker (its requests in flight finish first)."""
 
     name: str
+    busy: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class ModelsQuery:
     """What models the manager has, and their phases."""
+
+    busy: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 import structlog
 import zmq
@@ -44,6 +45,8 @@ class ManagerClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._lock = asyncio.Lock()
         self._poll: asyncio.Task[None] | None = None
+        # The models with requests in flight in this gateway, told with every question.
+        self.busy: Callable[[], list[str]] = list
 
     async def start(self) -> None:
         self._connect()
@@ -65,10 +68,10 @@ class ManagerClient:
         return time.monotonic() - self.answered_at < 3 * POLL_SECONDS + ANSWER_SECONDS
 
     async def load(self, name: str) -> ModelStates:
-        return await self.ask(LoadModel(name))
+        return await self.ask(LoadModel(name, self.busy()))
 
     async def unload(self, name: str) -> ModelStates:
-        return await self.ask(UnloadModel(name))
+        return await self.ask(UnloadModel(name, self.busy()))
 
     async def ask(self, message: LoadModel | UnloadModel | ModelsQuery) -> ModelStates:
         """The manager's answer; ManagerGone when none comes in ANSWER_SECONDS."""
@@ -104,7 +107,7 @@ class ManagerClient:
     async def _poll_loop(self) -> None:
         while True:
             try:
-                await self.ask(ModelsQuery())
+                await self.ask(ModelsQuery(self.busy()))
             except ManagerGone as exc:
                 log.warning("no answer from the model manager", error=str(exc))
             except Exception:

@@ -67,6 +67,8 @@ class Models:
         self.manager = manager
         self.metrics = metrics
         self.waiting = 0  # requests waiting for their model to load, on this gateway
+        if manager is not None:
+            manager.busy = pool.busy_models
 
     # --- one request's model ---------------------------------------------------
 

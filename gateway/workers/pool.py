@@ -155,6 +155,16 @@ class WorkerPool:
                 served[member.client.model] = served.get(member.client.model, 0) + up
         return served
 
+    def busy_models(self) -> list[str]:
+        """The models with requests of this gateway open on their workers (sent, not ended)."""
+        return sorted(
+            {
+                member.client.model
+                for member in self.members.values()  # retiring ones too: they still run them
+                if member.client.model is not None and member.client.open_requests
+            }
+        )
+
     def unavailable_reason(self, model: str | None = None) -> str | None:
         """Why no request (for `model`) can be served now; None while a worker can take one."""
         reasons: dict[str, str] = {}
