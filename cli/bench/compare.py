@@ -4,6 +4,10 @@ With --repeats on both sides, each ratio of means has a 95 % interval (the delta
 Student's t on the smaller side's degrees of freedom); a ratio whose interval holds 1 is
 within noise. A sweep is compared point by point at the values both files have; a search by
 its answer.
+
+A comparison is only as good as its runs: a run cut off by --duration (requests unfinished or
+never sent) measured less than it was asked to, so a point with one gets no verdict; a run
+where the server or the generator fell behind is named beside the figures.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from loomserve.cli.bench.repeats import HEADLINE, HIGHER_IS_BETTER, headline_values, t_quantile
+from loomserve.cli.bench.search import stopped_words
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,50 @@ class Comparison:
     ratio: float | None  # b / a; None when a is 0
     interval: tuple[float, float] | None  # 95 % interval of the ratio; None without repeats
     verdict: str
+    caveats: tuple[str, ...] = ()  # what makes this point's runs less than they seem
+
+
+def _runs(point: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs behind a point: each repeat, or the point itself."""
+    return point.get("runs") or [point]
+
+
+def cut_offs(point: dict[str, Any]) -> str | None:
+    """Why a point's runs are incomplete (requests cut off by --duration), or None."""
+    counts = []
+    for run in _runs(point):
+        summary = run.get("summary", {})
+        cut = int(summary.get("unfinished") or 0) + int(summary.get("not_sent") or 0)
+        if not cut and "server_pace" in run:
+            cut = int(run["server_pace"].get("cut_off") or 0)
+        counts.append((int(summary.get("completed") or 0), cut))
+    cut_runs = [(done, cut) for done, cut in counts if cut]
+    if not cut_runs:
+        return None
+    completed = ", ".join(f"{done} of {done + cut}" for done, cut in cut_runs)
+    return f"{len(cut_runs)} of {len(counts)} runs cut off by --duration (completed {completed})"
+
+
+def fell_behind(point: dict[str, Any]) -> list[str]:
+    """Who fell behind in a point's runs: the server, the load generator, or neither."""
+    runs = _runs(point)
+    server = sum(not run.get("server_pace", {}).get("kept_up", True) for run in runs)
+    generator = sum(not run.get("generator", {}).get("kept_up", True) for run in runs)
+    notes = []
+    if server:
+        notes.append(f"the server fell behind in {server} of {len(runs)} runs")
+    if generator:
+        notes.append(f"the load generator fell behind in {generator} of {len(runs)} runs")
+    return notes
+
+
+def point_caveats(side: str, point: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """One side's reason to refuse a verdict (None: complete) and its other warnings."""
+    incomplete = cut_offs(point)
+    notes = [f"{side}: {note}" for note in fell_behind(point)]
+    if stopped := point.get("stopped"):  # a search's answer
+        notes.append(f"{side}: the search stopped: {stopped_words(stopped)}")
+    return (f"{side}: {incomplete}" if incomplete else None), notes
 
 
 def load_points(path: Path) -> dict[str, dict[str, Any]]:
@@ -47,7 +96,9 @@ def load_points(path: Path) -> dict[str, dict[str, Any]]:
         answer = result["search"].get("answer") or {}
         value = answer.get("value")
         summary = {f"{result['search']['mode']}": value} if value is not None else {}
-        return {"search answer": {"summary": summary}}
+        stopped = result["search"].get("stopped")
+        point = {"summary": summary, "stopped": None if stopped == "converged" else stopped}
+        return {"search answer": point}
     if "summary" not in result:
         raise ValueError(f"{path}: has no summary, sweep or search")
     return {"run": result}
@@ -104,17 +155,20 @@ def compare(a_path: Path, b_path: Path) -> list[Comparison]:
         raise ValueError(f"{a_path} and {b_path} have no point in common")
     rows = []
     for name in shared:
+        a_incomplete, a_notes = point_caveats("A", a_points[name])
+        b_incomplete, b_notes = point_caveats("B", b_points[name])
+        incomplete = [why for why in (a_incomplete, b_incomplete) if why]
+        caveats = tuple(incomplete + a_notes + b_notes)
         a_samples, b_samples = samples(a_points[name]), samples(b_points[name])
         for figure in [k for k in a_samples if k in b_samples]:
             a, b = a_samples[figure], b_samples[figure]
             mean_a, mean_b = float(np.mean(a)), float(np.mean(b))
             ratio = mean_b / mean_a if mean_a else None
             interval = ratio_interval(a, b)
-            rows.append(
-                Comparison(
-                    name, figure, mean_a, mean_b, ratio, interval, verdict(figure, interval, ratio)
-                )
-            )
+            said = verdict(figure, interval, ratio)
+            if incomplete:  # figures of runs that did not finish compare nothing
+                said = "no verdict: incomplete runs"
+            rows.append(Comparison(name, figure, mean_a, mean_b, ratio, interval, said, caveats))
     return rows
 
 
@@ -126,7 +180,9 @@ def format_comparison(rows: list[Comparison], a_name: str, b_name: str) -> str:
     for row in rows:
         if row.point != point:
             point = row.point
-            lines += ["", f"[{point}]", header]
+            lines += ["", f"[{point}]"]
+            lines += [f"warning: {caveat}" for caveat in row.caveats]
+            lines.append(header)
         ratio = f"{row.ratio:7.3f}" if row.ratio is not None else f"{'n/a':>7}"
         interval = f"[{row.interval[0]:.3f}, {row.interval[1]:.3f}]" if row.interval else "-"
         lines.append(

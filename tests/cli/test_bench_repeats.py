@@ -96,6 +96,62 @@ def test_cli_repeats_each_point_with_fresh_prompts(fake, tmp_path) -> None:
     assert compared.exit_code == 0 and "within noise" in compared.output
 
 
+def cut_off_point(throughput: float, completed: int, cut: int) -> dict:
+    """A run --duration stopped with cut requests unfinished, the server behind."""
+    run = point(throughput, 100.0)
+    run["summary"] |= {"completed": completed, "unfinished": cut, "not_sent": 0}
+    run["server_pace"] = {"cut_off": cut, "kept_up": False}
+    run["generator"] = {"kept_up": True}
+    return run
+
+
+def test_compare_refuses_a_verdict_on_runs_cut_off_by_duration(tmp_path) -> None:
+    """Issue 60: 4 of 8 completed in each of 3 repeats, and compare printed a tight CI."""
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(combine([cut_off_point(t, 4, 4) for t in (5.0, 5.1, 4.9)])))
+    b = result_file(tmp_path, "b.json", [10.0, 10.2, 9.8], [100, 101, 99])
+    rows = compare(a, b)
+    assert rows and all(row.verdict == "no verdict: incomplete runs" for row in rows)
+    cut = "A: 3 of 3 runs cut off by --duration (completed 4 of 8, 4 of 8, 4 of 8)"
+    assert cut in rows[0].caveats and "A: the server fell behind in 3 of 3 runs" in rows[0].caveats
+    outcome = CliRunner().invoke(bench, ["compare", str(b), str(a)])
+    assert outcome.exit_code == 0, outcome.output
+    assert "warning: B: 3 of 3 runs cut off by --duration" in outcome.output
+    assert "B better" not in outcome.output and "B worse" not in outcome.output
+
+
+def test_compare_names_who_fell_behind_beside_its_verdict(tmp_path) -> None:
+    runs = [point(t, 100.0) | {"server_pace": {"kept_up": t < 10}} for t in (9.0, 9.1, 10.0)]
+    runs = [run | {"generator": {"kept_up": False}} for run in runs]
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(combine(runs)))
+    b = result_file(tmp_path, "b.json", [12.0, 12.1, 11.9], [100, 101, 99])
+    rows = {row.figure: row for row in compare(a, b)}
+    assert rows["request_throughput"].verdict == "B better"  # complete runs: a verdict
+    assert rows["request_throughput"].caveats == (
+        "A: the server fell behind in 1 of 3 runs",
+        "A: the load generator fell behind in 3 of 3 runs",
+    )
+
+
+def test_a_real_cut_off_run_reaches_the_comparison(fake, tmp_path) -> None:
+    """One slot, 140 ms a request, 0.3 s of --duration: 6 requests cannot all finish."""
+    server, url = fake
+    server.reset()
+    server.capacity = 1
+    out = tmp_path / "cut.json"
+    args = ["--base-url", url, "--num-prompts", "6", "--input-len", "4", "--output-len", "3"]
+    args += ["--duration", "0.3", "--repeats", "2", "--num-warmups", "0", "--no-progress"]
+    args += ["--result-json", str(out)]
+    outcome = CliRunner().invoke(bench, args)
+    assert outcome.exit_code == 0, outcome.output
+    compared = CliRunner().invoke(bench, ["compare", str(out), str(out)])
+    assert compared.exit_code == 0, compared.output
+    assert "warning: A: 2 of 2 runs cut off by --duration" in compared.output
+    assert "no verdict: incomplete runs" in compared.output
+    assert "within noise" not in compared.output
+
+
 def test_searches_compare_by_their_answers_and_repeats_show_intervals_in_the_report(tmp_path):
     for name, value in (("a.json", 4.0), ("b.json", 6.0)):
         search = {"mode": "max-rate", "answer": {"value": value}, "probes": []}
