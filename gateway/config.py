@@ -221,6 +221,17 @@ class GatewayConfig:
             "solar_open, command_r7b."
         ),
     )
+    # Tokens a reply may think before the worker closes its think block (request/thinking.py).
+    reasoning_budget: int = setting(
+        -1,
+        help=(
+            "Tokens of thinking a chat reply may spend before its think block is closed with "
+            "the model's end marker, so that the answer comes (a request's "
+            "thinking_token_budget or reasoning_budget overrides it); -1: no budget. Only for "
+            "a model with a reasoning family (--reasoning-parser)."
+        ),
+        low=-1,
+    )
     # Variables every chat's template render gets (a JSON object), under the request's own.
     chat_template_kwargs: str = setting(
         "",

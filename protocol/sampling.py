@@ -33,6 +33,13 @@ class SamplingParams:
     # Whether the worker may draft tokens for it (n-gram speculation, when the worker has it
     # on). The output is the same either way; off spends no compute on drafts.
     speculative: bool = True
+    # A thinking budget (--reasoning-budget, thinking_token_budget): once the reply has
+    # thought this many tokens, the worker writes the think block's end marker (think_end,
+    # the model's tokens for it) in place of what it samples, so the answer still comes.
+    # think_start: the tokens that open the block (empty: the prompt opened it already).
+    think_budget: int = 0  # 0: none
+    think_start: list[int] = field(default_factory=list)
+    think_end: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -59,6 +66,12 @@ class SamplingParams:
             raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        if self.think_budget < 0:
+            raise ValueError("think_budget must be 0 (none) or positive")
+        if self.think_budget and not self.think_end:
+            raise ValueError("a think_budget needs the think block's end marker (think_end)")
+        if any(t < 0 for t in self.think_start) or any(t < 0 for t in self.think_end):
+            raise ValueError("think_start and think_end are token ids")
         for token_id, bias in self.logit_bias.items():
             if token_id < 0 or (not math.isfinite(bias) and bias != -math.inf):
                 raise ValueError("logit_bias maps token ids to finite biases (or -inf)")

@@ -301,10 +301,15 @@ class ChatCompletionRequest(GenerationFields):
         description="none: the think block stays in content, raw. Default: split into "
         "reasoning_content (auto, deepseek, deepseek-legacy and parsed do the same).",
     )
-    # vLLM's and llama-server's names for a thinking budget: declared to be refused (400)
-    # rather than ignored, until the worker can end a think block (request/thinking.py).
-    thinking_token_budget: JsonInt | None = Field(default=None, description="Not supported yet.")
-    reasoning_budget: JsonInt | None = Field(default=None, description="Not supported yet.")
+    # vLLM's and llama-server's names for a thinking budget (request/thinking.py).
+    thinking_token_budget: JsonInt | None = Field(
+        default=None,
+        description="Tokens the reply may think before the worker closes its think block with "
+        "the model's end marker (counted in max_tokens). Default: --reasoning-budget.",
+    )
+    reasoning_budget: JsonInt | None = Field(
+        default=None, description="The same as thinking_token_budget (llama-server's name)."
+    )
 
 
 class TokenizeRequest(RequestModel):

@@ -62,6 +62,7 @@ class ServedModel:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The vocabulary's pieces with the reasoning markers' control tokens written out.
     text_pieces: Pieces | None = None
+    reasoning_budget: int = -1  # --reasoning-budget: a reply's thinking tokens (-1: none)
 
     def pieces(self, tools: bool) -> Pieces:
         """What a chat reply's tokens read as: the reasoning markers, and with tools the call
@@ -107,6 +108,7 @@ class ServedModel:
             reasoning,
             config.template_kwargs(),
             MarkerText.over(vocab, vocab, reasoning),
+            config.reasoning_budget,
         )
 
 

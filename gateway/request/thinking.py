@@ -14,6 +14,8 @@ from typing import Any
 
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import ChatCompletionRequest
+from loomserve.gateway.text.reasoning import ReasoningFamily
+from loomserve.gateway.text.tokenizer import Vocab
 
 # OpenAI's reasoning_effort values; "none" turns thinking off.
 EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -44,18 +46,58 @@ def template_kwargs(body: ChatCompletionRequest, defaults: dict[str, Any]) -> di
     return {**defaults, **effort_kwargs(body.reasoning_effort), **(own or {})}
 
 
-def check_budget(body: ChatCompletionRequest) -> None:
-    """A thinking budget is a 400 naming its field: the worker cannot yet end a think block
-    after N tokens, and a budget silently ignored would let a reply think to max_tokens."""
-    for name in ("thinking_token_budget", "reasoning_budget"):
+BUDGET_FIELDS = ("thinking_token_budget", "reasoning_budget")  # vLLM's name, llama-server's
+
+
+def thinking_budget(body: ChatCompletionRequest, default: int) -> tuple[int, str] | None:
+    """The reply's thinking budget in tokens and the field it came from (the request's, else
+    the server's --reasoning-budget; None: no budget); 400 naming the field for a budget
+    under 1."""
+    for name in BUDGET_FIELDS:
         budget = getattr(body, name)
         if budget is None:
             continue
         if budget <= 0:
             raise invalid_request(f"{name} must be a positive number of tokens", name)
+        return budget, name
+    return (default, "--reasoning-budget") if default >= 0 else None
+
+
+def budget_fields(
+    budget: tuple[int, str] | None,
+    family: ReasoningFamily | None,
+    inside: bool,
+    grammar: str | None,
+    vocab: Vocab,
+) -> dict[str, Any]:
+    """The SamplingParams fields that make the worker close the think block after the budget
+    (the family's markers as the model's tokens); 400 naming the field where it cannot."""
+    if budget is None:
+        return {}
+    tokens, name = budget
+    if family is None:
+        if name == "--reasoning-budget":
+            return {}  # the server's default: for the models that think
         raise invalid_request(
-            f"{name} is not supported yet: bound the whole reply with max_tokens", name
+            f"{name}: this model's chat template marks no thinking (--reasoning-parser)", name
         )
+    if grammar:
+        # The worker writes the marker over what the sampler drew; a grammar would not see it.
+        raise invalid_request(
+            f"{name} cannot be combined with a grammar, a JSON response_format or a forced "
+            "tool call",
+            name,
+        )
+
+    def marker(text: str) -> list[int]:
+        return vocab.tokenize(text, add_special=False, parse_special=True)
+
+    return {
+        "think_budget": tokens,
+        "think_start": [] if inside else marker(family.start),
+        "think_end": marker(family.end),
+        "speculative": False,
+    }
 
 
 def splits_reasoning(body: ChatCompletionRequest) -> bool:

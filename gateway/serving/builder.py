@@ -74,7 +74,7 @@ def check_body(body: ApiBody, served: ServedModel, slot_context: int | None) -> 
     if isinstance(body, ChatCompletionRequest):  # their 400s before any thread work
         thinking.splits_reasoning(body)
         thinking.template_kwargs(body, served.template_kwargs)
-        thinking.check_budget(body)
+        thinking.thinking_budget(body, served.reasoning_budget)
     if slot_context is None:
         return
     if isinstance(body, ChatCompletionRequest):
@@ -117,8 +117,10 @@ def draft(served: ServedModel, body: ApiBody) -> Drafted:
     tokens = prompts.chat_tokens(vocab, text)
     reasoning = None
     family = served.reasoning
+    inside = family is not None and family.starts_inside(text)
+    budget = thinking.thinking_budget(body, served.reasoning_budget)
+    fields |= thinking.budget_fields(budget, family, inside, fields["grammar"], vocab)
     if family is not None:
-        inside = family.starts_inside(text)
         if fields["grammar"] and not body.grammar:
             # A JSON format's or a forced call's grammar: the model thinks first (a request's
             # own GBNF is taken as it is, think block and all).

@@ -118,7 +118,6 @@ def test_chat_template_kwargs_reach_the_template(gateways: tuple[Proc, Proc]) ->
         ("reasoning_effort", "extreme"),
         ("reasoning_format", "markdown"),
         ("thinking_token_budget", 0),
-        ("thinking_token_budget", 64),
         ("reasoning_budget", -1),
     ],
 )

@@ -211,6 +211,7 @@ def test_a_chunk_without_logprobs_costs_two_bytes() -> None:
 def generate_body(prompt: object, logit_bias: object) -> bytes:
     params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None, None]
     params.append(True)  # speculative
+    params += [0, [], []]  # think_budget, think_start, think_end
     return msgpack.packb(["r1", prompt, params, 0, "", "", ""])
 
 
@@ -241,7 +242,7 @@ def test_limits_stop_an_oversized_body_while_it_is_unpacked():
     bomb = [b"\x02", msgpack.packb(["r1", [[[]] * 100] * 100, []])]
     with pytest.raises(DecodeError, match="too many arrays"):
         decode(bomb, max_containers=8)
-    assert decode(EVERY_MESSAGE_FRAMES["Generate"], max_items=16, max_containers=8)
+    assert decode(EVERY_MESSAGE_FRAMES["Generate"], max_items=19, max_containers=9)
 
 
 EVERY_MESSAGE_FRAMES = {type(m).__name__: encode(m) for m in EVERY_MESSAGE}

@@ -17,6 +17,7 @@ from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenLogpro
 from loomserve.worker.cache.ram_cache import RamEntry, SavedState
 from loomserve.worker.sched.queueing import DEFAULT_TENANT
 from loomserve.worker.sched.strategies import BatchPlan, SlotPhase, SlotView
+from loomserve.worker.sched.think_budget import ThinkBudget
 
 if TYPE_CHECKING:
     import numpy as np
@@ -77,6 +78,8 @@ class Request:
     sampler_seconds: float = 0.0
     drafted: int = 0
     drafts_accepted: int = 0
+    # Its thinking budget (think_budget.py), which the loop's sampling steers through.
+    think: ThinkBudget | None = None
 
     @property
     def request_id(self) -> str:

@@ -80,7 +80,9 @@ class Drafting:
             max_length = min(max_length, context - run.start - 1)
             request = slot.occupant
             params = request.params
-            if not params.speculative or params.grammar or not request.chain.verifies_drafts:
+            # A thinking budget steers tokens one at a time (think_budget.py): no drafts.
+            drafts = params.speculative and not params.grammar and not params.think_budget
+            if not drafts or not request.chain.verifies_drafts:
                 proposals.append(Proposal(slot.index, [], 0.0))
                 continue
             proposal = spec.propose(slot.index, request, slot.tokens)

@@ -13,6 +13,7 @@ from loomserve.protocol import ErrorCode, Generate
 from loomserve.worker.sched.queueing import DEFAULT_TENANT
 from loomserve.worker.sched.scheduler import Scheduler
 from loomserve.worker.sched.slots import Request, RequestKey, TokenSampler
+from loomserve.worker.sched.think_budget import ThinkBudget
 
 NO_EMBEDDINGS = (
     "this server computes no embeddings: the model has no pooling head; "
@@ -51,8 +52,15 @@ def new_request(
     key: RequestKey, generate: Generate, sampler: TokenSampler | None, sampler_seconds: float = 0.0
 ) -> Request:
     """The accepted Generate as the scheduler queues it, arriving now."""
+    params = generate.params
+    think = (
+        ThinkBudget(params.think_budget, params.think_start, params.think_end)
+        if params.think_budget
+        else None
+    )
     return Request(
         key=key,
+        think=think,
         prompt=generate.prompt_tokens,
         params=generate.params,
         arrived_at=time.monotonic(),

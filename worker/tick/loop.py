@@ -350,6 +350,9 @@ class TickLoop:
         samplers = [slot.occupant.chain for slot, _ in sampling]
         indices = [index for _, index in sampling]
         tokens = sample_rows(samplers, indices, logits, self.sampling_threads)
+        for i, (slot, _) in enumerate(sampling):
+            if slot.occupant.think is not None:  # a thinking budget may close the block
+                tokens[i] = slot.occupant.think.steer(tokens[i])
         is_eog, context = self.engine.is_eog, self.engine.slot_context
         return [
             sampled(slot, logits[row : row + 1], [token], is_eog, context)
