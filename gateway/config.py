@@ -206,7 +206,7 @@ class GatewayConfig:
             "the chat template) or a family: hermes, qwen3_coder, glm, minimax_m2, harmony, "
             "deepseek_v3_1, deepseek_r1, kimi_k2, mistral_args, mistral, llama3, granite, "
             "firefunction, command_r7b, functionary_v3_1, functionary_v3_2, gemma4, phi4, "
-            "json, generic."
+            "lfm2, pythonic, json, generic."
         ),
     )
     # Which think-block markers split a reply into reasoning and answer (text/reasoning.py);

@@ -10,7 +10,8 @@ Two shapes cover the families:
 - **JSON objects**: each call is {"name": ..., "arguments": {...}} (the keys may differ:
   Llama 3's "parameters", Command-R's "tool_name"), alone or in a JSON list, after a marker.
 - **framed** (`Framed`): a marker, the name, a marker, the arguments (JSON, or one XML-ish
-  element per parameter: `XmlArguments`), a closing marker.
+  element per parameter: `XmlArguments`, or Python keyword arguments: `python_args`), a
+  closing marker.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class Framed:
     # The arguments are an object with bare keys and strings between this marker (Gemma 4's
     # <|"|>), not JSON; read whole, as JSON.
     string_quote: str = ""
+    # Python-style calls (Llama 4, LFM2): a run is a list `[f(a=1), g()]`, each call's
+    # arguments Python keyword arguments of literal values, read whole (never run) once the
+    # call's `)` closes them.
+    python_args: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +122,13 @@ class ToolFormat:
             args = framed.xml.write(arguments)
         elif framed.string_quote:
             args = _write_quoted(arguments, framed.string_quote)
+        elif framed.python_args:
+            args = write_keywords(arguments) if isinstance(arguments, dict) else ""
         else:
             args = arguments if isinstance(arguments, str) else json.dumps(arguments)
         written = framed.name_written.format(name=name, index=index)
         return (
-            f"{framed.opens[0]}{written}{framed.written_after_name}{args}"
+            f"{framed.opens[0] if framed.opens else ''}{written}{framed.written_after_name}{args}"
             f"{framed.written_after_args}{framed.close}"
         )
 
@@ -156,6 +163,26 @@ def _write_quoted(value: Any, quote: str) -> str:
     return json.dumps(value)
 
 
+def write_keywords(arguments: dict[str, Any]) -> str:
+    """Arguments as Python keyword arguments (`city="Paris", days=3`); strings as JSON writes
+    them, which Python reads alike."""
+    return ", ".join(f"{key}={_python_literal(value)}" for key, value in arguments.items())
+
+
+def _python_literal(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, dict):
+        items = (
+            f"{json.dumps(str(k), ensure_ascii=False)}: {_python_literal(v)}"
+            for k, v in value.items()
+        )
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _json_family(name: str, opens: tuple[str, ...], closes: str | None, **more: Any) -> ToolFormat:
     """A family whose calls are JSON objects, parallel, named "name" with "arguments"."""
     fields: dict[str, Any] = {"bare_json": False, "arguments_key": "arguments", "parallel": True}
@@ -164,8 +191,10 @@ def _json_family(name: str, opens: tuple[str, ...], closes: str | None, **more: 
 
 def _framed_family(name: str, framed: Framed, **more: Any) -> ToolFormat:
     """A family whose calls are framed, parallel unless said otherwise."""
-    fields: dict[str, Any] = {"bare_json": False, "arguments_key": "arguments", "parallel": True}
-    return ToolFormat(name=name, opens=(), closes=None, framed=framed, **(fields | more))
+    fields: dict[str, Any] = {
+        "opens": (), "bare_json": False, "arguments_key": "arguments", "parallel": True
+    }  # fmt: skip
+    return ToolFormat(name=name, closes=None, framed=framed, **(fields | more))
 
 
 # Hermes 2/3, Qwen 2.5/3, QwQ, Granite 4 and most fine-tunes: <tool_call>{json}</tool_call>.
@@ -329,12 +358,28 @@ GEMMA4 = _framed_family(
     templates=("google-gemma-4-31B-it",),
 )  # fmt: skip
 
+# Python-style calls: [get_weather(city="Paris", days=3), get_time()].
+_PYTHON_CALLS = Framed(
+    opens=(), name_ends=("(",), close="", args_open="(", python_args=True,
+    name_pattern=r"\s*([A-Za-z_][\w.]*)\s*", written_after_name="(", written_after_args=")",
+)  # fmt: skip
+# Llama 4 (vLLM's "pythonic"): a reply that starts with `[` is a list of calls.
+PYTHONIC = _framed_family(
+    "pythonic", _PYTHON_CALLS, bare_json=True, list_prefix="[", list_suffix="]", separator=", ",
+)  # fmt: skip
+# LFM2 and LFM2.5: <|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>
+LFM2 = _framed_family(
+    "lfm2", replace(_PYTHON_CALLS, between=("<|tool_call_end|>",)), opens=("<|tool_call_start|>",),
+    list_prefix="<|tool_call_start|>[", list_suffix="]<|tool_call_end|>", separator=", ",
+    templates=("LFM2-8B-A1B", "LFM2.5-8B-A1B", "LFM2.5-Instruct"),
+)  # fmt: skip
+
 FAMILIES: dict[str, ToolFormat] = {
     f.name: f
     for f in (
         HERMES, QWEN3_CODER, GLM, MINIMAX, HARMONY, DEEPSEEK_V31, DEEPSEEK_R1, KIMI_K2,
         MISTRAL_ARGS, MISTRAL, LLAMA3, GRANITE, FIREFUNCTION, COMMAND_R7B, FUNCTIONARY_V31,
-        FUNCTIONARY_V32, GEMMA4, PHI4, JSON, GENERIC,
+        FUNCTIONARY_V32, GEMMA4, PHI4, LFM2, PYTHONIC, JSON, GENERIC,
     )
 }  # fmt: skip
 PARSER_NAMES = ("auto", *FAMILIES)  # --tool-call-parser's choices
@@ -362,6 +407,10 @@ def detect(template_source: str, renders_tools: bool, override: str = "auto") ->
         return DEEPSEEK_R1 if "```json" in s else DEEPSEEK_V31
     if "<|tool_call>" in s and "<tool_call|>" in s:
         return GEMMA4
+    if "<|tool_call_start|>" in s or "List of tools: " in s:  # as llama.cpp tells LFM2
+        return LFM2
+    if "[func_name1(" in s:  # Llama 4's instruction to call in Python's syntax
+        return PYTHONIC
     if "<|START_ACTION|>" in s:
         return COMMAND_R7B
     if "<tool_call>" in s:

@@ -11,11 +11,19 @@ As in parser.py: text around calls is content; a run of markers that holds no ca
 back as content; a call that repeats an earlier one word for word is held while it does and
 dropped when whole; a reply cut by max_tokens (`finish(cut=True)`) keeps a call whose name is
 whole with the arguments written so far, and drops a call cut before its name was whole.
+
+Python-style calls (`python_args`: `[get_weather(city="Paris"), get_time()]`) are read
+whole: a call is announced with its arguments once its `)` closes them and they parse as
+keyword arguments of literal values (Python's ast, never run; JSON's true/false/null are
+read too); what does not parse is content. Cut by max_tokens, such a call keeps the
+arguments that were whole (followed by a comma). Strings in triple quotes are not read.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -52,7 +60,8 @@ class _Call:
     started: bool = False  # the arguments began
     members: int = 0  # XML arguments: parameters written
     key: str | None = None  # XML arguments: the parameter whose value is read
-    quoted: str = ""  # Gemma 4's arguments as written, until they close
+    quoted: str = ""  # Gemma 4's (or Python-style) arguments as written, until they close
+    quote: str = ""  # Python-style arguments: the quote of the string being read
 
 
 @dataclass(slots=True)
@@ -70,6 +79,7 @@ class FramedCallParser:
     _content_after_call: bool = False
     _buffer: str = ""
     _mode: str = "text"  # text, run, name, to_args, args, after_args
+    _at_start: bool = True  # nothing but space read yet (a Python-style list may start)
     _run_text: str = ""  # what a run consumed, given back as content if it held no call
     _run_calls: int = 0
     _call: _Call = field(default_factory=_Call)
@@ -98,7 +108,10 @@ class FramedCallParser:
         if cut:
             self.cut_at_repeat = self._cut_lost_nothing()
         mode, call = self._mode, self._call
-        if mode == "name":
+        if mode in ("to_args", "args") and self._framed.python_args and call.index is None:
+            self._finish_python(call, cut)
+            self._buffer = ""
+        elif mode == "name":
             if not cut:  # never a call: its text is content
                 self._end_run(call.raw + self._buffer)
             self._buffer = ""
@@ -153,6 +166,16 @@ class FramedCallParser:
 
     def _step_text(self) -> bool:
         buffer = self._buffer
+        if self._at_start and self.format.bare_json and self._framed.python_args:
+            stripped = buffer.lstrip()
+            if not stripped:
+                return False  # leading space: held until the first real character
+            self._at_start = False
+            if stripped.startswith("["):  # a reply that is a list of calls
+                self._start_run(buffer[: len(buffer) - len(stripped)])
+                self._buffer = stripped
+                return True
+        self._at_start = False
         found = _earliest(buffer, self._starts())
         if found is not None:
             at, marker = found
@@ -179,6 +202,14 @@ class FramedCallParser:
         if not buffer:
             return False
         framed = self._framed
+        if framed.python_args:
+            if buffer[0] in "[,]":  # the list of calls, between calls
+                self._run_text += buffer[0]
+                self._buffer = buffer[1:]
+                return True
+            if buffer[0].isalpha() or buffer[0] == "_":
+                self._open_call("")
+                return True
         for marker in sorted(framed.opens, key=len, reverse=True):
             if buffer.startswith(marker):
                 self._buffer = buffer[len(marker) :]
@@ -196,6 +227,20 @@ class FramedCallParser:
 
     def _step_name(self) -> bool:
         framed, call, buffer = self._framed, self._call, self._buffer
+        if framed.python_args:
+            # A Python-style name is a dotted identifier: anything else ends it being a call
+            # at once, so the text is read alike whole and a piece at a time.
+            name = _PYTHON_NAME.match(buffer)
+            assert name is not None
+            if name.end() > MAX_NAME_CHARS:
+                pass  # too long for a name: text
+            elif name.end() == len(buffer):
+                return False  # more of the name may come
+            elif buffer[name.end()] == "(":
+                return self._python_name(buffer[: name.end()])
+            self._mode = "run"
+            self._end_run(call.raw)
+            return True
         found = _earliest(buffer, framed.name_ends)
         if found is None:
             if len(buffer) > MAX_NAME_CHARS:
@@ -226,6 +271,19 @@ class FramedCallParser:
             self._announce(call, text.strip() if framed.name_as_id else "")
         return True
 
+    def _python_name(self, text: str) -> bool:
+        """The name of a Python-style call is whole: announced once its arguments parse."""
+        call = self._call
+        name = _name(self._framed, text)
+        self._eat(len(text))
+        if name is None:
+            self._mode = "run"
+            self._end_run(call.raw)
+            return True
+        call.name = name
+        self._mode = "to_args"
+        return True
+
     def _step_to_args(self) -> bool:
         framed, buffer = self._framed, self._buffer
         if framed.args_open:
@@ -242,6 +300,8 @@ class FramedCallParser:
         return True
 
     def _step_args(self) -> bool:
+        if self._framed.python_args:
+            return self._step_python()
         if self._framed.xml is not None:
             return self._step_xml()
         call, buffer = self._call, self._buffer
@@ -319,6 +379,64 @@ class FramedCallParser:
                     self._mode = "after_args"
                     return True
         return False
+
+    def _step_python(self) -> bool:
+        """Python keyword arguments, up to the `)` that closes the call (strings and brackets
+        followed); then the call is announced with them as JSON, or given back as content."""
+        call, buffer = self._call, self._buffer
+        used, closed = 0, False
+        for ch in buffer:
+            used += 1
+            if call.quote:
+                if call.escaped:
+                    call.escaped = False
+                elif ch == "\\":
+                    call.escaped = True
+                elif ch == call.quote:
+                    call.quote = ""
+            elif ch in "'\"":
+                call.quote = ch
+            elif ch in "([{":
+                call.depth += 1
+            elif ch in ")]}":
+                call.depth -= 1
+                if call.depth < 0:
+                    closed = True
+                    break
+        call.quoted += buffer[:used]
+        self._eat(used)
+        if not closed:
+            return False
+        arguments = python_arguments(call.quoted[:-1])
+        if arguments is None:  # not keyword arguments of literals: no call
+            self._mode = "run"
+            self._end_run(call.raw)
+            return True
+        if self._repeats(call.raw):
+            call.held = True  # a repeat, dropped and counted
+            self._run_calls += 1
+        else:
+            self._announce(call, "")
+            self._add_args(call, arguments)
+        self._close_call(call)
+        return True
+
+    def _finish_python(self, call: _Call, cut: bool) -> None:
+        """The reply ended inside a Python-style call's arguments: cut by max_tokens, the
+        call with the arguments that were whole (unless it repeats an earlier one); else
+        no call, content."""
+        if not cut:
+            self._end_run(call.raw + self._buffer)
+            return
+        if self._repeats(call.raw):
+            return
+        self._announce(call, "")
+        commas = [i for i, ch in enumerate(call.quoted) if ch == ","]
+        for at in reversed(commas):  # the longest run of whole keyword arguments
+            arguments = python_arguments(call.quoted[:at])
+            if arguments is not None:
+                self._add_args(call, arguments)
+                return
 
     def _step_xml(self) -> bool:
         xml, call, framed = self._framed.xml, self._call, self._framed
@@ -499,6 +617,60 @@ def quoted_to_json(text: str, quote: str) -> str:
         else:
             out.append(_BARE_KEY.sub(lambda m: json.dumps(m.group(1)) + m.group(2), part))
     return "".join(out)
+
+
+_PYTHON_NAME = re.compile(r"[\w.]*")
+
+
+def python_arguments(text: str) -> str | None:
+    """Python keyword arguments (`city="Paris", days=3`) as a JSON object's text; None when
+    they are not keyword arguments of literal values. Parsed by Python's ast, never run."""
+    try:
+        tree = ast.parse(f"f({text})", mode="eval")
+        call = tree.body
+        if not isinstance(call, ast.Call) or call.args:
+            return None
+        arguments: dict[str, Any] = {}
+        for keyword in call.keywords:
+            if keyword.arg is None:  # **mapping
+                return None
+            arguments[keyword.arg] = _literal(keyword.value)
+        return json.dumps(arguments, ensure_ascii=False)
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
+_NAMED_LITERALS = {"true": True, "false": False, "null": None}  # JSON's, in Python calls
+
+
+def _literal(node: ast.expr) -> Any:
+    """A literal's value (strings, numbers, booleans, None, lists, tuples, sets, dicts with
+    string keys); ValueError for anything else (names, calls, operators)."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if value is None or isinstance(value, (str, bool, int)):
+            return value
+        if isinstance(value, float) and math.isfinite(value):
+            return value
+        raise ValueError("not a JSON value")
+    if isinstance(node, ast.Name) and node.id in _NAMED_LITERALS:
+        return _NAMED_LITERALS[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("a sign before no number")
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [_literal(element) for element in node.elts]
+    if isinstance(node, ast.Dict):
+        result = {}
+        for key, value in zip(node.keys, node.values, strict=True):
+            name = _literal(key) if key is not None else None
+            if not isinstance(name, str):
+                raise ValueError("a key that is no string")
+            result[name] = _literal(value)
+        return result
+    raise ValueError("not a literal")
 
 
 def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:

@@ -96,7 +96,7 @@ def _framed_call(
     the schema: a JSON object, or one XML-ish element per parameter."""
     framed = fmt.framed
     assert framed is not None
-    opener = "" if fmt.starts_in_call else framed.opens[0]
+    opener = "" if fmt.starts_in_call or not framed.opens else framed.opens[0]
     before, _, after = framed.name_written.partition("{name}")
     written = [_literal(opener + before.replace("{index}", ""))]
     written += [_literal(name)]
@@ -106,6 +106,8 @@ def _framed_call(
         written += ["[0-9]{1,3}", _literal(part)]
     if framed.string_quote:
         arguments = _quoted_arguments(converter, framed.string_quote, i, schema, rules)
+    elif framed.python_args:
+        arguments = _python_arguments(converter, i, schema, rules)
     elif framed.xml is None:
         arguments = converter.visit(schema, f"call-{i}-arguments")
     else:
@@ -179,6 +181,47 @@ def _quoted_arguments(
         body = f" ({body.strip()})?"
     rules.append(f'call-{i}-quoted ::= "{{"{body} "}}"')
     return f"call-{i}-quoted"
+
+
+# A character of a Python string in double quotes, escaped as JSON escapes it (which Python
+# reads alike; JSON's `\/` is left out, as Python keeps its backslash).
+PYTHON_CHAR_RULE = r'python-char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4})'
+
+
+def _python_arguments(
+    converter: SchemaConverter, i: int, schema: dict[str, Any], rules: list[str]
+) -> str:
+    """Python keyword arguments (`city="Paris", days=3`), the required ones first, each in the
+    schema's order; strings in double quotes (as many characters as _xml_arguments allows),
+    booleans True/False, None; other values as JSON (which the parser reads too)."""
+    properties = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    keys = sorted(properties, key=lambda k: k not in required)  # stable: the schema's order
+    members = []
+    for j, key in enumerate(keys):
+        value_schema = properties[key]
+        types = schema_types(value_schema)
+        if types == {"string"} and "enum" not in value_schema:
+            low = int(value_schema.get("minLength", 0))
+            high = int(value_schema.get("maxLength", low + MAX_TOOL_STRING_CHARS))
+            value = f'"\\"" python-char{{{low},{high}}} "\\""'
+        elif types == {"boolean"}:
+            value = '("True" | "False")'
+        elif types == {"null"}:
+            value = '"None"'
+        else:
+            value = converter.visit(value_schema, f"call-{i}-k{j}")
+        members.append((key in required, f"{_literal(key + '=')} {value}"))
+    if PYTHON_CHAR_RULE not in rules:
+        rules.append(PYTHON_CHAR_RULE)
+    body = ""
+    for n, (needed, member) in enumerate(members):
+        part = member if n == 0 else f'", " {member}'
+        body += f" {part}" if needed or n == 0 else f" ({part})?"
+    if members and not members[0][0]:  # nothing required: no arguments at all is a call too
+        body = f" ({body.strip()})?"
+    rules.append(f"call-{i}-keywords ::= {body.strip() or chr(34) * 2}")
+    return f"call-{i}-keywords"
 
 
 def _bounded_strings(grammar: str) -> str:

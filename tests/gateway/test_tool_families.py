@@ -354,6 +354,39 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
         "",
         [("get_weather", NESTED_ARGS)],
     ),
+    # --- LFM2 / LFM2.5: Python-style calls between markers (strings in either quote)
+    (
+        "lfm2",
+        "<think>I'm\nthinking</think>Sure.<|tool_call_start|>[get_weather(city='Paris', days=2, "
+        "metric=True), get_time()]<|tool_call_end|>",
+        "<think>I'm\nthinking</think>Sure.",
+        [("get_weather", {"city": "Paris", "days": 2, "metric": True}), ("get_time", {})],
+    ),
+    (  # nested values in Python's and JSON's spelling alike, unicode, escapes
+        "lfm2",
+        '<|tool_call_start|>[get_weather(city="Zürich 東京", where={"near": ["lake", '
+        '{"depth": 2.5}], "ok": true}, note=\'it\\\'s (a) [b]\', n=-1, none=None)]'
+        "<|tool_call_end|>",
+        "",
+        [("get_weather", {**NESTED_ARGS, "note": "it's (a) [b]", "n": -1, "none": None})],
+    ),
+    (  # what is no call of literal keyword arguments stays content, never run
+        "lfm2",
+        '<|tool_call_start|>[get_weather(city=os.getenv("HOME"))]<|tool_call_end|> and '
+        '<|tool_call_start|>[get_weather("Paris")]<|tool_call_end|>',
+        '<|tool_call_start|>[get_weather(city=os.getenv("HOME"))]<|tool_call_end|> and '
+        '<|tool_call_start|>[get_weather("Paris")]<|tool_call_end|>',
+        [],
+    ),
+    # --- Llama 4 (pythonic): a reply that is a Python list of calls
+    (
+        "pythonic",
+        ' [get_weather(city="Paris", where={"near": ["lake"]}), get_time()]',
+        "",
+        [("get_weather", {"city": "Paris", "where": {"near": ["lake"]}}), ("get_time", {})],
+    ),
+    ("pythonic", "[1, 2] are [not(calls)]", "[1, 2] are [not(calls)]", []),
+    ("pythonic", "Text first: [get_time()]", "Text first: [get_time()]", []),
 ]
 
 
@@ -389,6 +422,9 @@ CUT_CASES = [
     ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Pa', ""),
     ("deepseek_r1", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
      'get_weather\n```json\n{"ci', '{"ci'),
+    # Python-style arguments are read whole: those followed by a comma
+    ("lfm2", '<|tool_call_start|>[get_weather(city="Paris", where={"a": 1}, days=3',
+     '{"city": "Paris", "where": {"a": 1}}'),
 ]  # fmt: skip
 
 
@@ -536,6 +572,9 @@ DETECTED = {
     "Qwen-Qwen3-0.6B": "hermes",
     "Qwen-QwQ-32B": "hermes",
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": "hermes",
+    "LFM2-8B-A1B": "lfm2",
+    "LFM2.5-8B-A1B": "lfm2",
+    "LFM2.5-Instruct": "lfm2",
 }
 
 
@@ -543,6 +582,30 @@ DETECTED = {
 def test_each_family_is_detected_from_its_real_template(template: str, family: str) -> None:
     source = (TEMPLATES / f"{template}.jinja").read_text()
     assert detect(source, renders_tools=True) is FAMILIES[family]
+
+
+def test_llama_4s_instruction_to_call_in_pythons_syntax_is_detected() -> None:
+    """Llama 4's template (not among llama.cpp's) asks for `[func_name1(params_name1=...`."""
+    source = (
+        "{%- if tools %}You SHOULD NOT include any other text in the response if you call a "
+        "function. Format: [func_name1(params_name1=params_value1, params_name2=params_value2"
+        "...), func_name2(params)]{%- endif %}"
+    )
+    assert detect(source, renders_tools=True) is FAMILIES["pythonic"]
+
+
+def test_a_repeated_python_call_is_dropped_and_a_cut_one_keeps_no_partial_value() -> None:
+    fmt = FAMILIES["lfm2"]
+    parser = tool_parser(fmt, None, SCHEMAS)
+    call = "get_weather(city='Paris')"
+    reply = f"<|tool_call_start|>[{call}, {call}]<|tool_call_end|>"
+    _, calls = _events_to_reply(parser.push(reply) + parser.finish())
+    assert calls == [("get_weather", '{"city": "Paris"}')] and parser.repeats == 1
+    assert parser.finish_reason("stop") == "tool_calls"
+    cut = "<|tool_call_start|>[get_weather(city='Par"
+    assert read(fmt, cut, cut=True) == ("", [("get_weather", "")]) == read(fmt, cut, True, 1)
+    # Ended (not cut) before its `)`: no call, the text is content.
+    assert read(fmt, cut) == (cut, []) == read(fmt, cut, step=1)
 
 
 def test_the_families_name_the_templates_they_are_detected_from() -> None:
