@@ -76,10 +76,13 @@ class ServerTokenizer:
         self.http.close()
 
 
-def server_identity(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> dict:
-    """What the server says it is, for the result JSON: the first model's entry, the `server`
-    header, vLLM's /version and llama-server's /props (the fields that name a build), when
-    they answer. A missing endpoint is left out, never an error."""
+def server_identity(
+    base_url: str, api_key: str | None, model: str | None = None, timeout_s: float = 10.0
+) -> dict:
+    """What the server says it is, for the result JSON: the benchmarked model's /v1/models
+    entry (the first one's when model is None), the `server` header, loomserve's version (its
+    /openapi.json names it), vLLM's /version and llama-server's /props (the fields that name a
+    build), when they answer. A missing endpoint is left out, never an error."""
     root = api_root(base_url)
     identity: dict = {"base_url": base_url}
     with httpx.Client(headers=auth_headers(api_key), timeout=timeout_s) as http:
@@ -93,9 +96,19 @@ def server_identity(base_url: str, api_key: str | None, timeout_s: float = 10.0)
 
         if models := get("/v1/models"):
             identity["server_header"] = models.headers.get("server")
-            with contextlib.suppress(ValueError, AttributeError, IndexError, KeyError):
-                first = models.json()["data"][0]
-                identity["model"] = {k: first[k] for k in ("id", "owned_by", "meta") if k in first}
+            with contextlib.suppress(ValueError, AttributeError, IndexError, KeyError, TypeError):
+                listed = models.json()["data"]
+                ours = [m for m in listed if model is None or m.get("id") == model] or [{}]
+                entry = {k: ours[0][k] for k in ("id", "owned_by", "meta") if k in ours[0]}
+                # A name the server serves under another id (an alias): say which was asked.
+                identity["model"] = entry if entry else {"id": model}
+        if (openapi := get("/openapi.json")) is not None:
+            with contextlib.suppress(ValueError, AttributeError, KeyError, TypeError):
+                info = openapi.json()["info"]
+                # Only loomserve's title: FastAPI's default info ("FastAPI", "0.1.0") that
+                # other servers leave in place names no build.
+                if str(info.get("title", "")).startswith("loomserve"):
+                    identity["loomserve_version"] = info["version"]
         if (version := get("/version")) is not None:
             with contextlib.suppress(ValueError, AttributeError):
                 identity["version"] = version.json().get("version")

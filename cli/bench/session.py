@@ -267,7 +267,7 @@ def run_session(
 ) -> dict[str, Any]:
     """Run the benchmark the config describes; print and write its results, and return them."""
     model = config.model or first_model(config.base_url, config.api_key)
-    identity = server_identity(config.base_url, config.api_key)
+    identity = server_identity(config.base_url, config.api_key, model)
     count: TokenCounter = approximate_token_counts
     token_counts = "estimated at 4 characters a token"
     tokenizer = ServerTokenizer(config.base_url, model, config.api_key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -121,7 +122,9 @@ def create_app(
     app = FastAPI(
         title="loomserve gateway",
         summary="OpenAI-compatible completions over a continuous-batching llama.cpp worker.",
-        version="0.1.0",
+        # The package's own version: /openapi.json's info names the build serving (the
+        # bench's server identity reads it).
+        version=importlib.metadata.version("loomserve"),
         lifespan=lifespan,
         docs_url=None,  # FastAPI's pages load their scripts from a CDN; docs_pages.py's do not
         redoc_url=None,

@@ -41,6 +41,7 @@ class FakeOpenAI:
         self.cached_share = 0.0  # the share of each prompt reported as cached (at least 1)
         self.metrics = False  # serve /metrics
         self.generated = 0  # tokens streamed, for /metrics
+        self.model_ids = ["fake-model"]  # what /v1/models lists, in order
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self.models),
@@ -56,6 +57,7 @@ class FakeOpenAI:
         self.plan, self.in_flight, self.max_in_flight, self.bodies = {}, 0, 0, []
         self.llama_server_tokenize = False
         self.capacity, self.slots, self.cached_share, self.metrics = None, None, 0.0, False
+        self.model_ids = ["fake-model"]
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": "fake-1.0"})
@@ -77,7 +79,8 @@ class FakeOpenAI:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        data = [{"id": i, "object": "model", "owned_by": f"owner-{i}"} for i in self.model_ids]
+        return JSONResponse({"object": "list", "data": data})
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()

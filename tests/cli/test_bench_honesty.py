@@ -128,3 +128,17 @@ def test_unasked_cache_hits_warn_and_the_json_names_the_server_and_label(server,
     # The warm-up's prompt is not the first measured one: the benchmark makes no hit itself.
     prompts = [body["prompt"] for body in fake.bodies]
     assert prompts[0] not in prompts[1:]
+
+
+def test_the_server_identity_names_the_model_benchmarked_not_the_first_listed(server, tmp_path):
+    """Issue 60: "Server → model" named the first of /v1/models, not the one measured."""
+    fake, url = server
+    fake.model_ids = ["other-model", "fake-model"]
+    out = tmp_path / "result.json"
+    args = ["--base-url", url, "--model", "fake-model", "--num-prompts", "2", "--input-len", "4"]
+    args += ["--output-len", "2", "--num-warmups", "0", "--no-progress", "--result-json", str(out)]
+    outcome = CliRunner().invoke(bench, args)
+    assert outcome.exit_code == 0, outcome.output
+    identity = json.loads(out.read_text())["server"]
+    assert identity["model"] == {"id": "fake-model", "owned_by": "owner-fake-model"}
+    assert "loomserve_version" not in identity  # not a loomserve: no version claimed for it

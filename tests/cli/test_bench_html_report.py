@@ -7,7 +7,9 @@ Playwright the browser tests skip and say which is missing.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -110,3 +112,28 @@ def test_a_searchs_report_states_the_answer() -> None:
     page = render({"settings": {"model": "m"}, "search": search_dict(result)})
     assert '<b data-key="answer">6.00</b> concurrent requests' in page
     assert "<script" not in page and "http" not in page.replace("http://www.w3.org/2000/svg", "")
+
+
+def test_a_rate_searchs_attainment_is_drawn_on_a_log_axis() -> None:
+    """Issue 60: a search that doubles and bisects on a log scale was drawn on a linear axis."""
+    result = SearchResult("max-rate", 0.9, 0.1)
+    point = {"summary": {"completed": 20}}
+    values = ((1.0, 20), (2.0, 20), (4.0, 19), (8.0, 5))
+    result.probes = [ProbeOutcome(v, m, 20, 1.0, point) for v, m in values]
+    result.best, result.worst = result.probes[2], result.probes[3]
+    page = render({"settings": {"model": "m"}, "search": search_dict(result)})
+    chart = page[page.index('aria-label="Attainment against load"') :]
+    chart = chart[: chart.index("</svg>")]
+    xs = [float(x) for x in re.findall(r'<circle cx="([0-9.]+)"', chart)]
+    assert len(xs) == 4  # every probe drawn
+    gaps = [b - a for a, b in itertools.pairwise(xs)]
+    assert max(gaps) - min(gaps) < 0.5  # each doubling the same width
+    assert "req/s (log scale)" in page
+
+
+def test_a_search_whose_only_probe_was_cut_off_still_draws_it() -> None:
+    result = SearchResult("max-rate", 0.9, 0.1, stopped="budget")
+    result.probes = [ProbeOutcome(3.0, 4, 10, 1.0, complete=False)]
+    page = render({"settings": {"model": "m"}, "search": search_dict(result)})
+    assert "no data" not in page and page.count("<circle") == 1
+    assert "cut off by --duration; not counted" in page and "raise --duration" in page
