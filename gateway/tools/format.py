@@ -99,6 +99,10 @@ class ToolFormat:
     index_key: str = ""  # a key written first with the call's index (Command-R: "tool_call_id")
     framed: Framed | None = None  # the name outside the arguments (framed.py reads these)
     starts_in_call: bool = False  # the prompt ends with a call's opener (Functionary v3.2)
+    # After this marker (one of `opens`), text that is not JSON is a built-in tool's call
+    # (Llama 3.1's <|python_tag|>): `NAME.call(k=v)` calls NAME, other text is code, a call of
+    # `python` with {"code": text} (as llama.cpp named it). Read whole, at the reply's end.
+    code_marker: str = ""
     templates: tuple[str, ...] = ()  # the model files whose templates select it (docs, tests)
 
     def write_calls(self, calls: list[tuple[str, Any]]) -> str:
@@ -212,10 +216,11 @@ MISTRAL = _json_family(
     "mistral", ("[TOOL_CALLS]",), None, list_prefix="[TOOL_CALLS][", list_suffix="]",
     separator=", ", id_alphabet_length=9, templates=("mistralai-Mistral-Nemo-Instruct-2407",),
 )  # fmt: skip
-# Llama 3.1-3.3: a bare {"name": ..., "parameters": {...}}, maybe after <|python_tag|>.
+# Llama 3.1-3.3: a bare {"name": ..., "parameters": {...}}, maybe after <|python_tag|>; or
+# after it, a built-in tool's call (brave_search.call(query="..."), or code_interpreter's code).
 LLAMA3 = ToolFormat(
     name="llama3", opens=("<|python_tag|>",), closes=None, bare_json=True,
-    arguments_key="parameters", parallel=False,
+    arguments_key="parameters", parallel=False, code_marker="<|python_tag|>",
     templates=("meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct"),
 )  # fmt: skip
 # A template that renders tools in a way we do not know: the reply is taken to be JSON.

@@ -21,9 +21,7 @@ arguments that were whole (followed by a comma). Strings in triple quotes are no
 
 from __future__ import annotations
 
-import ast
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -39,6 +37,7 @@ from loomserve.gateway.tools.parser import (
     _partial_marker,
     read_reply,
 )
+from loomserve.gateway.tools.python_call import leading_keywords, python_arguments
 
 MAX_NAME_CHARS = 256  # a "name" longer than this is text, not a call
 
@@ -431,12 +430,9 @@ class FramedCallParser:
         if self._repeats(call.raw):
             return
         self._announce(call, "")
-        commas = [i for i, ch in enumerate(call.quoted) if ch == ","]
-        for at in reversed(commas):  # the longest run of whole keyword arguments
-            arguments = python_arguments(call.quoted[:at])
-            if arguments is not None:
-                self._add_args(call, arguments)
-                return
+        arguments = leading_keywords(call.quoted)
+        if arguments is not None:
+            self._add_args(call, arguments)
 
     def _step_xml(self) -> bool:
         xml, call, framed = self._framed.xml, self._call, self._framed
@@ -620,57 +616,6 @@ def quoted_to_json(text: str, quote: str) -> str:
 
 
 _PYTHON_NAME = re.compile(r"[\w.]*")
-
-
-def python_arguments(text: str) -> str | None:
-    """Python keyword arguments (`city="Paris", days=3`) as a JSON object's text; None when
-    they are not keyword arguments of literal values. Parsed by Python's ast, never run."""
-    try:
-        tree = ast.parse(f"f({text})", mode="eval")
-        call = tree.body
-        if not isinstance(call, ast.Call) or call.args:
-            return None
-        arguments: dict[str, Any] = {}
-        for keyword in call.keywords:
-            if keyword.arg is None:  # **mapping
-                return None
-            arguments[keyword.arg] = _literal(keyword.value)
-        return json.dumps(arguments, ensure_ascii=False)
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-        return None
-
-
-_NAMED_LITERALS = {"true": True, "false": False, "null": None}  # JSON's, in Python calls
-
-
-def _literal(node: ast.expr) -> Any:
-    """A literal's value (strings, numbers, booleans, None, lists, tuples, sets, dicts with
-    string keys); ValueError for anything else (names, calls, operators)."""
-    if isinstance(node, ast.Constant):
-        value = node.value
-        if value is None or isinstance(value, (str, bool, int)):
-            return value
-        if isinstance(value, float) and math.isfinite(value):
-            return value
-        raise ValueError("not a JSON value")
-    if isinstance(node, ast.Name) and node.id in _NAMED_LITERALS:
-        return _NAMED_LITERALS[node.id]
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _literal(node.operand)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError("a sign before no number")
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-        return [_literal(element) for element in node.elts]
-    if isinstance(node, ast.Dict):
-        result = {}
-        for key, value in zip(node.keys, node.values, strict=True):
-            name = _literal(key) if key is not None else None
-            if not isinstance(name, str):
-                raise ValueError("a key that is no string")
-            result[name] = _literal(value)
-        return result
-    raise ValueError("not a literal")
 
 
 def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str] | None:

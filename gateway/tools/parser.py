@@ -15,19 +15,30 @@ dropped: a cut duplicate is no call); the rest of an unfinished call or call mar
 dropped. A reply cut where nothing but such a duplicate (or a marker) was lost reports
 `tool_calls`, as if it had ended at its calls (`finish_reason`).
 
+After a family's `code_marker` (Llama 3.1's <|python_tag|>), text that does not start as JSON
+is a built-in tool's call, read whole when the reply ends: `brave_search.call(query="x")` a
+call of `brave_search` with {"query": "x"} (python_call.py reads the arguments), any other
+text code, a call of `python` with {"code": text}. Cut by max_tokens, a `NAME.call(` keeps
+its whole keyword arguments, and code what was written.
+
 Each JSON object is read by call_object.py's CallObject, which finds a call's name and
 arguments in it; this module decides what the text is: content, a call, or a repeat.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from loomserve.gateway.tools.call_object import CallObject, as_call, decoded_string
 from loomserve.gateway.tools.format import ToolFormat
+from loomserve.gateway.tools.python_call import leading_keywords, python_arguments
 
 _BETWEEN_CALLS = " \t\r\n,;["  # what may separate calls in a run
+# A built-in tool's call after the code marker: NAME.call(ARGUMENTS)
+_BUILTIN_CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\.\s*call\s*\((.*)", re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -76,7 +87,7 @@ class ToolCallParser:
     cut_at_repeat: bool = False
     _content_after_call: bool = False  # content was sent since the last whole call
     _buffer: str = ""
-    _mode: str = "text"  # "text", "run" (between calls), "object"
+    _mode: str = "text"  # "text", "run" (between calls), "object", "tagged", "code"
     _at_start: bool = True
     _run_text: str = ""  # what a run consumed, given back as content if it held no call
     _run_calls: int = 0
@@ -98,6 +109,10 @@ class ToolCallParser:
         """
         if cut:
             self.cut_at_repeat = self._cut_lost_nothing()
+        if self._mode == "code":
+            self._code_call(cut)
+        elif self._mode == "tagged":
+            self._mode = "run"
         if self._mode == "object":
             self._finish_object(cut)
         elif self._mode == "run":
@@ -141,6 +156,10 @@ class ToolCallParser:
             return self._step_text()
         if self._mode == "run":
             return self._step_run()
+        if self._mode == "tagged":
+            return self._step_tagged()
+        if self._mode == "code":
+            return False  # read whole when the reply ends
         return self._step_object()
 
     def _step_text(self) -> bool:
@@ -165,6 +184,8 @@ class ToolCallParser:
                 self._content(buffer[:at])
             self._start_run(marker)
             self._buffer = buffer[at + len(marker) :]
+            if marker == fmt.code_marker:
+                self._mode = "tagged"
             return True
         hold = _partial_marker(buffer, fmt.opens)
         if self.calls and buffer[: len(buffer) - hold].isspace():
@@ -172,6 +193,43 @@ class ToolCallParser:
         self._content(buffer[: len(buffer) - hold])
         self._buffer = buffer[len(buffer) - hold :]
         return False
+
+    def _step_tagged(self) -> bool:
+        """After the code marker: JSON calls, or a built-in tool's call (the rest)."""
+        stripped = self._buffer.lstrip()
+        if not stripped:
+            return False
+        self._mode = "run" if stripped[0] in "{[" else "code"
+        return True
+
+    def _code_call(self, cut: bool) -> None:
+        """The reply ended after the code marker: the built-in tool's call its text is."""
+        text, self._buffer = self._buffer, ""
+        self._mode = "text"
+        found = _BUILTIN_CALL.fullmatch(text)
+        if found is not None:
+            name, rest = found.groups()
+            rest = rest.rstrip()
+            whole = rest.endswith(")") and python_arguments(rest[:-1]) is not None
+            if whole:
+                arguments = python_arguments(rest[:-1])
+            elif cut:
+                arguments = leading_keywords(rest) or ""
+            else:
+                arguments = None  # not a call of literal keyword arguments: code
+            if arguments is not None:
+                self._builtin_call(name, arguments)
+                return
+        self._builtin_call("python", json.dumps({"code": text.strip()}, ensure_ascii=False))
+
+    def _builtin_call(self, name: str, arguments: str) -> None:
+        self._run_calls += 1
+        obj = CallObject()
+        self._announce(obj, name)
+        if obj.index is not None:
+            self._whole_call()
+            self._arguments(obj.index, arguments)
+        self._mode, self._run_text, self._run_calls = "text", "", 0
 
     def _step_run(self) -> bool:
         buffer = self._buffer

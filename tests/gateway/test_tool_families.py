@@ -386,6 +386,31 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
         [("get_weather", {"city": "Paris", "where": {"near": ["lake"]}}), ("get_time", {})],
     ),
     ("pythonic", "[1, 2] are [not(calls)]", "[1, 2] are [not(calls)]", []),
+    # --- Llama 3.1's built-in tools after <|python_tag|>: NAME.call(k=v), or code
+    (
+        "llama3",
+        'Let me search.<|python_tag|>brave_search.call(query="weather in Zürich", n=2)',
+        "Let me search.",
+        [("brave_search", {"query": "weather in Zürich", "n": 2})],
+    ),
+    (
+        "llama3",
+        "<|python_tag|>wolfram_alpha.call(query='solve x^2 = 4')",
+        "",
+        [("wolfram_alpha", {"query": "solve x^2 = 4"})],
+    ),
+    (  # code_interpreter: the code, a call of `python` (llama.cpp's name)
+        "llama3",
+        '<|python_tag|>\nimport math\nprint(math.sqrt(2), [x for x in "ab"])\n',
+        "",
+        [("python", {"code": 'import math\nprint(math.sqrt(2), [x for x in "ab"])'})],
+    ),
+    (  # a "call" of anything but literal keyword arguments is code too, never run
+        "llama3",
+        '<|python_tag|>brave_search.call(query=open("/etc/passwd").read())',
+        "",
+        [("python", {"code": 'brave_search.call(query=open("/etc/passwd").read())'})],
+    ),
     ("pythonic", "Text first: [get_time()]", "Text first: [get_time()]", []),
 ]
 
@@ -606,6 +631,34 @@ def test_a_repeated_python_call_is_dropped_and_a_cut_one_keeps_no_partial_value(
     assert read(fmt, cut, cut=True) == ("", [("get_weather", "")]) == read(fmt, cut, True, 1)
     # Ended (not cut) before its `)`: no call, the text is content.
     assert read(fmt, cut) == (cut, []) == read(fmt, cut, step=1)
+
+
+def test_a_cut_built_in_call_keeps_its_whole_keywords_and_cut_code_what_it_wrote() -> None:
+    fmt = FAMILIES["llama3"]
+    text = '<|python_tag|>brave_search.call(query="rain", count=3, lang="f'
+    assert read(fmt, text, cut=True) == ("", [("brave_search", '{"query": "rain", "count": 3}')])
+    assert read(fmt, text, cut=True, step=1) == read(fmt, text, cut=True)
+    code = "<|python_tag|>print(1 +"
+    assert read(fmt, code, cut=True) == ("", [("python", '{"code": "print(1 +"}')])
+
+
+def test_llama_31s_template_writes_a_built_in_call_that_reads_back() -> None:
+    """The call in the history, rendered by Llama 3.1's own template with `builtin_tools` (a
+    chat_template_kwargs key), is read back as the same call."""
+    source = (TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    renderer = ChatTemplate(source, "<s>", "</s>")
+    call = {"name": "brave_search", "arguments": {"query": "weather in Paris"}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": call}]},
+    ]
+    kwargs = {"builtin_tools": ["brave_search", "wolfram_alpha"]}
+    prompt = renderer.render(messages, add_generation_prompt=False, kwargs=kwargs)
+    turn = prompt[prompt.rindex("<|end_header_id|>") + len("<|end_header_id|>") :]
+    # The reply is what follows the header's blank line (the generation prompt ends with it).
+    turn = turn.removeprefix("\n\n").split("<|eom_id|>")[0].split("<|eot_id|>")[0]
+    assert "<|python_tag|>brave_search.call(" in turn
+    assert read(FAMILIES["llama3"], turn) == ("", [("brave_search", json.dumps(call["arguments"]))])
 
 
 def test_the_families_name_the_templates_they_are_detected_from() -> None:
