@@ -137,7 +137,13 @@ def _server_metrics(point: dict[str, Any]) -> str:
                 )
             )
     intro = f"<p>Sampled from a {escape(scraped.get('server', 'unknown'))} server's /metrics.</p>"
-    return intro + '<div class="charts">' + "".join(charts) + "</div>"
+    # A counter raised only at each request's end draws lumps, not a pace: said beside it.
+    notes = "".join(
+        f'<p class="warn">{escape(title)}: {escape(note)}.</p>'
+        for key, title, _ in SERVER_SERIES
+        if (note := scraped.get("notes", {}).get(key))
+    )
+    return intro + notes + '<div class="charts">' + "".join(charts) + "</div>"
 
 
 def _classes(point: dict[str, Any]) -> str:

@@ -4,12 +4,18 @@ Once a second the scraper reads the target's `/metrics`, parses it with promethe
 parser, and keeps the few series a reader of a benchmark wants beside it: requests queued
 and running, KV-cache use, and the server's own prompt and generation tokens per second.
 Each server names them its own way; NAMES knows loomserve's, vLLM's and llama-server's.
+
+A rate is never taken over less than a second: samples closer than that (the one taken when
+the run ends, a moment after the last tick) share the rate of the window they close. And a
+counter the server only raises when a request ends (loomserve's gateway counts a request's
+tokens then) is said to be one: its rates come in lumps at each request's end.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -24,19 +30,24 @@ from loomserve.cli.bench.client import api_root
 # summed over their labels (several workers, several models); counters (the *_total ones)
 # become per-second rates between samples.
 NAMES: dict[str, tuple[str, ...]] = {
+    # loomserve: the worker's own port (--metrics-port) first, then the gateway's copy of
+    # each worker's heartbeat (once a second, under `serve` too), then the gateway's count.
     "waiting": (
         "loomserve:num_requests_waiting",
+        "loomserve:worker_num_requests_waiting",
         "vllm:num_requests_waiting",
         "llamacpp:requests_deferred",
     ),
     "running": (
         "loomserve:num_requests_running",
+        "loomserve:worker_num_requests_running",
         "vllm:num_requests_running",
         "llamacpp:requests_processing",
-        "loomserve:requests_in_flight",  # the gateway's, when the worker's gauges are absent
+        "loomserve:requests_in_flight",  # the gateway's, when no worker's gauges are there
     ),
     "kv_cache_usage": (
         "loomserve:kv_cache_usage_perc",
+        "loomserve:worker_kv_cache_usage_perc",
         "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc",  # vLLM before v0.10
         "llamacpp:kv_cache_usage_ratio",
@@ -53,18 +64,40 @@ NAMES: dict[str, tuple[str, ...]] = {
     ),
 }
 RATES = frozenset({"generation_tokens_per_s", "prompt_tokens_per_s"})
+MIN_RATE_WINDOW_S = 1.0  # a counter's rise over less is noise (and a tiny divisor)
+# Shares, one per worker: averaged over their labels, not summed.
+AVERAGED = frozenset({"loomserve:worker_kv_cache_usage_perc"})
+# Counters raised only when a request ends, not as tokens are made: the gateway's token
+# counts (the worker's own port counts generated tokens each tick, under the same name; a
+# gateway's exposition is told apart by its request gauge). loomserve counts prompt tokens
+# of finished requests in both.
+AT_REQUEST_END = "counted when each request ends, in lumps: not tokens made per second"
+# Names only a gateway exposes (model_info from its start, requests_in_flight once a request
+# came): kept by parse_sample so that a gateway's exposition is told from a worker's.
+GATEWAY_MARKS = frozenset({"loomserve:model_info", "loomserve:requests_in_flight"})
 SERVERS = (("loomserve:", "loomserve"), ("vllm:", "vllm"), ("llamacpp:", "llama-server"))
 
 
 def parse_sample(text: str) -> dict[str, float]:
     """Each known sample name's value (summed over labels) in one /metrics text."""
-    wanted = {name for names in NAMES.values() for name in names}
+    wanted = {name for names in NAMES.values() for name in names} | GATEWAY_MARKS
     values: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
                 values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+                counts[sample.name] = counts.get(sample.name, 0) + 1
+    for name in AVERAGED & values.keys():
+        values[name] /= counts[name]
     return values
+
+
+def counted_at_request_end(name: str, seen: set[str]) -> bool:
+    """Whether this series' counter rises only when a request ends (see AT_REQUEST_END)."""
+    if name == "loomserve:prompt_tokens_total":
+        return True
+    return name == "loomserve:generation_tokens_total" and bool(GATEWAY_MARKS & seen)
 
 
 def server_kind(names: Iterable[str]) -> str:
@@ -93,6 +126,7 @@ class Timeline:
             "errors": self.errors,
             "series": {},
             "sources": {},
+            "notes": {},
         }
         for key, candidates in NAMES.items():
             name = next((n for n in candidates if n in seen), None)
@@ -103,19 +137,37 @@ class Timeline:
                 values = _rates(self.times_s, values)
             out["series"][key] = values
             out["sources"][key] = name
+            if key in RATES and counted_at_request_end(name, seen):
+                out["notes"][key] = AT_REQUEST_END
         return out
 
 
+def rate_windows(times: list[float]) -> list[int]:
+    """The samples that close a rate window: from the first, each at least MIN_RATE_WINDOW_S
+    after the one before; a shorter tail (the sample at the run's end) joins the last window.
+    """
+    ends = [0]
+    for i in range(1, len(times)):
+        if times[i] - times[ends[-1]] >= MIN_RATE_WINDOW_S:
+            ends.append(i)
+    if len(ends) > 1 and ends[-1] != len(times) - 1:
+        ends[-1] = len(times) - 1
+    return ends
+
+
 def _rates(times: list[float], totals: list[float | None]) -> list[float | None]:
-    """Per-second increase of a counter between samples (the first sample has none)."""
-    rates: list[float | None] = [None]
-    for i in range(1, len(totals)):
-        before, after = totals[i - 1], totals[i]
-        gap = times[i] - times[i - 1]
-        if before is None or after is None or gap <= 0 or after < before:  # a restart
-            rates.append(None)
-        else:
-            rates.append((after - before) / gap)
+    """Per-second increase of a counter, each sample given its window's rate (the first
+    sample, and samples in no window of a second, have none). A window's rate times its
+    samples' gaps adds up to the counter's rise over it."""
+    rates: list[float | None] = [None] * len(totals)
+    ends = rate_windows(times)
+    for start, end in itertools.pairwise(ends):
+        before, after = totals[start], totals[end]
+        if before is None or after is None or after < before:  # missing, or a restart
+            continue
+        rate = (after - before) / (times[end] - times[start])
+        for i in range(start + 1, end + 1):
+            rates[i] = rate
     return rates
 
 
@@ -162,6 +214,8 @@ class MetricsScraper:
         while True:
             await self._sample(timeline, zero)
             next_at += self.interval_s
+            if timeline.times_s:  # a full interval after the last sample: no window under it
+                next_at = max(next_at, zero + timeline.times_s[-1] + self.interval_s)
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
 
     @contextlib.asynccontextmanager

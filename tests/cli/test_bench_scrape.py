@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 
@@ -10,7 +11,15 @@ from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from loomserve.cli.bench.command import bench
-from loomserve.cli.bench.scrape import Timeline, parse_sample, server_kind
+from loomserve.cli.bench.scrape import (
+    AT_REQUEST_END,
+    MIN_RATE_WINDOW_S,
+    Timeline,
+    parse_sample,
+    rate_windows,
+    server_kind,
+)
+from loomserve.gateway.metrics import GatewayMetrics
 from tests.cli.fake_openai import FakeOpenAI, serve_fake
 
 LLAMA_SERVER = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
@@ -67,6 +76,51 @@ def test_counters_become_rates_and_gauges_stay_values() -> None:
     assert series["series"]["waiting"] == [5, 5, 5]
     assert series["sources"]["running"] == "loomserve:num_requests_running"
     assert "kv_cache_usage" not in series["series"]  # not exposed: not invented
+
+
+def test_no_rate_is_taken_over_less_than_a_second() -> None:
+    """Issue 60: the sample at the run's end came 0.05 s after the last tick, and the tokens
+    counted in between made a ~1,350 tok/s spike out of a ~20 tok/s run."""
+    times = [0.0, 1.0, 2.0, 2.05]
+    timeline = Timeline(times, [parse_sample(loomserve_text(n)) for n in (0, 20, 40, 108)])
+    rates = timeline.series()["series"]["generation_tokens_per_s"]
+    assert rates[0] is None and rates[1] == 20.0
+    assert rates[2] == rates[3] == pytest.approx(88 / 1.05)  # one window, 1.0 to 2.05 s
+    generated = sum(r * (times[i] - times[i - 1]) for i, r in enumerate(rates) if r is not None)
+    assert generated == pytest.approx(108)  # still adds up to the counter's rise
+    assert rate_windows([0.0, 0.4, 0.8, 1.3, 1.7, 2.9]) == [0, 3, 5]
+    assert rate_windows([0.0, 0.3, 0.6]) == [0]  # under a second in all: no rate at all
+    ends = rate_windows(times)
+    assert all(times[b] - times[a] >= MIN_RATE_WINDOW_S for a, b in itertools.pairwise(ends))
+
+
+def gateway_text(generated: int, kv: tuple[float, float]) -> str:
+    """The gateway's own /metrics, two workers' heartbeats in it."""
+    metrics = GatewayMetrics()
+    metrics.requests_in_flight.labels("tiny").set(3)
+    for worker, usage in zip(("ipc:///a", "ipc:///b"), kv, strict=True):
+        metrics.set_worker_load(worker, running=2, waiting=1, free_slots=0, kv_usage=usage)
+    metrics.generation_tokens.labels("tiny").inc(generated)
+    metrics.prompt_tokens.labels("tiny").inc(4 * generated)
+    return metrics.render()[0].decode()
+
+
+def test_the_gateways_worker_gauges_are_read_and_its_end_counted_tokens_said() -> None:
+    """Against `serve`, the gateway's /metrics carries each worker's heartbeat load
+    (loomserve:worker_*): waiting and KV come from there, and its token counters, raised
+    when a request ends, are named as such."""
+    samples = [parse_sample(gateway_text(n, (0.2, 0.4))) for n in (0, 30, 90)]
+    series = Timeline([0.0, 1.0, 2.0], samples).series()
+    assert series["sources"]["waiting"] == "loomserve:worker_num_requests_waiting"
+    assert series["sources"]["running"] == "loomserve:worker_num_requests_running"
+    assert series["sources"]["kv_cache_usage"] == "loomserve:worker_kv_cache_usage_perc"
+    assert series["series"]["waiting"] == [2, 2, 2]  # summed over the two workers
+    assert series["series"]["kv_cache_usage"] == pytest.approx([0.3] * 3)  # a share: averaged
+    assert series["notes"]["generation_tokens_per_s"] == AT_REQUEST_END
+    assert series["notes"]["prompt_tokens_per_s"] == AT_REQUEST_END
+    # The worker's own port counts generated tokens each tick: no note there.
+    worker = Timeline([0.0, 1.0], [parse_sample(loomserve_text(n)) for n in (0, 5)]).series()
+    assert "generation_tokens_per_s" not in worker["notes"]
 
 
 @pytest.fixture(scope="module")
