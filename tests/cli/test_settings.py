@@ -33,6 +33,7 @@ GATEWAY_DERIVED = {
     "api_keys": "api_key",
     "key_priorities": "api_key_file",  # `priority=` on a key file's lines
     "admin_keys": "api_key_file",  # `role=admin` on a key file's lines
+    "chat_template_from": "chat_template",  # where --chat-template's template came from
 }
 MIB = 1024 * 1024
 
