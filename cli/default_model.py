@@ -63,6 +63,8 @@ def resolve_model(path: str | Path | None) -> Path:
 
 
 MODELS_MAX = 4  # models `serve` keeps loaded at once, by default: as llama-server's --models-max
+# How long an unloading model's running requests may take to end before its workers stop.
+UNLOAD_DRAIN_SECONDS = 60.0
 _NAME = re.compile(r"[^\s=]\S{0,127}")  # no whitespace, 128 characters at most
 
 

@@ -19,7 +19,7 @@ import dataclasses
 
 import click
 
-from loomserve.cli.default_model import MODELS_MAX, named_models
+from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS, named_models
 from loomserve.cli.operations import keygen, worker_health
 from loomserve.cli.options import (
     CONTEXT_SETTINGS,
@@ -155,6 +155,14 @@ def gateway(
     help="With several models: unload a model idle this many seconds (its memory is freed; "
     "the next request for it loads it again). Default: never.",
 )
+@click.option(
+    "--unload-drain",
+    type=click.FloatRange(min=0.0),
+    default=UNLOAD_DRAIN_SECONDS,
+    help="With several models: how long, in seconds, an unloading model's running requests "
+    "may take to finish before its workers are stopped (new requests for it get 503 with "
+    "Retry-After meanwhile).",
+)
 @worker_options
 @gateway_options
 @click.option(
@@ -192,6 +200,7 @@ def serve(
     models_dir: str | None,
     models_max: int,
     idle_unload: float | None,
+    unload_drain: float,
     log_level: str,
     log_json: bool | None,
     **opts,
@@ -228,6 +237,7 @@ def serve(
         models=tuple(models),
         models_max=models_max,
         idle_unload=idle_unload,
+        unload_drain=unload_drain,
         host=opts["host"],
         port=opts["port"],
         gateways=gateways,

@@ -26,7 +26,7 @@ from pathlib import Path
 import structlog
 import zmq
 
-from loomserve.cli.default_model import MODELS_MAX
+from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS
 from loomserve.cli.supervisor import Child, Supervisor
 from loomserve.protocol.codec import DecodeError, decode, encode
 from loomserve.protocol.messages import (
@@ -63,9 +63,16 @@ class ManagedModel:
     since: float = field(default_factory=time.time)  # wall clock, for ModelState
     loaded_at: float = 0.0  # time.monotonic() when it last became loaded
     beats: dict[str, Heartbeat] = field(default_factory=dict)  # latest, by endpoint
+    answered: dict[str, float] = field(default_factory=dict)  # latest Ping answered, by endpoint
     loads: int = 0
     unloads: int = 0
     error: str = ""  # why it could not be loaded, last time
+    # While unloading: when its running requests must have ended (time.monotonic()), when
+    # the unload began (time.time(), as the Pings' sent_at), and whether its workers were
+    # told to stop (after the drain: SIGTERM).
+    drain_deadline: float = 0.0
+    drain_since: float = 0.0
+    stopping: bool = False
 
     def enter(self, phase: ModelPhase) -> None:
         self.phase, self.since = phase, time.time()
@@ -92,11 +99,13 @@ class ModelManager:
         control: str,
         models_max: int = MODELS_MAX,
         idle_unload: float | None = None,
+        unload_drain: float = UNLOAD_DRAIN_SECONDS,
     ) -> None:
         self.supervisor = supervisor
         self.models = {model.name: model for model in models}
         self.models_max = models_max
         self.idle_unload = idle_unload
+        self.unload_drain = unload_drain
         self._context = zmq.Context()
         self._control = self._context.socket(zmq.ROUTER)
         self._control.setsockopt(zmq.LINGER, 0)
@@ -140,6 +149,8 @@ class ModelManager:
                 log.info("model loaded", model=model.name, loads=model.loads)
         elif model.phase == ModelPhase.UNLOADING and not running:
             self._unloaded(model)
+        elif model.phase == ModelPhase.UNLOADING and not model.stopping:
+            self._drain(model, now)
         elif model.phase == ModelPhase.LOADED:
             failed = next((c.failed for c in model.workers if c.failed), None)
             if failed:
@@ -156,6 +167,7 @@ class ModelManager:
         model.enter(ModelPhase.UNLOADED)
         model.error = error
         model.beats.clear()
+        model.answered.clear()
         for endpoint in model.endpoints:
             sock = self._pings.pop(endpoint, None)
             if sock is not None:
@@ -211,9 +223,38 @@ class ModelManager:
         return self._states()
 
     def _unload(self, model: ManagedModel, reason: str) -> None:
+        """Start unloading: the gateways refuse new requests for it (503, Retry-After) while
+        its running ones finish, up to --unload-drain seconds; then its workers stop."""
         model.unloads += 1
         model.enter(ModelPhase.UNLOADING)
-        log.info("unloading model", model=model.name, reason=reason)
+        model.drain_deadline = time.monotonic() + self.unload_drain
+        model.stopping = False
+        model.drain_since = self._ping_all(model.endpoints)  # fresh beats say when it is idle
+        log.info(
+            "unloading model; its running requests finish first",
+            model=model.name,
+            reason=reason,
+            drain_s=self.unload_drain,
+        )
+
+    def _drain(self, model: ManagedModel, now: float) -> None:
+        """Stop the unloading model's workers once nothing runs on it (in any gateway's
+        count, and in heartbeats sent after the unload began), or when the drain runs out."""
+        fresh = all(model.answered.get(e, 0.0) >= model.drain_since for e in model.endpoints)
+        idle = fresh and not model.busy and not self.busy_in_gateways(model.name)
+        if not idle and now < model.drain_deadline:
+            return
+        if not idle:
+            running = sum(
+                beat.load.running + beat.load.queue_depth for beat in model.beats.values()
+            )
+            log.warning(
+                "unload drain ran out; stopping the model with requests running",
+                model=model.name,
+                drain_s=self.unload_drain,
+                running=running,
+            )
+        model.stopping = True
         for child in model.workers:
             self.supervisor.stop_child(child)
 
@@ -300,6 +341,8 @@ class ModelManager:
                     model = self._model_at(endpoint)
                     if model is not None:
                         model.beats[endpoint] = message
+                        answered = model.answered.get(endpoint, 0.0)
+                        model.answered[endpoint] = max(answered, message.ping_sent_at)
 
     def _refresh_heartbeats(self, models: Sequence[ManagedModel]) -> None:
         """Ping the models' workers and wait (briefly) for every answer: whether they are

@@ -25,7 +25,7 @@ from typing import Any
 import click
 import structlog
 
-from loomserve.cli.default_model import MODELS_MAX, NamedModel
+from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS, NamedModel
 from loomserve.cli.models import ManagedModel, ModelManager
 from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
 from loomserve.gateway.http.middleware import READY_PROBE_AGENT
@@ -52,6 +52,7 @@ class ServePlan:
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES of each worker, when given
     models_max: int = MODELS_MAX
     idle_unload: float | None = None  # seconds
+    unload_drain: float = UNLOAD_DRAIN_SECONDS  # seconds an unloading model's requests may take
 
     @property
     def managed(self) -> bool:
@@ -172,7 +173,9 @@ def _manager(
         workers = supervisor.children[first : first + len(own)]
         first += len(own)
         managed.append(ManagedModel(model.name, model.path, workers, own))
-    manager = ModelManager(supervisor, managed, control, plan.models_max, plan.idle_unload)
+    manager = ModelManager(
+        supervisor, managed, control, plan.models_max, plan.idle_unload, plan.unload_drain
+    )
     manager.load(plan.models[0].name)  # the default model: requests that name none get it
     return manager
 

@@ -160,6 +160,12 @@ class ModelActionResult(BaseModel):
     status: ModelStatus
 
 
+class ModelUnloadResult(ModelActionResult):
+    """POST /models/unload's answer: also what happens to the model's requests meanwhile."""
+
+    message: str
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]

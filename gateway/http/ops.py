@@ -11,9 +11,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from loomserve.gateway.api.response_bodies import ModelActionResult, ModelStatus
+from loomserve.gateway.api.response_bodies import (
+    ModelActionResult,
+    ModelStatus,
+    ModelUnloadResult,
+)
 from loomserve.gateway.api.schemas import ModelAction
-from loomserve.gateway.models.registry import ModelEntry, Models
+from loomserve.gateway.models.registry import ModelEntry, Models, ModelState
 from loomserve.gateway.workers.pool import WorkerPool, WorkerSlots
 from loomserve.protocol.messages import SlotsReport, SlotState
 
@@ -57,10 +61,22 @@ def models_router(models: Models) -> APIRouter:
         return result(await models.load(body.model))
 
     @router.post("/models/unload", tags=["models"])
-    async def unload(body: ModelAction) -> ModelActionResult:
-        """Unload the model: its worker stops taking requests, finishes those it runs, and
-        exits. The next request for it loads it again."""
-        return result(await models.unload(body.model))
+    async def unload(body: ModelAction) -> ModelUnloadResult:
+        """Unload the model, answering at once: new requests for it get 503 with Retry-After
+        while its running requests finish (up to serve's --unload-drain seconds), then its
+        workers exit. The next request after that loads it again."""
+        entry = await models.unload(body.model)
+        if entry.state == ModelState.UNLOADING:
+            message = (
+                f"{entry.name} is unloading: new requests for it get 503 with Retry-After "
+                "while its running requests finish (up to --unload-drain seconds); then its "
+                "workers stop"
+            )
+        else:
+            message = f"{entry.name} is {entry.state}"
+        return ModelUnloadResult(
+            model=entry.name, status=ModelStatus(value=entry.state), message=message
+        )
 
     return router
 

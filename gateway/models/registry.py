@@ -107,6 +107,8 @@ class Models:
         """The model a request runs on. `worker`: it must be served now (the request goes
         to a worker), so an unloaded one is loaded first; else its vocabulary is enough."""
         name = self.name_of(requested)
+        if worker:
+            self._refuse_unloading(name)
         model = self.catalogue.get(name)
         if model is not None and (not worker or self.pool.unavailable_reason(name) is None):
             return model
@@ -115,6 +117,18 @@ class Models:
         if self.manager is None:
             raise unavailable(self.pool.unavailable_reason(name) or f"{name} is not ready")
         return await self._load_and_wait(name)
+
+    def _refuse_unloading(self, name: str) -> None:
+        """503 with Retry-After for a model `serve` unloads: its running requests finish, no
+        new one starts on the workers about to stop (the next after the unload loads it)."""
+        state = self.manager.states.get(name) if self.manager is not None else None
+        if state is not None and state.phase == ModelPhase.UNLOADING:
+            raise unavailable(
+                f"the model {name!r} is unloading: its running requests finish first; "
+                "retry, and it loads again",
+                code="model_unloading",
+                retry_after=RETRY_AFTER_SECONDS,
+            )
 
     async def _load_and_wait(self, name: str) -> ServedModel:
         """Ask the manager to load the model and wait until a worker serves it. While every

@@ -36,6 +36,7 @@ class Stream:
         }
         self.url = url
         self.status = 0
+        self.error = ""
         self.chunks: list[dict] = []
         self.first = threading.Event()
         self.thread = threading.Thread(target=self._read)
@@ -44,6 +45,8 @@ class Stream:
     def _read(self) -> None:
         with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=120) as r:
             self.status = r.status_code
+            if r.status_code != 200:
+                self.error = r.read().decode()
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     self.chunks.append(json.loads(line.removeprefix("data: ")))
@@ -54,7 +57,8 @@ class Stream:
         assert not self.thread.is_alive()
 
     def finishes(self) -> list[str]:
-        return [c["finish_reason"] for b in self.chunks for c in b["choices"] if c["finish_reason"]]
+        choices = [c for body in self.chunks for c in body.get("choices", [])]  # or an error
+        return [c["finish_reason"] for c in choices if c["finish_reason"]]
 
     def whole(self) -> bool:
         usage = self.chunks[-1].get("usage") if self.chunks else None
@@ -64,8 +68,12 @@ class Stream:
 
 @pytest.fixture()
 def one_at_a_time(tiny_model_path: Path, other_model_path: Path) -> Iterator[Proc]:
-    # A long --worker-timeout: a worker stopped (SIGSTOP) below is not taken for lost.
-    extra = ("--models-max", "1", "--worker-timeout", "60", "--model-load-timeout", "3")
+    # Long --worker-timeout and --gateway-timeout: a worker stopped (SIGSTOP) below and its
+    # gateway do not take each other for lost. A --shutdown-timeout of 0: a worker stopped
+    # under running streams would cut them at once.
+    extra = ("--models-max", "1", "--worker-timeout", "60", "--gateway-timeout", "60")
+    extra += ("--model-load-timeout", "3")
+    extra += ("--shutdown-timeout", "0")
     with start_serve(tiny_model_path, other_model_path, *extra) as proc:
         wait_until(lambda: states(proc)["a"] == "loaded", "the first model")
         yield proc
@@ -82,6 +90,13 @@ def _open_on(proc: Proc, endpoint_part: str) -> float:
         for (name, labels), value in samples.items()
         if name == "loomserve:worker_requests_in_flight" and endpoint_part in dict(labels)["worker"]
     )
+
+
+def _completes(url: str, model: str) -> bool:
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 2}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code in (200, 503), response.text
+    return response.status_code == 200
 
 
 def test_eviction_never_picks_a_model_the_gateway_has_requests_on(one_at_a_time: Proc) -> None:
@@ -106,8 +121,38 @@ def test_eviction_never_picks_a_model_the_gateway_has_requests_on(one_at_a_time:
     finally:
         os.kill(pid, signal.SIGCONT)
     stream.join()
-    assert stream.whole(), (stream.status, stream.finishes())
-    # Once a is idle, b loads in its place.
-    assert complete(url, "b", PROMPTS[1], max_tokens=2)
+    assert stream.whole(), (stream.status, stream.error, stream.finishes())
+    # Once a is idle, b loads in its place (a request may time out while a drains and stops).
+    wait_until(lambda: _completes(url, "b"), "b to load in a's place")
     evicted = [e["model"] for e in events(one_at_a_time, "evicting the least recently used model")]
     assert evicted == ["a"]
+
+
+def test_an_unload_lets_running_streams_end_and_refuses_new_requests(one_at_a_time: Proc) -> None:
+    """Streams running on a when it is unloaded end whole (the worker is stopped only after
+    them), a new request for a meanwhile gets a retryable 503, and once a is unloaded the
+    next request loads it again."""
+    url = one_at_a_time.url
+    streams = [Stream(url, "a", max_tokens=400) for _ in range(2)]
+    for stream in streams:
+        assert stream.first.wait(60)
+    unloaded = httpx.post(url + "/models/unload", json={"model": "a"}, timeout=30)
+    assert unloaded.status_code == 200
+    assert unloaded.json()["status"]["value"] == "unloading"
+    assert "503" in unloaded.json()["message"]
+    refused = httpx.post(
+        url + "/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2}, timeout=30
+    )
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "model_unloading"
+    assert refused.headers["retry-after"]
+    for stream in streams:
+        stream.join()
+        assert stream.whole(), (stream.status, stream.finishes(), len(stream.chunks))
+    wait_until(lambda: states(one_at_a_time)["a"] == "unloaded", "a to unload")
+    assert not events(
+        one_at_a_time, "unload drain ran out; stopping the model with requests running"
+    )
+    stopped = [e for e in events(one_at_a_time, "stopped") if e["child"] == "worker-a"]
+    assert stopped and stopped[-1]["status"] == "exit 0"
+    assert complete(url, "a", PROMPTS[0], max_tokens=2)  # loads a again
