@@ -124,7 +124,7 @@ def test_cli_finds_the_fake_servers_limit(fake, tmp_path) -> None:
     assert search["mode"] == "max-rate" and search["stopped"] == "converged"
     answer = search["answer"]
     passed = [p["value"] for p in search["probes"] if p["passed"]]
-    failed = [p["value"] for p in search["probes"] if not p["passed"]]
+    failed = [p["value"] for p in search["probes"] if p["passed"] is False]
     assert answer["value"] == max(passed) and answer["fails_at"] == min(failed)
     assert answer["value"] < answer["fails_at"] <= 1.3 * answer["value"] + 1e-9
     # Requests queued behind two slots wait: far past the fake's capacity, TTFT breaks 400 ms.
