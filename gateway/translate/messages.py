@@ -3,8 +3,8 @@ to chat and back.
 
 In: `system`, `messages` with text, `tool_use` and `tool_result` blocks, `tools`,
 `tool_choice` (auto, any, tool, none), `max_tokens`, `stop_sequences`, `temperature`,
-`top_p`, `top_k`, `thinking` (the template's thinking switches) become one
-ChatCompletionRequest, run by the chat path. Out: a Message (thinking blocks first when
+`top_p`, `top_k`, `thinking` (the template's thinking switches), llama.cpp's `grammar`
+become one ChatCompletionRequest, run by the chat path. Out: a Message (thinking blocks first when
 `thinking` is enabled), or
 Anthropic's events (message_start, content_block_start/delta/stop, message_delta,
 message_stop). Errors take Anthropic's shape for these paths (errors.py).
@@ -120,6 +120,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
             "top_k": body.top_k,
             "user": user if isinstance(user, str) else None,
             "stream": bool(body.stream),
+            "grammar": body.grammar,
         }
         if body.stream:
             fields["stream_options"] = {"include_usage": True}

@@ -61,6 +61,11 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: JsonInt | None = Field(default=None, ge=0, le=INT32_MAX)
+    grammar: str | None = Field(
+        default=None,
+        description="A GBNF grammar with a root rule: the output is held to it, as on "
+        "/v1/chat/completions (llama.cpp's extension).",
+    )
     stream: bool | None = False
     metadata: dict[str, Any] | None = Field(
         default=None, description="`user_id` shares the server as OpenAI's `user` does."

@@ -2,7 +2,8 @@
 
 In: `input` (a string, or items: messages, `function_call`, `function_call_output`),
 `instructions`, function `tools`, `tool_choice`, `text.format`, `max_output_tokens`,
-`temperature`, `top_p`, `stream` become one ChatCompletionRequest, run by the chat path.
+`temperature`, `top_p`, `stream` (and llama.cpp's `grammar`) become one ChatCompletionRequest,
+run by the chat path.
 Out (responses_output.py): the chat answer becomes a Response object, or its chunks become the
 Responses events (`response.created` ... `response.completed`).
 
@@ -94,6 +95,7 @@ def chat_request(body: ResponsesInputTokensRequest) -> ChatCompletionRequest:
             "top_p": body.top_p,
             "user": body.safety_identifier or body.user,
             "stream": bool(body.stream),
+            "grammar": body.grammar,
         }
         if body.stream:
             fields["stream_options"] = {"include_usage": True}

@@ -87,4 +87,9 @@ class ResponsesRequest(ResponsesInputTokensRequest):
     service_tier: str | None = None
     top_logprobs: JsonInt | None = None
     max_tool_calls: JsonInt | None = None
+    grammar: str | None = Field(
+        default=None,
+        description="A GBNF grammar with a root rule: the output is held to it, as on "
+        "/v1/chat/completions (llama.cpp's extension).",
+    )
     stream_options: dict[str, Any] | None = None

@@ -1,7 +1,9 @@
 """Tool-call families end to end: the tiny model served with real chat templates (Qwen3-Coder's
-XML-ish calls, gpt-oss's Harmony, GLM's arg_key/arg_value), its output forced by a `grammar`
-to a fixture's exact text, or by tool_choice `required` to the family's own syntax; the calls
-come back through /v1/chat/completions, whole and streamed.
+XML-ish calls, gpt-oss's Harmony, GLM's arg_key/arg_value, LFM2.5's Python-style calls), its
+output forced by a `grammar` to a fixture's exact text, or by tool_choice `required` to the
+family's own syntax; the calls come back through /v1/chat/completions, whole and streamed, and
+(Qwen3-Coder, GLM) as function_call items of /v1/responses and tool_use blocks of
+/v1/messages.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -66,6 +69,11 @@ FAMILIES = {
         "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n"
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
         "<arg_key>days</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+    ),
+    "lfm2": (
+        "LFM2.5-8B-A1B",
+        "Let me look.<|tool_call_start|>[get_weather(city='Paris', days=3), "
+        'get_weather(city="Rome", days=1)]<|tool_call_end|>',
     ),
 }
 EXPECTED = [{"city": "Paris", "days": 3}, {"city": "Rome", "days": 1}]
@@ -144,7 +152,7 @@ def test_a_familys_calls_come_back_whole_and_streamed(
 # gpt-oss's forced call follows its analysis channel (text/think_grammar.py: the reply starts
 # inside the think block), which the random model does not end: Harmony's grammar is checked
 # byte for byte in tests/gateway/test_tool_families.py instead.
-@pytest.mark.parametrize("family", ["glm", "qwen3_coder"])
+@pytest.mark.parametrize("family", ["glm", "lfm2", "qwen3_coder"])
 def test_a_forced_call_is_written_in_the_familys_syntax(
     gateways: dict[str, Proc], family: str
 ) -> None:
@@ -161,3 +169,74 @@ def test_a_forced_call_is_written_in_the_familys_syntax(
     content, calls, finish = streamed(chat(gateways[family], **fields, stream=True))
     assert not content and finish == "tool_calls"
     assert calls == [{"name": call.function.name, "arguments": call.function.arguments}]
+
+
+def forced(family: str) -> str:
+    """A grammar whose one text is the family's fixture."""
+    return f"root ::= {json.dumps(FAMILIES[family][1])}"
+
+
+RESPONSES_TOOLS: list[Any] = [
+    {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+     "parameters": WEATHER},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["glm", "qwen3_coder"])
+def test_responses_api_returns_a_familys_calls_as_function_call_items(
+    gateways: dict[str, Proc], family: str
+) -> None:
+    """/v1/responses: the text as a message item, then one function_call item per call, whole
+    and streamed alike (the streamed arguments' deltas add up to each item's arguments)."""
+    client = openai.OpenAI(base_url=gateways[family].url + "/v1", api_key="u", max_retries=0)
+    fields: Any = {
+        "model": "tiny-llama",
+        "input": "weather?",
+        "tools": RESPONSES_TOOLS,
+        "temperature": 0,
+        "max_output_tokens": 400,
+        "extra_body": {"grammar": forced(family)},
+    }
+    whole = client.responses.create(**fields)
+    deltas: dict[str, str] = {}
+    with client.responses.stream(**fields) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.delta":
+                deltas[event.item_id] = deltas.get(event.item_id, "") + event.delta
+        final = stream.get_final_response()
+    for response in (whole, final):
+        assert response.status == "completed"
+        assert response.output_text.strip() == "Let me look."
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert [c.name for c in calls] == ["get_weather", "get_weather"]
+        assert [json.loads(c.arguments) for c in calls] == EXPECTED
+        assert all(c.call_id and c.status == "completed" for c in calls)
+    streamed_calls = [item for item in final.output if item.type == "function_call"]
+    assert [deltas[c.id] for c in streamed_calls] == [c.arguments for c in streamed_calls]
+
+
+@pytest.mark.parametrize("family", ["glm", "qwen3_coder"])
+def test_messages_api_returns_a_familys_calls_as_tool_use_blocks(
+    gateways: dict[str, Proc], family: str
+) -> None:
+    """/v1/messages: a text block, then one tool_use block per call (its input an object),
+    stop_reason tool_use, whole and streamed alike."""
+    client = anthropic.Anthropic(base_url=gateways[family].url, api_key="u", max_retries=0)
+    fields: Any = {
+        "model": "tiny-llama",
+        "max_tokens": 400,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [{"name": "get_weather", "description": "The weather.", "input_schema": WEATHER}],
+        "extra_body": {"grammar": forced(family), "temperature": 0},
+    }
+    whole = client.messages.create(**fields)
+    with client.messages.stream(**fields) as stream:
+        final = stream.get_final_message()
+    for message in (whole, final):
+        assert message.stop_reason == "tool_use"
+        texts = [block.text for block in message.content if block.type == "text"]
+        assert "".join(texts).strip() == "Let me look."
+        uses = [block for block in message.content if block.type == "tool_use"]
+        assert [u.name for u in uses] == ["get_weather", "get_weather"]
+        assert [u.input for u in uses] == EXPECTED
+        assert len({u.id for u in uses}) == 2
