@@ -158,6 +158,9 @@ def test_a_probe_that_measured_no_sustained_rate_has_a_flaw() -> None:
     assert flaw is not None and "raise --num-prompts" in flaw
     flaw = probe_flaw(spread, pace(2.0, 0.5), generator_kept_up=True)
     assert flaw is not None and "server fell behind" in flaw and "0.50 req/s" in flaw
+    # One late answer of 8 past the window's edge (7/8 of the rate) is no backlog.
+    assert probe_flaw(spread, pace(2.0, 1.75), generator_kept_up=True) is None
+    assert probe_flaw(spread, pace(2.0, 1.5), generator_kept_up=True) is not None
     flaw = probe_flaw(spread, pace(2.0, 1.95), generator_kept_up=False)
     assert flaw is not None and "generator fell behind" in flaw
     # A closed loop (max-concurrency) offers no rate: nothing to fall behind.
