@@ -229,14 +229,15 @@ class FramedCallParser:
         if framed.python_args:
             # A Python-style name is a dotted identifier: anything else ends it being a call
             # at once, so the text is read alike whole and a piece at a time.
-            name = _PYTHON_NAME.match(buffer)
-            assert name is not None
-            if name.end() > MAX_NAME_CHARS:
+            read = _PYTHON_NAME.match(buffer)
+            assert read is not None
+            end = read.end()
+            if end > MAX_NAME_CHARS:
                 pass  # too long for a name: text
-            elif name.end() == len(buffer):
+            elif end == len(buffer):
                 return False  # more of the name may come
-            elif buffer[name.end()] == "(":
-                return self._python_name(buffer[: name.end()])
+            elif buffer[end] == "(":
+                return self._python_name(buffer[:end])
             self._mode = "run"
             self._end_run(call.raw)
             return True

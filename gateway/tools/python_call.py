@@ -56,11 +56,11 @@ def _literal(node: ast.expr) -> Any:
         return [_literal(element) for element in node.elts]
     if isinstance(node, ast.Dict):
         result = {}
-        for key, value in zip(node.keys, node.values, strict=True):
-            name = _literal(key) if key is not None else None
-            if not isinstance(name, str):
+        for key_node, value_node in zip(node.keys, node.values, strict=True):
+            key = _literal(key_node) if key_node is not None else None  # None: **mapping
+            if not isinstance(key, str):
                 raise ValueError("a key that is no string")
-            result[name] = _literal(value)
+            result[key] = _literal(value_node)
         return result
     raise ValueError("not a literal")
 
