@@ -79,6 +79,7 @@ class FramedCallParser:
     _buffer: str = ""
     _mode: str = "text"  # text, run, name, to_args, args, after_args
     _at_start: bool = True  # nothing but space read yet (a Python-style list may start)
+    _in_list: bool = False  # a Python-style list's `[` or `,` was read: a call may follow
     _run_text: str = ""  # what a run consumed, given back as content if it held no call
     _run_calls: int = 0
     _call: _Call = field(default_factory=_Call)
@@ -203,10 +204,12 @@ class FramedCallParser:
         framed = self._framed
         if framed.python_args:
             if buffer[0] in "[,]":  # the list of calls, between calls
+                self._in_list = buffer[0] != "]"
                 self._run_text += buffer[0]
                 self._buffer = buffer[1:]
                 return True
-            if buffer[0].isalpha() or buffer[0] == "_":
+            if self._in_list and (buffer[0].isalpha() or buffer[0] == "_"):
+                self._in_list = False  # text after the list is no call
                 self._open_call("")
                 return True
         for marker in sorted(framed.opens, key=len, reverse=True):

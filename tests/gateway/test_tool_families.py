@@ -378,6 +378,12 @@ CASES: list[tuple[str, str, str, list[tuple[str, Any]]]] = [
         '<|tool_call_start|>[get_weather("Paris")]<|tool_call_end|>',
         [],
     ),
+    (  # text after the list is content, even where it reads like a name
+        "lfm2",
+        "<|tool_call_start|>[get_time()]<|tool_call_end|>Done here",
+        "Done here",
+        [("get_time", {})],
+    ),
     # --- Llama 4 (pythonic): a reply that is a Python list of calls
     (
         "pythonic",
