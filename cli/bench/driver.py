@@ -182,7 +182,7 @@ class Driver:
                 seconds=run.duration_s,
                 point=point,
                 complete=not cut_by_budget,
-                flaw=probe_flaw(run.records, pace, pacing.kept_up),
+                flaw=probe_flaw(run.records, pace, pacing.achieved_rate),
             )
 
         if plan.find == "max-rate":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from loomserve.cli.bench.records import RequestRecord
 
 KEEP_UP_RATIO = 0.9  # completions slower than this share of the offered rate: overloaded
+GENERATOR_KEEP_UP_RATIO = 0.95  # sends slower than this share of the asked rate: as PacingStats
 MIN_COMPLETIONS = 5  # fewer measure no rate worth a warning
 UNINTENDED_CACHE_SHARE = 0.10  # cached prompt tokens above this share are not chance
 # Tokens per request any prompt shares with the one before (BOS, a chat template's opening):
@@ -128,11 +129,12 @@ def cache_warning(
 
 
 def probe_flaw(
-    records: Sequence[RequestRecord], pace: ServerPace, generator_kept_up: bool
+    records: Sequence[RequestRecord], pace: ServerPace, sent_rate: float | None
 ) -> str | None:
     """Why a --find probe at a finite rate measured something other than the server at that
-    rate (None: nothing): the server fell behind, the generator did, or its requests went out
-    in less time than one of them takes, so it was one burst into the slots whatever the rate.
+    rate (None: nothing): the server fell behind, the generator did (sent_rate: the rate it
+    reached, metrics.PacingStats.achieved_rate), or its requests went out in less time than
+    one of them takes, so it was one burst into the slots whatever the rate.
     """
     if math.isinf(pace.offered_rate):
         return None
@@ -146,8 +148,12 @@ def probe_flaw(
                 f"its {len(released)} requests went out in {window:.2f} s, less than one "
                 f"request's latency ({latency:.2f} s): a burst, not a rate; raise --num-prompts"
             )
-    if not generator_kept_up:
-        return "the generator fell behind its schedule"
+    # A late release or two is the generator's noise; a rate short of the one asked is not.
+    if sent_rate is not None and sent_rate < GENERATOR_KEEP_UP_RATIO * pace.offered_rate:
+        return (
+            f"the generator fell behind: it sent {sent_rate:.2f} req/s of the "
+            f"{pace.offered_rate:.2f} asked"
+        )
     completed = pace.completion_rate
     # Well below: a probe of a few requests loses a whole one's share when a single late
     # answer falls past the window's edge, which is no backlog; more than that is.

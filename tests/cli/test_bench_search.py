@@ -151,20 +151,21 @@ def pace(offered: float, completed: float | None) -> ServerPace:
 
 def test_a_probe_that_measured_no_sustained_rate_has_a_flaw() -> None:
     spread = released([i * 0.5 for i in range(8)], e2e_s=1.0)  # 3.5 s of sends, 1 s each
-    assert probe_flaw(spread, pace(2.0, 1.95), generator_kept_up=True) is None
+    assert probe_flaw(spread, pace(2.0, 1.95), sent_rate=None) is None
     # 8 requests in 4 ms at "2048 req/s", each taking 1 s: one burst into the slots.
     burst = released([i * 0.0005 for i in range(8)], e2e_s=1.0)
-    flaw = probe_flaw(burst, pace(2048.0, 0.0), generator_kept_up=True)
+    flaw = probe_flaw(burst, pace(2048.0, 0.0), sent_rate=None)
     assert flaw is not None and "raise --num-prompts" in flaw
-    flaw = probe_flaw(spread, pace(2.0, 0.5), generator_kept_up=True)
+    flaw = probe_flaw(spread, pace(2.0, 0.5), sent_rate=None)
     assert flaw is not None and "server fell behind" in flaw and "0.50 req/s" in flaw
     # One late answer of 8 past the window's edge (7/8 of the rate) is no backlog.
-    assert probe_flaw(spread, pace(2.0, 1.75), generator_kept_up=True) is None
-    assert probe_flaw(spread, pace(2.0, 1.5), generator_kept_up=True) is not None
-    flaw = probe_flaw(spread, pace(2.0, 1.95), generator_kept_up=False)
+    assert probe_flaw(spread, pace(2.0, 1.75), sent_rate=None) is None
+    assert probe_flaw(spread, pace(2.0, 1.5), sent_rate=None) is not None
+    assert probe_flaw(spread, pace(2.0, 1.95), sent_rate=1.96) is None
+    flaw = probe_flaw(spread, pace(2.0, 1.95), sent_rate=1.5)
     assert flaw is not None and "generator fell behind" in flaw
     # A closed loop (max-concurrency) offers no rate: nothing to fall behind.
-    assert probe_flaw(burst, pace(math.inf, None), generator_kept_up=True) is None
+    assert probe_flaw(burst, pace(math.inf, None), sent_rate=None) is None
 
 
 def test_a_flawed_probe_fails_whatever_its_attainment() -> None:
