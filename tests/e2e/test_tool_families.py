@@ -1,5 +1,6 @@
 """Tool-call families end to end: the tiny model served with real chat templates (Qwen3-Coder's
-XML-ish calls, gpt-oss's Harmony, GLM's arg_key/arg_value, LFM2.5's Python-style calls), its
+XML-ish calls, gpt-oss's Harmony, GLM's arg_key/arg_value, LFM2.5's Python-style calls,
+Llama 3.1's built-in tools after <|python_tag|>), its
 output forced by a `grammar` to a fixture's exact text, or by tool_choice `required` to the
 family's own syntax; the calls come back through /v1/chat/completions, whole and streamed, and
 (Qwen3-Coder, GLM) as function_call items of /v1/responses and tool_use blocks of
@@ -91,6 +92,8 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pro
             for family, (template, _) in FAMILIES.items():
                 path = TEMPLATES / f"{template}.jinja"
                 procs[family] = start_gateway(model, worker.endpoint, chat_template=path)
+            llama = TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja"
+            procs["llama3"] = start_gateway(model, worker.endpoint, chat_template=llama)
             yield procs
         finally:
             for proc in procs.values():
@@ -240,3 +243,25 @@ def test_messages_api_returns_a_familys_calls_as_tool_use_blocks(
         assert [u.name for u in uses] == ["get_weather", "get_weather"]
         assert [u.input for u in uses] == EXPECTED
         assert len({u.id for u in uses}) == 2
+
+
+def test_llama_31s_built_in_tool_call_comes_back_as_a_call(gateways: dict[str, Proc]) -> None:
+    """Llama 3.1's template with `builtin_tools`: `<|python_tag|>brave_search.call(...)` is a
+    call of brave_search, whole and streamed."""
+    text = 'Let me search.<|python_tag|>brave_search.call(query="weather in Paris")'
+    fields = {
+        "extra_body": {
+            "grammar": f"root ::= {json.dumps(text)}",
+            "chat_template_kwargs": {"builtin_tools": ["brave_search"]},
+        }
+    }
+    whole = chat(gateways["llama3"], **fields)
+    message = whole.choices[0].message
+    assert message.content == "Let me search."
+    [call] = message.tool_calls
+    assert call.function.name == "brave_search"
+    assert json.loads(call.function.arguments) == {"query": "weather in Paris"}
+    assert whole.choices[0].finish_reason == "tool_calls"
+    content, calls, finish = streamed(chat(gateways["llama3"], **fields, stream=True))
+    assert content == "Let me search." and finish == "tool_calls"
+    assert calls == [{"name": "brave_search", "arguments": call.function.arguments}]
