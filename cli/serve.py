@@ -298,7 +298,8 @@ def child_env(
 
 def health_ok(host: str, port: int, model: str | None = None, timeout: float = 1.0) -> bool:
     """Whether GET /health on host:port answers 200 (and, given a model, says it is loaded:
-    a worker of it is in rotation). Sent as READY_PROBE_AGENT, whose 503s are not logged."""
+    a worker of it is in rotation; or that it cannot be). Sent as READY_PROBE_AGENT, whose
+    503s are not logged."""
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         connection.request("GET", "/health", headers={"User-Agent": READY_PROBE_AGENT})
@@ -308,7 +309,8 @@ def health_ok(host: str, port: int, model: str | None = None, timeout: float = 1
         if model is None:
             return True
         body = json.loads(response.read())
-        return body.get("models", {}).get(model) == "loaded"
+        # An unavailable one (its file cannot be loaded) will not come: serve what there is.
+        return body.get("models", {}).get(model) in ("loaded", "unavailable")
     except (OSError, ValueError, AttributeError):
         return False
     finally:

@@ -145,13 +145,21 @@ class ModelStatus(BaseModel):
     value: str
 
 
+class FailedModelStatus(ModelStatus):
+    """An unavailable model's status with why (its file cannot be loaded, say), as
+    llama-server's router marks a model whose load failed."""
+
+    failed: Literal[True] = True
+    reason: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "loomserve"
     max_model_len: int | None = None
-    status: ModelStatus | None = None
+    status: FailedModelStatus | ModelStatus | None = None
 
 
 class ModelActionResult(BaseModel):

@@ -21,6 +21,7 @@ from loomserve.gateway.api.response_bodies import (
     DetokenizeResponse,
     EmbeddingList,
     ErrorResponse,
+    FailedModelStatus,
     ModelCard,
     ModelList,
     ModelStatus,
@@ -233,7 +234,11 @@ def _api_routes(chat: ChatServing, started_at: int) -> APIRouter:
             id=entry.name,
             created=started_at,
             max_model_len=entry.info.slot_context if entry.info is not None else None,
-            status=ModelStatus(value=entry.state),
+            status=(
+                FailedModelStatus(value=entry.state, reason=entry.reason)
+                if entry.reason
+                else ModelStatus(value=entry.state)
+            ),
         )
 
     @router.get("/v1/models", tags=["openai"])

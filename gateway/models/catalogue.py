@@ -146,17 +146,40 @@ class Catalogue:
         self._preparing: dict[tuple[str, str], asyncio.Task[str | None]] = {}
         self._dir: Path | None = None  # where vocabularies from workers are written
         self.only: ServedModel | None = None  # the one-model gateway's model (--model PATH)
+        # Several models: those whose file cannot be loaded, with why; the others serve.
+        self.failed: dict[str, str] = {}
         try:
             for name, path in config.model_files():
-                vocab = Vocab(path)
-                served = ServedModel.build(name, vocab, config)
-                self._vocabs.setdefault(served.fingerprint, vocab)
-                self._files[name] = served
+                try:
+                    self._load_file(name, path)
+                except ValueError as exc:
+                    if len(config.models) < 2:
+                        raise
+                    self.failed[name] = str(exc)
+                    log.error(
+                        "model unavailable: its file cannot be loaded; the others serve",
+                        model=name,
+                        path=str(path),
+                        reason=str(exc),
+                    )
+            if self.failed and not self._files:
+                raise ValueError("; ".join(self.failed.values()))
         except BaseException:
             self.close()
             raise
         if config.model_path is not None:
             self.only = self._files[config.served_model_name]
+
+    def _load_file(self, name: str, path: Path) -> None:
+        """Load one of the gateway's own files; ValueError when it cannot be."""
+        vocab = Vocab(path)
+        try:
+            served = ServedModel.build(name, vocab, self.config)
+        except BaseException:
+            vocab.close()
+            raise
+        self._vocabs.setdefault(served.fingerprint, vocab)
+        self._files[name] = served
 
     def close(self) -> None:
         """Free every vocabulary and the files written for them."""

@@ -48,6 +48,7 @@ class ModelEntry:
     state: str  # a ModelState word
     info: ModelInfo | None  # a serving worker's, while one is in rotation
     workers: int  # in rotation
+    reason: str = ""  # why it is unavailable, when that is known (its file cannot be loaded)
 
 
 class Models:
@@ -107,6 +108,9 @@ class Models:
         """The model a request runs on. `worker`: it must be served now (the request goes
         to a worker), so an unloaded one is loaded first; else its vocabulary is enough."""
         name = self.name_of(requested)
+        failed = self.catalogue.failed.get(name)
+        if failed is not None:
+            raise unavailable(f"the model {name!r} is unavailable: {failed}", "model_unavailable")
         if worker:
             self._refuse_unloading(name)
         model = self.catalogue.get(name)
@@ -217,6 +221,7 @@ class Models:
     def names(self) -> list[str]:
         """Every model known: the gateway's files, then workers', then the manager's."""
         names = dict.fromkeys(self.catalogue.names())
+        names.update(dict.fromkeys(self.catalogue.failed))
         if self.catalogue.only is None:
             names.update(dict.fromkeys(self.pool.models()))
             if self.manager is not None:
@@ -224,6 +229,9 @@ class Models:
         return list(names)
 
     def entry(self, name: str) -> ModelEntry:
+        failed = self.catalogue.failed.get(name)
+        if failed is not None:
+            return ModelEntry(name, ModelState.UNAVAILABLE, None, 0, failed)
         ready, _ = self.pool.counts(name)
         info = self.pool.info_of(name)
         if self.catalogue.only is not None:

@@ -18,7 +18,7 @@ import pytest
 from loomserve.cli.models import LOAD_GRACE_SECONDS
 from tests.e2e.test_models import PROMPTS, complete, states, wait_until
 from tests.e2e.test_serve_models import events, start_serve
-from tests.procs import Proc, scrape_metrics
+from tests.procs import Proc, free_port, scrape_metrics, wait_http
 
 
 class Stream:
@@ -155,4 +155,44 @@ def test_an_unload_lets_running_streams_end_and_refuses_new_requests(one_at_a_ti
     )
     stopped = [e for e in events(one_at_a_time, "stopped") if e["child"] == "worker-a"]
     assert stopped and stopped[-1]["status"] == "exit 0"
-    assert complete(url, "a", PROMPTS[0], max_tokens=2)  # loads a again
+    # The next request loads a again (one may time out, under --model-load-timeout 3).
+    wait_until(lambda: _completes(url, "a"), "a to load again")
+
+
+def test_a_bad_file_in_models_dir_fails_its_model_only(
+    tiny_model_path: Path, other_model_path: Path, tmp_path: Path
+) -> None:
+    """A file with GGUF's magic and a bad header, and a good model's first 200 kB: both are
+    listed unavailable with the reason, in /v1/models and the log; the good models serve."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "a.gguf").symlink_to(tiny_model_path)
+    (folder / "b.gguf").symlink_to(other_model_path)
+    (folder / "bad.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\xff" * 64)
+    (folder / "trunc.gguf").write_bytes(tiny_model_path.read_bytes()[:200_000])
+    port = free_port()
+    args = ["serve", "--models-dir", str(folder), "--port", str(port), "--slots", "2"]
+    args += ["--ctx-size", "512", "--threads", "1", "--log-json", "--heartbeat-interval", "0.25"]
+    with Proc("serve", args) as proc:
+        proc.url = f"http://127.0.0.1:{port}"
+        wait_http(proc, "/health")
+        cards = {c["id"]: c["status"] for c in httpx.get(proc.url + "/v1/models").json()["data"]}
+        assert set(cards) == {"a", "b", "bad", "trunc"}
+        for name in ("bad", "trunc"):
+            assert cards[name]["value"] == "unavailable" and cards[name]["failed"] is True
+            assert f"{name}.gguf" in cards[name]["reason"]
+        assert complete(proc.url, "a", PROMPTS[0], max_tokens=2)
+        assert complete(proc.url, "b", PROMPTS[0], max_tokens=2)
+        refused = httpx.post(
+            proc.url + "/v1/completions",
+            json={"model": "trunc", "prompt": "hi", "max_tokens": 2},
+            timeout=30,
+        )
+        assert refused.status_code == 503 and "trunc.gguf" in refused.json()["error"]["message"]
+        logged = {
+            e["model"]
+            for e in events(proc, "model unavailable: its file cannot be loaded; the others serve")
+        }
+        assert logged == {"bad", "trunc"}
+        wait_until(lambda: bool(events(proc, "ready")), "serve to say it is ready")
+        assert proc.alive()
