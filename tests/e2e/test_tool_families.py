@@ -3,7 +3,7 @@ XML-ish calls, gpt-oss's Harmony, GLM's arg_key/arg_value, LFM2.5's Python-style
 Llama 3.1's built-in tools after <|python_tag|>), its
 output forced by a `grammar` to a fixture's exact text, or by tool_choice `required` to the
 family's own syntax; the calls come back through /v1/chat/completions, whole and streamed, and
-(Qwen3-Coder, GLM) as function_call items of /v1/responses and tool_use blocks of
+(Qwen3-Coder, GLM, LFM2.5) as function_call items of /v1/responses and tool_use blocks of
 /v1/messages.
 """
 
@@ -185,7 +185,7 @@ RESPONSES_TOOLS: list[Any] = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["glm", "qwen3_coder"])
+@pytest.mark.parametrize("family", ["glm", "lfm2", "qwen3_coder"])
 def test_responses_api_returns_a_familys_calls_as_function_call_items(
     gateways: dict[str, Proc], family: str
 ) -> None:
@@ -218,7 +218,7 @@ def test_responses_api_returns_a_familys_calls_as_function_call_items(
     assert [deltas[c.id] for c in streamed_calls] == [c.arguments for c in streamed_calls]
 
 
-@pytest.mark.parametrize("family", ["glm", "qwen3_coder"])
+@pytest.mark.parametrize("family", ["glm", "lfm2", "qwen3_coder"])
 def test_messages_api_returns_a_familys_calls_as_tool_use_blocks(
     gateways: dict[str, Proc], family: str
 ) -> None:
