@@ -4,7 +4,9 @@ Tracing is off unless an endpoint is configured: `--otlp-endpoint` (LOOMSERVE_OT
 else the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT. Off, the
 SDK is never imported and the gateway and the worker create no spans (gateway/tracing.py,
 worker/tick/tracing.py); on, a BatchSpanProcessor exports from its own thread, so neither the
-event loop nor the tick loop ever waits for the collector.
+event loop nor the tick loop ever waits for the collector. At exit the spans still queued get
+at most SHUTDOWN_SECONDS to leave: a dead or silent collector never holds a stop longer
+(what could not be sent is dropped, and counted in the log).
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ from collections.abc import Callable, Iterator, Mapping
 GATEWAY_SERVICE = "loomserve-gateway"
 WORKER_SERVICE = "loomserve-worker"
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces under a collector's base URL
+# How long a stopping process waits for its last spans to reach the collector. The
+# exporter's own timeout (OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, 10 s by default, per batch, with
+# retries) would hold a stop for tens of seconds against a silent collector, past `serve`'s
+# patience (it kills a child --shutdown-timeout + 10 s after SIGTERM); a healthy collector
+# takes milliseconds.
+SHUTDOWN_SECONDS = 2.0
 
 
 def traces_url(option: str | None, env: Mapping[str, str] = os.environ) -> str | None:
@@ -42,22 +50,35 @@ def _with_traces_path(base: str) -> str:
     return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
 
 
-def start_tracing(service: str, url: str) -> Callable[[], None]:
+def start_tracing(
+    service: str, url: str, shutdown_seconds: float = SHUTDOWN_SECONDS
+) -> Callable[[], None]:
     """Install the process's tracer provider, exporting to url as `service`; return what
-    flushes and stops it (the spans still queued are sent first)."""
+    flushes and stops it: the spans still queued are sent first, for at most
+    shutdown_seconds, and what is left then is dropped and counted in the log."""
     # Imported here: a process without tracing never loads the SDK or the exporter.
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from loomserve.cli.span_export import CountingExporter, CountingProcessor, bounded_stop
 
     # The sampler is the SDK's default unless OTEL_TRACES_SAMPLER says otherwise: parent
-    # based, so a client's traceparent that says "not sampled" is honoured.
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+    # based, so a client's traceparent that says "not sampled" is honoured. No exit hook of
+    # the SDK's own: it would flush again, unbounded, after ours gave up.
+    provider = TracerProvider(
+        resource=Resource.create({SERVICE_NAME: service}), shutdown_on_exit=False
+    )
+    exporter = CountingExporter(OTLPSpanExporter(endpoint=url))
+    processor = CountingProcessor(exporter)
+    provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
-    return provider.shutdown
+
+    def stop() -> None:
+        bounded_stop(provider, processor, exporter, url, shutdown_seconds)
+
+    return stop
 
 
 @contextlib.contextmanager

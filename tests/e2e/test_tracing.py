@@ -2,11 +2,15 @@
 OTLP/HTTP receiver in this process, and one request's spans from both share the client's
 trace and nest: the client's span, the gateway's request span, its sequence's span, the
 worker's request span and its phases. An embeddings request's worker span joins its trace too.
+A collector that never answers does not hold either process's stop.
 """
 
 from __future__ import annotations
 
 import gzip
+import signal
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -228,3 +232,38 @@ def test_one_requests_spans_share_the_clients_trace_and_nest(tiny_model_path: Pa
     # The worker's phases follow each other.
     queue, pre, dec = (by_name[n] for n in ("worker.queue", "worker.prefill", "worker.decode"))
     assert queue.end <= pre.start <= pre.end <= dec.start <= dec.end
+
+
+# A collector that takes connections and never answers: each process's exporter hangs in a
+# request for its whole timeout. A stop is bounded by cli/tracing.py's SHUTDOWN_SECONDS (2 s;
+# a stop took 3 s here), so a third of EXPORT_SECONDS is far above a stop with tracing and
+# well below the SDK's own shutdown, which waits 30 s for its exporting thread.
+EXPORT_SECONDS = 60
+
+
+def test_a_silent_collector_does_not_hold_a_stop(tiny_model_path: Path) -> None:
+    with ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        env = {**FAST_EXPORT, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(EXPORT_SECONDS)}
+        traced = {"otlp_endpoint": url, "env": env}
+        worker = stack.enter_context(start_worker(tiny_model_path, **traced))
+        gateway = stack.enter_context(start_gateway(tiny_model_path, worker.endpoint, **traced))
+        body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        response = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        # Both processes' exporters are in a request the collector will never answer.
+        held = [listener.accept()[0] for _ in range(2)]
+        for connection in held:
+            stack.callback(connection.close)
+        for proc in (gateway, worker):
+            started = time.monotonic()
+            proc.popen.send_signal(signal.SIGTERM)
+            try:
+                code = proc.popen.wait(EXPORT_SECONDS / 3)
+            except subprocess.TimeoutExpired:
+                proc.fail(f"{proc.name} still stopping after {time.monotonic() - started:.1f}s")
+            assert code == 0, proc.log_tail()
+            assert "spans not sent to the collector" in proc.logs(), proc.log_tail()
