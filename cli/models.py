@@ -68,10 +68,11 @@ class ManagedModel:
     unloads: int = 0
     error: str = ""  # why it could not be loaded, last time
     # While unloading: when its running requests must have ended (time.monotonic()), when
-    # the unload began (time.time(), as the Pings' sent_at), and whether its workers were
-    # told to stop (after the drain: SIGTERM).
+    # the unload began (time.time(), as the Pings' sent_at; and time.monotonic(), as the
+    # gateways' reports), and whether its workers were told to stop (after the drain).
     drain_deadline: float = 0.0
     drain_since: float = 0.0
+    drain_heard: float = 0.0
     stopping: bool = False
 
     def enter(self, phase: ModelPhase) -> None:
@@ -114,6 +115,7 @@ class ModelManager:
         # Each gateway's latest report of its busy models, by its socket identity, with when
         # (time.monotonic()) it came.
         self._gateway_busy: dict[bytes, tuple[frozenset[str], float]] = {}
+        self._report_at: float | None = None  # the report of the question being answered
         self._next_ping = 0.0
 
     def close(self) -> None:
@@ -230,6 +232,9 @@ class ModelManager:
         model.drain_deadline = time.monotonic() + self.unload_drain
         model.stopping = False
         model.drain_since = self._ping_all(model.endpoints)  # fresh beats say when it is idle
+        # The asking gateway's report (with its question) is as of now; the others must
+        # report again, so that none has a request on it it had not yet told of.
+        model.drain_heard = self._report_at or time.monotonic()
         log.info(
             "unloading model; its running requests finish first",
             model=model.name,
@@ -241,7 +246,12 @@ class ModelManager:
         """Stop the unloading model's workers once nothing runs on it (in any gateway's
         count, and in heartbeats sent after the unload began), or when the drain runs out."""
         fresh = all(model.answered.get(e, 0.0) >= model.drain_since for e in model.endpoints)
-        idle = fresh and not model.busy and not self.busy_in_gateways(model.name)
+        heard = all(
+            at >= model.drain_heard
+            for _, at in self._gateway_busy.values()
+            if now - at < BUSY_REPORT_SECONDS
+        )
+        idle = fresh and heard and not model.busy and not self.busy_in_gateways(model.name)
         if not idle and now < model.drain_deadline:
             return
         if not idle:
@@ -290,17 +300,20 @@ class ModelManager:
         except DecodeError as exc:
             log.warning("dropped a bad control message", error=str(exc))
             return
-        if isinstance(message, LoadModel | UnloadModel | ModelsQuery):
-            self._gateway_busy[peer] = (frozenset(message.busy), time.monotonic())
-        if isinstance(message, LoadModel):
-            answer = self.load(message.name)
-        elif isinstance(message, UnloadModel):
-            answer = self.unload(message.name)
-        elif isinstance(message, ModelsQuery):
-            answer = self._states()
-        else:
+        if not isinstance(message, LoadModel | UnloadModel | ModelsQuery):
             log.warning("dropped a control message", type=type(message).__name__)
             return
+        self._report_at = time.monotonic()
+        self._gateway_busy[peer] = (frozenset(message.busy), self._report_at)
+        try:
+            if isinstance(message, LoadModel):
+                answer = self.load(message.name)
+            elif isinstance(message, UnloadModel):
+                answer = self.unload(message.name)
+            else:
+                answer = self._states()
+        finally:
+            self._report_at = None
         self._control.send_multipart([peer, *encode(answer)])
 
     def _states(self, error: str = "", code: str = "") -> ModelStates:
