@@ -10,7 +10,9 @@ A model is idle when no gateway has a request in flight on it (each says which m
 requests on with every question it asks, LoadModel's included: what the gateway knows, ahead
 of the workers) and its workers' heartbeats say nothing has been queued or running for a
 while (Heartbeat.idle_seconds): one with requests in flight is never evicted, and one idle
-for --idle-unload seconds is stopped to free its memory.
+for --idle-unload seconds is stopped to free its memory. An unload (asked for, an eviction or
+an idle one) drains first: the gateways answer new requests for the model with a 503 while
+its running ones finish, for at most --unload-drain seconds; then its workers stop.
 
 Everything here runs in the supervisor's loop (on_poll), without blocking it.
 """
