@@ -289,7 +289,9 @@ def _api_routes(chat: ChatServing, started_at: int) -> APIRouter:
     @router.post("/tokenize", tags=["llama.cpp"])
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of `content` (with their pieces when `with_pieces`), as llama-server."""
-        vocab = (await models.get(body.model, worker=False)).vocab
+        served = await models.get(body.model, worker=False)
+        chat.check_count_text(served, len(body.content), "content")
+        vocab = served.vocab
         tokens = await prompts.tokenize(vocab, body.content, body.add_special, body.parse_special)
         if body.with_pieces:
             pieces = await prompts.off_loop(len(tokens), lambda: [vocab.text_of(t) for t in tokens])

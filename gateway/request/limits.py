@@ -60,6 +60,16 @@ def check_text(chars: int, slot_context: int, longest_token: int, param: str) ->
         )
 
 
+def count_context(context_train: int, slot_context: int | None) -> int:
+    """Tokens a count-only request's text (count_tokens, input_tokens, /tokenize) may make.
+
+    Counting a prompt longer than a slot is a fair question (will it fit elsewhere?), so the
+    cap is the larger of the model's training context and the slot's; 0: neither is known.
+    Without a cap, megabytes of text would be tokenized in the gateway for nothing.
+    """
+    return max(context_train, slot_context or 0)
+
+
 def chat_chars(messages: list[ChatMessage]) -> int:
     """Characters of text in a chat's messages: contents and tool calls' arguments."""
     total = 0

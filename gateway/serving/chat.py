@@ -28,7 +28,7 @@ from loomserve.gateway.generate.streaming import (
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.models.catalogue import ServedModel
 from loomserve.gateway.models.registry import Models
-from loomserve.gateway.request import prompts, thinking
+from loomserve.gateway.request import limits, prompts, thinking
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest
 from loomserve.gateway.serving import builder
 from loomserve.gateway.serving.builder import Caller
@@ -83,8 +83,9 @@ class ChatServing:
     async def count_prompt_tokens(self, body: ChatCompletionRequest) -> int:
         """The prompt's token count of a chat request: template, tools and all."""
         served = await self.models.get(body.model, worker=False)
+        # Counting a prompt longer than a slot is fine; megabytes no context holds are not.
+        self.check_count_text(served, limits.chat_chars(body.messages), "messages")
 
-        # No text cap here: counting is the question, even for a prompt no context holds.
         def count() -> int:
             tools = tool_request(body, served.template_tools, served.vocab)
             definitions = tools.definitions if tools else None
@@ -100,6 +101,17 @@ class ChatServing:
             return len(tokens)
 
         return await prompts.in_thread(count)
+
+    def check_count_text(self, served: ServedModel, chars: int, param: str) -> None:
+        """400 (context_length_exceeded) for a count-only request's text that surely makes
+        more tokens than the model's context (limits.count_context), before any tokenizing:
+        tokenizing megabytes would hold the gateway for seconds."""
+        info = self.workers(served.name).info
+        context = limits.count_context(
+            served.vocab.context_train, info.slot_context if info is not None else None
+        )
+        if context:
+            limits.check_text(chars, context, served.vocab.longest_token, param)
 
     def model_name(self, requested: str | None) -> str:
         """The served name of a request's `model` (None: the default model's); 404 for one

@@ -98,6 +98,14 @@ class Vocab:
         get_text = llama_cpp.llama_vocab_get_text
         return max(len(get_text(self.vocab, token) or b"") for token in range(self.n_tokens))
 
+    @functools.cached_property
+    def context_train(self) -> int:
+        """The model's training context from its GGUF metadata (0 when the file has none).
+
+        llama_model_n_ctx_train reads 0 on a vocab-only load, so the metadata is read."""
+        value = self.meta(f"{self.architecture}.context_length")
+        return int(value) if value.isdigit() else 0
+
     def piece(self, token_id: int) -> bytes:
         """The bytes a generated token stands for; control tokens (BOS, EOS) render as nothing."""
         cached = self._pieces.get(token_id)

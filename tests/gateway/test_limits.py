@@ -10,6 +10,7 @@ from loomserve.gateway.request.limits import (
     chat_chars,
     check_counts,
     check_text,
+    count_context,
     prompt_chars,
     text_cap,
 )
@@ -68,3 +69,11 @@ def test_the_characters_counted() -> None:
     assert prompt_chars("hello") == 5
     assert prompt_chars(["ab", "abcd"]) == 4
     assert prompt_chars([1, 2, 3]) == 0
+
+
+def test_the_count_cap_is_the_larger_context_known() -> None:
+    # Counting may go past a slot, up to the model's training context; 0: no cap known.
+    assert count_context(8192, 512) == 8192
+    assert count_context(0, 512) == 512
+    assert count_context(4096, None) == 4096
+    assert count_context(0, None) == 0
