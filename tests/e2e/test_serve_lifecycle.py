@@ -196,3 +196,28 @@ def test_a_bad_file_in_models_dir_fails_its_model_only(
         assert logged == {"bad", "trunc"}
         wait_until(lambda: bool(events(proc, "ready")), "serve to say it is ready")
         assert proc.alive()
+
+
+def test_the_unload_drain_is_bounded(tiny_model_path: Path, other_model_path: Path) -> None:
+    """--unload-drain 0: the workers are stopped at once, the stream is cut, and the log says
+    so. The worker is held (SIGSTOP) while the unload runs out, so its stream cannot end
+    first."""
+    extra = ("--unload-drain", "0", "--shutdown-timeout", "0")
+    extra += ("--worker-timeout", "60", "--gateway-timeout", "60")
+    with start_serve(tiny_model_path, other_model_path, *extra) as proc:
+        wait_until(lambda: states(proc)["a"] == "loaded", "the first model")
+        stream = Stream(proc.url, "a", max_tokens=480)
+        assert stream.first.wait(60)
+        pid = _worker_pid(proc, "worker-a")
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            unloaded = httpx.post(proc.url + "/models/unload", json={"model": "a"}, timeout=30)
+            assert unloaded.status_code == 200
+            ran_out = "unload drain ran out; stopping the model with requests running"
+            wait_until(lambda: bool(events(proc, ran_out)), "the drain to run out")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        stream.join()
+        assert not stream.whole()
+        wait_until(lambda: states(proc)["a"] == "unloaded", "a to unload")
+        assert [e["model"] for e in events(proc, ran_out)] == ["a"]
