@@ -146,7 +146,7 @@ def keys(tmp_path: Path) -> Path:
     return tmp_path / "keys"
 
 
-def unhealthy_because(gateway: Proc, timeout: float = 20.0) -> str:
+def unhealthy_because(gateway: Proc, timeout: float = 60.0) -> str:
     """The message of the gateway's 503, once it says more than "not connected"."""
     message = ""
 
@@ -199,16 +199,22 @@ def test_curve_handshake_failures_are_named_on_both_sides(
         own_key = unhealthy_because(gateways["own key"])
         assert "not in the worker's --curve-allowed-keys" in own_key
         assert "requires CURVE" in unhealthy_because(gateways["no keys"])
-        answer = httpx.post(gateways["server key"].url + "/v1/completions", json={"prompt": "hi"})
+        answer = httpx.post(
+            gateways["server key"].url + "/v1/completions", json={"prompt": "hi"}, timeout=60
+        )
         assert answer.status_code == 503 and answer.json()["error"]["message"] == server_key
+        # Each side logs what it saw when it saw it: wait for the line (a busy machine may
+        # write it after the other side's), never assume it is there already.
         for gateway in gateways.values():
-            assert "handshake with the worker failed" in gateway.logs()
-
-        logs = worker.logs()
-        assert "does not hold this worker's public key" in logs
+            logged(gateway, lambda logs: "handshake with the worker failed" in logs)
+        logged(worker, lambda logs: "does not hold this worker's public key" in logs)
         # The plain gateway: libzmq tells whichever end sees the mismatch first.
-        assert "connected without CURVE" in logs or "a client without CURVE keys" in logs
-        assert "not in the allow-list" in logs  # the allow-list's own word on the stranger
+        logged(
+            worker,
+            lambda logs: "connected without CURVE" in logs or "a client without CURVE keys" in logs,
+        )
+        # The allow-list's own word on the stranger.
+        logged(worker, lambda logs: "not in the allow-list" in logs)
 
         # worker-health says the same, and exits 1.
         probe = run_cli(
@@ -216,7 +222,7 @@ def test_curve_handshake_failures_are_named_on_both_sides(
             "--worker",
             worker.endpoint,
             "--timeout",
-            "2",
+            "10",  # it waits all of it; the handshake fails in milliseconds, even when busy
             "--curve-server-key-file",
             str(keys / "stranger.key"),
             "--curve-secret-key-file",
@@ -234,9 +240,15 @@ def test_curve_handshake_failures_are_named_on_both_sides(
                 curve_secret_key_file=keys / "gateway.key_secret",
             )
         )
-        answer = httpx.post(good.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        body = {"prompt": "hi", "max_tokens": 2}
+        answer = httpx.post(good.url + "/v1/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
         assert "handshake with the worker failed" not in good.logs()
+
+
+def logged(proc: Proc, check: Callable[[str], bool], timeout: float = 60.0) -> None:
+    """Wait until proc's log passes check (on a failure, Proc's exit prints the log's tail)."""
+    wait_until(lambda: check(proc.logs()), timeout, f"the line in the {proc.name}'s log")
 
 
 def gateway_listens(gateway: Proc) -> Callable[[], bool]:
