@@ -6,10 +6,15 @@
 Each process logs to a file; the log's tail is printed when a `with` block fails or when a
 process does not become ready, so pytest shows it with the failure. Options are passed as
 CLI flags: `ctx_size=256` -> `--ctx-size 256`, `log_json=False` -> `--no-log-json`.
+
+The processes run in sessions of their own (a terminal's Ctrl-C is for pytest, which then
+stops them in order); whatever is still running when the test process exits, Ctrl-C'd
+mid-start included, is killed then, so an interrupted run leaves no server behind.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -18,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,21 @@ def scrape_metrics(url: str) -> Samples:
     }
 
 
+# Every Proc started in this process and not yet reaped: killed at exit (_kill_leftovers).
+_RUNNING: set[Proc] = set()
+
+
+def _kill_leftovers() -> None:
+    """SIGKILL what a test left running: at once, so a second Ctrl-C finds nothing to wait for."""
+    for proc in list(_RUNNING):
+        with contextlib.suppress(OSError):
+            proc.popen.kill()
+        _RUNNING.discard(proc)
+
+
+atexit.register(_kill_leftovers)
+
+
 class Proc:
     """A loomserve process: its command, its log file, and how to stop it."""
 
@@ -83,6 +104,7 @@ class Proc:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,  # our signals only, not the terminal's
         )
+        _RUNNING.add(self)
         self.url = ""  # http://127.0.0.1:PORT for gateways
         self.endpoint = ""  # tcp://127.0.0.1:PORT for workers
 
@@ -107,6 +129,7 @@ class Proc:
         if self.alive():
             self.popen.kill()
         self.popen.wait()
+        _RUNNING.discard(self)
 
     def stop(self, timeout: float = 5.0) -> int:
         """SIGTERM, then SIGKILL if it has not exited within timeout; the exit status."""
@@ -117,6 +140,7 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
         code = self.popen.wait()
+        _RUNNING.discard(self)
         self._log.close()
         return code
 
@@ -165,7 +189,7 @@ def start_worker(
     proc = Proc("worker", args, env)
     proc.endpoint = endpoint
     if wait:
-        wait_worker_ready(proc)
+        _started(proc, lambda: wait_worker_ready(proc))
     return proc
 
 
@@ -196,8 +220,18 @@ def start_gateway(
     proc = Proc("gateway", args, env)
     proc.url = f"http://127.0.0.1:{port}"
     if wait:
-        wait_http(proc, "/health")
+        _started(proc, lambda: wait_http(proc, "/health"))
     return proc
+
+
+def _started(proc: Proc, wait: Callable[[], object]) -> None:
+    """wait() for proc to be ready; if it fails or is interrupted (Ctrl-C), kill proc: no
+    caller's `with` holds it yet."""
+    try:
+        wait()
+    except BaseException:
+        proc.kill()
+        raise
 
 
 def wait_http(proc: Proc, path: str, status: int = 200, timeout: float = START_TIMEOUT) -> None:
