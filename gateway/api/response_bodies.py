@@ -16,7 +16,20 @@ from loomserve.gateway.api.schemas import ToolCall
 
 def streamed_responses(description: str) -> dict[int | str, dict[str, Any]]:
     """OpenAPI for a route that answers JSON, or server-sent events when `stream` is true."""
-    events = {"type": "string", "description": "server-sent events: `data: <JSON>` lines"}
+    # Before OpenAPI 3.2 a text/event-stream schema describes one event (as clients and
+    # schemathesis read it): its `data` is a JSON chunk (or [DONE]), its `event` a name.
+    events = {
+        "type": "object",
+        "description": "one server-sent event: a `data: <JSON>` line (`event:` too, for the "
+        "Responses and Messages APIs)",
+        "properties": {
+            "data": {"type": "string"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+        "required": ["data"],
+    }
     return {200: {"description": description, "content": {"text/event-stream": {"schema": events}}}}
 
 

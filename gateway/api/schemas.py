@@ -25,6 +25,7 @@ from loomserve.gateway.api.fields import (
     token_ids_schema,
 )
 from loomserve.protocol.limits import MAX_LOGIT_BIAS
+from loomserve.protocol.messages import MAX_EMBED_INPUTS
 
 MAX_TOOLS = 128  # OpenAI's limit on `tools` (request/limits.py checks it before validation)
 # Messages in one chat (or input items of a Responses request): far more than any context
@@ -179,7 +180,11 @@ class CompletionRequest(GenerationFields):
         json_schema_extra={"minimum": 1},
     )
     echo: bool | None = Field(default=None, description="Prepend the prompt to the text.")
-    best_of: JsonInt | None = Field(default=None, description="Only 1 is supported.")
+    best_of: JsonInt | None = Field(
+        default=None,
+        description="Only 1 is supported (or a value equal to n).",
+        json_schema_extra={"minimum": 1, "maximum": 1},
+    )
     top_logprobs: JsonInt | None = Field(
         default=None,
         description="Chat's; completions take logprobs.",
@@ -247,6 +252,25 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions."""
+
+    # top_logprobs asks for alternatives of the logprobs that `logprobs` turns on: without
+    # it, a 400 (params.py), as OpenAI answers; the schema says so.
+    model_config = ConfigDict(
+        strict=True,
+        json_schema_extra={
+            "dependentSchemas": {
+                "top_logprobs": {
+                    "anyOf": [
+                        {"properties": {"top_logprobs": {"type": "null"}}},
+                        {
+                            "required": ["logprobs"],
+                            "properties": {"logprobs": {"not": {"enum": [False, 0, None]}}},
+                        },
+                    ]
+                }
+            }
+        },
+    )
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: JsonInt | None = Field(
@@ -334,7 +358,22 @@ class DetokenizeRequest(RequestModel):
 class ModelAction(RequestModel):
     """POST /models/load and /models/unload, as llama-server's router mode."""
 
-    model: str
+    model: str = Field(json_schema_extra={"minLength": 1})
+
+
+def embedding_input_schema(schema: dict[str, Any]) -> None:
+    """What embeddings take (http/embeddings.py refuses the rest with a 400): no text and no
+    list empty, at most MAX_EMBED_INPUTS inputs, token ids from 0."""
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    text = {"type": "string", "minLength": 1}
+    many = {"minItems": 1, "maxItems": MAX_EMBED_INPUTS}
+    schema.pop("anyOf", None)
+    schema["anyOf"] = [
+        text,
+        {"type": "array", "items": text, **many},
+        ids,
+        {"type": "array", "items": ids, **many},
+    ]
 
 
 class EmbeddingRequest(BaseModel):
@@ -342,10 +381,15 @@ class EmbeddingRequest(BaseModel):
 
     input: (
         str | Annotated[list[str], FAIL_FAST] | TokenIds | Annotated[list[TokenIds], FAIL_FAST]
-    ) = Field(description="A text, texts, token ids, or lists of token ids.")
+    ) = Field(
+        description="A text, texts, token ids, or lists of token ids; none empty.",
+        json_schema_extra=embedding_input_schema,
+    )
     model: str | None = None
     encoding_format: Literal["float", "base64"] = Field(
         default="float", description="base64: little-endian float32, as OpenAI sends them."
     )
-    dimensions: int | None = Field(default=None, description="Not supported.")
+    dimensions: int | None = Field(
+        default=None, description="Not supported.", json_schema_extra=only_null_schema
+    )
     user: str | None = None

@@ -49,6 +49,7 @@ from loomserve.gateway.http.middleware import (
     BarePathMiddleware,
     BodyLimitMiddleware,
 )
+from loomserve.gateway.http.openapi_bounds import install_token_bounds
 from loomserve.gateway.http.ops import models_router, slots_router, status_router
 from loomserve.gateway.http.tracing import TracingMiddleware
 from loomserve.gateway.metrics import GatewayMetrics
@@ -135,6 +136,7 @@ def create_app(
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     install_docs_pages(app)
+    install_token_bounds(app, chat.models.catalogue)
     app.state.chat = chat  # server.py drains it on SIGTERM
     install_handlers(app)
     app.include_router(_open_routes(chat))

@@ -36,6 +36,23 @@ class AnthropicToolChoice(RequestModel):
     disable_parallel_tool_use: bool | None = None
 
 
+def thinking_schema(schema: dict[str, Any]) -> None:
+    """Anthropic's `thinking`, as messages.thinking_kwargs takes it (the rest is a 400)."""
+    schema.clear()
+    schema["anyOf"] = [
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "enabled"},
+                "budget_tokens": {"type": "integer", "minimum": 1},
+            },
+            "required": ["type", "budget_tokens"],
+        },
+        {"type": "object", "properties": {"type": {"const": "disabled"}}, "required": ["type"]},
+        {"type": "null"},
+    ]
+
+
 class CountTokensRequest(RequestModel):
     """POST /v1/messages/count_tokens."""
 
@@ -48,6 +65,7 @@ class CountTokensRequest(RequestModel):
     tool_choice: AnthropicToolChoice | None = None
     thinking: Any = Field(
         default=None,
+        json_schema_extra=thinking_schema,
         description="{type: enabled, budget_tokens} or {type: disabled}: the chat template's "
         "enable_thinking and thinking switches; enabled, the answer has thinking blocks.",
     )
@@ -58,8 +76,13 @@ class MessagesRequest(CountTokensRequest):
 
     max_tokens: JsonInt = Field(ge=1, le=INT32_MAX, description="Required, as Anthropic has it.")
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    # The chat request's bounds (api/schemas.py): the body becomes one.
+    temperature: float | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": 100}
+    )
+    top_p: float | None = Field(
+        default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}
+    )
     top_k: JsonInt | None = Field(default=None, ge=0, le=INT32_MAX)
     grammar: str | None = Field(
         default=None,

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from loomserve.gateway.api.fields import INT32_MAX, JsonInt, RequestModel
+from loomserve.gateway.api.fields import INT32_MAX, JsonInt, RequestModel, only_null_schema
 
 
 class ResponsesFunctionTool(RequestModel):
@@ -61,7 +61,11 @@ class ResponsesInputTokensRequest(RequestModel):
     previous_response_id: str | None = Field(
         default=None, description="Not supported (400): gateways keep no state."
     )
-    conversation: Any = Field(default=None, description="Not supported (400).")
+    conversation: Any = Field(
+        default=None,
+        description="Not supported: only null (gateways keep no state).",
+        json_schema_extra=only_null_schema,
+    )
     reasoning: Any = None
     truncation: Literal["auto", "disabled"] | None = None
 
@@ -72,13 +76,24 @@ class ResponsesRequest(ResponsesInputTokensRequest):
     max_output_tokens: JsonInt | None = Field(
         default=None, ge=1, le=INT32_MAX, description="Default: the rest of the context."
     )
-    temperature: float | None = None
-    top_p: float | None = None
+    # The chat request's bounds (api/schemas.py): the body becomes one.
+    temperature: float | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": 100}
+    )
+    top_p: float | None = Field(
+        default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}
+    )
     stream: bool | None = False
     store: bool | None = Field(
-        default=None, description="Only false (or absent): gateways store no response."
+        default=None,
+        description="Only false (or absent): gateways store no response.",
+        json_schema_extra={"enum": [False, None]},
     )
-    background: bool | None = Field(default=None, description="Only false.")
+    background: bool | None = Field(
+        default=None,
+        description="Only false (or absent).",
+        json_schema_extra={"enum": [False, None]},
+    )
     include: list[str] | None = None
     metadata: dict[str, str] | None = Field(default=None, description="Echoed, not stored.")
     user: str | None = None

@@ -1,8 +1,9 @@
 """The OpenAPI schema fuzzed with schemathesis against a live gateway and worker.
 
 Every operation gets generated bodies, valid and not: no answer may be an undocumented
-status or a 5xx, and afterwards the worker must still serve. Bounded: a few dozen examples
-per operation and mode (LOOMSERVE_FUZZ_EXAMPLES raises it for a longer run).
+status, a body its schema rejects, or a 5xx, and afterwards the worker must still serve.
+Bounded: a few dozen examples per operation and mode (LOOMSERVE_FUZZ_EXAMPLES raises it for a
+longer run). tests/e2e/test_schema_accepts.py checks the bodies fuzzing found refused.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import status_code_conformance
+from schemathesis.specs.openapi.checks import (
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.procs import Proc, start_gateway, start_worker
 
@@ -52,7 +56,9 @@ schema = schemathesis.pytest.from_fixture("api_schema")
     suppress_health_check=list(HealthCheck),
 )
 def test_no_undocumented_status_and_no_server_error(case: schemathesis.Case) -> None:
-    case.call_and_validate(checks=[not_a_server_error, status_code_conformance], timeout=30)
+    # Answers match their documented schema too: a streamed one's events the event schema.
+    checks = [not_a_server_error, status_code_conformance, response_schema_conformance]
+    case.call_and_validate(checks=checks, timeout=30)
 
 
 def test_the_worker_still_serves_after_the_fuzzing(fuzzed: tuple[Proc, Proc]) -> None:
