@@ -25,6 +25,7 @@ class CountingExporter(SpanExporter):
         self.exporter = exporter
         self.sent = 0
         self.failed = 0
+        self._shut = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         result = SpanExportResult.FAILURE
@@ -38,7 +39,10 @@ class CountingExporter(SpanExporter):
         return result
 
     def shutdown(self) -> None:
-        self.exporter.shutdown()
+        """Stop the exporter (its retries too); once: bounded_stop and the SDK both call it."""
+        if not self._shut:
+            self._shut = True
+            self.exporter.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.exporter.force_flush(timeout_millis)
@@ -72,6 +76,8 @@ def bounded_stop(
     flushing = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
     flushing.start()
     flushing.join(seconds)
+    if flushing.is_alive():
+        exporter.shutdown()  # no more retries on the abandoned thread: it ends sooner, quietly
     unsent = processor.ended - exporter.sent
     if not flushing.is_alive() and unsent == 0:
         return True

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import kill_leftovers
 from tests.tiny_model import ModelShape, write_tiny_model
 
 LONG_CTX = 16384  # an ignore_eos generation this long keeps a slot busy for seconds
@@ -60,3 +61,9 @@ def browser() -> Iterator[object]:
         )
         yield launched
         launched.close()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill the servers a test left running (a Ctrl-C'd run's) as the session ends: before
+    the interpreter's exit waits for threads (a thread pool's) still talking to them."""
+    kill_leftovers()

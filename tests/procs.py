@@ -72,11 +72,12 @@ def scrape_metrics(url: str) -> Samples:
     }
 
 
-# Every Proc started in this process and not yet reaped: killed at exit (_kill_leftovers).
+# Every Proc started in this process and not yet reaped: killed at exit (kill_leftovers),
+# and at the end of a pytest session (tests/conftest.py).
 _RUNNING: set[Proc] = set()
 
 
-def _kill_leftovers() -> None:
+def kill_leftovers() -> None:
     """SIGKILL what a test left running: at once, so a second Ctrl-C finds nothing to wait for."""
     for proc in list(_RUNNING):
         with contextlib.suppress(OSError):
@@ -84,7 +85,7 @@ def _kill_leftovers() -> None:
         _RUNNING.discard(proc)
 
 
-atexit.register(_kill_leftovers)
+atexit.register(kill_leftovers)
 
 
 class Proc:
