@@ -95,6 +95,12 @@ def annotate(span: Span | None, attributes: Attributes) -> None:
         span.set_attributes(attributes)
 
 
+def event(span: Span | None, name: str, attributes: Attributes | None = None) -> None:
+    """Mark a moment in span's life, with what happened (a refusal's code and reason)."""
+    if span is not None:
+        span.add_event(name, attributes)
+
+
 def end(span: Span | None, attributes: Attributes | None = None, error: str = "") -> None:
     """End span, with these attributes; an error marks it failed (the span's status)."""
     if span is None:

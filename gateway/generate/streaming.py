@@ -90,6 +90,12 @@ async def event_stream(group: GenerationGroup, chunks: StreamChunks) -> AsyncIte
         error = worker_error(failure)
         failed = error.message
         log.warning("stream failed", status=error.status, error=error.message)
+        # Why the stream was refused mid-way, in the trace: its code and the client's message.
+        tracing.event(
+            span,
+            "loomserve.refused",
+            {"error.type": error.code or error.type, "loomserve.error.message": error.message},
+        )
         yield error_event(error)
     finally:
         # Also when the client went away: the stream ends then, cut short.

@@ -27,6 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from tests.conftest import LONG_CTX
 from tests.procs import start_gateway, start_worker
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -46,6 +47,7 @@ class Span:
     start: int
     end: int
     attributes: dict[str, Any]
+    events: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 def _value(value: AnyValue) -> Any:
@@ -101,6 +103,10 @@ class Receiver:
                                 start=span.start_time_unix_nano,
                                 end=span.end_time_unix_nano,
                                 attributes={a.key: _value(a.value) for a in span.attributes},
+                                events=tuple(
+                                    (e.name, {a.key: _value(a.value) for a in e.attributes})
+                                    for e in span.events
+                                ),
                             )
                         )
 
@@ -267,3 +273,33 @@ def test_a_silent_collector_does_not_hold_a_stop(tiny_model_path: Path) -> None:
                 proc.fail(f"{proc.name} still stopping after {time.monotonic() - started:.1f}s")
             assert code == 0, proc.log_tail()
             assert "spans not sent to the collector" in proc.logs(), proc.log_tail()
+
+
+def test_a_stream_refused_mid_way_says_why_in_its_span(long_model_path: Path) -> None:
+    with ExitStack() as stack:
+        receiver = stack.enter_context(receiving())
+        traced = {"otlp_endpoint": receiver.url, "env": FAST_EXPORT}
+        worker = stack.enter_context(
+            start_worker(long_model_path, ctx_size=LONG_CTX, slots=1, **traced)
+        )
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, worker.endpoint, shutdown_timeout=1, **traced)
+        )
+        # Thousands of tokens: still running when the gateway's one-second drain ends.
+        body = {"prompt": "once", "max_tokens": LONG_CTX - 16, "ignore_eos": True, "stream": True}
+        with httpx.stream(
+            "POST", gateway.url + "/v1/completions", json=body, timeout=60
+        ) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            gateway.popen.send_signal(signal.SIGTERM)
+            last = [line for line in lines if line.startswith("data: ")][-1]
+        assert "shutting down" in last, last
+        assert gateway.popen.wait(60) == 0, gateway.log_tail()
+        [stream] = [
+            s for s in receiver.wait_for({"gateway.stream"}, 30) if s.name == "gateway.stream"
+        ]
+    [(name, why)] = stream.events
+    assert name == "loomserve.refused"
+    assert why["error.type"] == "worker_unavailable", why
+    assert "shutting down" in why["loomserve.error.message"], why
