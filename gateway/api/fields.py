@@ -78,7 +78,7 @@ TokenIds = Annotated[list[int], FAIL_FAST]
 
 def token_ids_schema(schema: dict[str, Any]) -> None:
     """The schema of prompts: no list may be empty, token ids start at 0 (the vocabulary's
-    size, which bounds them above, is the model's: a 400 the schema cannot state)."""
+    size bounds them above: http/openapi_bounds.py adds that to the served document)."""
     for variant in schema.get("anyOf", [schema]):
         while variant.get("type") == "array":
             variant["minItems"] = 1
@@ -89,7 +89,7 @@ def token_ids_schema(schema: dict[str, Any]) -> None:
 
 def ids_from_zero_schema(schema: dict[str, Any]) -> None:
     """A list of token ids, possibly empty: each at least 0 (the vocabulary bounds them
-    above, a 400 the schema cannot state)."""
+    above: http/openapi_bounds.py adds that bound to the served document)."""
     schema.setdefault("items", {})["minimum"] = 0
 
 

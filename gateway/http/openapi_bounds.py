@@ -15,18 +15,35 @@ from fastapi import FastAPI
 
 from loomserve.gateway.models.catalogue import Catalogue
 
-# (schema, property) pairs whose items are token ids of the request's vocabulary.
-TOKEN_ID_LISTS = (("DetokenizeRequest", "tokens"),)
+# (schema, property) pairs that take token ids of the request's vocabulary (api/fields.py
+# states them as integers from 0, at any depth of lists).
+TOKEN_ID_FIELDS = (
+    ("DetokenizeRequest", "tokens"),
+    ("CompletionRequest", "prompt"),
+    ("EmbeddingRequest", "input"),
+)
+
+
+def _bound_ids(node: Any, last: int) -> None:
+    """Every integer-from-0 schema under node gets `last` as its maximum."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("minimum") == 0:
+            node["maximum"] = last
+        for value in node.values():
+            _bound_ids(value, last)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_ids(value, last)
 
 
 def with_token_bound(schema: dict[str, Any], n_tokens: int) -> dict[str, Any]:
-    """A copy of an OpenAPI document whose token id lists stop at n_tokens - 1."""
+    """A copy of an OpenAPI document whose token ids stop at n_tokens - 1."""
     bounded = copy.deepcopy(schema)
     components = bounded.get("components", {}).get("schemas", {})
-    for name, field in TOKEN_ID_LISTS:
+    for name, field in TOKEN_ID_FIELDS:
         prop = components.get(name, {}).get("properties", {}).get(field)
         if prop is not None:
-            prop.setdefault("items", {})["maximum"] = n_tokens - 1
+            _bound_ids(prop, n_tokens - 1)
     return bounded
 
 

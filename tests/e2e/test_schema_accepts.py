@@ -48,6 +48,8 @@ def refused(model: str) -> list[tuple[str, dict[str, Any]]]:
     """The audit's bodies: each a 400 from the server."""
     return [
         ("/detokenize", {"tokens": [0, 544]}),  # the tiny vocabulary has 544 tokens
+        ("/v1/completions", {"prompt": [1, 544], "max_tokens": 2}),
+        ("/v1/embeddings", {"input": [[1, 544]]}),
         ("/v1/chat/completions", {"messages": HI, "max_tokens": 2, "top_logprobs": 2}),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "best_of": 0}),
         ("/v1/embeddings", {"input": ""}),
@@ -64,6 +66,7 @@ def accepted(model: str) -> list[tuple[str, dict[str, Any]]]:
     """Their neighbours that the server takes: the document must allow them too."""
     return [
         ("/detokenize", {"tokens": [0, 543]}),
+        ("/v1/completions", {"prompt": [[1, 543]], "max_tokens": 2}),
         (
             "/v1/chat/completions",
             {"messages": HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 2},
