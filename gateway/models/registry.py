@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from loomserve.gateway import tracing
 from loomserve.gateway.api.errors import APIError, invalid_request, unavailable
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.metrics import GatewayMetrics
@@ -120,7 +121,15 @@ class Models:
             return model  # the request answers the pool's own 503 when it starts
         if self.manager is None:
             raise unavailable(self.pool.unavailable_reason(name) or f"{name} is not ready")
-        return await self._load_and_wait(name)
+        # A cold load is seconds of the request's time: its own span, not a gap in the trace.
+        span = tracing.start_span("gateway.model_load", {"gen_ai.request.model": name})
+        try:
+            model = await self._load_and_wait(name)
+        except BaseException as exc:
+            tracing.end(span, error=str(exc) or type(exc).__name__)
+            raise
+        tracing.end(span)
+        return model
 
     def _refuse_unloading(self, name: str) -> None:
         """503 with Retry-After for a model `serve` unloads: its running requests finish, no

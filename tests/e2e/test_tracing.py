@@ -28,7 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from tests.conftest import LONG_CTX
-from tests.procs import start_gateway, start_worker
+from tests.procs import Proc, free_port, start_gateway, start_worker, wait_http
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -303,3 +303,24 @@ def test_a_stream_refused_mid_way_says_why_in_its_span(long_model_path: Path) ->
     assert name == "loomserve.refused"
     assert why["error.type"] == "worker_unavailable", why
     assert "shutting down" in why["loomserve.error.message"], why
+
+
+def test_a_cold_model_load_has_its_own_span(tiny_model_path: Path, other_model_path: Path) -> None:
+    with ExitStack() as stack:
+        receiver = stack.enter_context(receiving())
+        port = free_port()
+        args = ["serve", "--model", f"a={tiny_model_path}", "--model", f"b={other_model_path}"]
+        args += ["--port", str(port), "--models-max", "1", "--slots", "1", "--ctx-size", "256"]
+        args += ["--threads", "1", "--otlp-endpoint", receiver.url]
+        serve = stack.enter_context(Proc("serve", args, FAST_EXPORT))
+        serve.url = f"http://127.0.0.1:{port}"
+        wait_http(serve, "/health")
+        body = {"model": "b", "prompt": "Once upon a time", "max_tokens": 2}
+        answer = httpx.post(serve.url + "/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text  # b was loaded for it
+        spans = receiver.wait_for({"gateway.model_load", "POST /v1/completions"}, 60)
+    [load] = [s for s in spans if s.name == "gateway.model_load"]
+    [request] = [s for s in spans if s.name == "POST /v1/completions"]
+    assert load.attributes["gen_ai.request.model"] == "b"
+    assert load.parent == request.span_id and load.trace_id == request.trace_id
+    assert request.start <= load.start <= load.end <= request.end
