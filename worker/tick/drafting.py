@@ -81,8 +81,8 @@ class Drafting:
             request = slot.occupant
             params = request.params
             # A thinking budget steers tokens one at a time (think_budget.py): no drafts.
-            drafts = params.speculative and not params.grammar and not params.think_budget
-            if not drafts or not request.chain.verifies_drafts:
+            may_draft = params.speculative and not params.grammar and not params.think_budget
+            if not may_draft or not request.chain.verifies_drafts:
                 proposals.append(Proposal(slot.index, [], 0.0))
                 continue
             proposal = spec.propose(slot.index, request, slot.tokens)
