@@ -731,12 +731,17 @@ def test_a_call_in_the_history_reaches_the_model_in_its_familys_syntax(
     """The conversation rendered as at serving time (what the template cannot show written as
     text): the family's parser finds the earlier call in the prompt, and the tool's result is
     there too."""
-    if family == "firefunction":
-        pytest.skip("its template reads a `functions` variable that llama.cpp alone passes")
     renderer = ChatTemplate((TEMPLATES / f"{template}.jinja").read_text(), "<s>", "</s>")
     probe = TemplateTools.probe(renderer)
     messages, tools = probe.prepare(CONVERSATION, HISTORY_TOOLS)
-    prompt = renderer.render(messages, tools=tools, add_generation_prompt=True)
+    # Firefunction's template reads the tools as a JSON string in `functions`, and the date:
+    # the variables llama.cpp passes it (a server sets them with --chat-template-kwargs).
+    kwargs = (
+        {"functions": json.dumps(HISTORY_TOOLS), "datetime": "2026-11-28"}
+        if family == "firefunction"
+        else None
+    )
+    prompt = renderer.render(messages, tools=tools, add_generation_prompt=True, kwargs=kwargs)
     assert "sunny" in prompt
     if probe.format.bare_json:  # a call is a reply that is JSON: read the assistant's turn
         prompt = prompt[prompt.find('{"name": "get_weather"') :]
