@@ -28,13 +28,13 @@ from typing import Any, TypeAlias
 
 from loomserve.gateway.tools.format import Framed, ToolFormat
 from loomserve.gateway.tools.parser import (
-    ArgumentsDelta,
     CallStart,
-    ContentDelta,
     ParsedCall,
     ToolCallParser,
     ToolEvent,
     _partial_marker,
+    add_arguments,
+    add_content,
     read_reply,
 )
 from loomserve.gateway.tools.python_call import leading_keywords, python_arguments
@@ -562,18 +562,10 @@ class FramedCallParser:
             return
         if self.calls and not text.isspace():
             self._content_after_call = True
-        last = self._events[-1] if self._events else None
-        if isinstance(last, ContentDelta):
-            last.text += text
-        else:
-            self._events.append(ContentDelta(text))
+        add_content(self._events, text)
 
     def _arguments(self, index: int, text: str) -> None:
-        last = self._events[-1] if self._events else None
-        if isinstance(last, ArgumentsDelta) and last.index == index:
-            last.text += text
-        else:
-            self._events.append(ArgumentsDelta(index, text))
+        add_arguments(self._events, index, text)
 
     def _take(self) -> list[ToolEvent]:
         events, self._events = self._events, []

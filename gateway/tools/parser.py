@@ -66,6 +66,24 @@ class ArgumentsDelta:
 ToolEvent = ContentDelta | CallStart | ArgumentsDelta
 
 
+def add_content(events: list[ToolEvent], text: str) -> None:
+    """Content onto a parser's pending events, merged into the last one where it is content."""
+    last = events[-1] if events else None
+    if isinstance(last, ContentDelta):
+        last.text += text
+    else:
+        events.append(ContentDelta(text))
+
+
+def add_arguments(events: list[ToolEvent], index: int, text: str) -> None:
+    """More of call `index`'s arguments, merged into the last event where it is that call's."""
+    last = events[-1] if events else None
+    if isinstance(last, ArgumentsDelta) and last.index == index:
+        last.text += text
+    else:
+        events.append(ArgumentsDelta(index, text))
+
+
 @dataclass(slots=True)
 class ParsedCall:
     id: str
@@ -386,20 +404,11 @@ class ToolCallParser:
             return
         if self.calls and not text.isspace():
             self._content_after_call = True
-        last = self._events[-1] if self._events else None
-        if isinstance(last, ContentDelta):
-            last.text += text
-        else:
-            self._events.append(ContentDelta(text))
+        add_content(self._events, text)
 
     def _arguments(self, index: int, text: str) -> None:
-        if not text:
-            return
-        last = self._events[-1] if self._events else None
-        if isinstance(last, ArgumentsDelta) and last.index == index:
-            last.text += text
-        else:
-            self._events.append(ArgumentsDelta(index, text))
+        if text:
+            add_arguments(self._events, index, text)
 
     def _take(self) -> list[ToolEvent]:
         events, self._events = self._events, []
