@@ -242,7 +242,11 @@ def test_the_html_report_is_written_and_self_contained(target: Target, tmp_path:
 
 def test_scrape_metrics_samples_or_says_there_are_none(target: Target, tmp_path: Path) -> None:
     out = tmp_path / "scrape.json"
-    outcome = run(target, "--scrape-metrics", "--result-json", str(out))
+    # 4 requests 0.5 s apart: the last release comes 2 s after the start, so the run spans
+    # whole one-second rate windows however fast the server answers (a run shorter than
+    # MIN_RATE_WINDOW_S has no rate at all).
+    args = ["--request-rate", "2", "--burstiness", "inf", "--scrape-metrics"]
+    outcome = run(target, *args, "--result-json", str(out))
     result = json.loads(out.read_text())
     assert result["summary"]["completed"] == 4
     if not target.has_metrics:
