@@ -158,12 +158,16 @@ class ModelStatus(BaseModel):
     value: str
 
 
-class FailedModelStatus(ModelStatus):
-    """An unavailable model's status with why (its file cannot be loaded, say), as
-    llama-server's router marks a model whose load failed."""
+class UnavailableModelStatus(ModelStatus):
+    """An unavailable model's status with why: its worker is lost, refused, or not ready."""
+
+    reason: str
+
+
+class FailedModelStatus(UnavailableModelStatus):
+    """A model whose file cannot be loaded, as llama-server's router marks a failed load."""
 
     failed: Literal[True] = True
-    reason: str
 
 
 class ModelCard(BaseModel):
@@ -172,7 +176,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "loomserve"
     max_model_len: int | None = None
-    status: FailedModelStatus | ModelStatus | None = None
+    status: FailedModelStatus | UnavailableModelStatus | ModelStatus | None = None
 
 
 class ModelActionResult(BaseModel):

@@ -27,6 +27,7 @@ from loomserve.gateway.api.response_bodies import (
     ModelStatus,
     TokenizeResponse,
     TokenPiece,
+    UnavailableModelStatus,
     streamed_responses,
 )
 from loomserve.gateway.api.schemas import (
@@ -238,6 +239,8 @@ def _api_routes(chat: ChatServing, started_at: int) -> APIRouter:
             max_model_len=entry.info.slot_context if entry.info is not None else None,
             status=(
                 FailedModelStatus(value=entry.state, reason=entry.reason)
+                if entry.failed
+                else UnavailableModelStatus(value=entry.state, reason=entry.reason)
                 if entry.reason
                 else ModelStatus(value=entry.state)
             ),

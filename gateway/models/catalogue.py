@@ -144,6 +144,9 @@ class Catalogue:
         self._learned: dict[str, ServedModel] = {}  # models learned from workers, by name
         self._learned_vocab: dict[str, str] = {}  # name -> the fingerprint its workers have
         self._preparing: dict[tuple[str, str], asyncio.Task[str | None]] = {}
+        # One load per vocabulary, however many names its workers serve it under: two loads
+        # of one fingerprint would write its file while the other reads it.
+        self._loading: dict[str, asyncio.Task[Vocab]] = {}
         self._dir: Path | None = None  # where vocabularies from workers are written
         self.only: ServedModel | None = None  # the one-model gateway's model (--model PATH)
         # Several models: those whose file cannot be loaded, with why; the others serve.
@@ -253,13 +256,8 @@ class Catalogue:
         return await asyncio.shield(task)
 
     async def _prepare(self, name: str, fingerprint: str, gguf_zlib: bytes | None) -> str | None:
-        vocab = self._vocabs.get(fingerprint)
         try:
-            if vocab is None:
-                if gguf_zlib is None:
-                    return "the worker's vocabulary is not here"
-                vocab = await asyncio.to_thread(self._load_vocabulary, fingerprint, gguf_zlib)
-                self._vocabs[fingerprint] = vocab
+            vocab = await self._vocabulary(fingerprint, gguf_zlib)
             served = await asyncio.to_thread(ServedModel.build, name, vocab, self.config)
         except ValueError as exc:
             return str(exc)
@@ -267,6 +265,26 @@ class Catalogue:
             self._learned[name] = served
             log.info("model learned from a worker", model=name, vocab_tokens=vocab.n_tokens)
         return None
+
+    async def _vocabulary(self, fingerprint: str, gguf_zlib: bytes | None) -> Vocab:
+        """The vocabulary with this fingerprint: here already, being loaded for another name,
+        or loaded now from the worker's VocabFile (ValueError when none of these)."""
+        vocab = self._vocabs.get(fingerprint)
+        if vocab is not None:
+            return vocab
+        task = self._loading.get(fingerprint)
+        if task is None:
+            if gguf_zlib is None:
+                raise ValueError("the worker's vocabulary is not here")
+            task = asyncio.create_task(self._load(fingerprint, gguf_zlib))
+            self._loading[fingerprint] = task
+            task.add_done_callback(lambda _: self._loading.pop(fingerprint, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, fingerprint: str, gguf_zlib: bytes) -> Vocab:
+        vocab = await asyncio.to_thread(self._load_vocabulary, fingerprint, gguf_zlib)
+        self._vocabs[fingerprint] = vocab
+        return vocab
 
     def _load_vocabulary(self, fingerprint: str, gguf_zlib: bytes) -> Vocab:
         inflater = zlib.decompressobj()

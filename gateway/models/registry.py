@@ -49,7 +49,8 @@ class ModelEntry:
     state: str  # a ModelState word
     info: ModelInfo | None  # a serving worker's, while one is in rotation
     workers: int  # in rotation
-    reason: str = ""  # why it is unavailable, when that is known (its file cannot be loaded)
+    reason: str = ""  # why it is unavailable, when that is known
+    failed: bool = False  # unavailable for good: its file cannot be loaded
 
 
 class Models:
@@ -240,7 +241,7 @@ class Models:
     def entry(self, name: str) -> ModelEntry:
         failed = self.catalogue.failed.get(name)
         if failed is not None:
-            return ModelEntry(name, ModelState.UNAVAILABLE, None, 0, failed)
+            return ModelEntry(name, ModelState.UNAVAILABLE, None, 0, failed, failed=True)
         ready, _ = self.pool.counts(name)
         info = self.pool.info_of(name)
         if self.catalogue.only is not None:
@@ -260,7 +261,9 @@ class Models:
         elif phase is not None:
             state = ModelState.LOADING  # its worker is starting, or is not placed yet
         else:
-            state = ModelState.UNAVAILABLE
+            # No worker of it can take requests: say why (lost, refused, still loading).
+            why = self.pool.unavailable_reason(name) or ""
+            return ModelEntry(name, ModelState.UNAVAILABLE, None, ready, why)
         return ModelEntry(name, state, info if serving else None, ready)
 
     def entries(self) -> list[ModelEntry]:

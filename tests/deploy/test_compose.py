@@ -660,7 +660,7 @@ def test_the_embeddings_profile_serves_two_models_through_one_gateway(
         listed = {model["id"]: model["status"]["value"] for model in data}
         if listed == {chat: "loaded", embed: "loaded"}:
             break
-        assert time.monotonic() < deadline, f"the gateway lists {listed}"
+        assert time.monotonic() < deadline, f"the gateway lists {data}"
         time.sleep(0.3)
 
     with httpx.Client(base_url=url, timeout=60) as client:

@@ -183,6 +183,10 @@ def test_a_worker_for_a_new_model_joins_the_running_deployment(
         two_models.gateway.url + "/v1/completions", json={"model": "c", "prompt": "x"}
     )
     assert gone.status_code == 503
+    # /v1/models says why, as the 503 does; not a failed load, so no `failed` mark.
+    card = httpx.get(two_models.gateway.url + "/v1/models/c").json()
+    assert card["status"]["value"] == "unavailable" and "failed" not in card["status"]
+    assert card["status"]["reason"] == gone.json()["error"]["message"]
 
 
 def test_the_status_page_shows_each_model(browser, two_models: TwoModels) -> None:

@@ -13,6 +13,7 @@ import pytest
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.models.catalogue import Catalogue
 from loomserve.gateway.text.tokenizer import Vocab
+from loomserve.protocol.messages import PROTOCOL_VERSION, ModelInfo
 from loomserve.worker.engine.vocab_file import compressed_metadata, metadata_only
 
 
@@ -63,5 +64,42 @@ def test_a_gateway_refuses_a_vocabulary_it_was_not_promised(
         assert asyncio.run(catalogue.prepare("a", fingerprint, right)) is None
         assert catalogue.get("a") is None  # no worker placed "a": nothing to serve yet
         assert catalogue.has_vocabulary(fingerprint)
+    finally:
+        catalogue.close()
+
+
+def test_two_names_of_one_vocabulary_load_it_once(tiny_model_path: Path) -> None:
+    """Two workers serving one file under two names (compose's embeddings profile) answer
+    the gateway's queries at once: the vocabulary is loaded once and both names serve."""
+    catalogue = Catalogue(GatewayConfig(worker_endpoints=("ipc:///nowhere",)))
+    tiny = Vocab(tiny_model_path)
+    fingerprint = tiny.fingerprint()
+    tiny.close()
+    data = compressed_metadata(tiny_model_path)
+    loads: list[str] = []
+    load = catalogue._load_vocabulary
+
+    def counted(fingerprint: str, gguf_zlib: bytes) -> Vocab:
+        loads.append(fingerprint)
+        return load(fingerprint, gguf_zlib)
+
+    async def all_three() -> list[str | None]:
+        for name in ("chat", "embed", "third"):
+            info = ModelInfo(PROTOCOL_VERSION, name, 0, 0, 0, 1, fingerprint, ready=True)
+            assert catalogue.place(info).problem is None
+        # The third comes without the file, as a worker's does once the gateway has it.
+        return await asyncio.gather(
+            catalogue.prepare("chat", fingerprint, data),
+            catalogue.prepare("embed", fingerprint, data),
+            catalogue.prepare("third", fingerprint, None),
+        )
+
+    catalogue._load_vocabulary = counted  # type: ignore[method-assign]
+    try:
+        assert asyncio.run(all_three()) == [None, None, None]
+        assert loads == [fingerprint]
+        served = [catalogue.get(name) for name in ("chat", "embed", "third")]
+        assert all(model is not None for model in served)
+        assert len({id(model.vocab) for model in served if model is not None}) == 1
     finally:
         catalogue.close()
