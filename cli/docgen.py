@@ -31,11 +31,24 @@ def options_of(command_name: str) -> dict[str, click.Option]:
     return {p.name: p for p in command.params if isinstance(p, click.Option) and p.name}
 
 
+def default_of(option: click.Option) -> object:
+    """The value the option takes when not given.
+
+    Click (8.2 and later) keeps an option declared without a default as its own sentinel,
+    which would print as `Sentinel.UNSET`: a flag then means off, a repeatable option none.
+    """
+    if option.default is not getattr(click.core, "UNSET", None):
+        return option.default
+    if option.is_flag:
+        return False
+    return () if option.multiple else None
+
+
 def rendered_default(default: object) -> str:
     """How the tables write a default: on/off, sizes in MiB, `none` where there is none."""
     if isinstance(default, bool):
         return "on" if default else "off"
-    if default is None or default == () or default == frozenset():
+    if default is None or default in ((), frozenset(), ""):
         return "none"
     if isinstance(default, tuple | list | frozenset):
         return " ".join(str(item) for item in default)
@@ -66,7 +79,7 @@ def row(command_name: str, option: click.Option, note: str = "") -> str:
         flags += f" ({note})"
     help_text = cell(option.help or "")
     return (
-        f"| {flags} | {cell(rendered_default(option.default))} | "
+        f"| {flags} | {cell(rendered_default(default_of(option)))} | "
         f"`{envvar_of(command_name, option)}` | {help_text} |"
     )
 

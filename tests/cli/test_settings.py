@@ -77,6 +77,17 @@ def test_the_option_tables_are_generated_from_the_click_options() -> None:
     assert docgen.regenerate(current) == current, "run: python -m loomserve.cli.docgen"
 
 
+# What a default must never print as: click's sentinel for "no default", or a Python repr.
+REPR = re.compile(r"Sentinel|UNSET|object at|^<|^[([{'\"]|Path\(|^$")
+
+
+@pytest.mark.parametrize("command_name", sorted(main.commands))
+def test_no_default_prints_as_a_sentinel_or_a_python_repr(command_name: str) -> None:
+    for option in options_of(command_name).values():
+        shown = docgen.rendered_default(docgen.default_of(option))
+        assert not REPR.search(shown), f"{command_name} {option.opts[0]}: default {shown!r}"
+
+
 def documented_option_rows() -> dict[str, str]:
     """`--flag` → the Default cell of its row, from docs/options.md's tables of the servers."""
     text = OPTIONS_MD.read_text()
@@ -100,6 +111,7 @@ def rendered(default: object) -> str | None:
         return "on" if default else "off"
     if (
         default is None
+        or default == ""
         or isinstance(default, frozenset | tuple)
         or not isinstance(default, str | int | float)
     ):  # unset, or a repeatable option
