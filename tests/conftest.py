@@ -11,6 +11,7 @@ import pytest
 
 from tests.procs import kill_leftovers
 from tests.tiny_model import ModelShape, write_tiny_model
+from tests.tiny_vision_model import write_tiny_mmproj
 
 LONG_CTX = 16384  # an ignore_eos generation this long keeps a slot busy for seconds
 # Debian's Chromium (or LOOMSERVE_CHROMIUM): the browser the `browser` fixture drives.
@@ -21,6 +22,12 @@ CHROMIUM = os.environ.get("LOOMSERVE_CHROMIUM") or shutil.which("chromium") or "
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny llama-architecture GGUF, written once per test session."""
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LLaVA-style vision projector (mmproj GGUF) for the tiny model, written once."""
+    return write_tiny_mmproj(tmp_path_factory.mktemp("mmproj") / "mmproj-tiny-llama.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,128 @@
+"""A tiny vision projector (an `mmproj` GGUF) for the tiny text model, for fast image tests.
+
+LLaVA-style: a two-layer CLIP-like vision tower on 32x32 images in 8x8 patches (16 patches,
+so 16 image tokens an image), then libmtmd's "mlp" projector (mm.0, GELU, mm.2) up to the
+text model's embedding width. Random but fixed weights, written with the `gguf` package the
+way convert_image_encoder_to_gguf.py names them, so libmtmd loads and encodes it for real in
+milliseconds. Pair it with a text model of the same `n_embd` (tests/tiny_model.py's is 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class VisionShape:
+    """The dimensions of a generated projector; the defaults are the tiny test one."""
+
+    n_embd_text: int = 64  # the text model's embedding width: the projector's output
+    n_embd: int = 32
+    n_head: int = 2
+    n_layer: int = 2  # llava reads the next-to-last layer, so one layer runs
+    n_ff: int = 64
+    image_size: int = 32
+    patch_size: int = 8
+    n_mm_hidden: int = 64
+
+    @property
+    def image_tokens(self) -> int:
+        """How many embeddings (image tokens) one image becomes."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+TINY_VISION = VisionShape()
+
+
+def write_tiny_mmproj(path: Path, seed: int = 4321, shape: VisionShape = TINY_VISION) -> Path:
+    """Write an mmproj GGUF with projector type "mlp" (LLaVA 1.5's) to path."""
+    rng = np.random.default_rng(seed)
+
+    def weight(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        values = rng.standard_normal((rows, cols), dtype=np.float32) * (gain / np.sqrt(cols))
+        return values.astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return (rng.standard_normal(n, dtype=np.float32) * 0.1).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), arch="clip")
+    writer.add_name("tiny-vision-test")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.embedding_length", shape.n_embd)
+    writer.add_uint32("clip.vision.attention.head_count", shape.n_head)
+    writer.add_uint32("clip.vision.feed_forward_length", shape.n_ff)
+    writer.add_uint32("clip.vision.block_count", shape.n_layer)
+    writer.add_uint32("clip.vision.projection_dim", shape.n_embd_text)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    writer.add_uint32("clip.vision.image_size", shape.image_size)
+    writer.add_uint32("clip.vision.patch_size", shape.patch_size)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+
+    n_pos = shape.image_tokens + 1  # the patches and the class embedding
+    # numpy shapes are ggml's ne reversed: the conv kernel is ne [patch, patch, 3, n_embd].
+    patch = rng.standard_normal((shape.n_embd, 3, shape.patch_size, shape.patch_size))
+    writer.add_tensor("v.patch_embd.weight", (patch / shape.patch_size).astype(np.float32))
+    writer.add_tensor("v.class_embd", bias(shape.n_embd))
+    writer.add_tensor("v.position_embd.weight", weight(n_pos, shape.n_embd, gain=0.5))
+    writer.add_tensor("v.pre_ln.weight", np.ones(shape.n_embd, dtype=np.float32))
+    writer.add_tensor("v.pre_ln.bias", np.zeros(shape.n_embd, dtype=np.float32))
+    for layer in range(shape.n_layer):
+        prefix = f"v.blk.{layer}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{prefix}.{name}.weight", weight(shape.n_embd, shape.n_embd))
+            writer.add_tensor(f"{prefix}.{name}.bias", bias(shape.n_embd))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"{prefix}.{name}.weight", np.ones(shape.n_embd, dtype=np.float32))
+            writer.add_tensor(f"{prefix}.{name}.bias", np.zeros(shape.n_embd, dtype=np.float32))
+        writer.add_tensor(f"{prefix}.ffn_up.weight", weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_up.bias", bias(shape.n_ff))
+        writer.add_tensor(f"{prefix}.ffn_down.weight", weight(shape.n_embd, shape.n_ff))
+        writer.add_tensor(f"{prefix}.ffn_down.bias", bias(shape.n_embd))
+    # Large enough that an image moves the text model's logits: different images, different
+    # greedy tokens (the tests check that).
+    writer.add_tensor("mm.0.weight", weight(shape.n_mm_hidden, shape.n_embd, gain=2.0))
+    writer.add_tensor("mm.0.bias", bias(shape.n_mm_hidden))
+    writer.add_tensor("mm.2.weight", weight(shape.n_embd_text, shape.n_mm_hidden, gain=8.0))
+    writer.add_tensor("mm.2.bias", bias(shape.n_embd_text))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
+    """A random RGB PNG of the given size, written with zlib alone (no imaging library)."""
+    import struct
+    import zlib
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    raw = b"".join(b"\x00" + row.tobytes() for row in pixels)  # filter type 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_tiny_mmproj(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-mmproj.gguf")))
