@@ -305,6 +305,74 @@ def test_a_stream_refused_mid_way_says_why_in_its_span(long_model_path: Path) ->
     assert "shutting down" in why["loomserve.error.message"], why
 
 
+def test_a_request_refused_after_its_span_began_says_why_in_its_span(
+    long_model_path: Path,
+) -> None:
+    """A non-streamed request the worker took, cut when the gateway's drain ran out, and one
+    the gateway refused itself: each request span carries a loomserve.refused event."""
+    with ExitStack() as stack:
+        receiver = stack.enter_context(receiving())
+        traced = {"otlp_endpoint": receiver.url, "env": FAST_EXPORT}
+        worker = stack.enter_context(
+            start_worker(long_model_path, ctx_size=LONG_CTX, slots=1, **traced)
+        )
+        gateway = stack.enter_context(
+            start_gateway(long_model_path, worker.endpoint, shutdown_timeout=1, **traced)
+        )
+        bad = httpx.post(
+            gateway.url + "/v1/completions",
+            json={"prompt": "once", "max_tokens": -1},
+            headers={"X-Request-Id": "refused-at-once"},
+            timeout=30,
+        )
+        assert bad.status_code == 400, bad.text
+        answers: list[httpx.Response] = []
+        body = {"prompt": "once", "max_tokens": LONG_CTX - 16, "ignore_eos": True}
+        thread = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(
+                    gateway.url + "/v1/completions",
+                    json=body,
+                    headers={"X-Request-Id": "cut-mid-way"},
+                    timeout=120,
+                )
+            )
+        )
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not _running(gateway.url, "cut-mid-way"):  # the worker has taken it
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.05)
+        gateway.popen.send_signal(signal.SIGTERM)
+        thread.join(120)
+        assert answers and answers[0].status_code == 503, answers and answers[0].text
+        assert gateway.popen.wait(60) == 0, gateway.log_tail()
+        spans = receiver.wait_for({"POST /v1/completions"}, 30)
+        deadline = time.monotonic() + 30
+        while len(requests := [s for s in spans if s.name == "POST /v1/completions"]) < 2:
+            assert time.monotonic() < deadline, f"request spans: {requests}"
+            time.sleep(0.1)
+            spans = receiver.wait_for(set(), 0)
+    by_id = {s.attributes["loomserve.request_id"]: s for s in requests}
+    [(name, why)] = by_id["cut-mid-way"].events
+    assert name == "loomserve.refused"
+    assert why["error.type"] == "worker_unavailable", why
+    assert "shutting down" in why["loomserve.error.message"], why
+    [(name, why)] = by_id["refused-at-once"].events
+    assert name == "loomserve.refused"
+    assert why["error.type"] == "invalid_request", why
+    assert "max_tokens" in why["loomserve.error.message"], why
+
+
+def _running(url: str, request_id: str) -> bool:
+    """Whether a worker's slot runs request_id (the gateway's /slots)."""
+    for worker in httpx.get(url + "/slots", timeout=10).json()["workers"]:
+        for slot in worker.get("slots", []):
+            if request_id in (slot.get("request_id") or ""):
+                return True
+    return False
+
+
 def test_a_cold_model_load_has_its_own_span(tiny_model_path: Path, other_model_path: Path) -> None:
     with ExitStack() as stack:
         receiver = stack.enter_context(receiving())

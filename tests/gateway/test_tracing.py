@@ -1,6 +1,7 @@
 """The gateway's tracing hooks (gateway/tracing.py): off, they make no span and read none,
 even inside a recording span; on, their spans join the current trace and their W3C context is
-what a Generate carries. And a process with tracing off never loads the SDK."""
+what a Generate carries; an error answer puts its code and message on the request's span.
+And a process with tracing off never loads the SDK."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from loomserve.gateway import tracing
+from loomserve.gateway.api.errors import install_handlers, invalid_request
+from loomserve.gateway.http.tracing import TracingMiddleware, refusal
+from loomserve.gateway.workers.errors import WorkerLost
 from tests.otel_spans import kept_spans
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -77,3 +83,54 @@ def test_a_process_without_tracing_never_loads_the_sdk() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _app() -> FastAPI:
+    """Routes that answer as the gateway's do: an error in OpenAI's shape, under
+    /v1/messages in Anthropic's, a worker's failure after it took the request, and a 200."""
+    app = FastAPI()
+    install_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions() -> dict[str, str]:
+        raise WorkerLost("the gateway is shutting down; retry the request")
+
+    @app.post("/v1/messages")
+    async def messages() -> dict[str, str]:
+        raise invalid_request("max_tokens: must be at least 1", "max_tokens")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, str]:
+        return {"object": "list"}
+
+    app.add_middleware(TracingMiddleware)
+    return app
+
+
+def test_an_error_answer_says_why_in_the_request_span(spans) -> None:
+    tracing.enable()
+    with TestClient(_app()) as client:
+        assert client.post("/v1/completions").status_code == 503
+        assert client.post("/v1/messages").status_code == 400
+        assert client.get("/v1/models").status_code == 200
+    made = {s.name: s for s in spans.get_finished_spans()}
+    [cut] = made["POST /v1/completions"].events
+    assert cut.name == "loomserve.refused"
+    assert cut.attributes == {
+        "error.type": "worker_unavailable",
+        "loomserve.error.message": "the gateway is shutting down; retry the request",
+    }
+    [refused] = made["POST /v1/messages"].events  # Anthropic's shape: its error type
+    assert refused.attributes == {
+        "error.type": "invalid_request_error",
+        "loomserve.error.message": "max_tokens: must be at least 1",
+    }
+    assert not made["GET /v1/models"].events
+
+
+def test_a_refusal_without_an_error_body_is_named_by_its_status() -> None:
+    assert refusal(413, b"too large") == {"error.type": "413", "loomserve.error.message": ""}
+    assert refusal(404, b'{"error": {"message": "no", "type": "not_found_error"}}') == {
+        "error.type": "not_found_error",
+        "loomserve.error.message": "no",
+    }
