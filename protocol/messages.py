@@ -30,8 +30,8 @@ DEFAULT_TENANT = "default"
 # 11: VocabQuery, VocabFile, Heartbeat.idle_seconds, the models control messages,
 # Ping.for_gateway; 12: Generate's and Embed's trace and trace_state (W3C trace context,
 # docs/metrics.md); 13: Heartbeat.load, one Load in place of its queue_depth, free_slots
-# and running
-PROTOCOL_VERSION = 13
+# and running; 14: Generate's images and image_at, ModelInfo.vision
+PROTOCOL_VERSION = 14
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
 )
@@ -39,6 +39,7 @@ MAX_TENANT_CHARS = 128
 # A W3C traceparent is 55 characters (version 00); a tracestate at most 32 members of 256.
 MAX_TRACE_CHARS = 8192
 PRIORITY_LIMIT = 2**31  # |priority| below this
+MAX_IMAGES = 64  # images in one Generate
 
 
 class FinishReason(StrEnum):
@@ -84,12 +85,23 @@ class Generate:
     # the worker's spans become its children. "" when the gateway does not trace.
     trace: str = ""
     trace_state: str = ""
+    # Images (encoded files: PNG, JPEG...) for a vision model, and where each goes: before
+    # prompt_tokens[image_at[i]] (len(prompt_tokens): after the last). The worker puts the
+    # projector's tokens and embeddings for each there (worker/engine/media.py).
+    images: list[bytes] = field(default_factory=list)
+    image_at: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_tokens:
             raise ValueError("the prompt must hold at least one token")
         if any(t < 0 for t in self.prompt_tokens):
             raise ValueError("token ids are never negative")
+        if len(self.images) != len(self.image_at) or len(self.images) > MAX_IMAGES:
+            raise ValueError(f"one position per image, and at most {MAX_IMAGES} images")
+        if self.image_at != sorted(self.image_at) or any(
+            not 0 <= at <= len(self.prompt_tokens) for at in self.image_at
+        ):
+            raise ValueError("image positions are in order, within the prompt")
         if not -PRIORITY_LIMIT < self.priority < PRIORITY_LIMIT:
             raise ValueError("priority must be a 32-bit integer")
         if len(self.tenant) > MAX_TENANT_CHARS:
@@ -193,6 +205,7 @@ class ModelInfo:
     slots: int
     vocab_fingerprint: str  # sha256 over the vocabulary; gateways refuse to serve on a mismatch
     ready: bool
+    vision: bool = False  # it reads images (a projector, --mmproj): Generate.images
 
 
 @dataclass(slots=True)

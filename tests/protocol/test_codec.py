@@ -56,6 +56,7 @@ EVERY_MESSAGE = [
         trace="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         trace_state="vendor=opaque",
     ),
+    Generate("r2", [1, 2], SamplingParams(), images=[b"\x89PNG", b"\xff\xd8"], image_at=[1, 2]),
     Embed(request_id="e1", inputs=[[1, 2], [3]]),
     Embed(
         request_id="e2",
@@ -75,6 +76,7 @@ EVERY_MESSAGE = [
         vocab_fingerprint="ab" * 32,
         ready=True,
     ),
+    ModelInfo(1, "tiny-vision", 300, 256, 256, 4, "ab" * 32, ready=True, vision=True),
     Accepted(request_id="r1", queue_depth=3),
     Rejected(request_id="r1", code="queue_full", message="the queue is full"),
     Outputs(
@@ -212,7 +214,7 @@ def generate_body(prompt: object, logit_bias: object) -> bytes:
     params = [16, 1.0, 0, 1.0, 0.0, 1.0, 64, 0.0, 0.0, None, logit_bias, None, False, None, None]
     params.append(True)  # speculative
     params += [0, [], []]  # think_budget, think_start, think_end
-    return msgpack.packb(["r1", prompt, params, 0, "", "", ""])
+    return msgpack.packb(["r1", prompt, params, 0, "", "", "", [], []])
 
 
 def test_token_ids_and_logit_bias_are_checked_exactly():
@@ -285,4 +287,13 @@ def test_a_heartbeat_carries_one_load_since_version_13():
     bad_load = msgpack.packb([2.0, 0.0, True, [1, 0, "3"], [5], 0, 0, 0.0])
     with pytest.raises(DecodeError):
         decode([frames[0], bad_load])
-    assert PROTOCOL_VERSION == 13  # a 12 peer reads this Heartbeat as malformed
+    assert PROTOCOL_VERSION >= 13  # a 12 peer reads this Heartbeat as malformed
+
+
+def test_a_generate_places_its_images_within_its_prompt():
+    params = SamplingParams()
+    assert Generate("r", [1, 2], params, images=[b"a", b"b"], image_at=[0, 2]).images
+    for images, at in (([b"a"], []), ([b"a"], [3]), ([b"a", b"b"], [2, 1]), ([b"a"], [-1])):
+        with pytest.raises(ValueError):
+            Generate("r", [1, 2], params, images=images, image_at=at)
+    assert PROTOCOL_VERSION >= 14  # a 13 peer reads a Generate with images as malformed
