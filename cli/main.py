@@ -20,7 +20,7 @@ import dataclasses
 import click
 
 from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS, named_models
-from loomserve.cli.operations import keygen, worker_health
+from loomserve.cli.operations import keygen, worker_health, workers
 from loomserve.cli.options import (
     CONTEXT_SETTINGS,
     build_gateway_config,
@@ -268,6 +268,7 @@ def _bench_command() -> click.Command:
 
 
 main.add_command(worker_health)
+main.add_command(workers)
 main.add_command(keygen)
 main.add_command(_bench_command())
 

@@ -6,7 +6,8 @@ With several models, each model has its workers, started and stopped on demand b
 manager (models.py), which the gateways ask over a control socket in the same temp dir.
 Each gateway binds the HTTP port itself with SO_REUSEPORT, so the kernel spreads connections
 across them. The gateways share a Prometheus multiprocess dir in the same temp dir, so any
-gateway's /metrics counts them all.
+gateway's /metrics counts them all. While it runs, serve_registry.py's record names its
+workers' endpoints (`loomserve workers`, `loomserve worker-health`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import structlog
 
 from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS, NamedModel
 from loomserve.cli.models import ManagedModel, ModelManager
+from loomserve.cli.serve_registry import ServeRecord, registered
 from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
 from loomserve.gateway.http.middleware import READY_PROBE_AGENT
 from loomserve.worker.host_cpus import default_cpu_budget
@@ -142,12 +144,17 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
             if child.spec.name.startswith("gateway"):
                 _forget_gateway_metrics(pid, metrics_dir)
 
+        by_model = {model.name: own for model, own in zip(plan.models, endpoints, strict=True)}
         default = plan.models[0].name if plan.managed else None
         supervisor = Supervisor(
             children,
             # Several models: ready once the default one (the first) serves, not before.
             ready_probe=lambda: health_ok(_probe_host(plan.host), plan.port, default),
-            on_ready=lambda: log.info("ready", url=url, openai_base_url=f"{url}/v1"),
+            # The workers' endpoints too: they are in a private temp dir, found nowhere else
+            # but here, `loomserve workers` and /slots.
+            on_ready=lambda: log.info(
+                "ready", url=url, openai_base_url=f"{url}/v1", workers=by_model
+            ),
             on_exit=on_exit,
             max_restart_delay=plan.max_restart_delay,
             # Each stage drains for shutdown_timeout first; SIGKILL only after that.
@@ -156,7 +163,9 @@ def serve(plan: ServePlan, worker_command: click.Command, gateway_command: click
         if control is not None:
             manager = _manager(plan, supervisor, endpoints, control)
             supervisor.on_poll = manager.poll
-        return supervisor.run()
+        record = ServeRecord(os.getpid(), url, by_model, on_demand=plan.managed)
+        with registered(record):  # `loomserve workers` and `worker-health` find them
+            return supervisor.run()
     finally:
         if manager is not None:
             manager.close()
