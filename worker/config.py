@@ -330,6 +330,13 @@ class WorkerConfig:
             "one serves them anyway."
         ),
     )
+    # A vision projector (llama.cpp's mmproj GGUF) for the model: the worker then reads
+    # images (worker/engine/media.py); without one an image part is a 400 at the gateway.
+    mmproj: Path | None = setting(
+        None,
+        help="Vision projector (mmproj GGUF) for the model: requests may carry images.",
+        path="file",
+    )
     # CURVE: the worker's certificate (a zmq.auth .key_secret file) and the gateways it lets
     # in (a .key file or a directory of them). Without them anything that reaches bind is
     # a gateway, so a bind beyond this machine needs them, or insecure_bind.

@@ -22,6 +22,7 @@ from loomserve.protocol.vocab import vocab_fingerprint
 from loomserve.worker.config import MIB, WorkerConfig
 from loomserve.worker.engine.embeddings import POOLING_NAMES, Embedder, model_pooling
 from loomserve.worker.engine.engine import Engine, EngineError
+from loomserve.worker.engine.media import MediaEncoder
 from loomserve.worker.engine.vocab_file import compressed_metadata
 from loomserve.worker.io.channels import Inbox, StatsBoard
 from loomserve.worker.io.curve import ServerKeys, load_server_keys
@@ -89,6 +90,9 @@ def _server_keys(config: WorkerConfig) -> ServerKeys | None:
 
 
 def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> None:
+    # IO and the loop share these and the outbox, never each other (channels.py).
+    inbox, board = Inbox(), StatsBoard(config.slots)
+    media = _media_encoder(config, engine, inbox)
     info = ModelInfo(
         protocol_version=PROTOCOL_VERSION,
         model_name=config.model_name,  # the name gateways serve it under
@@ -98,11 +102,10 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         slots=config.slots,
         vocab_fingerprint=vocab_fingerprint(engine.vocab_tokens()),
         ready=True,
+        vision=media is not None,
     )
     _log_start(config, engine, info)
     metrics = WorkerMetrics(config.metrics_tenants) if config.metrics_port is not None else None
-    # IO and the loop share these and the outbox, never each other (channels.py).
-    inbox, board = Inbox(), StatsBoard(config.slots)
     try:
         io = WorkerIO(
             config,
@@ -136,6 +139,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         inbox=inbox,
         board=board,
         tracer=tracer,
+        media=media,
     )
     if metrics is not None and config.metrics_port is not None:  # both or neither
         metrics.watch(
@@ -194,6 +198,8 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         io.close()
         if embedder is not None:
             embedder.close()
+        if media is not None:
+            media.close()
         if metrics is not None:
             metrics.close()
         if tracer is not None:
@@ -201,6 +207,25 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         log.info("worker stopped", ticks=loop.tick_count)
     if loop.dead is not None:
         raise SystemExit(EXIT_ENGINE_DEAD)
+
+
+def _media_encoder(config: WorkerConfig, engine: Engine, inbox: Inbox) -> MediaEncoder | None:
+    """The vision projector and its encoding thread, with --mmproj; a projector libmtmd
+    cannot load for this model stops the start."""
+    if config.mmproj is None:
+        return None
+    try:
+        media = MediaEncoder(
+            config.mmproj, engine.model, config.n_threads, config.gpu_layers != 0, inbox.encoded
+        )
+    except ValueError as exc:
+        _cannot_start(exc, EXIT_CONFIG)
+    log.info(
+        "vision projector",
+        mmproj=str(config.mmproj),
+        whole_image_passes=media.non_causal,
+    )
+    return media
 
 
 def _embedder(config: WorkerConfig, engine: Engine) -> Embedder | None:

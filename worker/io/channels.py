@@ -41,9 +41,20 @@ class GatewayGone:
     why: str
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A Generate whose images the media encoder has read and encoded (worker/engine/media.py):
+    `prompt` is an EncodedPrompt, or None when it failed, and `why` says why."""
+
+    gateway: bytes
+    message: Generate
+    prompt: object
+    why: str = ""
+
+
 STOP = object()
 
-Item = Submit | Abort | GatewayGone | object  # object: STOP
+Item = Submit | Abort | GatewayGone | Encoded | object  # object: STOP
 
 
 class Inbox:
@@ -64,6 +75,10 @@ class Inbox:
     def gateway_gone(self, gateway: bytes, why: str) -> None:
         """The gateway vanished: cancel its queued and running requests, saying why."""
         self._queue.put(GatewayGone(gateway, why))
+
+    def encoded(self, gateway: bytes, message: Generate, prompt: object, why: str) -> None:
+        """The media encoder's result for a Generate with images (from its thread)."""
+        self._queue.put(Encoded(gateway, message, prompt, why))
 
     def stop(self) -> None:
         """Drain: refuse new requests, give the others the shutdown timeout, then return."""

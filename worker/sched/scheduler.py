@@ -27,6 +27,7 @@ from loomserve.protocol import ErrorCode, FinishReason, Outputs, TokenChunk
 from loomserve.worker.cache.ram_cache import RamCache, SavedState
 from loomserve.worker.io.channels import Sink
 from loomserve.worker.sched.admission import Seating
+from loomserve.worker.sched.media import MediaSpan, media_at
 from loomserve.worker.sched.preemption import SwapSpace, victim_slot
 from loomserve.worker.sched.queueing import Policy, WaitingQueue
 from loomserve.worker.sched.shaping import add_drafts, shape, ubatches_with_filler
@@ -248,6 +249,33 @@ class Scheduler:
     def add_drafts(self, step: Step, drafts: dict[int, list[int]], length: int) -> None:
         """Put the drafted tokens after each generating slot's last token (shaping.py)."""
         add_drafts(step, drafts, length, self._budget, self.split_rules)
+
+    # --- images: their embeddings' passes, before the tick's ----------------------------
+
+    def media_due(self) -> list[tuple[Slot, MediaSpan]]:
+        """The prefilling slots whose next positions are an image's, with that image: the
+        loop puts its embeddings in the cache before the strategy plans the token runs."""
+        due = []
+        for slot in self.slots:
+            if slot.request is None or slot.finish_reason or slot.phase is not SlotPhase.PREFILLING:
+                continue
+            span = media_at(slot.request.media, slot.n_in_cache)
+            if span is not None:
+                due.append((slot, span))
+        return due
+
+    def media_decoded(self, slot: Slot, span: MediaSpan) -> None:
+        """The image's remaining embeddings are in the slot's cells."""
+        slot.n_in_cache = span.end
+
+    def media_failed(self, slot: Slot, message: str) -> None:
+        """An image's pass failed: its request ends with an error."""
+        slot.finish(FinishReason.ERROR, message)
+
+    def media_restarted(self, slot: Slot, span: MediaSpan) -> None:
+        """A reused prefix ended inside an image that must go whole into one pass: the
+        slot's cells from the image's start were dropped, to be filled again."""
+        slot.n_in_cache = span.start
 
     # --- after the forward pass ---------------------------------------------------------
 

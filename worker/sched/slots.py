@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenLogprobs
 from loomserve.worker.cache.ram_cache import RamEntry, SavedState
+from loomserve.worker.sched.media import MediaSpan, media_at, text_until
 from loomserve.worker.sched.queueing import DEFAULT_TENANT
 from loomserve.worker.sched.strategies import BatchPlan, SlotPhase, SlotView
 from loomserve.worker.sched.think_budget import ThinkBudget
@@ -80,6 +81,8 @@ class Request:
     drafts_accepted: int = 0
     # Its thinking budget (think_budget.py), which the loop's sampling steers through.
     think: ThinkBudget | None = None
+    # Its images, in prompt order: their positions in `prompt` hold placeholders (media.py).
+    media: tuple[MediaSpan, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -129,7 +132,16 @@ class Slot:
 
     @property
     def prompt_remaining(self) -> int:
-        return self.n_prompt - self.n_in_cache if self.phase is SlotPhase.PREFILLING else 0
+        """Prompt tokens a token run may take next: up to the next image, whose positions
+        the loop fills with its embeddings instead (Scheduler.media_due)."""
+        if self.phase is not SlotPhase.PREFILLING:
+            return 0
+        media = self.request.media if self.request is not None else ()
+        if not media:
+            return self.n_prompt - self.n_in_cache
+        if media_at(media, self.n_in_cache) is not None:
+            return 0
+        return text_until(media, self.n_in_cache, self.n_prompt) - self.n_in_cache
 
     @property
     def busy(self) -> bool:

@@ -23,6 +23,7 @@ otherwise (tokens only there to keep one pass; their cells are dropped, nothing 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -88,7 +89,9 @@ class NgramIndex:
             found = self._maps[n - self.n_min].get(tuple(tokens[length - n :]))
             if found is not None:
                 period = length - found
-                return [tokens[found + j % period] for j in range(k)]
+                draft = [tokens[found + j % period] for j in range(k)]
+                # An image's positions hold negative placeholders (media.py): never a draft.
+                return list(itertools.takewhile(lambda token: token >= 0, draft))
         return []
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import time
 
 from loomserve.protocol import ErrorCode, Generate
+from loomserve.worker.sched.media import MediaSpan
 from loomserve.worker.sched.queueing import DEFAULT_TENANT
 from loomserve.worker.sched.scheduler import Scheduler
 from loomserve.worker.sched.slots import Request, RequestKey, TokenSampler
 from loomserve.worker.sched.think_budget import ThinkBudget
 
+NO_IMAGES = "this model reads no images: its worker has no vision projector (--mmproj)"
 NO_EMBEDDINGS = (
     "this server computes no embeddings: the model has no pooling head; "
     "start the worker with --embeddings for mean-pooled ones"
@@ -28,11 +30,13 @@ def refusal(
     n_vocab: int,
     slot_context: int,
     stopping: bool,
+    encoding: frozenset[RequestKey] | set[RequestKey] = frozenset(),
 ) -> tuple[ErrorCode, str] | None:
-    """Why this request cannot be taken, cheapest checks first; None when it can."""
+    """Why this request cannot be taken, cheapest checks first; None when it can.
+    `encoding`: the requests whose images are being encoded (they are live too)."""
     if stopping:
         return ErrorCode.NOT_READY, "the worker is shutting down"
-    if key in scheduler.live:
+    if key in scheduler.live or key in encoding:
         return ErrorCode.DUPLICATE_REQUEST, f"request {key[1]!r} is already running"
     if max(generate.prompt_tokens) >= n_vocab:
         return ErrorCode.INVALID_REQUEST, f"prompt token ids must be below {n_vocab}"
@@ -48,10 +52,47 @@ def refusal(
     return None
 
 
+def media_refusal(
+    tokens: list[int],
+    media: tuple[MediaSpan, ...],
+    generate: Generate,
+    slot_context: int,
+    whole_image_rows: int | None,
+) -> tuple[ErrorCode, str] | None:
+    """Why a prompt with its images in place (worker/engine/media.py) cannot run; None when
+    it can. whole_image_rows: the most an image may take when it must go into one pass."""
+    n_prompt = len(tokens)
+    if n_prompt >= slot_context:
+        n_image = sum(span.n_tokens for span in media)
+        return (
+            ErrorCode.PROMPT_TOO_LONG,
+            f"the prompt has {n_prompt} tokens ({n_image} of them its images'); a slot holds "
+            f"{slot_context} tokens including at least one generated token",
+        )
+    if media and media[-1].end >= n_prompt:
+        return ErrorCode.INVALID_REQUEST, "an image cannot end the prompt: text must follow it"
+    if generate.params.prompt_logprobs is not None:
+        return ErrorCode.INVALID_REQUEST, "prompt_logprobs cannot score a prompt with images"
+    for index, span in enumerate(media):
+        if whole_image_rows is not None and span.n_tokens > whole_image_rows:
+            return (
+                ErrorCode.INVALID_REQUEST,
+                f"image {index} takes {span.n_tokens} positions; this projector needs an "
+                f"image in one pass, of at most {whole_image_rows} (--batch-tokens)",
+            )
+    return None
+
+
 def new_request(
-    key: RequestKey, generate: Generate, sampler: TokenSampler | None, sampler_seconds: float = 0.0
+    key: RequestKey,
+    generate: Generate,
+    sampler: TokenSampler | None,
+    sampler_seconds: float = 0.0,
+    prompt: list[int] | None = None,
+    media: tuple[MediaSpan, ...] = (),
 ) -> Request:
-    """The accepted Generate as the scheduler queues it, arriving now."""
+    """The accepted Generate as the scheduler queues it, arriving now; with images, `prompt`
+    is the one with them in place and `media` the images."""
     params = generate.params
     think = (
         ThinkBudget(params.think_budget, params.think_start, params.think_end)
@@ -61,7 +102,8 @@ def new_request(
     return Request(
         key=key,
         think=think,
-        prompt=generate.prompt_tokens,
+        prompt=generate.prompt_tokens if prompt is None else prompt,
+        media=media,
         params=generate.params,
         arrived_at=time.monotonic(),
         sampler=sampler,

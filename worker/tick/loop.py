@@ -12,7 +12,8 @@ of it (stats.py). No socket here (io/sockets.py owns those), so the loop runs an
 in-process. It keeps no slot state: the scheduler decides and records every change of a
 request's state; the loop hands the engine what those decisions need, with helpers for the
 parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells moved for
-admissions), drafting.py (speculation), engine/batch.py (the engine's batch),
+admissions), drafting.py (speculation), engine/batch.py (the engine's batch), engine/media.py
+(images: encoded on a thread of their own, their embeddings put in passes of their own),
 engine/logprobs.py (logprobs), sched/records.py (the stats, tick and finish records and their
 log lines).
 """
@@ -38,10 +39,12 @@ from loomserve.worker.engine.batch import Filled, fill_batch
 from loomserve.worker.engine.embeddings import Embedder
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.logprobs import sampled, score_prompts
+from loomserve.worker.engine.media import EmbeddingBatch, EncodedPrompt, MediaEncoder
 from loomserve.worker.engine.sampling import InvalidSampling, SamplingThreads, sample_rows
 from loomserve.worker.io.channels import (
     STOP,
     Abort,
+    Encoded,
     GatewayGone,
     Inbox,
     Sink,
@@ -58,13 +61,19 @@ from loomserve.worker.sched.records import (
     tick_record,
 )
 from loomserve.worker.sched.scheduler import PendingOutputs, Scheduler
-from loomserve.worker.sched.slots import Release, Sampled, Step
+from loomserve.worker.sched.slots import Release, RequestKey, Sampled, Step
 from loomserve.worker.sched.strategies import load_strategy
 from loomserve.worker.sched.tick_cost import LatencyTarget, TickCostModel
 from loomserve.worker.stats import FinishRecord, SchedulerStats, TickRecord
 from loomserve.worker.tick.drafting import Drafting, make_speculator
 from loomserve.worker.tick.faults import DecodeFaults
-from loomserve.worker.tick.intake import NO_EMBEDDINGS, new_request, refusal
+from loomserve.worker.tick.intake import (
+    NO_EMBEDDINGS,
+    NO_IMAGES,
+    media_refusal,
+    new_request,
+    refusal,
+)
 from loomserve.worker.tick.kv_moves import KvMoves
 
 if TYPE_CHECKING:  # imported by server.py only when tracing is on
@@ -88,6 +97,7 @@ class TickLoop:
         inbox: Inbox | None = None,
         board: StatsBoard | None = None,
         tracer: RequestTracer | None = None,
+        media: MediaEncoder | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -117,6 +127,11 @@ class TickLoop:
         self._on_reject = on_reject
         self._tracer = tracer  # None: tracing off, and not one span is made
         self.embedder = embedder  # None: this worker computes no embeddings
+        self.media = media  # None: this worker reads no images
+        self.media_batch = (
+            EmbeddingBatch(engine.ctx, config.batch_tokens, media.n_embd) if media else None
+        )
+        self._encoding: set[RequestKey] = set()  # Generates whose images are being encoded
         self._stop_by: float | None = None  # set by STOP (Inbox.stop): when the last are cut
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
         self.dead: str | None = None  # why the engine was given up on, once it was
@@ -139,6 +154,11 @@ class TickLoop:
         if config.itl_target_ms is None:
             return None
         return LatencyTarget(config.itl_target_ms / 1000, self.tick_cost)
+
+    @property
+    def images_pending(self) -> int:
+        """Generates whose images the media encoder has not given back yet."""
+        return len(self._encoding)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -173,13 +193,15 @@ class TickLoop:
         self._release_finished()
         self._send_outputs()
         self.sampling_threads.close()
+        if self.media_batch is not None:
+            self.media_batch.close()
 
     def _drained(self) -> bool:
         """After a STOP: whether every request has finished, or the time for them is up."""
         if self._stop_by is None:
             return False
         embedding = self.embedder is not None and self.embedder.pending
-        busy = self.scheduler.has_work() or embedding
+        busy = self.scheduler.has_work() or embedding or bool(self._encoding)
         return not busy or time.monotonic() >= self._stop_by
 
     def tick(self, block: bool = True) -> None:
@@ -197,6 +219,9 @@ class TickLoop:
         # 2. Release requests that ended (cancelled, failed), then fill free slots.
         self._release_finished()
         self._admit()
+        # 2b. Images next in a prompt: their embeddings go in passes of their own, not
+        # counted as the token pass's cost.
+        started += self._decode_media()
         # 3. The scheduler's strategy splits the token budget into runs of slot tokens.
         step = self.scheduler.schedule(self.config.batch_tokens, self.config.prefill_chunk)
         if not step.n_tokens:  # nothing to run: only finishes to send, if anything
@@ -226,6 +251,8 @@ class TickLoop:
             if item is STOP:
                 if self._stop_by is None:
                     self._stop_by = time.monotonic() + self.config.shutdown_timeout
+            elif isinstance(item, Encoded):
+                self._encoded(item)
             elif isinstance(item, Submit):
                 if isinstance(item.message, Embed):  # the embedder's work, not the tick's
                     self._accept_embed(item.gateway, item.message)
@@ -234,24 +261,48 @@ class TickLoop:
             elif isinstance(item, Abort):
                 # Unknown ids are ignored: the request may have just finished.
                 self.scheduler.cancel((item.gateway, item.request_id), reason=item.reason)
+                self._encoding.discard((item.gateway, item.request_id))
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway, item.request_id)
             elif isinstance(item, GatewayGone):
                 for key in self.scheduler.keys_of(item.gateway):
                     self.scheduler.cancel(key, item.why)
+                self._encoding = {key for key in self._encoding if key[0] != item.gateway}
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway)
             item = self.inbox.get(block=False)
         # Accepted and Rejected go out now, not after this tick's forward pass.
         self.sink.flush()
 
-    def _accept(self, gateway: bytes, generate: Generate) -> None:
+    def _accept(
+        self, gateway: bytes, generate: Generate, encoded: EncodedPrompt | None = None
+    ) -> None:
+        """Queue a Generate or refuse it; one with images goes to the media encoder first,
+        and comes back here with them encoded (_encoded)."""
         key = (gateway, generate.request_id)
         engine = self.engine
         stopping = self._stop_by is not None
         error = refusal(
-            key, generate, self.scheduler, engine.n_vocab, engine.slot_context, stopping
+            key,
+            generate,
+            self.scheduler,
+            engine.n_vocab,
+            engine.slot_context,
+            stopping,
+            self._encoding,
         )
+        if error is None and generate.images:
+            if self.media is None:
+                error = (ErrorCode.INVALID_REQUEST, NO_IMAGES)
+            elif encoded is None:  # Accepted or Rejected once they are encoded
+                self._encoding.add(key)
+                self.media.submit(gateway, generate)
+                return
+            else:
+                whole = self.config.batch_tokens if self.media.non_causal else None
+                error = media_refusal(
+                    encoded.tokens, encoded.media, generate, engine.slot_context, whole
+                )
         sampler = None
         building = time.monotonic()  # a grammar compiles here: its span's start
         if error is None:
@@ -264,9 +315,30 @@ class TickLoop:
             log.debug("request rejected", request_id=generate.request_id, code=code.value)
             self._reject(gateway, Rejected(generate.request_id, code.value, message))
             return
-        request = new_request(key, generate, sampler, time.monotonic() - building)
+        prompt, media = (encoded.tokens, encoded.media) if encoded else (None, ())
+        request = new_request(key, generate, sampler, time.monotonic() - building, prompt, media)
         ahead = self.scheduler.enqueue(request)
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
+
+    def _encoded(self, item: Encoded) -> None:
+        """The media encoder is done with a Generate's images: queue it, or say why not."""
+        key = (item.gateway, item.message.request_id)
+        if key not in self._encoding:
+            return  # cancelled, or its gateway went, while its images were encoded
+        self._encoding.discard(key)
+        encoded = item.prompt
+        if not isinstance(encoded, EncodedPrompt):
+            code = ErrorCode.INVALID_REQUEST.value
+            self._reject(item.gateway, Rejected(item.message.request_id, code, item.why))
+            return
+        log.debug(
+            "images encoded",
+            request_id=key[1],
+            images=len(encoded.media),
+            image_tokens=sum(span.n_tokens for span in encoded.media),
+            seconds=round(encoded.encode_seconds, 4),
+        )
+        self._accept(item.gateway, item.message, encoded)
 
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
         rejected: Rejected | None
@@ -312,6 +384,34 @@ class TickLoop:
     def _admit(self) -> None:
         for admission in self.scheduler.admit(self.tick_count, time.monotonic()):
             self.kv_moves.place(admission)
+
+    # --- 2b: images -------------------------------------------------------------------
+
+    def _decode_media(self) -> float:
+        """Every image due next in a prefilling slot into its cells, in embedding-only passes;
+        return the seconds they took."""
+        if self.media is None or self.media_batch is None:
+            return 0.0
+        started = time.perf_counter()
+        scheduler = self.scheduler
+        while due := scheduler.media_due():  # bounded: each pass moves its slot past an image
+            for slot, span in due:
+                if slot.n_in_cache > span.start and self.media.non_causal:
+                    # A reused prefix ends inside an image that must go whole into one pass.
+                    self.engine.keep_prefix(slot.index, span.start)
+                    scheduler.media_restarted(slot, span)
+                rows = span.embeddings[slot.n_in_cache - span.start :]
+                code = self.media_batch.decode(
+                    rows, slot.n_in_cache, slot.index, self.media.non_causal
+                )
+                if code != 0:
+                    log.error("image decode failed", code=code, slot=slot.index)
+                    scheduler.media_failed(
+                        slot, f"llama_decode of an image failed with code {code}"
+                    )
+                    continue
+                scheduler.media_decoded(slot, span)
+        return time.perf_counter() - started
 
     # --- 4: forward --------------------------------------------------------------------
 

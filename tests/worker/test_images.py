@@ -1,0 +1,244 @@
+"""Images through the tick loop on the real engine: the tiny model and the tiny vision
+projector (tests/tiny_vision_model.py), libmtmd encoding on its own thread, embeddings in
+passes of their own. No mocks."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import llama_cpp as llama
+import numpy as np
+import pytest
+from llama_cpp import mtmd_cpp as mtmd
+
+from loomserve.protocol import ErrorCode, Generate, SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.media import MediaEncoder
+from loomserve.worker.tick.loop import TickLoop
+from tests.tiny_vision_model import TINY_VISION, png_bytes
+from tests.worker.test_engine import GW, Collector
+from tests.worker.text import tokenize
+
+N_IMAGE = TINY_VISION.image_tokens
+
+
+@pytest.fixture
+def config(tiny_model_path: Path, tiny_mmproj_path: Path) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=tiny_model_path,
+        mmproj=tiny_mmproj_path,
+        slots=6,
+        ctx_size=256,
+        max_queue=32,
+        batch_tokens=32,
+        prefill_chunk=7,
+        threads=1,
+    )
+
+
+@pytest.fixture
+def engine(config: WorkerConfig) -> Iterator[Engine]:
+    engine = Engine(config)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def loop(engine: Engine, config: WorkerConfig) -> Iterator[tuple[TickLoop, Collector]]:
+    made: list[MediaEncoder] = []
+    yield new_loop(engine, config, made)
+    for media in made:
+        media.close()
+
+
+def new_loop(
+    engine: Engine, config: WorkerConfig, made: list[MediaEncoder]
+) -> tuple[TickLoop, Collector]:
+    collector = Collector()
+    loop: TickLoop | None = None
+
+    def done(gateway, generate, encoded, why):
+        assert loop is not None
+        loop.inbox.encoded(gateway, generate, encoded, why)
+
+    media = MediaEncoder(config.mmproj, engine.model, 1, False, done)
+    made.append(media)
+    loop = TickLoop(engine, config, collector, media=media)
+    return loop, collector
+
+
+def drain(loop: TickLoop, max_ticks: int = 5_000) -> None:
+    """Tick until every request has finished, waiting for the encoder when only it works."""
+    for _ in range(max_ticks):
+        busy = loop.scheduler.has_work() or not loop.inbox.empty()
+        if not busy and not loop.images_pending:
+            return
+        loop.tick(block=not busy)  # only the encoder's answer can come: wait for it
+    raise AssertionError("the worker did not finish its requests")
+
+
+def image_request(
+    engine: Engine, request_id: str, images: list[bytes], max_tokens: int = 12, text: str = ""
+) -> Generate:
+    """A prompt "look: <image> ... what is it?" with the images one after another."""
+    before = tokenize(engine, "look at this" + text)
+    after = tokenize(engine, " what is it? tell me", add_special=False)
+    at = [len(before)] * len(images)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Generate(request_id, before + after, params, images=images, image_at=at)
+
+
+def text_request(engine: Engine, request_id: str, text: str, max_tokens: int = 30) -> Generate:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Generate(request_id, tokenize(engine, text), params)
+
+
+def run(loop: TickLoop, collector: Collector, *requests: Generate) -> dict[str, list[int]]:
+    for request in requests:
+        loop.inbox.submit(GW, request)
+    drain(loop)
+    return collector.tokens()
+
+
+def test_an_image_request_runs_and_counts_its_image_tokens(engine, loop):
+    tick_loop, collector = loop
+    request = image_request(engine, "img", [png_bytes(40, 24, seed=1)])
+    tokens = run(tick_loop, collector, request)["img"]
+    finish = collector.finishes()["img"]
+    assert len(tokens) == 12 and finish.reason == "length"
+    assert finish.prompt_tokens == len(request.prompt_tokens) + N_IMAGE
+
+
+def test_two_images_give_two_answers_and_no_prefix_hit_across_them(engine, loop):
+    tick_loop, collector = loop
+    first = image_request(engine, "a", [png_bytes(32, 32, seed=1)])
+    other = image_request(engine, "b", [png_bytes(32, 32, seed=2)])
+    same = image_request(engine, "c", [png_bytes(32, 32, seed=1)])
+    run(tick_loop, collector, first)
+    run(tick_loop, collector, same)  # into the slot that holds the first image
+    out = run(tick_loop, collector, other)  # and then there too: the longest shared prefix
+    finishes = collector.finishes()
+    assert out["a"] != out["b"]
+    assert out["c"] == out["a"]
+    image_at = first.image_at[0]
+    # Another image: the cache may serve the text before it, never the image or beyond.
+    assert finishes["b"].cached_tokens <= image_at
+    # The same image again: its cells are reused past the image.
+    assert finishes["c"].cached_tokens > image_at + N_IMAGE
+
+
+def test_greedy_output_with_an_image_is_the_same_alone_and_batched(engine, config):
+    made: list[MediaEncoder] = []
+    try:
+        request = image_request(engine, "img", [png_bytes(48, 30, seed=5)], max_tokens=20)
+        alone_loop, alone = new_loop(engine, config, made)
+        expected = run(alone_loop, alone, request)["img"]
+
+        busy_loop, busy = new_loop(engine, config, made)
+        texts = [text_request(engine, f"t{i}", f"once upon a time {i}") for i in range(3)]
+        others = [
+            image_request(engine, "o1", [png_bytes(32, 32, seed=8)], text=" the cat"),
+            image_request(engine, "o2", [png_bytes(20, 50, seed=9), png_bytes(32, 32, seed=3)]),
+        ]
+        for text in texts:
+            busy_loop.inbox.submit(GW, text)
+        for _ in range(3):  # the text streams are generating when the images arrive
+            busy_loop.tick(block=False)
+        out = run(busy_loop, busy, request, *others)
+        assert out["img"] == expected
+        assert all(len(out[f"t{i}"]) == 30 for i in range(3))
+        assert len(out["o2"]) == 12
+    finally:
+        for media in made:
+            media.close()
+
+
+@pytest.mark.parametrize(
+    "image",
+    [b"not an image at all", png_bytes(32, 32, seed=1)[:60], b""],
+    ids=["not-an-image", "truncated", "empty"],
+)
+def test_a_bad_image_is_refused_and_other_streams_go_on(engine, loop, image):
+    tick_loop, collector = loop
+    text = text_request(engine, "t", "hello world", max_tokens=20)
+    tick_loop.inbox.submit(GW, text)
+    tick_loop.tick(block=False)
+    out = run(tick_loop, collector, image_request(engine, "bad", [image]))
+    assert collector.rejected() == {"bad": ErrorCode.INVALID_REQUEST.value}
+    assert "bad" not in out and len(out["t"]) == 20
+
+
+def test_a_worker_without_a_projector_refuses_images(engine, config):
+    collector = Collector()
+    tick_loop = TickLoop(engine, replace(config, mmproj=None), collector)
+    run(tick_loop, collector, image_request(engine, "img", [png_bytes(32, 32)]))
+    rejected = collector.of_type(type(collector.messages[0][1]))
+    assert collector.rejected() == {"img": ErrorCode.INVALID_REQUEST.value}
+    assert "no vision projector" in rejected[0].message
+
+
+def test_an_image_that_ends_the_prompt_is_refused(engine, loop):
+    tick_loop, collector = loop
+    prompt = tokenize(engine, "look")
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    request = Generate("end", prompt, params, images=[png_bytes(32, 32)], image_at=[len(prompt)])
+    run(tick_loop, collector, request)
+    assert collector.rejected() == {"end": ErrorCode.INVALID_REQUEST.value}
+
+
+def test_the_same_tokens_as_llama_cpps_own_mtmd_path(engine, config, loop, tiny_model_path):
+    """Oracle: libmtmd's own helper (mtmd_helper_eval_chunks) prefills the same prompt in a
+    llama_context of its own; greedy decoding from there gives the loop's tokens."""
+    tick_loop, collector = loop
+    image = png_bytes(36, 28, seed=11)
+    request = image_request(engine, "img", [image], max_tokens=16)
+    ours = run(tick_loop, collector, request)["img"]
+    assert ours == oracle_greedy(engine, config, request, image, 16)
+
+
+def oracle_greedy(
+    engine: Engine, config: WorkerConfig, request: Generate, image: bytes, n: int
+) -> list[int]:
+    text_before = "look at this"
+    text_after = " what is it? tell me"
+    marker = mtmd.mtmd_default_marker().decode()
+    prompt = (text_before + marker + text_after).encode()
+    params = llama.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = 256, 32, 32
+    params.n_threads = params.n_threads_batch = 1
+    ctx = llama.llama_init_from_model(engine.model, params)
+    mparams = mtmd.mtmd_context_params_default()
+    mparams.use_gpu, mparams.n_threads, mparams.print_timings = False, 1, False
+    mctx = mtmd.mtmd_init_from_file(str(config.mmproj).encode(), engine.model, mparams)
+    buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
+    bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(mctx, buf, len(image), False)
+    chunks = mtmd.mtmd_input_chunks_init()
+    try:
+        text = mtmd.mtmd_input_text(prompt, len(prompt), True, True)
+        bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+        assert mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(text), bitmaps, 1) == 0
+        assert mtmd.mtmd_helper_get_n_tokens(chunks) == len(request.prompt_tokens) + N_IMAGE
+        n_past = llama.llama_pos(0)
+        assert (
+            mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 32, True, ctypes.byref(n_past))
+            == 0
+        )
+        tokens, pos = [], n_past.value
+        n_vocab = engine.n_vocab
+        for _ in range(n):
+            logits = np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
+            token = int(np.argmax(logits))
+            tokens.append(token)
+            batch = llama.llama_batch_get_one((llama.llama_token * 1)(token), 1)
+            assert llama.llama_decode(ctx, batch) == 0
+            pos += 1
+        return tokens
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+        mtmd.mtmd_free(mctx)
+        llama.llama_free(ctx)

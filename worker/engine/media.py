@@ -1,0 +1,210 @@
+"""Images in: a Generate's images tokenized and encoded by libmtmd, on a thread of its own.
+
+A vision model's projector (--mmproj) turns each image into a run of embeddings that take
+prompt positions like tokens. The MediaEncoder owns its own mtmd context (never the loop's),
+and one thread that, per Generate with images, reads each image (stb_image, in libmtmd),
+tokenizes it with mtmd_tokenize (how many positions it takes, and any begin/end tokens the
+projector wraps it in, depend on the projector and the image) and encodes it. The loop hears
+of the result through its Inbox, so decode ticks go on while an image is encoded.
+
+The result is an EncodedPrompt: the prompt as the scheduler sees it, where every position of
+an image holds that image's placeholder (sched/media.py: a negative id made from its content
+hash, never a real token), and a MediaSpan per image with its embeddings. EmbeddingBatch
+puts those in the KV cache, in passes of their own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as llama
+import numpy as np
+import structlog
+from llama_cpp import mtmd_cpp as mtmd
+
+from loomserve.protocol import Generate
+from loomserve.worker.sched.media import MediaSpan, placeholder
+
+log = structlog.get_logger(__name__)
+
+
+class MediaError(Exception):
+    """An image that cannot be read or encoded: the request is refused, nothing else."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompt:
+    """A Generate's prompt with its images in place: placeholders in `tokens`, embeddings in
+    `media` (in prompt order)."""
+
+    tokens: list[int]
+    media: tuple[MediaSpan, ...]
+    encode_seconds: float  # on the encoder's thread, reading and tokenizing included
+
+
+Done = Callable[[bytes, Generate, EncodedPrompt | None, str], None]
+
+
+class MediaEncoder:
+    """The projector and its thread: submit() a Generate with images, and `done` is called
+    on that thread with its EncodedPrompt, or None and why it failed."""
+
+    def __init__(
+        self, mmproj: Path, model: llama.llama_model_p, threads: int, use_gpu: bool, done: Done
+    ) -> None:
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.n_threads = max(1, threads)
+        params.print_timings = False
+        params.warmup = True
+        self.ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, params)
+        if not self.ctx:
+            raise ValueError(f"libmtmd cannot load the projector {mmproj} for this model")
+        if not mtmd.mtmd_support_vision(self.ctx):
+            self.close()
+            raise ValueError(f"{mmproj} is no vision projector (audio only)")
+        if mtmd.mtmd_decode_use_mrope(self.ctx):
+            self.close()
+            raise ValueError(f"{mmproj} needs M-RoPE positions (Qwen-VL), not supported yet")
+        # Gemma 3's images attend both ways: each goes whole into one pass (the loop's part).
+        self.non_causal = bool(mtmd.mtmd_decode_use_non_causal(self.ctx, None))
+        self.n_embd = llama.llama_model_n_embd_inp(model)  # the width of one embedding row
+        self.marker = (mtmd.mtmd_default_marker() or b"<__media__>").decode()
+        self._done = done
+        self._queue: queue.SimpleQueue[tuple[bytes, Generate] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="media-encoder", daemon=True)
+        self._thread.start()
+
+    def submit(self, gateway: bytes, generate: Generate) -> None:
+        self._queue.put((gateway, generate))
+
+    def close(self) -> None:
+        """Stop the thread (after the work it has) and free the context."""
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join(timeout=30)
+        if self.ctx:
+            mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+
+    # --- the encoder's thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            gateway, generate = item
+            try:
+                encoded, why = self.encode(generate), ""
+            except MediaError as exc:
+                encoded, why = None, str(exc)
+            except Exception as exc:  # a bug must cost this request only
+                log.exception("image encoding failed", request_id=generate.request_id)
+                encoded, why = None, f"the image could not be encoded: {exc}"
+            self._done(gateway, generate, encoded, why)
+
+    def encode(self, generate: Generate) -> EncodedPrompt:
+        """The Generate's prompt with its images read, tokenized and encoded in place."""
+        started = time.perf_counter()
+        tokens: list[int] = []
+        media: list[MediaSpan] = []
+        taken = 0
+        for index, (image, at) in enumerate(zip(generate.images, generate.image_at, strict=True)):
+            tokens += generate.prompt_tokens[taken:at]
+            taken = at
+            for piece in self._pieces(index, image):
+                if isinstance(piece, list):
+                    tokens += piece
+                else:
+                    embeddings, image_hash = piece
+                    media.append(MediaSpan(len(tokens), embeddings, image_hash))
+                    tokens += [placeholder(image_hash)] * embeddings.shape[0]
+        tokens += generate.prompt_tokens[taken:]
+        return EncodedPrompt(tokens, tuple(media), time.perf_counter() - started)
+
+    def _pieces(self, index: int, image: bytes) -> list[list[int] | tuple[np.ndarray, str]]:
+        """One image as mtmd_tokenize cuts it: text tokens around it (the projector's begin
+        and end markers, if any), and its embeddings with its hash."""
+        buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(image), False)
+        if not bitmap:
+            raise MediaError(f"image {index} is not an image this server can read")
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            marker = self.marker.encode()
+            text = mtmd.mtmd_input_text(marker, len(marker), False, True)
+            bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            if mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), bitmaps, 1) != 0:
+                raise MediaError(f"image {index} could not be preprocessed")
+            return [
+                self._piece(index, chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))
+            ]
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            mtmd.mtmd_bitmap_free(bitmap)
+
+    def _piece(self, index: int, chunks: int, i: int) -> list[int] | tuple[np.ndarray, str]:
+        chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+        kind = mtmd.mtmd_input_chunk_get_type(chunk)
+        if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+            n = ctypes.c_size_t(0)
+            ids = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+            return [int(ids[j]) for j in range(n.value)]
+        if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+            raise MediaError(f"image {index}: the projector made a chunk of kind {kind}")
+        n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
+        if mtmd.mtmd_encode_chunk(self.ctx, chunk) != 0:
+            raise MediaError(f"image {index} could not be encoded")
+        out = mtmd.mtmd_get_output_embd(self.ctx)
+        rows = np.ctypeslib.as_array(out, shape=(n_tokens * self.n_embd,)).copy()
+        image_hash = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
+        if not image_hash:
+            raise MediaError(f"image {index} has no content hash")
+        return rows.reshape(n_tokens, self.n_embd), image_hash
+
+
+class EmbeddingBatch:
+    """A reusable llama_batch of embedding rows: llama.cpp takes a batch of all tokens or
+    all embeddings, so images go through passes of their own (the loop's media step)."""
+
+    def __init__(self, ctx: llama.llama_context_p, capacity: int, n_embd: int) -> None:
+        self.ctx, self.capacity, self.n_embd = ctx, capacity, n_embd
+        self.struct = llama.llama_batch_init(capacity, n_embd, 1)
+
+    def decode(self, rows: np.ndarray, first_pos: int, seq: int, non_causal: bool) -> int:
+        """Put rows in seq's cells from first_pos on, in passes of at most `capacity` (one
+        pass for a non-causal image: the caller checks it fits); llama_decode's code."""
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if non_causal:
+            llama.llama_set_causal_attn(self.ctx, False)
+        try:
+            for offset in range(0, rows.shape[0], self.capacity):
+                part = rows[offset : offset + self.capacity]
+                self._fill(part, first_pos + offset, seq)
+                code = llama.llama_decode(self.ctx, self.struct)
+                if code != 0:
+                    return code
+            return 0
+        finally:
+            if non_causal:
+                llama.llama_set_causal_attn(self.ctx, True)
+
+    def _fill(self, rows: np.ndarray, first_pos: int, seq: int) -> None:
+        batch, n = self.struct, rows.shape[0]
+        ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
+        for i in range(n):
+            batch.pos[i] = first_pos + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = 0  # no row of an image is sampled from
+        batch.n_tokens = n
+
+    def close(self) -> None:
+        if self.struct is not None:
+            llama.llama_batch_free(self.struct)
+            self.struct = None
