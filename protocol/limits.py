@@ -1,10 +1,12 @@
-"""Limits on what a request may hand to llama.cpp's native parsers, checked in pure Python.
+"""Limits on what a request may hand to a grammar parser, checked in pure Python first.
 
-llama.cpp parses GBNF by recursion, one C++ frame chain per nested group, and expands
-repetitions into generated rules: `root ::= ((((...))))` 20,000 deep overflows the stack and
-kills the process, and a few kilobytes of `"a"{0,1999}` make millions of rules. The gateway
-checks every grammar it builds and the worker checks every grammar it receives, with the
-same function, so that a hostile peer that speaks the wire protocol directly cannot crash it.
+A request's GBNF is read by a converter that recurses per nested group and expands
+repetitions (as llama.cpp's own parser does: `root ::= ((((...))))` 20,000 deep overflows a
+stack, a few kilobytes of `"a"{0,1999}` make millions of rules): grammar_problem bounds it.
+What the workers run is llguidance's grammar, which bounds its own nesting and work
+(GRAMMAR_LIMITS); guidance_grammar_problem bounds its size. The gateway checks every grammar
+it builds and the worker every grammar it receives, with the same functions, so that a peer
+that speaks the wire protocol directly cannot crash either.
 """
 
 from __future__ import annotations
@@ -22,6 +24,23 @@ MAX_GRAMMAR_NESTING = 1024
 # rules); its parse time and memory grow with them. 200,000 parse in about 50 ms.
 MAX_GRAMMAR_ELEMENTS = 200_000
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+# An llguidance grammar (what the gateway sends): Lark with JSON schemas inlined, which
+# llguidance compiles in milliseconds and bounds by GRAMMAR_LIMITS; 128 tools of a 8 KB schema
+# each fit. Larger is refused before it is read: a 400 in microseconds, not minutes of compile.
+MAX_GUIDANCE_GRAMMAR_BYTES = 1024 * 1024
+# llguidance's own limits (LLParserLimits), the same in the gateway's check and the worker's
+# matcher: each grammar's compile and each token's step is bounded by work done, not time.
+# Its defaults, but for fewer lexer states (1-2 KB each: 100,000 is at most ~200 MB) and
+# errors that do not print the parser's state.
+GRAMMAR_LIMITS: dict[str, int | bool] = {
+    "max_items_in_row": 2_000,  # the branching of one production row
+    "initial_lexer_fuel": 1_000_000,  # building the lexer: ~50,000 a millisecond
+    "step_lexer_fuel": 200_000,  # one token's lexer work: ~14,000 a millisecond
+    "step_max_items": 50_000,  # one token's Earley items: ~20,000 a millisecond
+    "max_lexer_states": 100_000,
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+    "verbose_errors": False,
+}
 
 # GBNF's tokens, as llama.cpp's parser reads them: a backslash escapes the next character
 # in literals and classes, `#` starts a comment wherever a space may stand.
@@ -37,17 +56,30 @@ _GBNF_TOKEN = re.compile(
 )
 
 
-def grammar_problem(grammar: str) -> str | None:
-    """Why this GBNF grammar must not reach llama.cpp's parser, or None when it may.
+def guidance_grammar_problem(grammar: str) -> str | None:
+    """Why this grammar (llguidance's Lark or JSON form) is too large to compile, or None.
+    llguidance bounds the rest itself (nesting, GRAMMAR_LIMITS)."""
+    return _size_problem(grammar, MAX_GUIDANCE_GRAMMAR_BYTES)
 
-    A grammar that passes may still fail to parse; it can no longer crash the parser.
-    """
+
+def _size_problem(grammar: str, limit: int) -> str | None:
     try:
         size = len(grammar.encode("utf-8"))
     except UnicodeEncodeError:
         return "the grammar is not valid UTF-8 text"
-    if size > MAX_GRAMMAR_BYTES:
-        return f"the grammar has {size} bytes; at most {MAX_GRAMMAR_BYTES} are allowed"
+    if size > limit:
+        return f"the grammar has {size} bytes; at most {limit} are allowed"
+    return None
+
+
+def grammar_problem(grammar: str) -> str | None:
+    """Why this GBNF grammar must not reach a GBNF parser, or None when it may.
+
+    A grammar that passes may still fail to parse; it can no longer crash the parser.
+    """
+    problem = _size_problem(grammar, MAX_GRAMMAR_BYTES)
+    if problem:
+        return problem
     depth = 0
     elements = 0
     last = 1  # elements that repeating the previous item copies

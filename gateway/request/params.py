@@ -188,7 +188,7 @@ def sampling_fields(
         "frequency_penalty": _or(request.frequency_penalty, defaults.frequency_penalty),
         "seed": request.seed,
         "logit_bias": _logit_bias(request.logit_bias, vocab),
-        "grammar": request_grammar(request, vocab),
+        "grammar": request_grammar(request),
         "ignore_eos": bool(request.ignore_eos),
         "speculative": _or(request.speculative, defaults.speculative),
         "logprobs": logprobs,

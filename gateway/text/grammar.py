@@ -1,11 +1,13 @@
-"""A request's grammar, from `grammar` or `response_format`, checked before llama.cpp sees it.
+"""A request's grammar, from `grammar` or `response_format`, as llguidance reads it, checked
+before any worker sees it.
 
-JSON schemas become GBNF in llama-cpp-python's converter, which writes repetitions out in
-full (`maxLength: 10000000` is an 80 MB grammar nested ten million groups deep), so a schema
-is bounded before conversion; every grammar is then bounded again by protocol.limits before
-llama.cpp's own parser, which recurses per nested group, compiles it. A grammar that parses
-but can never finish (protocol.grammar_shape: a rule whose every alternative recurses)
-is refused as well: llama.cpp would follow it until its parse stacks freeze the worker.
+Every grammar becomes llguidance's Lark (docs/grammar.md): a request's GBNF is converted
+(llguidance's gbnf_to_lark; a request may send Lark itself, starting with `start:` or
+`%llguidance`), a JSON schema is inlined as `%json {...}` and compiled by llguidance itself.
+The result is compiled here once with the workers' limits (protocol/limits.py), so a
+grammar that cannot run is a 400 naming the problem, never a worker's error. A GBNF that
+parses but can never finish (protocol.grammar_shape: a rule whose every alternative
+recurses) is refused as well: its output could only end at max_tokens.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import json
 import re
 from typing import Any
 
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llguidance import LLMatcher, LLParserLimits
+from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import GenerationFields
-from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.protocol.grammar_shape import grammar_shape_problem
+from loomserve.protocol.limits import GRAMMAR_LIMITS, grammar_problem, guidance_grammar_problem
 
+# JSON in llguidance's output: `{"a": 1, "b": [2, 3]}`, no free whitespace between tokens (a
+# small model could otherwise write newlines until max_tokens); unknown keywords ignored, as
+# llama.cpp's converter ignores them.
+JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 64
 # The converter writes `maxLength: n` out as n nested groups; protocol.limits allows 1024.
@@ -31,22 +38,61 @@ _REPEAT_KEYWORDS = frozenset(
 _PATTERN_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
-def request_grammar(request: GenerationFields, vocab: Vocab) -> str | None:
-    """The GBNF grammar the request asks for, or None; a 400 for one that cannot be used."""
+def request_grammar(request: GenerationFields) -> str | None:
+    """The Lark grammar the request asks for, or None; a 400 for one that cannot be used."""
     fmt = request.response_format
     wants_json = fmt is not None and fmt.type != "text"
     if request.grammar and wants_json:
         raise invalid_request("give either grammar or a JSON response_format, not both", "grammar")
     if request.grammar:
-        grammar, param = request.grammar, "grammar"
+        grammar, param = _requested_lark(request.grammar), "grammar"
     elif wants_json:
         grammar, param = _json_grammar(fmt), "response_format"
     else:
         return None
-    error = vocab.grammar_error(grammar) or grammar_shape_problem(grammar)
+    error = grammar_error(grammar)
     if error:
         raise invalid_request(error, param)
     return grammar
+
+
+def grammar_error(grammar: str) -> str | None:
+    """Why llguidance cannot run this grammar (Lark or its JSON form) within the workers'
+    limits, or None."""
+    problem = guidance_grammar_problem(grammar)  # first: bounds what llguidance reads
+    if problem:
+        return problem
+    message = LLMatcher.validate_grammar(grammar, limits=LLParserLimits(**GRAMMAR_LIMITS))
+    return f"the grammar cannot be used: {message}" if message else None
+
+
+def json_schema_lark(schema: Any) -> str:
+    """Lark whose output is JSON that the schema accepts (llguidance compiles the schema)."""
+    options = (
+        {**JSON_OPTIONS, **(schema.get("x-guidance") or {})} if isinstance(schema, dict) else None
+    )
+    if options is not None:
+        schema = {**schema, "x-guidance": options}
+    return f"start: %json {json.dumps(schema)}\n"
+
+
+def _requested_lark(text: str) -> str:
+    """A request's own grammar as Lark: GBNF converted (a 400 naming what cannot be), or
+    Lark as it is."""
+    problem = grammar_problem(text)
+    if problem:
+        raise invalid_request(problem, "grammar")
+    if is_lark_syntax(text):
+        return text
+    problem = grammar_shape_problem(text)
+    if problem:
+        raise invalid_request(problem, "grammar")
+    try:
+        return any_to_lark(text)
+    except RecursionError:
+        raise invalid_request("the GBNF grammar nests too deeply", "grammar") from None
+    except Exception as exc:  # the converter raises plain Exceptions, with the reason
+        raise invalid_request(f"the GBNF grammar cannot be read: {exc}", "grammar") from None
 
 
 def schema_problem(schema: Any) -> str | None:
@@ -90,11 +136,8 @@ def _json_grammar(fmt: Any) -> str:
             raise invalid_request("json_schema needs a schema", "response_format.json_schema")
         schema = fmt.json_schema.schema_
     if schema is None:
-        return JSON_GBNF
+        schema = {"type": "object"}  # json_object: any object
     problem = schema_problem(schema)
     if problem:
         raise invalid_request(problem, "response_format")
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except (AssertionError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise invalid_request(f"unsupported JSON schema: {exc}", "response_format") from exc
+    return json_schema_lark(schema)

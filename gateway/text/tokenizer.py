@@ -1,4 +1,4 @@
-"""The model's vocabulary without its weights: tokenize, turn tokens into text, check grammars.
+"""The model's vocabulary without its weights: tokenize, turn tokens into text.
 
 The gateway owns text, so it loads the GGUF with vocab_only and never touches tensors.
 """
@@ -15,7 +15,6 @@ from typing import Protocol
 import llama_cpp
 import structlog
 
-from loomserve.protocol.limits import grammar_problem
 from loomserve.protocol.vocab import vocab_fingerprint
 
 GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml's levels; 1-3 are debug, info and warn
@@ -125,17 +124,6 @@ class Vocab:
 
     def is_valid(self, token_id: int) -> bool:
         return 0 <= token_id < self.n_tokens
-
-    def grammar_error(self, grammar: str) -> str | None:
-        """None when llama.cpp can compile the GBNF grammar, else why not."""
-        problem = grammar_problem(grammar)  # first: llama.cpp's parser can crash on these
-        if problem:
-            return problem
-        sampler = llama_cpp.llama_sampler_init_grammar(self.vocab, grammar.encode(), b"root")
-        if not sampler:
-            return "the grammar does not parse (GBNF with a `root` rule expected)"
-        llama_cpp.llama_sampler_free(sampler)
-        return None
 
     def meta(self, key: str) -> str:
         """The GGUF metadata value of key, as text; empty when the file has none."""

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import ChatCompletionRequest, NamedToolChoice
+from loomserve.gateway.text.grammar import grammar_error
 from loomserve.gateway.text.tokenizer import Pieces, Vocab
 from loomserve.gateway.tools.format import ToolFormat
 from loomserve.gateway.tools.framed import ToolParser, tool_parser
@@ -116,7 +117,7 @@ def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) ->
         grammar = tool_grammar(fmt, functions, parallel)
     except ToolGrammarError as exc:
         raise invalid_request(str(exc), "tools") from exc
-    error = vocab.grammar_error(grammar)
+    error = grammar_error(grammar)
     if error:
         raise invalid_request(f"the tools' schemas give no usable grammar: {error}", "tools")
     return ToolRequest(fmt, definitions, kind, parallel, grammar)

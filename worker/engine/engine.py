@@ -40,6 +40,7 @@ from loomserve.worker.engine.graph_draw import (
     GraphDrawSampler,
     graph_draw_library,
 )
+from loomserve.worker.engine.guidance import GrammarVocab
 from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
 from loomserve.worker.engine.sampling import HostSampler, Sampler, build_sampler
 from loomserve.worker.sched.slots import Run
@@ -209,6 +210,9 @@ class Engine:
         )
         self.batch = TokenBatch(config.batch_tokens)
         self.last_outputs = 0  # rows of logits the last decode made (output_logits)
+        # llguidance's tokenizer builds on a thread from here (seconds for a large vocabulary);
+        # the first grammar waits for it.
+        self.grammars = GrammarVocab(self.vocab, self.n_vocab)
 
     # --- set-up -------------------------------------------------------------------
 
@@ -334,7 +338,7 @@ class Engine:
         return build_sampler(
             params,
             self.ctx,
-            self.vocab,
+            self.grammars,
             self.n_vocab,
             self.slot_context,
             self.graph_chains,
@@ -461,6 +465,7 @@ class Engine:
             self.graph_chains.close()
         if self.graph_draws is not None:
             self.graph_draws.close()
+        self.grammars.close()
         if self.ctx:
             llama.llama_free(self.ctx)
             self.ctx = None

@@ -13,15 +13,14 @@ argmax; sample_rows takes those for a whole tick at once (rowscan's argmax, in C
 With backend sampling on (backend_sampling.py), a request the graph samples exactly gets a
 BackendSampler instead: llama_decode draws its token, the host only reads it.
 
-A request with a grammar gets a Sampler: a llama.cpp sampler chain that samples lazily, as
-llama.cpp's common_sampler_sample does: the chain (without the grammar) picks a token, the
-grammar is asked about that one token, and only when it refuses does the grammar mask the
-whole vocabulary for a second pick. Masking 262,144 tokens costs more than a forward pass of
-a small model; most tokens pass the check. A greedy request checks its next best tokens one
-at a time first (_best_allowed) and masks only when none of them settles it. The grammar
-advances by the kept token only (grammar_state.py). For greedy requests the token is the same
-as masking first: the first maximum over all tokens, when the grammar allows it, is the first
-maximum over those it allows.
+A request with a grammar gets a Sampler: the request's chain (llama.cpp's samplers, or an
+argmax for greedy) picks a token, the grammar (guidance.py, on llguidance) is asked about that
+one token, and only when it refuses does it mask the row (about 0.1 ms over 262,144 tokens)
+for a second pick, as llama.cpp's common_sampler_sample does. The grammar advances by the
+kept token only. For greedy requests the token is the one masking first gives: the first
+maximum over all tokens, when the grammar allows it, is the first maximum over those it
+allows; for sampled ones, a draw refused and drawn again from the masked row is a draw from
+the masked distribution.
 
 Penalties see the generated tokens only, not the prompt, as in llama-server.
 """
@@ -36,8 +35,7 @@ import llama_cpp as llama
 import numpy as np
 
 from loomserve.protocol import SamplingParams
-from loomserve.protocol.grammar_shape import grammar_shape_problem
-from loomserve.protocol.limits import MAX_LOGIT_BIAS, grammar_problem
+from loomserve.protocol.limits import MAX_LOGIT_BIAS, guidance_grammar_problem
 from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.backend_sampling import (
     BackendSampler,
@@ -54,8 +52,13 @@ from loomserve.worker.engine.draw import (
     draw_token,
     draw_tokens,
 )
-from loomserve.worker.engine.grammar_state import GrammarState, GrammarTooComplex, grammar_vocab
 from loomserve.worker.engine.graph_draw import GraphDrawSampler
+from loomserve.worker.engine.guidance import (
+    GrammarFailed,
+    GrammarState,
+    GrammarVocab,
+    compile_grammar,
+)
 from loomserve.worker.engine.logprobs import adjusted_logits, logit_adjustments
 from loomserve.worker.sched.slots import TokenSampler
 
@@ -77,9 +80,6 @@ PARALLEL_ROWS = 16
 # GIL back. A thread's draws are one call since (ls_draw_rows); whether more threads pay now
 # is not measured.
 MAX_SAMPLING_THREADS = 4
-# A greedy pick the grammar refused: this many of the next best are checked one at a time
-# before the grammar masks the whole vocabulary (262,144 tokens: tens of milliseconds).
-GREEDY_SCAN = 32
 
 
 class InvalidSampling(ValueError):
@@ -94,7 +94,7 @@ class Sampler:
     grammar allows nothing more but an end-of-generation token.
     """
 
-    __slots__ = ("_chain", "_ctx", "_grammar", "_greedy", "failure", "grammar_complete")
+    __slots__ = ("_chain", "_ctx", "_grammar", "failure", "grammar_complete")
 
     verifies_drafts = True
 
@@ -103,12 +103,10 @@ class Sampler:
         chain: llama.llama_sampler_p | None,
         ctx,
         grammar: GrammarState | None = None,
-        greedy: bool = False,
     ) -> None:
         self._chain = chain  # None: greedy, an argmax over the logits (then the grammar)
         self._ctx = ctx
         self._grammar = grammar  # checked lazily, never in the chain
-        self._greedy = chain is None or greedy  # the chain ends in llama.cpp's greedy sampler
         self.failure: str | None = None
         self.grammar_complete = False
 
@@ -130,13 +128,14 @@ class Sampler:
             candidates.fill(logits)
             llama.llama_sampler_apply(chain, candidates.pointer)
             token = candidates.selected()
-        if not grammar.allows(token):
-            token = self._resample(grammar, logits)
-            if self.failure is not None:
-                return token
         try:
+            if not grammar.allows(token):
+                token = self._pick_masked(grammar, logits)
+                if not grammar.allows(token):  # it refuses every token the bias leaves
+                    self.failure = "the grammar allows none of the tokens the request may produce"
+                    return token
             grammar.accept(token)
-        except GrammarTooComplex as exc:
+        except GrammarFailed as exc:
             self.failure = str(exc)
             return token
         if chain is not None:
@@ -144,28 +143,16 @@ class Sampler:
         self.grammar_complete = grammar.complete()
         return token
 
-    def _resample(self, grammar: GrammarState, logits: np.ndarray) -> int:
-        """The token when the grammar refused the chain's: for greedy, the best of the next
-        GREEDY_SCAN tokens the grammar allows, one check each; else (or when none of those
-        settles it) the whole vocabulary masked and the chain run again."""
-        chain = self._chain
+    def _pick_masked(self, grammar: GrammarState, logits: np.ndarray) -> int:
+        """The chain's pick again, over the row with every token the grammar refuses at -inf
+        (the chain cannot bring one back)."""
         candidates = grammar.shared.candidates
-        if self._greedy:
-            # The chain's logits, after bias and penalties, are still in the buffer in id order.
-            scores = logits if chain is None else candidates.logits()
-            token = _best_allowed(scores, grammar)
-            if token is not None:
-                return token
         candidates.fill(logits)
-        grammar.mask(candidates)  # the chain cannot bring back a token set to -inf
-        if chain is None:
-            token = candidates.first_maximum()
-        else:
-            llama.llama_sampler_apply(chain, candidates.pointer)
-            token = candidates.selected()
-        if not grammar.allows(token):  # it refuses every token the bias leaves
-            self.failure = "the grammar allows none of the tokens the request may produce"
-        return token
+        grammar.mask(candidates)
+        if self._chain is None:
+            return candidates.first_maximum()
+        llama.llama_sampler_apply(self._chain, candidates.pointer)
+        return candidates.selected()
 
     @property
     def plain_greedy(self) -> bool:
@@ -458,7 +445,7 @@ def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama
 def build_sampler(
     params: SamplingParams,
     ctx,
-    vocab,
+    grammars: GrammarVocab | None,
     n_vocab: int,
     slot_context: int,
     graph_chains: GraphChains | None = None,
@@ -470,7 +457,8 @@ def build_sampler(
     request the C draw serves gets a GraphDrawSampler (graph_draw.py).
 
     The worker checks what it is sent itself, as the gateway did: a peer that speaks the
-    protocol directly must not be able to crash llama.cpp's grammar parser.
+    protocol directly must not be able to crash a grammar parser. `grammars`: the model's
+    (None where no request has a grammar).
     """
     if len(params.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidSampling(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
@@ -484,12 +472,14 @@ def build_sampler(
         return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)
     if not params.grammar:
         return HostSampler(params, slot_context)
-    grammar = _grammar(params.grammar, vocab, n_vocab)
+    if grammars is None:
+        raise InvalidSampling("this worker takes no grammars")
+    grammar = _grammar(params.grammar, grammars)
     if _is_argmax(params):
         return Sampler(None, ctx, grammar)
 
     chain = llama_chain(params, n_vocab, slot_context)
-    return Sampler(chain, ctx, grammar, greedy=params.greedy)
+    return Sampler(chain, ctx, grammar)
 
 
 def llama_chain(params: SamplingParams, n_vocab: int, slot_context: int) -> llama.llama_sampler_p:
@@ -508,34 +498,13 @@ def llama_chain(params: SamplingParams, n_vocab: int, slot_context: int) -> llam
     return sampler_chain(stages)
 
 
-def _best_allowed(scores: np.ndarray, grammar: GrammarState) -> int | None:
-    """The first maximum of `scores` among the tokens the grammar allows, when one of the
-    GREEDY_SCAN best is allowed and scores strictly more than the rest; else None.
-
-    The same token as masking every refused token and taking the first maximum: the best
-    tokens are checked by score, then id, and one scoring more than the GREEDY_SCAN-th best
-    beats every token left out (a tie with those might hide a lower id: None).
-    """
-    k = min(GREEDY_SCAN, len(scores))
-    top = np.argpartition(scores, -k)[-k:]
-    values = scores[top]
-    floor = values.min()
-    for i in np.lexsort((top, -values)):
-        if values[i] <= floor:
-            return None
-        token = int(top[i])
-        if grammar.allows(token):
-            return token
-    return None
-
-
-def _grammar(text: str, vocab, n_vocab: int) -> GrammarState:
-    """The request's grammar, parsed first: a bad one is refused before anything else is
-    allocated."""
-    problem = grammar_problem(text) or grammar_shape_problem(text)
+def _grammar(text: str, grammars: GrammarVocab) -> GrammarState:
+    """The request's grammar, bounded first: one that could crash a parser, or that does not
+    compile within its limits, is refused before anything else is allocated."""
+    problem = guidance_grammar_problem(text)
     if problem:
         raise InvalidSampling(problem)
-    sampler = llama.llama_sampler_init_grammar(vocab, text.encode(), b"root")
-    if not sampler:
-        raise InvalidSampling("the grammar does not parse as GBNF with a `root` rule")
-    return GrammarState(sampler, grammar_vocab(vocab, n_vocab))
+    try:
+        return compile_grammar(text, grammars)
+    except ValueError as exc:
+        raise InvalidSampling(str(exc)) from None
