@@ -24,10 +24,16 @@ from loomserve.gateway.api.schemas import GenerationFields
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import GRAMMAR_LIMITS, grammar_problem, guidance_grammar_problem
 
-# JSON in llguidance's output: `{"a": 1, "b": [2, 3]}`, no free whitespace between tokens (a
-# small model could otherwise write newlines until max_tokens); unknown keywords ignored, as
-# llama.cpp's converter ignores them.
-JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
+# JSON in llguidance's output: properties in the schema's order, at most 20 spaces, tabs or
+# newlines between tokens (compact, `{"a": 1}` or pretty-printed; llama.cpp's converter's
+# bound: a small model could otherwise write whitespace until max_tokens); unknown keywords
+# ignored, as llama.cpp's converter ignores them; `\u00fc` escapes as well as the characters.
+JSON_OPTIONS = {
+    "whitespace_flexible": True,
+    "whitespace_pattern": r"[ \t\n]{0,20}",
+    "lenient": True,
+    "json_allow_general_unicode_escapes": True,  # "Z\u00fcrich", as json.dumps writes it
+}
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 64
 # The converter writes `maxLength: n` out as n nested groups; protocol.limits allows 1024.

@@ -63,6 +63,7 @@ def tool_grammar(
             "properties": {**head, **properties} if fmt.index_key else properties,
             "required": [*([fmt.index_key] if fmt.index_key else []), *properties],
             "additionalProperties": False,
+            **_definitions(schema),  # its "#/$defs/..." references resolve from the call's root
         }
         rules.append(f"call-{i}: {_json(call)}")
         alternatives.append(f"call-{i}")
@@ -115,17 +116,20 @@ def _xml_arguments(xml: XmlArguments, i: int, schema: dict[str, Any], rules: lis
     (without a maxLength, at most MAX_TOOL_STRING_CHARS beyond its minLength)."""
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
+    definitions = _definitions(schema)
     newline = _literal("\n") if xml.trim_newline else ""
     elements = []
+    close = _literal(xml.value_close + xml.separator)
     for key, value_schema in properties.items():
-        if schema_types(value_schema) == {"string"} and "enum" not in value_schema:
-            value = f"/[^<]{{{_string_bounds(value_schema)}}}/"
-        else:
-            value = _json(value_schema)
         head = _literal(xml.key_open + key + xml.key_close + xml.value_open)
-        element = _sequence(
-            head, newline, value, newline, _literal(xml.value_close + xml.separator)
-        )
+        if schema_types(value_schema) == {"string"} and "enum" not in value_schema:
+            # The text and what closes it in one regex: as two lexemes, the text (which may
+            # hold a newline) would take the newline that ends it.
+            ending = ("\n" if xml.trim_newline else "") + xml.value_close + xml.separator
+            value = f"/[^<]{{{_string_bounds(value_schema)}}}{_regex_literal(ending)}/"
+            element = _sequence(head, newline, value)
+        else:
+            element = _sequence(head, newline, _json(value_schema, definitions), newline, close)
         elements.append(f"({element})" + ("" if key in required else "?"))
     rules.append(f"call-{i}-parameters: " + (" ".join(elements) or '""'))
     return f"call-{i}-parameters"
@@ -138,6 +142,7 @@ def _quoted_arguments(quote: str, i: int, schema: dict[str, Any], rules: list[st
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     keys = sorted(properties, key=lambda k: (k not in required, k))
+    definitions = _definitions(schema)
     members = []
     for key in keys:
         value_schema = properties[key]
@@ -145,7 +150,7 @@ def _quoted_arguments(quote: str, i: int, schema: dict[str, Any], rules: list[st
             text = f"/[^<]{{{_string_bounds(value_schema)}}}/"
             value = _sequence(_literal(quote), text, _literal(quote))
         else:
-            value = _json(value_schema)
+            value = _json(value_schema, definitions)
         members.append((key in required, _sequence(_literal(key + ":"), value)))
     body = _members(members, '","')
     rules.append(f'call-{i}-quoted: "{{" {body} "}}"')
@@ -159,6 +164,7 @@ def _python_arguments(i: int, schema: dict[str, Any], rules: list[str]) -> str:
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     keys = sorted(properties, key=lambda k: k not in required)  # stable: the schema's order
+    definitions = _definitions(schema)
     members = []
     for key in keys:
         value_schema = properties[key]
@@ -170,7 +176,7 @@ def _python_arguments(i: int, schema: dict[str, Any], rules: list[str]) -> str:
         elif types == {"null"}:
             value = '"None"'
         else:
-            value = _json(value_schema)
+            value = _json(value_schema, definitions)
         members.append((key in required, _sequence(_literal(key + "="), value)))
     rules.append(f"call-{i}-keywords: {_members(members, chr(34) + ', ' + chr(34))}")
     return f"call-{i}-keywords"
@@ -225,8 +231,17 @@ def _min_length(schema: dict[str, Any]) -> int:
     return low if isinstance(low, int) and low >= 0 else 0
 
 
-def _json(schema: Any) -> str:
-    """llguidance's inline JSON schema, with the gateway's JSON options."""
+def _definitions(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema's definitions, taken out of it (in place): `$defs` and `definitions`, for
+    the schema they are written into, whose root its `#/$defs/...` references then mean."""
+    return {key: schema.pop(key) for key in ("$defs", "definitions") if key in schema}
+
+
+def _json(schema: Any, definitions: dict[str, Any] | None = None) -> str:
+    """llguidance's inline JSON schema, with the gateway's JSON options (and the parameters'
+    definitions, for one parameter's schema)."""
+    if isinstance(schema, dict) and definitions:
+        schema = {**schema, **definitions}
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
     return f"%json {json.dumps(schema)}"
@@ -237,6 +252,20 @@ def _sequence(*parts: str) -> str:
     return " ".join(p for p in parts if p) or '""'
 
 
+def _regex_literal(text: str) -> str:
+    """Text as itself inside a Lark /regex/: its metacharacters, the slash and newlines
+    escaped."""
+    return "".join(
+        r"\n" if char == "\n" else "\\" + char if char in _REGEX_META else char for char in text
+    )
+
+
+_REGEX_META = frozenset(r"\.+*?()|[]{}^$#&-~/")
+
+
 def _literal(text: str) -> str:
-    """A Lark string literal ("" when text is empty: nothing to write)."""
-    return json.dumps(text) if text else ""
+    """Lark for this text: one literal per character ("" when text is empty: nothing to
+    write). llguidance's lexer takes the longest lexeme it can, so a marker written as one
+    literal that starts with another (the separator "\n" and the closing "\n</list>") would
+    swallow the text that should have followed the shorter; single characters never do."""
+    return " ".join(json.dumps(char) for char in text)

@@ -24,6 +24,7 @@ from loomserve.gateway.text.chat_template import (
 from loomserve.gateway.text.stop import StopMatcher
 from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Vocab
 from loomserve.gateway.tools.template import TemplateTools
+from tests.grammars import grammar_accepts
 
 
 @pytest.fixture(scope="module")
@@ -307,11 +308,16 @@ def test_response_formats_become_grammars(vocab: Vocab) -> None:
     messages = [{"role": "user", "content": "x"}]
     request = ChatCompletionRequest(messages=messages, response_format=fmt)
     grammar = sampling_params(request, 4, vocab).grammar
-    assert grammar is not None and '"\\"n\\""' in grammar
+    assert grammar is not None
+    assert grammar_accepts(vocab, grammar, '{"n": 12}')
+    assert not grammar_accepts(vocab, grammar, '{"n": "twelve"}')
     plain = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
     )
-    assert "object" in sampling_params(plain, 4, vocab).grammar
+    any_object = sampling_params(plain, 4, vocab).grammar
+    assert any_object is not None
+    assert grammar_accepts(vocab, any_object, '{"a": [1, {"b": null}]}')
+    assert not grammar_accepts(vocab, any_object, "[1]")
     text = ChatCompletionRequest(
         messages=[{"role": "user", "content": "x"}], response_format={"type": "text"}
     )

@@ -5,17 +5,16 @@ exactly that text."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import pytest
 
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.text.chat_template import ChatTemplate
+from loomserve.gateway.text.grammar import grammar_error
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.format import FAMILIES, PARSER_NAMES, ToolFormat, detect
 from loomserve.gateway.tools.framed import tool_parser
@@ -23,6 +22,7 @@ from loomserve.gateway.tools.grammar import tool_grammar
 from loomserve.gateway.tools.parser import ArgumentsDelta, CallStart, ContentDelta
 from loomserve.gateway.tools.template import TemplateTools
 from loomserve.protocol.settings import setting_info
+from tests.grammars import grammar_accepts
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
 
@@ -519,32 +519,12 @@ def test_history_text_reads_back_as_the_same_calls(family: str) -> None:
     assert [(name, json.loads(arguments)) for name, arguments in calls] == expected
 
 
-def grammar_accepts(vocab: Vocab, grammar: str, text: str) -> bool:
-    """Whether llama.cpp's grammar sampler lets `text` through, byte token by byte token, and
-    then lets the reply end."""
-    byte_ids = {vocab.piece(i): i for i in range(vocab.n_tokens) if len(vocab.piece(i)) == 1}
-    sampler = llama_cpp.llama_sampler_init_grammar(vocab.vocab, grammar.encode(), b"root")
-    assert sampler
-    try:
-        ids = [byte_ids[bytes([b])] for b in text.encode()]
-        for token in [*ids, llama_cpp.llama_vocab_eos(vocab.vocab)]:
-            data = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(token, 0.0, 0.0))
-            array = llama_cpp.llama_token_data_array(data, 1, -1, False)
-            llama_cpp.llama_sampler_apply(sampler, ctypes.byref(array))
-            if data[0].logit == float("-inf"):
-                return False
-            llama_cpp.llama_sampler_accept(sampler, token)
-        return True
-    finally:
-        llama_cpp.llama_sampler_free(sampler)
-
-
 def test_each_familys_grammar_forces_its_own_syntax(tiny_model_path: Path) -> None:
     vocab = Vocab(tiny_model_path)
     functions = [("get_weather", WEATHER), ("get_time", None)]
     for family, fmt in FAMILIES.items():
         grammar = tool_grammar(fmt, functions, parallel=True)
-        assert vocab.grammar_error(grammar) is None, family
+        assert grammar_error(grammar) is None, family
         text = fmt.write_calls(HISTORY_CALLS)
         if fmt.starts_in_call and fmt.framed is not None:
             text = text.removeprefix(fmt.framed.opens[0])

@@ -3,8 +3,6 @@ detection, template probes."""
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +10,7 @@ import pytest
 
 from loomserve.gateway.generate.assembly import TextAssembly
 from loomserve.gateway.text.chat_template import CHATML_TEMPLATE, ChatTemplate
+from loomserve.gateway.text.grammar import grammar_error
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.call_object import CallObject, as_call
 from loomserve.gateway.tools.checks import MarkerPieces
@@ -25,7 +24,7 @@ from loomserve.gateway.tools.parser import (
     parse_reply,
 )
 from loomserve.gateway.tools.template import TemplateTools
-from loomserve.protocol.limits import grammar_problem
+from tests.grammars import grammar_accepts
 
 
 def streamed(fmt: ToolFormat, text: str, max_calls: int | None = None, step: int = 1):
@@ -239,19 +238,24 @@ def test_grammar_from_schemas_compiles_for_every_format(tiny_model_path: Path) -
         "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
         "$defs": {"Item": {"type": "object", "properties": {"k": {"type": "boolean"}}}},
     }
+    calls = [("f", {"items": [{"k": True}, {}]}), ("g", {})]
     for fmt in (HERMES, GENERIC, MISTRAL, LLAMA3, JSON):
         grammar = tool_grammar(fmt, [("f", schema), ("g", None)], parallel=True)
-        assert grammar.count("root ::=") == 1
-        assert vocab.grammar_error(grammar) is None
-        assert '"\\"f\\""' in grammar and '"\\"g\\""' in grammar
-        assert json.dumps(fmt.arguments_key) in grammar.replace('\\"', '"')
+        assert grammar.count("start:") == 1
+        assert grammar_error(grammar) is None
+        written = fmt.write_calls(calls)
+        assert grammar_accepts(vocab, grammar, written), fmt.name
+        # The $ref is followed: an item that is not an object is refused.
+        wrong = written.replace('{"k": true}', "7")
+        assert wrong != written and not grammar_accepts(vocab, grammar, wrong), fmt.name
     with pytest.raises(ToolGrammarError):
         tool_grammar(HERMES, [("f", {"type": "string", "maxLength": 10**7})], parallel=False)
 
 
 def test_a_forced_calls_strings_are_bounded(tiny_model_path: Path) -> None:
-    """A string without maxLength holds at most MAX_TOOL_STRING_CHARS characters; a literal
-    that spells `char*` and a schema's own maxLength stay as they are."""
+    """A string without maxLength holds at most MAX_TOOL_STRING_CHARS characters (beyond its
+    minLength); a schema's own maxLength and an enum stay as they are."""
+    vocab = Vocab(tiny_model_path)
     schema = {
         "type": "object",
         "properties": {
@@ -259,15 +263,21 @@ def test_a_forced_calls_strings_are_bounded(tiny_model_path: Path) -> None:
             "long": {"type": "string", "minLength": 2},
             "short": {"type": "string", "maxLength": 3},
             "kind": {"enum": ["a char* b"]},
-            "any": {"type": "object"},
         },
+        "required": ["free", "long", "short", "kind"],
     }
-    grammar = tool_grammar(HERMES, [("f", schema)], parallel=True)
-    assert not re.search(r"char\)?\*", grammar.replace("a char* b", ""))
-    assert f"char{{0,{MAX_TOOL_STRING_CHARS}}}" in grammar
-    assert "a char* b" in grammar
-    assert Vocab(tiny_model_path).grammar_error(grammar) is None
-    assert grammar_problem(grammar) is None
+    grammar = tool_grammar(HERMES, [("f", schema)], parallel=False)
+
+    def call(free: str, long: str, short: str) -> str:
+        arguments = {"free": free, "long": long, "short": short, "kind": "a char* b"}
+        return HERMES.write_calls([("f", arguments)])
+
+    most = MAX_TOOL_STRING_CHARS
+    assert grammar_accepts(vocab, grammar, call("a" * most, "b" * (most + 2), "ccc"))
+    assert not grammar_accepts(vocab, grammar, call("a" * (most + 1), "bb", "c"))
+    assert not grammar_accepts(vocab, grammar, call("a", "b" * (most + 3), "c"))
+    assert not grammar_accepts(vocab, grammar, call("a", "bb", "cccc"))
+    assert schema["properties"]["free"] == {"type": "string"}  # the request's own is untouched
 
 
 CONTROL_MARKER_PIECES = {0: b"", 1: b"Hello", 2: b"[", 3: b"", 4: b"{}"}
