@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from loomserve.protocol import FinishReason, Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
+from loomserve.worker.tick.faults import ENV_VAR
 from loomserve.worker.tick.loop import TickLoop
 from loomserve.worker.tick.tracing import RequestTracer
 from tests.otel_spans import kept_spans
@@ -119,3 +120,32 @@ def test_a_request_cancelled_in_the_queue_has_no_prefill_or_decode(engine, confi
         if s.parent is not None and s.parent.span_id == second[0].context.span_id
     ]
     assert children == ["worker.queue"]
+
+
+def test_a_request_failed_after_it_was_taken_says_why_in_its_span(
+    engine, config, spans, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward pass fails (faults.py's injection) and the loop fails the request it
+    ran: its worker.request span carries a loomserve.refused event with the failure's code
+    and message."""
+    spans.clear()
+    monkeypatch.setenv(ENV_VAR, "once")
+    tracer = RequestTracer("tiny")
+    loop = TickLoop(engine, config, collector := Collector(), tracer=tracer)
+    loop.inbox.submit(GW, generate("failed"))
+    loop.inbox.stop()  # run() returns once the failed request is answered
+    loop.run()
+    tracer.close()
+    finish = collector.finishes()["failed"]
+    assert finish.reason == FinishReason.ERROR
+    [root] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.attributes.get("loomserve.request_id") == "failed"
+    ]
+    [event] = root.events
+    assert event.name == "loomserve.refused"
+    assert event.attributes["error.type"] == (finish.code or "internal_error")
+    assert event.attributes["loomserve.error.message"] == finish.message
+    assert finish.message == "internal error in the worker's tick"
+    assert root.status.status_code.name == "ERROR"

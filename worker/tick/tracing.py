@@ -126,6 +126,13 @@ class RequestTracer:
             }
             self._span("worker.decode", within, ns(first), end, decode)
         if finish.reason == FinishReason.ERROR.value:
+            # Failed after it was taken: why, at the moment it failed, as the gateway's spans
+            # say it (its code, else the gateway's code for an engine failure).
+            refused = {
+                "error.type": finish.code or "internal_error",
+                "loomserve.error.message": finish.message,
+            }
+            root.add_event("loomserve.refused", refused, timestamp=end)
             root.set_status(Status(StatusCode.ERROR, finish.message))
         root.end(end_time=end)
 
