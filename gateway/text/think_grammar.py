@@ -26,7 +26,7 @@ def after_thinking(grammar: str, family: ReasoningFamily, inside: bool) -> str:
     start = (
         f"start: {block} @answer"
         if inside
-        else f"start: ({_literal(family.start)} {block})? @answer"
+        else f"start: ({_characters(family.start)} {block})? @answer"
     )
     think = "\n".join(
         [
@@ -42,3 +42,10 @@ def after_thinking(grammar: str, family: ReasoningFamily, inside: bool) -> str:
 
 def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
+
+
+def _characters(text: str) -> str:
+    """One literal per character: llguidance's lexer takes the longest lexeme it can, so a
+    start marker written whole (`"<think>"`) would take the `<` that opens the answer's own
+    marker (`<tool_call>`)."""
+    return " ".join(_literal(char) for char in text)
