@@ -8,8 +8,8 @@ projector wraps it in, depend on the projector and the image) and encodes it. Th
 of the result through its Inbox, so decode ticks go on while an image is encoded.
 
 The result is an EncodedPrompt: the prompt as the scheduler sees it, where every position of
-an image holds that image's placeholder (sched/media.py: a negative id made from its content
-hash, never a real token), and a MediaSpan per image with its embeddings. EmbeddingBatch
+an image holds a placeholder (sched/media.py: a negative id made from its content hash,
+never a real token), and a MediaSpan per image with its embeddings. EmbeddingBatch
 puts those in the KV cache, in passes of their own.
 """
 
@@ -29,7 +29,7 @@ import structlog
 from llama_cpp import mtmd_cpp as mtmd
 
 from loomserve.protocol import Generate
-from loomserve.worker.sched.media import MediaSpan, placeholder
+from loomserve.worker.sched.media import MediaSpan, placeholders
 
 log = structlog.get_logger(__name__)
 
@@ -123,7 +123,7 @@ class MediaEncoder:
                 else:
                     embeddings, image_hash = piece
                     media.append(MediaSpan(len(tokens), embeddings, image_hash))
-                    tokens += [placeholder(image_hash)] * embeddings.shape[0]
+                    tokens += placeholders(image_hash, embeddings.shape[0])
         tokens += generate.prompt_tokens[taken:]
         return EncodedPrompt(tokens, tuple(media), time.perf_counter() - started)
 

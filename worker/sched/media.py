@@ -1,8 +1,10 @@
 """Images in a prompt as the scheduler sees them: spans of positions. Plain Python.
 
 An image takes a run of prompt positions (its embeddings, from worker/engine/media.py);
-every position of it holds the image's placeholder, a negative id made from its content
-hash, so the prefix cache and its keys treat an image as its hash at its position. The
+each position of it holds a placeholder, a negative id made from its content hash and the
+position's offset in it, so the prefix cache and its keys treat an image as its hash at its
+position: another image differs at its first position already (a 2**-31 chance that it
+does not, and then at the next). The
 scheduler plans token runs up to the next image only (Slot.prompt_remaining); the loop puts
 each image's embeddings in the cache in passes of their own (a llama_batch is all tokens or
 all embeddings) before the tick's token pass.
@@ -10,10 +12,13 @@ all embeddings) before the tick's token pass.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-PLACEHOLDER_BITS = 60  # of the image's hash, in its placeholder id
+# Token ids travel as 32-bit integers (prefix keys hash them as such): a placeholder is
+# below zero and above -2**31.
+PLACEHOLDER_SPAN = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +38,14 @@ class MediaSpan:
         return self.start + self.n_tokens
 
 
-def placeholder(image_hash: str) -> int:
-    """The id every position of an image holds in the scheduler's view of the prompt: negative,
-    so never a token, and the image's own, so two images never share cached cells."""
-    return -1 - (int(image_hash[:16], 16) >> (64 - PLACEHOLDER_BITS))
+def placeholders(image_hash: str, n_tokens: int) -> list[int]:
+    """The ids an image's positions hold in the scheduler's view of the prompt: negative, so
+    never a token, and the image's own, so two images never share cached cells."""
+    ids = []
+    for offset in range(n_tokens):
+        digest = hashlib.blake2b(f"{image_hash}:{offset}".encode(), digest_size=4).digest()
+        ids.append(-1 - int.from_bytes(digest, "little") % PLACEHOLDER_SPAN)
+    return ids
 
 
 def media_at(media: tuple[MediaSpan, ...], position: int) -> MediaSpan | None:

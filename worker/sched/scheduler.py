@@ -273,7 +273,7 @@ class Scheduler:
         slot.finish(FinishReason.ERROR, message)
 
     def media_restarted(self, slot: Slot, span: MediaSpan) -> None:
-        """A reused prefix ended inside an image that must go whole into one pass: the
+        """A reused prefix ended inside an image, which goes whole into one pass: the
         slot's cells from the image's start were dropped, to be filled again."""
         slot.n_in_cache = span.start
 

@@ -396,8 +396,9 @@ class TickLoop:
         scheduler = self.scheduler
         while due := scheduler.media_due():  # bounded: each pass moves its slot past an image
             for slot, span in due:
-                if slot.n_in_cache > span.start and self.media.non_causal:
-                    # A reused prefix ends inside an image that must go whole into one pass.
+                if slot.n_in_cache > span.start:
+                    # A reused prefix ends inside an image: it goes whole into its pass, as
+                    # without the hit (a non-causal one must; a causal one keeps its bits).
                     self.engine.keep_prefix(slot.index, span.start)
                     scheduler.media_restarted(slot, span)
                 rows = span.embeddings[slot.n_in_cache - span.start :]
