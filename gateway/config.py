@@ -250,6 +250,29 @@ class GatewayConfig:
         ),
         aliases=("--allowed-origins",),
     )
+    # Images (gateway/request/images.py), for models whose workers have a vision projector.
+    max_image_bytes: int = setting(
+        10 * 1024 * 1024,
+        help="Largest image (its encoded file) a request may carry; a larger one gets 400.",
+        low=1,
+    )
+    max_image_side: int = setting(
+        8192,
+        help="Largest width or height of an image, in pixels; a larger one gets 400.",
+        low=1,
+    )
+    allowed_media_domains: tuple[str, ...] = setting(
+        (),
+        help=(
+            "Host an http(s) image URL may name (repeatable; the gateway fetches it). Without "
+            "any, only data: URLs are taken."
+        ),
+    )
+    media_fetch_timeout: float = setting(
+        10.0,
+        help="Seconds an image fetched from an allowed domain may take.",
+        low=0.01,
+    )
     max_body_bytes: int = setting(
         8 * 1024 * 1024,
         help="Largest request body accepted; a larger one gets 413.",

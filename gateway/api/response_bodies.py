@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from loomserve.gateway.api.schemas import ToolCall
 
@@ -177,6 +177,11 @@ class ModelCard(BaseModel):
     owned_by: str = "loomserve"
     max_model_len: int | None = None
     status: FailedModelStatus | UnavailableModelStatus | ModelStatus | None = None
+    input_modalities: list[Literal["text", "image"]] | None = Field(
+        default=None,
+        description="What its prompts may hold: text, and image for a vision model (a "
+        "worker with --mmproj); null while no worker of it is connected.",
+    )
 
 
 class ModelActionResult(BaseModel):

@@ -237,6 +237,9 @@ def _api_routes(chat: ChatServing, started_at: int) -> APIRouter:
             id=entry.name,
             created=started_at,
             max_model_len=entry.info.slot_context if entry.info is not None else None,
+            input_modalities=(
+                None if entry.info is None else ["text", "image"] if entry.info.vision else ["text"]
+            ),
             status=(
                 FailedModelStatus(value=entry.state, reason=entry.reason)
                 if entry.failed

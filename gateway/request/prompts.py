@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import ChatMessage, ToolCall
+from loomserve.gateway.request.images import IMAGE_PART_TYPES, MEDIA_MARKER
 from loomserve.gateway.text.chat_template import ChatTemplateError, Renderer
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.template import TemplateTools
@@ -105,9 +106,13 @@ def chat_text(
     template_tools: TemplateTools,
     tools: list[dict[str, Any]] | None = None,
     kwargs: dict[str, Any] | None = None,
+    images: bool = False,
 ) -> str:
-    """The chat template rendered over the messages (and tools), with chat_template_kwargs."""
-    dicts, tools = template_tools.prepare([_message_dict(m) for m in messages], tools)
+    """The chat template rendered over the messages (and tools), with chat_template_kwargs.
+    With images, each image part renders as the media marker (request/images.py); without,
+    an image part is a 400."""
+    dicts = [_message_dict(m, images) for m in messages]
+    dicts, tools = template_tools.prepare(dicts, tools)
     try:
         return template.render(dicts, tools=tools, kwargs=kwargs)
     except ChatTemplateError as exc:
@@ -125,11 +130,14 @@ def chat_tokens(vocab: Vocab, text: str) -> list[int]:
     return tokens
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
+def _message_dict(message: ChatMessage, images: bool = False) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         parts = []
         for part in content:
+            if images and part.type in IMAGE_PART_TYPES:
+                parts.append(MEDIA_MARKER)
+                continue
             if part.type != "text" or part.text is None:
                 raise invalid_request(
                     f"content parts of type {part.type!r} are not supported; send text",

@@ -135,7 +135,7 @@ def _chat_messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]
     they answer the calls before them), tool uses the assistant's tool_calls."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts: list[str] = []
+    texts: list[str | dict[str, Any]] = []  # text, and a user's images as chat parts
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
@@ -144,6 +144,8 @@ def _chat_messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]
         kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+        elif kind == "image" and message.role == "user":
+            texts.append(_image_part(block, where, param))
         elif kind == "tool_use" and message.role == "assistant":
             arguments = block.get("input", {})
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
@@ -179,14 +181,33 @@ def _chat_messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]
         result.append(
             {
                 "role": "assistant",
-                "content": "".join(texts) or None,
+                "content": "".join(t for t in texts if isinstance(t, str)) or None,
                 "tool_calls": calls or None,
                 "reasoning_content": "".join(thoughts) or None,
             }
         )
+    elif any(isinstance(text, dict) for text in texts):  # images: chat parts in order
+        parts = [{"type": "text", "text": t} if isinstance(t, str) else t for t in texts]
+        result.append({"role": "user", "content": parts})
     elif texts or not results:
-        result.append({"role": "user", "content": "".join(texts)})
+        result.append({"role": "user", "content": "".join(t for t in texts if isinstance(t, str))})
     return result
+
+
+def _image_part(block: dict[str, Any], where: str, param: str) -> dict[str, Any]:
+    """An image block as a chat image_url part: a base64 source as a data: URL, a url
+    source as it is (the chat path fetches it only from allowed domains)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise invalid_request(f"{where}: an image block needs its source", param)
+    if source.get("type") == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise invalid_request(f"{where}: a base64 source needs media_type and data", param)
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise invalid_request(f"{where}: an image source is base64 or url", param)
 
 
 def _text_of(content: Any, param: str) -> str:

@@ -140,7 +140,7 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], position: in
             raise invalid_request(
                 f"{param}.role must be user, system, developer or assistant", param
             )
-        content = _text_of(item.get("content"), param)
+        content = _content_of(item.get("content"), param, images=role == "user")
         last = messages[-1] if messages else None
         if last is not None and _thought_only(last) and role == "assistant":
             last["content"] = content  # the reasoning item before it was this turn's
@@ -200,6 +200,29 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
     if not isinstance(value, str):
         raise invalid_request(f"{param}.{key} must be a string", param)
     return value
+
+
+def _content_of(content: Any, param: str, images: bool) -> str | list[dict[str, Any]]:
+    """A message's content for the chat path: its text, or, with images (a user message's
+    input_image parts), chat parts: text parts and image_url parts in their order."""
+    if not images or not isinstance(content, list):
+        return _text_of(content, param)
+    if not any(isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+        return _text_of(content, param)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise invalid_request(
+                    f"{param}: an input_image part needs its image_url (a data: URL or an "
+                    "http(s) one; file_id is not supported)",
+                    param,
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], param)})
+    return parts
 
 
 def _text_of(content: Any, param: str) -> str:
