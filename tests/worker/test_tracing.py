@@ -23,7 +23,7 @@ from tests.worker.test_engine import GW, Collector, drain
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT}-01"
-GRAMMAR = "root ::= [a-c]{3}"
+GRAMMAR = "start: /[a-c]{3}/"  # Lark, as the gateway writes grammars for llguidance
 
 
 @pytest.fixture(scope="module")
