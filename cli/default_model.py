@@ -65,12 +65,14 @@ def resolve_model(path: str | Path | None) -> Path:
 MODELS_MAX = 4  # models `serve` keeps loaded at once, by default: as llama-server's --models-max
 # How long an unloading model's running requests may take to end before its workers stop.
 UNLOAD_DRAIN_SECONDS = 60.0
+MMPROJ_PREFIX = "mmproj-"  # a vision projector in --models-dir: mmproj-<model file name>
 _NAME = re.compile(r"[^\s=]\S{0,127}")  # no whitespace, 128 characters at most
 
 
 def named_models(specs: Sequence[str], models_dir: str | Path | None = None) -> list[NamedModel]:
     """The models of --model (PATH, or NAME=PATH) and --models-dir (every *.gguf in it, named
-    by its stem), each file checked; ModelFileError for a bad file, a bad or a repeated name.
+    by its stem, with its vision projector when mmproj-STEM.gguf is beside it, as llama-server
+    names them), each file checked; ModelFileError for a bad file, a bad or a repeated name.
     A path that exists as given is a path, even with an `=` in it."""
     found: list[NamedModel] = []
     for spec in specs:
@@ -83,10 +85,13 @@ def named_models(specs: Sequence[str], models_dir: str | Path | None = None) -> 
         folder = Path(models_dir).expanduser()
         if not folder.is_dir():
             raise ModelFileError(f"--models-dir {folder} is not a folder")
-        files = sorted(folder.glob("*.gguf"))
+        files = sorted(f for f in folder.glob("*.gguf") if not f.name.startswith(MMPROJ_PREFIX))
         if not files:
             raise ModelFileError(f"--models-dir {folder} holds no .gguf file")
-        found += [NamedModel(file.stem, resolve_model(file), False) for file in files]
+        for file in files:
+            mmproj = folder / f"{MMPROJ_PREFIX}{file.name}"
+            projector = resolve_model(mmproj) if mmproj.is_file() else None
+            found.append(NamedModel(file.stem, resolve_model(file), False, projector))
     seen: set[str] = set()
     for model in found:
         if not _NAME.fullmatch(model.name):
@@ -106,3 +111,4 @@ class NamedModel:
     name: str
     path: Path
     named: bool  # the name was given (NAME=PATH), not taken from the file
+    mmproj: Path | None = None  # its vision projector (--models-dir's mmproj-NAME.gguf)

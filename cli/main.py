@@ -220,6 +220,11 @@ def serve(
             # One model: the manager knows it by the name the gateways serve it under.
             name = opts["served_model_name"].split(",")[0].strip()  # NAME,ALIAS,...
             models = [dataclasses.replace(models[0], name=name)]
+        if opts.get("mmproj") is not None and len(models) > 1:
+            raise ValueError(
+                "--mmproj is the projector of one model; with several, put each beside its "
+                "model in --models-dir as mmproj-<model file name>"
+            )
         threads = serving.threads_per_worker(opts["threads"], replicas)
         options = {**opts, "threads": threads, "log_level": log_level, "log_json": log_json}
         # Bad settings fail here, not in a child.

@@ -224,6 +224,8 @@ def child_specs(
             values = {**plan.options, "model": str(model.path), "bind": endpoint}
             if len(plan.models) > 1 or model.named:
                 values["served_model_name"] = model.name  # the gateways place it by name
+            if model.mmproj is not None:
+                values["mmproj"] = str(model.mmproj)  # its own projector (--models-dir)
             if values.get("metrics_port") is not None:
                 values["metrics_port"] += numbered  # one port each: the given one, the next...
             numbered += 1

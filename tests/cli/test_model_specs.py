@@ -49,3 +49,17 @@ def test_bad_names_and_files_are_refused(tiny_model_path: Path, tmp_path: Path) 
     text.write_text("hello")
     with pytest.raises(ModelFileError, match="not a GGUF"):
         named_models([str(text)])
+
+
+def test_a_models_dir_pairs_each_model_with_its_projector(
+    tiny_model_path: Path, tiny_mmproj_path: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_model_path, folder / "vision.gguf")
+    shutil.copy(tiny_model_path, folder / "text.gguf")
+    shutil.copy(tiny_mmproj_path, folder / "mmproj-vision.gguf")
+    found = {model.name: model for model in named_models([], folder)}
+    assert sorted(found) == ["text", "vision"]  # a projector is no model of its own
+    assert found["vision"].mmproj == folder / "mmproj-vision.gguf"
+    assert found["text"].mmproj is None

@@ -155,3 +155,17 @@ def test_workers_that_share_the_cores_wait_passively(tmp_path: Path, monkeypatch
     assert waits(plan(models=two, models_max=1, options={"threads": 0})) == {None}
     monkeypatch.setenv("GOMP_SPINCOUNT", "INFINITE")
     assert waits(plan(workers=2, options={"threads": 4})) == {None}  # the user's, kept
+
+
+def test_each_models_worker_gets_its_own_projector(tmp_path: Path) -> None:
+    two = (
+        NamedModel("vision", Path("vision.gguf"), False, Path("mmproj-vision.gguf")),
+        NamedModel("text", Path("text.gguf"), False),
+    )
+    workers = {
+        child.name: child.argv
+        for child in specs(plan(models=two), tmp_path)
+        if child.name.startswith("worker")
+    }
+    assert flag_values(workers["worker-vision"], "--mmproj") == ["mmproj-vision.gguf"]
+    assert flag_values(workers["worker-text"], "--mmproj") == []
