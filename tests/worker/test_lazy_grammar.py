@@ -1,13 +1,14 @@
 """Lazy grammar sampling on the tiny model: the same greedy tokens as masking first.
 
-The reference is the eager chain the worker used before (logit bias, penalties, the grammar
-over the whole vocabulary, then greedy), built here from llama.cpp's own samplers and run
-through the same tick loop; the worker's lazy sampler must pick the same token every time.
+The reference is an eager sampler (the grammar's mask over the whole vocabulary, then logit
+bias, penalties and greedy from llama.cpp's own samplers) run through the same tick loop;
+the worker's lazy sampler (check the pick, mask only when refused) must pick the same token
+every time. The grammars are llguidance's (worker/engine/guidance.py): bounded per step by
+its limits, never by time.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -15,13 +16,14 @@ from pathlib import Path
 import llama_cpp as llama
 import numpy as np
 import pytest
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llguidance.gbnf_to_lark import any_to_lark
 
+from loomserve.gateway.text.grammar import json_schema_lark
 from loomserve.protocol import ErrorCode, FinishReason, Generate, SamplingParams
+from loomserve.protocol.limits import GRAMMAR_LIMITS
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import grammar_state
 from loomserve.worker.engine.engine import Engine
-from loomserve.worker.engine.grammar_state import MAX_STACKS, grammar_vocab
+from loomserve.worker.engine.guidance import compile_grammar
 from loomserve.worker.engine.sampling import build_sampler
 from loomserve.worker.tick.loop import TickLoop
 from tests.worker.test_engine import GW, Collector, drain
@@ -37,9 +39,7 @@ SCHEMA = {
     },
     "required": ["name", "count"],
 }
-GRAMMARS = {
-    "json": JSON_GBNF,
-    "schema": json_schema_to_gbnf(json.dumps(SCHEMA)),
+GBNF = {
     "digits": "root ::= [0-9]+",
     "choice": 'root ::= "yes" | "no" | "maybe so"',
     "words": 'root ::= word (" " word){2,6}\nword ::= [a-z]+',
@@ -49,6 +49,11 @@ GRAMMARS = {
     ),
     "upper": "root ::= [A-Z] [a-zA-Z ,.]{3,40}",
     "list": 'root ::= "[" item ("," item)* "]"\nitem ::= [0-9]{1,3}',
+}
+GRAMMARS = {
+    "json": json_schema_lark({"type": "object"}),
+    "schema": json_schema_lark(SCHEMA),
+    **{name: any_to_lark(grammar) for name, grammar in GBNF.items()},
 }
 
 
@@ -73,15 +78,16 @@ def engine(config: WorkerConfig):
 
 
 class EagerSampler:
-    """The worker's sampler before lazy sampling: the grammar in the chain, over every token."""
+    """Masking first: the grammar's mask over every token, then the request's chain."""
 
     failure = None
-    grammar_complete = False
     plain_greedy = False
     verifies_drafts = True
 
     def __init__(self, params: SamplingParams, engine: Engine) -> None:
-        self.ctx = engine.ctx
+        assert params.grammar is not None
+        self.grammar = compile_grammar(params.grammar, engine.grammars)
+        self.grammar_complete = False
         self.chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
         if params.logit_bias:
             biases = (llama.llama_logit_bias * len(params.logit_bias))(
@@ -100,12 +106,18 @@ class EagerSampler:
                 args = (engine.n_vocab, *args)
             penalties = llama.llama_sampler_init_penalties(*args)
             llama.llama_sampler_chain_add(self.chain, penalties)
-        grammar = llama.llama_sampler_init_grammar(engine.vocab, params.grammar.encode(), b"root")
-        llama.llama_sampler_chain_add(self.chain, grammar)
         llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_greedy())
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
-        return llama.llama_sampler_sample(self.chain, self.ctx, batch_index)
+        candidates = self.grammar.shared.candidates
+        candidates.fill(logits)
+        self.grammar.mask(candidates)
+        llama.llama_sampler_apply(self.chain, candidates.pointer)
+        token = candidates.selected()
+        self.grammar.accept(token)
+        llama.llama_sampler_accept(self.chain, token)
+        self.grammar_complete = self.grammar.complete()
+        return token
 
     def close(self) -> None:
         llama.llama_sampler_free(self.chain)
@@ -164,7 +176,7 @@ def test_both_paths_are_taken_the_check_and_the_mask(engine, config):
     sampler = build_sampler(
         SamplingParams(temperature=0.0, grammar=grammar),
         engine.ctx,
-        engine.vocab,
+        engine.grammars,
         engine.n_vocab,
         engine.slot_context,
     )
@@ -189,9 +201,9 @@ def test_both_paths_are_taken_the_check_and_the_mask(engine, config):
 def test_the_grammar_advances_only_by_the_token_kept(engine):
     """A refused first pick never reaches the grammar: the next check still starts at `{`."""
     sampler = build_sampler(
-        SamplingParams(temperature=0.0, grammar='root ::= "{" [a-z]+ "}"'),
+        SamplingParams(temperature=0.0, grammar=any_to_lark('root ::= "{" [a-z]+ "}"')),
         engine.ctx,
-        engine.vocab,
+        engine.grammars,
         engine.n_vocab,
         engine.slot_context,
     )
@@ -211,13 +223,13 @@ def test_the_grammar_advances_only_by_the_token_kept(engine):
 
 
 def test_a_token_beyond_the_best_is_found_by_the_mask(engine):
-    """Every allowed token scores below the tied best: the scan cannot settle it, the mask
-    over the whole vocabulary does, and picks the first maximum among the allowed."""
-    grammar = 'root ::= "{" [a-z]+ "}"'
+    """Every allowed token scores below the tied best: the mask over the whole vocabulary
+    finds it, the first maximum among the allowed."""
+    grammar = any_to_lark('root ::= "{" [a-z]+ "}"')
 
     def sampler():
         params = SamplingParams(temperature=0.0, grammar=grammar)
-        return build_sampler(params, engine.ctx, engine.vocab, engine.n_vocab, 256)
+        return build_sampler(params, engine.ctx, engine.grammars, engine.n_vocab, 256)
 
     probe = sampler()
     try:
@@ -237,18 +249,14 @@ def test_a_token_beyond_the_best_is_found_by_the_mask(engine):
         kept.close()
 
 
-def test_the_stack_layout_reads_on_this_build(engine):
-    """The bound and the completion check read llama.cpp's stacks; this build must allow it."""
-    shared = grammar_vocab(engine.vocab, engine.n_vocab)
-    assert shared.stacks_readable and shared.bounded
-
-
 @pytest.mark.parametrize(
     "grammar", ['root ::= "yes" | "no"', 'root ::= "{\\"a\\": " [0-9] "}"', "root ::= [a-c]{3}"]
 )
 def test_a_completed_grammar_ends_the_request_with_stop(engine, config, grammar):
     loop = TickLoop(engine, config, collector := Collector())
-    params = SamplingParams(max_tokens=40, temperature=0.0, grammar=grammar, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, grammar=any_to_lark(grammar), ignore_eos=True
+    )
     loop.inbox.submit(GW, Generate("done", [1, 40, 41], params))
     # Forced to the end of the grammar by `ignore_eos`: without the completion check the
     # request would run to max_tokens (EOS is the only token the grammar then allows).
@@ -263,31 +271,33 @@ def test_a_completed_grammar_ends_the_request_with_stop(engine, config, grammar)
 def test_completion_beats_max_tokens_on_the_same_token(engine, config):
     """A grammar completed by the last allowed token ends with stop, not length."""
     loop = TickLoop(engine, config, collector := Collector())
-    params = SamplingParams(max_tokens=3, temperature=0.0, grammar="root ::= [a-c]{3}")
+    params = SamplingParams(max_tokens=3, temperature=0.0, grammar=any_to_lark("root ::= [a-c]{3}"))
     loop.inbox.submit(GW, Generate("exact", [1, 40, 41], params))
     drain(loop)
     assert collector.finishes()["exact"].reason == FinishReason.STOP
     assert len(collector.tokens()["exact"]) == 3
 
 
-def test_an_ambiguous_grammar_fails_its_request_alone(engine, config):
-    """Stacks that double per character end the request with an error before they freeze the
-    tick; the request beside it runs to the end with the tokens it gets alone."""
-    ambiguous = 'root ::= x\nx ::= "a" x "b" | "a" x "c" | "a"'
-    letter_a = 3 + ord("a")
+def test_an_ambiguous_grammar_runs_to_its_end_beside_others(engine, config):
+    """`x ::= "a" x "b" | "a" x "c" | "a"` doubled llama.cpp's parse stacks per character;
+    llguidance's Earley parser takes it in bounded steps: the request runs to max_tokens,
+    and the one beside it gets the tokens it gets alone."""
+    ambiguous = any_to_lark('root ::= x\nx ::= "a" x "b" | "a" x "c" | "a"')
+    # Both tokens that spell `a`: the byte token <0x61> and the piece (a grammar's mask
+    # keeps one of tokens that spell the same text).
+    tokenizer = engine.grammars.tokenizer
+    spellings = {t for t in range(engine.n_vocab) if tokenizer.decode_bytes([t]) == b"a"}
+    assert len(spellings) == 2
     loop = TickLoop(engine, config, collector := Collector())
-    forced = SamplingParams(
-        max_tokens=64, temperature=0.0, grammar=ambiguous, logit_bias={letter_a: 100.0}
-    )
+    bias = dict.fromkeys(spellings, 100.0)
+    forced = SamplingParams(max_tokens=48, temperature=0.0, grammar=ambiguous, logit_bias=bias)
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     loop.inbox.submit(GW, Generate("ambiguous", [1, 40, 41], forced))
     loop.inbox.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
     drain(loop)
     finishes, tokens = collector.finishes(), collector.tokens()
-    assert finishes["ambiguous"].reason == FinishReason.ERROR
-    assert "too ambiguous" in finishes["ambiguous"].message
-    assert str(MAX_STACKS) in finishes["ambiguous"].message
-    assert len(tokens["ambiguous"]) < 12  # 2, 4, ... stacks: it stops near 2**10
+    assert finishes["ambiguous"].reason == FinishReason.LENGTH
+    assert len(tokens["ambiguous"]) == 48 and set(tokens["ambiguous"]) <= spellings
     assert finishes["beside"].reason == FinishReason.LENGTH
     alone = TickLoop(engine, config, alone_collector := Collector())
     alone.inbox.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
@@ -295,61 +305,38 @@ def test_an_ambiguous_grammar_fails_its_request_alone(engine, config):
     assert tokens["beside"] == alone_collector.tokens()["beside"]
 
 
-def test_a_grammar_over_its_time_budget_fails_its_request_alone(
+def test_a_grammar_over_its_step_limit_fails_its_request_alone(
     engine, config, monkeypatch: pytest.MonkeyPatch
 ):
-    """Grammar work past the per-token budget (here a budget nothing meets: 500 alternatives
-    cost seconds a token on a 262k vocabulary) ends that request with an error saying so;
-    the request beside it runs to the end as alone."""
-    monkeypatch.setattr(grammar_state, "TOKEN_BUDGET_S", 1e-9)
+    """A step that needs more lexer work than the limits allow (here a limit nothing meets)
+    ends that request with llguidance's reason, as a 400's code; the request beside it runs
+    to the end. Counted in work, never in time: the machine's speed changes nothing."""
+    monkeypatch.setitem(GRAMMAR_LIMITS, "step_lexer_fuel", 1)
     alternatives = " | ".join(f'"word{i} "' for i in range(500))
     loop = TickLoop(engine, config, collector := Collector())
-    slow = SamplingParams(max_tokens=16, temperature=0.0, grammar=f"root ::= ({alternatives})+")
+    grammar = any_to_lark(f"root ::= ({alternatives})+")
+    heavy = SamplingParams(max_tokens=16, temperature=0.0, grammar=grammar)
     plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    loop.inbox.submit(GW, Generate("slow", [1, 40, 41], slow))
+    loop.inbox.submit(GW, Generate("heavy", [1, 40, 41], heavy))
     loop.inbox.submit(GW, Generate("beside", [1, 50, 51, 52], plain))
     drain(loop)
     finishes, tokens = collector.finishes(), collector.tokens()
-    assert finishes["slow"].reason == FinishReason.ERROR
-    assert "the grammar is too slow" in finishes["slow"].message
-    assert finishes["slow"].code == ErrorCode.INVALID_REQUEST  # the gateway answers 400
-    assert len(tokens.get("slow", [])) <= 1
+    assert finishes["heavy"].reason == FinishReason.ERROR
+    assert "the grammar cannot go on" in finishes["heavy"].message
+    assert finishes["heavy"].code == ErrorCode.INVALID_REQUEST  # the gateway answers 400
+    assert len(tokens.get("heavy", [])) < 16  # ended at the step over the limit
     assert finishes["beside"].reason == FinishReason.LENGTH
     assert len(tokens["beside"]) == 24
 
 
-def test_a_mask_that_would_break_the_budget_is_not_done(
-    engine, config, monkeypatch: pytest.MonkeyPatch
-):
-    """Stacks x vocabulary x the floor of a check's cost over the budget: the request fails
-    before the mask starts (on Gemma's vocabulary 500 alternatives took 5.3 s a mask); the
-    same grammar with a budget that holds runs to its end."""
-    alternatives = " | ".join(f'"w{i} "' for i in range(500))
-    grammar = f"root ::= ({alternatives}){{2}}"
-    # As if each check took a second: 500 stacks cannot be masked within any budget.
-    monkeypatch.setattr(grammar_state, "SECONDS_PER_CHECK", 1.0)
-    loop = TickLoop(engine, config, collector := Collector())
-    params = SamplingParams(max_tokens=16, temperature=0.0, grammar=grammar)
-    loop.inbox.submit(GW, Generate("refused", [1, 40, 41], params))
-    drain(loop)
-    finish = collector.finishes()["refused"]
-    assert finish.reason == FinishReason.ERROR
-    assert "would take at least" in finish.message
-    monkeypatch.setattr(grammar_state, "SECONDS_PER_CHECK", 0.0)
-    loop = TickLoop(engine, config, collector := Collector())
-    loop.inbox.submit(GW, Generate("masked", [1, 40, 41], params))
-    drain(loop)
-    assert collector.finishes()["masked"].reason == FinishReason.STOP
-
-
 @pytest.mark.parametrize("name", sorted(GRAMMARS))
 def test_greedy_picks_the_first_maximum_among_allowed_tokens(engine, name):
-    """Against brute force, with many ties (logits rounded): the scan of the best tokens and
-    the mask behind it give the token masking first would."""
+    """Against brute force, with many ties (logits rounded): the check of the pick and the
+    mask behind it give the token masking first would."""
     params = SamplingParams(temperature=0.0, grammar=GRAMMARS[name])
 
     def sampler():
-        return build_sampler(params, engine.ctx, engine.vocab, engine.n_vocab, 256)
+        return build_sampler(params, engine.ctx, engine.grammars, engine.n_vocab, 256)
 
     probe = sampler()
     try:
