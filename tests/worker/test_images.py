@@ -242,3 +242,22 @@ def oracle_greedy(
         mtmd.mtmd_bitmap_free(bitmap)
         mtmd.mtmd_free(mctx)
         llama.llama_free(ctx)
+
+
+def test_an_image_sent_again_is_not_encoded_again(engine, config):
+    made: list[MediaEncoder] = []
+    try:
+        _, _ = new_loop(engine, config, made)
+        media = made[0]
+        request = image_request(engine, "r", [png_bytes(32, 32, seed=1), png_bytes(32, 32, seed=2)])
+        first = media.encode(request)
+        again = media.encode(request)
+        assert (first.cached_images, again.cached_images) == (0, 2)
+        assert again.tokens == first.tokens
+        assert all(
+            np.array_equal(a.embeddings, b.embeddings)
+            for a, b in zip(first.media, again.media, strict=True)
+        )
+    finally:
+        for media in made:
+            media.close()

@@ -5,7 +5,8 @@ prompt positions like tokens. The MediaEncoder owns its own mtmd context (never 
 and one thread that, per Generate with images, reads each image (stb_image, in libmtmd),
 tokenizes it with mtmd_tokenize (how many positions it takes, and any begin/end tokens the
 projector wraps it in, depend on the projector and the image) and encodes it. The loop hears
-of the result through its Inbox, so decode ticks go on while an image is encoded.
+of the result through its Inbox, so decode ticks go on while an image is encoded. An image
+file seen lately (a follow-up turn's) is taken from an LRU cache of encoded images instead.
 
 The result is an EncodedPrompt: the prompt as the scheduler sees it, where every position of
 an image holds a placeholder (sched/media.py: a negative id made from its content hash,
@@ -16,9 +17,11 @@ puts those in the KV cache, in passes of their own.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +36,12 @@ from loomserve.worker.sched.media import MediaSpan, placeholders
 
 log = structlog.get_logger(__name__)
 
+# Encoded images kept for a follow-up turn that sends the same file again (by its bytes'
+# hash), least recently used dropped first: embeddings take n_tokens * n_embd * 4 bytes.
+ENCODED_CACHE_BYTES = 256 * 1024 * 1024
+
+Piece = list[int] | tuple[np.ndarray, str]  # text tokens, or an image's embeddings and hash
+
 
 class MediaError(Exception):
     """An image that cannot be read or encoded: the request is refused, nothing else."""
@@ -46,6 +55,7 @@ class EncodedPrompt:
     tokens: list[int]
     media: tuple[MediaSpan, ...]
     encode_seconds: float  # on the encoder's thread, reading and tokenizing included
+    cached_images: int = 0  # images found in the encoded cache, not encoded again
 
 
 Done = Callable[[bytes, Generate, EncodedPrompt | None, str], None]
@@ -77,6 +87,8 @@ class MediaEncoder:
         self.n_embd = llama.llama_model_n_embd_inp(model)  # the width of one embedding row
         self.marker = (mtmd.mtmd_default_marker() or b"<__media__>").decode()
         self._done = done
+        self._encoded: OrderedDict[bytes, list[Piece]] = OrderedDict()  # the thread's only
+        self._encoded_bytes = 0
         self._queue: queue.SimpleQueue[tuple[bytes, Generate] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="media-encoder", daemon=True)
         self._thread.start()
@@ -113,11 +125,13 @@ class MediaEncoder:
         started = time.perf_counter()
         tokens: list[int] = []
         media: list[MediaSpan] = []
-        taken = 0
+        taken = cached = 0
         for index, (image, at) in enumerate(zip(generate.images, generate.image_at, strict=True)):
             tokens += generate.prompt_tokens[taken:at]
             taken = at
-            for piece in self._pieces(index, image):
+            pieces, hit = self._cached_pieces(index, image)
+            cached += hit
+            for piece in pieces:
                 if isinstance(piece, list):
                     tokens += piece
                 else:
@@ -125,9 +139,27 @@ class MediaEncoder:
                     media.append(MediaSpan(len(tokens), embeddings, image_hash))
                     tokens += placeholders(image_hash, embeddings.shape[0])
         tokens += generate.prompt_tokens[taken:]
-        return EncodedPrompt(tokens, tuple(media), time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        return EncodedPrompt(tokens, tuple(media), seconds, cached)
 
-    def _pieces(self, index: int, image: bytes) -> list[list[int] | tuple[np.ndarray, str]]:
+    def _cached_pieces(self, index: int, image: bytes) -> tuple[list[Piece], bool]:
+        """The image's pieces, from the encoded cache when the same file was seen lately."""
+        key = hashlib.sha256(image).digest()
+        pieces = self._encoded.get(key)
+        if pieces is not None:
+            self._encoded.move_to_end(key)
+            return pieces, True
+        pieces = self._pieces(index, image)
+        size = sum(piece[0].nbytes for piece in pieces if isinstance(piece, tuple))
+        if size <= ENCODED_CACHE_BYTES:
+            self._encoded[key] = pieces
+            self._encoded_bytes += size
+            while self._encoded_bytes > ENCODED_CACHE_BYTES:
+                _, dropped = self._encoded.popitem(last=False)
+                self._encoded_bytes -= sum(p[0].nbytes for p in dropped if isinstance(p, tuple))
+        return pieces, False
+
+    def _pieces(self, index: int, image: bytes) -> list[Piece]:
         """One image as mtmd_tokenize cuts it: text tokens around it (the projector's begin
         and end markers, if any), and its embeddings with its hash."""
         buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
@@ -148,7 +180,7 @@ class MediaEncoder:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
 
-    def _piece(self, index: int, chunks: int, i: int) -> list[int] | tuple[np.ndarray, str]:
+    def _piece(self, index: int, chunks: int, i: int) -> Piece:
         chunk = mtmd.mtmd_input_chunks_get(chunks, i)
         kind = mtmd.mtmd_input_chunk_get_type(chunk)
         if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:

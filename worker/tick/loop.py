@@ -336,6 +336,7 @@ class TickLoop:
             request_id=key[1],
             images=len(encoded.media),
             image_tokens=sum(span.n_tokens for span in encoded.media),
+            cached_images=encoded.cached_images,
             seconds=round(encoded.encode_seconds, 4),
         )
         self._accept(item.gateway, item.message, encoded)
