@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from loomserve.protocol import FinishReason
 from loomserve.worker.io.channels import StatsBoard
 from loomserve.worker.io.gateways import IOCounters
-from loomserve.worker.stats import FinishRecord, TickRecord
+from loomserve.worker.stats import FinishRecord, MediaRecord, TickRecord
 
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -135,6 +135,19 @@ class WorkerMetrics:
             "Accepted drafted tokens by their position in the draft (0: the first).",
             ("position",),
         )
+        # Images (--mmproj): encoded on the encoder's thread, put in the cache in passes.
+        self.images = counter("images_total", "Images of accepted requests.")
+        self.images_cached = counter(
+            "image_encoded_cache_hits_total", "Images taken from the encoded-image cache."
+        )
+        self.image_tokens = counter("image_tokens_total", "Prompt positions the images take.")
+        self.image_encode_seconds = counter(
+            "image_encode_seconds_total", "Seconds the encoder's thread spent on images."
+        )
+        self.image_passes = counter("image_passes_total", "Images put in the KV cache.")
+        self.image_pass_seconds = counter(
+            "image_pass_seconds_total", "Seconds of the image passes (the ticks wait for them)."
+        )
         self._tenant_labels = TenantLabels(tenant_labels)
         self._decode = self.batch_tokens.labels(kind="decode")
         self._prefill = self.batch_tokens.labels(kind="prefill")
@@ -207,6 +220,14 @@ class WorkerMetrics:
         )
         if record.ttft_seconds is not None:
             self.ttft.observe(record.ttft_seconds)
+
+    def on_media(self, record: MediaRecord) -> None:
+        self.images.inc(record.images)
+        self.images_cached.inc(record.cached_images)
+        self.image_tokens.inc(record.image_tokens)
+        self.image_encode_seconds.inc(record.encode_seconds)
+        self.image_passes.inc(record.passes)
+        self.image_pass_seconds.inc(record.pass_seconds)
 
     def on_reject(self, code: str) -> None:
         self.rejected.labels(reason=code).inc()

@@ -140,6 +140,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         board=board,
         tracer=tracer,
         media=media,
+        on_media=metrics.on_media if metrics else None,
     )
     if metrics is not None and config.metrics_port is not None:  # both or neither
         metrics.watch(

@@ -113,6 +113,19 @@ class SchedulerStats:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaRecord:
+    """Images the loop took in: a Generate's images encoded (on the encoder's thread), or a
+    tick's image passes (embedding-only llama_decode calls), for the metrics."""
+
+    images: int = 0  # images of one Generate, encoded or from the encoded cache
+    cached_images: int = 0  # of those, found in the encoded cache
+    image_tokens: int = 0  # the positions they take in its prompt
+    encode_seconds: float = 0.0
+    passes: int = 0  # images put in the cache this tick, each in its own pass(es)
+    pass_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class TickRecord:
     """What one tick did: for the tick log line and the metrics."""
 

@@ -64,7 +64,7 @@ from loomserve.worker.sched.scheduler import PendingOutputs, Scheduler
 from loomserve.worker.sched.slots import Release, RequestKey, Sampled, Step
 from loomserve.worker.sched.strategies import load_strategy
 from loomserve.worker.sched.tick_cost import LatencyTarget, TickCostModel
-from loomserve.worker.stats import FinishRecord, SchedulerStats, TickRecord
+from loomserve.worker.stats import FinishRecord, MediaRecord, SchedulerStats, TickRecord
 from loomserve.worker.tick.drafting import Drafting, make_speculator
 from loomserve.worker.tick.faults import DecodeFaults
 from loomserve.worker.tick.intake import (
@@ -98,6 +98,7 @@ class TickLoop:
         board: StatsBoard | None = None,
         tracer: RequestTracer | None = None,
         media: MediaEncoder | None = None,
+        on_media: Callable[[MediaRecord], None] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -132,6 +133,7 @@ class TickLoop:
             EmbeddingBatch(engine.ctx, config.batch_tokens, media.n_embd) if media else None
         )
         self._encoding: set[RequestKey] = set()  # Generates whose images are being encoded
+        self._on_media = on_media
         self._stop_by: float | None = None  # set by STOP (Inbox.stop): when the last are cut
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
         self.dead: str | None = None  # why the engine was given up on, once it was
@@ -339,6 +341,15 @@ class TickLoop:
             cached_images=encoded.cached_images,
             seconds=round(encoded.encode_seconds, 4),
         )
+        if self._on_media:
+            self._on_media(
+                MediaRecord(
+                    images=len(encoded.media),
+                    cached_images=encoded.cached_images,
+                    image_tokens=sum(span.n_tokens for span in encoded.media),
+                    encode_seconds=encoded.encode_seconds,
+                )
+            )
         self._accept(item.gateway, item.message, encoded)
 
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
@@ -395,6 +406,7 @@ class TickLoop:
             return 0.0
         started = time.perf_counter()
         scheduler = self.scheduler
+        passes = 0
         while due := scheduler.media_due():  # bounded: each pass moves its slot past an image
             for slot, span in due:
                 if slot.n_in_cache > span.start:
@@ -413,7 +425,11 @@ class TickLoop:
                     )
                     continue
                 scheduler.media_decoded(slot, span)
-        return time.perf_counter() - started
+                passes += 1
+        seconds = time.perf_counter() - started
+        if passes and self._on_media:
+            self._on_media(MediaRecord(passes=passes, pass_seconds=seconds))
+        return seconds
 
     # --- 4: forward --------------------------------------------------------------------
 
