@@ -1,7 +1,9 @@
-"""Input that reaches llama.cpp's native parsers is bounded first, in the gateway and the worker.
+"""Input that reaches a native or recursive parser is bounded first, in the gateway and the worker.
 
-A grammar nested 20,000 groups deep used to overflow the C++ parser's stack and kill the
-process that parsed it: the gateway through HTTP, the worker through a raw Generate frame.
+A grammar nested 20,000 groups deep used to overflow llama.cpp's C++ parser's stack and kill
+the process that parsed it: the gateway through HTTP, the worker through a raw Generate
+frame. The gateway bounds a request's GBNF before converting it; the worker sends what it is
+given to llguidance, which bounds its own nesting, after a bound on its size.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from loomserve.protocol.limits import (
     MAX_GRAMMAR_BYTES,
     MAX_GRAMMAR_ELEMENTS,
     MAX_GRAMMAR_NESTING,
+    MAX_GUIDANCE_GRAMMAR_BYTES,
     MAX_LOGIT_BIAS,
     grammar_problem,
 )
@@ -104,10 +107,14 @@ def test_stop_strings_are_bounded_in_length() -> None:
     assert raised.value.status == 400
 
 
-def test_the_worker_checks_what_it_is_sent_before_llama_cpp_does() -> None:
-    # Refused before any llama.cpp call: no context or vocabulary is needed to get here.
-    with pytest.raises(InvalidSampling, match="deeper"):
-        build_sampler(SamplingParams(grammar=NESTED), None, None, 1000, 512)
+NESTED_LARK = "start: " + "(" * 20000 + '"a"' + ")" * 20000
+
+
+def test_the_worker_checks_what_it_is_sent_before_llguidance_does() -> None:
+    # Refused before any native call: no context or vocabulary is needed to get here.
+    huge = 'start: "' + "a" * MAX_GUIDANCE_GRAMMAR_BYTES + '"'
+    with pytest.raises(InvalidSampling, match="bytes"):
+        build_sampler(SamplingParams(grammar=huge), None, None, 1000, 512)
     bias = {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}
     with pytest.raises(InvalidSampling, match="logit_bias"):
         build_sampler(SamplingParams(logit_bias=bias), None, None, 1000, 512)
@@ -161,10 +168,10 @@ def test_a_nested_grammar_in_a_raw_frame_is_rejected_by_the_worker(
     peer = Gateway(worker.endpoint, f"hostile-{os.getpid()}")
     try:
         peer.hello()
-        peer.send(greedy("nested", [1, 7], 2, grammar=NESTED))
+        peer.send(greedy("nested", [1, 7], 2, grammar=NESTED_LARK))
         rejected = peer.wait_for(lambda m: isinstance(m, Rejected))
         assert rejected.request_id == "nested" and rejected.code == "invalid_request"
-        assert "deeper" in rejected.message
+        assert "nested" in rejected.message
         tokens, finish = peer.run(greedy("after", [1, 7], 3))
         assert len(tokens) == 3 and finish.reason == "length"
         assert worker.alive()

@@ -472,8 +472,6 @@ def build_sampler(
         return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)
     if not params.grammar:
         return HostSampler(params, slot_context)
-    if grammars is None:
-        raise InvalidSampling("this worker takes no grammars")
     grammar = _grammar(params.grammar, grammars)
     if _is_argmax(params):
         return Sampler(None, ctx, grammar)
@@ -498,12 +496,14 @@ def llama_chain(params: SamplingParams, n_vocab: int, slot_context: int) -> llam
     return sampler_chain(stages)
 
 
-def _grammar(text: str, grammars: GrammarVocab) -> GrammarState:
-    """The request's grammar, bounded first: one that could crash a parser, or that does not
-    compile within its limits, is refused before anything else is allocated."""
+def _grammar(text: str, grammars: GrammarVocab | None) -> GrammarState:
+    """The request's grammar, bounded first: one too large to read, or that does not compile
+    within its limits, is refused before anything else is allocated."""
     problem = guidance_grammar_problem(text)
     if problem:
         raise InvalidSampling(problem)
+    if grammars is None:
+        raise InvalidSampling("this worker takes no grammars")
     try:
         return compile_grammar(text, grammars)
     except ValueError as exc:
