@@ -122,6 +122,16 @@ def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
     )
 
 
+def png_header(width: int, height: int) -> bytes:
+    """A PNG's signature and header chunk only: what a 20,000 x 20,000 image starts with."""
+    import struct
+    import zlib
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    crc = struct.pack(">I", zlib.crc32(b"IHDR" + header) & 0xFFFFFFFF)
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + header + crc
+
+
 if __name__ == "__main__":
     import sys
 

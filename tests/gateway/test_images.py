@@ -1,0 +1,104 @@
+"""The gateway's image parts (gateway/request/images.py): URLs read, headers checked, and the
+prompt tokenized around the media markers. Pure, but for the tiny model's vocabulary."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from loomserve.gateway.api.errors import APIError
+from loomserve.gateway.request import images
+from loomserve.gateway.request.images import MEDIA_MARKER, ImageLimits
+from loomserve.gateway.text.tokenizer import Vocab
+from tests.tiny_vision_model import png_bytes, png_header
+
+LIMITS = ImageLimits(max_bytes=4096, max_side=64)
+
+
+def jpeg_header(width: int, height: int) -> bytes:
+    app0 = (
+        b"\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00" + b"\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    )
+    sof = b"\xff\xc0" + struct.pack(">HBHHB", 11, 8, height, width, 1) + b"\x01\x11\x00"
+    return b"\xff\xd8" + app0 + sof
+
+
+@pytest.mark.parametrize(
+    ("data", "size"),
+    [
+        (png_bytes(40, 24), (40, 24)),
+        (png_header(20_000, 20_000), (20_000, 20_000)),
+        (jpeg_header(33, 17), (33, 17)),
+        (b"GIF89a" + struct.pack("<HH", 5, 6) + b"\x00" * 8, (5, 6)),
+        (b"BM" + b"\x00" * 16 + struct.pack("<ii", 7, -9) + b"\x00" * 8, (7, 9)),
+        (b"hello", None),
+        (b"\x89PNG\r\n\x1a\n", None),  # cut before its header
+        (b"\xff\xd8\xff", None),
+    ],
+)
+def test_image_sizes_come_from_the_header(data: bytes, size: tuple[int, int] | None) -> None:
+    assert images.image_size(data) == size
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def refusal(url: str, limits: ImageLimits = LIMITS) -> str:
+    with pytest.raises(APIError) as error:
+        images.check_image(images.read_url(url, "messages[0].content[0]", limits), "p", limits)
+    assert error.value.status == 400
+    return str(error.value.message)
+
+
+def test_data_urls_are_read_and_checked() -> None:
+    good = png_bytes(32, 32)
+    assert images.check_image(images.read_url(data_url(good), "p", LIMITS), "p", LIMITS) == good
+    assert "not a PNG" in refusal(data_url(b"plain text"))
+    assert "65x65" in refusal(data_url(png_header(65, 65)))
+    assert "over 4096 bytes" in refusal(data_url(png_bytes(64, 64, seed=3)))
+    assert "base64" in refusal("data:image/png;base64,!!")
+    assert "base64" in refusal("data:image/png,rawbytes")
+
+
+def test_remote_urls_only_from_allowed_domains() -> None:
+    assert "not fetched from 'example.com'" in refusal("https://example.com/cat.png")
+    assert "data: URL or http(s)" in refusal("file:///etc/passwd")
+    allowed = ImageLimits(allowed_domains=("127.0.0.1",), fetch_timeout=2.0)
+    assert "could not be fetched" in refusal("http://127.0.0.1:1/cat.png", allowed)
+
+
+def test_parts_are_found_in_order_and_refused_for_a_text_model() -> None:
+    part = SimpleNamespace(type="image_url", image_url={"url": "data:x"})
+    text = SimpleNamespace(type="text", text="hi")
+    messages = [
+        SimpleNamespace(content="plain"),
+        SimpleNamespace(content=[text, part]),
+        SimpleNamespace(content=[part]),
+    ]
+    assert images.image_parts(messages) == [
+        ("messages[1].content[1]", "data:x"),
+        ("messages[2].content[0]", "data:x"),
+    ]
+    with pytest.raises(APIError, match=r"messages\[1\]\.content\[1\]: model 'm' reads no images"):
+        images.refuse_images(messages, "m")
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_path: Path) -> Vocab:
+    return Vocab(tiny_model_path)
+
+
+def test_the_prompt_is_tokenized_around_the_markers(vocab: Vocab) -> None:
+    text = f"look{MEDIA_MARKER}{MEDIA_MARKER} at it{MEDIA_MARKER}"
+    tokens, image_at = images.image_tokens(vocab, text, 3)
+    look = vocab.tokenize("look", add_special=False, parse_special=True)
+    at_it = vocab.tokenize(" at it", add_special=False, parse_special=True)
+    assert tokens == [vocab.bos_id, *look, *at_it]
+    assert image_at == [1 + len(look), 1 + len(look), len(tokens)]
+    with pytest.raises(APIError, match="rendered 3 image markers for 2 images"):
+        images.image_tokens(vocab, text, 2)
