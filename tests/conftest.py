@@ -11,7 +11,7 @@ import pytest
 
 from tests.procs import kill_leftovers
 from tests.tiny_model import ModelShape, write_tiny_model
-from tests.tiny_vision_model import write_tiny_mmproj
+from tests.tiny_vision_model import TINY_GEMMA3, write_tiny_mmproj
 
 LONG_CTX = 16384  # an ignore_eos generation this long keeps a slot busy for seconds
 # Debian's Chromium (or LOOMSERVE_CHROMIUM): the browser the `browser` fixture drives.
@@ -28,6 +28,13 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny LLaVA-style vision projector (mmproj GGUF) for the tiny model, written once."""
     return write_tiny_mmproj(tmp_path_factory.mktemp("mmproj") / "mmproj-tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_mmproj_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3-style projector (images attend both ways) for the tiny model."""
+    folder = tmp_path_factory.mktemp("mmproj-gemma3")
+    return write_tiny_mmproj(folder / "mmproj-tiny-gemma3.gguf", shape=TINY_GEMMA3)
 
 
 @pytest.fixture(scope="session")

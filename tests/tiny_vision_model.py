@@ -28,18 +28,26 @@ class VisionShape:
     image_size: int = 32
     patch_size: int = 8
     n_mm_hidden: int = 64
+    # "mlp": LLaVA 1.5's projector (causal, every patch a token); "gemma3": Gemma 3's (its
+    # images attend both ways, patches average-pooled `merge` a side, begin/end markers).
+    projector: str = "mlp"
+    merge: int = 2
 
     @property
     def image_tokens(self) -> int:
         """How many embeddings (image tokens) one image becomes."""
-        return (self.image_size // self.patch_size) ** 2
+        side = self.image_size // self.patch_size
+        return (side // self.merge) ** 2 if self.projector == "gemma3" else side**2
 
 
 TINY_VISION = VisionShape()
+TINY_GEMMA3 = VisionShape(projector="gemma3", n_layer=1)
 
 
 def write_tiny_mmproj(path: Path, seed: int = 4321, shape: VisionShape = TINY_VISION) -> Path:
-    """Write an mmproj GGUF with projector type "mlp" (LLaVA 1.5's) to path."""
+    """Write an mmproj GGUF with the shape's projector type ("mlp" or "gemma3") to path."""
+    if shape.projector == "gemma3":
+        return _write_gemma3(path, seed, shape)
     rng = np.random.default_rng(seed)
 
     def weight(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
@@ -92,6 +100,66 @@ def write_tiny_mmproj(path: Path, seed: int = 4321, shape: VisionShape = TINY_VI
     writer.add_tensor("mm.0.bias", bias(shape.n_mm_hidden))
     writer.add_tensor("mm.2.weight", weight(shape.n_embd_text, shape.n_mm_hidden, gain=8.0))
     writer.add_tensor("mm.2.bias", bias(shape.n_embd_text))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_gemma3(path: Path, seed: int, shape: VisionShape) -> Path:
+    """Gemma 3's layout: a SigLIP tower (learned positions, no class embedding), then
+    average pooling, an RMS norm and one projection (convert_hf_to_gguf.py's names)."""
+    rng = np.random.default_rng(seed)
+
+    def weight(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        values = rng.standard_normal((rows, cols), dtype=np.float32) * (gain / np.sqrt(cols))
+        return values.astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return (rng.standard_normal(n, dtype=np.float32) * 0.1).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), arch="clip")
+    writer.add_name("tiny-gemma3-vision-test")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.embedding_length", shape.n_embd)
+    writer.add_uint32("clip.vision.attention.head_count", shape.n_head)
+    writer.add_uint32("clip.vision.feed_forward_length", shape.n_ff)
+    writer.add_uint32("clip.vision.block_count", shape.n_layer)
+    writer.add_uint32("clip.vision.projection_dim", shape.n_embd_text)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_uint32("clip.vision.image_size", shape.image_size)
+    writer.add_uint32("clip.vision.patch_size", shape.patch_size)
+    writer.add_uint32("clip.vision.projector.scale_factor", shape.merge)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+
+    n_patches = (shape.image_size // shape.patch_size) ** 2
+    patch = rng.standard_normal((shape.n_embd, 3, shape.patch_size, shape.patch_size))
+    writer.add_tensor("v.patch_embd.weight", (patch / shape.patch_size).astype(np.float32))
+    writer.add_tensor("v.patch_embd.bias", bias(shape.n_embd))
+    writer.add_tensor("v.position_embd.weight", weight(n_patches, shape.n_embd, gain=0.5))
+    for layer in range(shape.n_layer):
+        prefix = f"v.blk.{layer}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{prefix}.{name}.weight", weight(shape.n_embd, shape.n_embd))
+            writer.add_tensor(f"{prefix}.{name}.bias", bias(shape.n_embd))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"{prefix}.{name}.weight", np.ones(shape.n_embd, dtype=np.float32))
+            writer.add_tensor(f"{prefix}.{name}.bias", np.zeros(shape.n_embd, dtype=np.float32))
+        writer.add_tensor(f"{prefix}.ffn_up.weight", weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_up.bias", bias(shape.n_ff))
+        writer.add_tensor(f"{prefix}.ffn_down.weight", weight(shape.n_embd, shape.n_ff))
+        writer.add_tensor(f"{prefix}.ffn_down.bias", bias(shape.n_embd))
+    writer.add_tensor("v.post_ln.weight", np.ones(shape.n_embd, dtype=np.float32))
+    writer.add_tensor("v.post_ln.bias", np.zeros(shape.n_embd, dtype=np.float32))
+    writer.add_tensor("mm.soft_emb_norm.weight", np.ones(shape.n_embd, dtype=np.float32))
+    # ggml's ne [n_embd_text, n_embd]: the graph multiplies by its transpose.
+    writer.add_tensor("mm.input_projection.weight", weight(shape.n_embd, shape.n_embd_text, 8.0))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,6 +1,7 @@
 """Images through the tick loop on the real engine: the tiny model and the tiny vision
-projector (tests/tiny_vision_model.py), libmtmd encoding on its own thread, embeddings in
-passes of their own. No mocks."""
+projectors (tests/tiny_vision_model.py: LLaVA's causal "mlp" and Gemma 3's, whose images
+attend both ways and come wrapped in begin and end markers), libmtmd encoding on its own
+thread, embeddings in passes of their own. No mocks."""
 
 from __future__ import annotations
 
@@ -19,18 +20,22 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.media import MediaEncoder
 from loomserve.worker.tick.loop import TickLoop
-from tests.tiny_vision_model import TINY_VISION, png_bytes
+from tests.tiny_vision_model import TINY_GEMMA3, TINY_VISION, png_bytes
 from tests.worker.test_engine import GW, Collector
 from tests.worker.text import tokenize
 
-N_IMAGE = TINY_VISION.image_tokens
 
-
-@pytest.fixture
-def config(tiny_model_path: Path, tiny_mmproj_path: Path) -> WorkerConfig:
+@pytest.fixture(params=["mlp", "gemma3"])
+def config(
+    request: pytest.FixtureRequest,
+    tiny_model_path: Path,
+    tiny_mmproj_path: Path,
+    tiny_gemma3_mmproj_path: Path,
+) -> WorkerConfig:
+    mmproj = tiny_mmproj_path if request.param == "mlp" else tiny_gemma3_mmproj_path
     return WorkerConfig(
         model_path=tiny_model_path,
-        mmproj=tiny_mmproj_path,
+        mmproj=mmproj,
         slots=6,
         ctx_size=256,
         max_queue=32,
@@ -110,7 +115,11 @@ def test_an_image_request_runs_and_counts_its_image_tokens(engine, loop):
     tokens = run(tick_loop, collector, request)["img"]
     finish = collector.finishes()["img"]
     assert len(tokens) == 12 and finish.reason == "length"
-    assert finish.prompt_tokens == len(request.prompt_tokens) + N_IMAGE
+    encoded = tick_loop.media.encode(request)
+    shape = TINY_GEMMA3 if tick_loop.media.non_causal else TINY_VISION
+    assert [span.n_tokens for span in encoded.media] == [shape.image_tokens]
+    # The image's positions, and for Gemma 3 its begin and end markers' tokens.
+    assert finish.prompt_tokens == len(encoded.tokens) >= len(request.prompt_tokens) + 4
 
 
 def test_two_images_give_two_answers_and_no_prefix_hit_across_them(engine, loop):
@@ -124,11 +133,11 @@ def test_two_images_give_two_answers_and_no_prefix_hit_across_them(engine, loop)
     finishes = collector.finishes()
     assert out["a"] != out["b"]
     assert out["c"] == out["a"]
-    image_at = first.image_at[0]
+    (span,) = tick_loop.media.encode(first).media
     # Another image: the cache may serve the text before it, never the image or beyond.
-    assert finishes["b"].cached_tokens <= image_at
+    assert finishes["b"].cached_tokens <= span.start
     # The same image again: its cells are reused past the image.
-    assert finishes["c"].cached_tokens > image_at + N_IMAGE
+    assert finishes["c"].cached_tokens > span.end
 
 
 def test_greedy_output_with_an_image_is_the_same_alone_and_batched(engine, config):
@@ -186,8 +195,11 @@ def test_an_image_that_ends_the_prompt_is_refused(engine, loop):
     prompt = tokenize(engine, "look")
     params = SamplingParams(max_tokens=4, temperature=0.0)
     request = Generate("end", prompt, params, images=[png_bytes(32, 32)], image_at=[len(prompt)])
-    run(tick_loop, collector, request)
-    assert collector.rejected() == {"end": ErrorCode.INVALID_REQUEST.value}
+    out = run(tick_loop, collector, request)
+    if tick_loop.media.non_causal:  # Gemma 3's end-of-image marker follows it: text
+        assert collector.rejected() == {} and len(out["end"]) == 4
+    else:
+        assert collector.rejected() == {"end": ErrorCode.INVALID_REQUEST.value}
 
 
 def test_the_same_tokens_as_llama_cpps_own_mtmd_path(engine, config, loop, tiny_model_path):
@@ -197,11 +209,12 @@ def test_the_same_tokens_as_llama_cpps_own_mtmd_path(engine, config, loop, tiny_
     image = png_bytes(36, 28, seed=11)
     request = image_request(engine, "img", [image], max_tokens=16)
     ours = run(tick_loop, collector, request)["img"]
-    assert ours == oracle_greedy(engine, config, request, image, 16)
+    n_prompt = collector.finishes()["img"].prompt_tokens
+    assert ours == oracle_greedy(engine, config, n_prompt, image, 16)
 
 
 def oracle_greedy(
-    engine: Engine, config: WorkerConfig, request: Generate, image: bytes, n: int
+    engine: Engine, config: WorkerConfig, n_prompt: int, image: bytes, n: int
 ) -> list[int]:
     text_before = "look at this"
     text_after = " what is it? tell me"
@@ -221,7 +234,7 @@ def oracle_greedy(
         text = mtmd.mtmd_input_text(prompt, len(prompt), True, True)
         bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
         assert mtmd.mtmd_tokenize(mctx, chunks, ctypes.byref(text), bitmaps, 1) == 0
-        assert mtmd.mtmd_helper_get_n_tokens(chunks) == len(request.prompt_tokens) + N_IMAGE
+        assert mtmd.mtmd_helper_get_n_tokens(chunks) == n_prompt
         n_past = llama.llama_pos(0)
         assert (
             mtmd.mtmd_helper_eval_chunks(mctx, ctx, chunks, 0, 0, 32, True, ctypes.byref(n_past))
