@@ -122,10 +122,11 @@ FAMILIES = {
 
 # Templates the gateway cannot render this conversation with, and why.
 NOT_RENDERED = {
-    # Cohere's tool-use template loops over `tools` in Cohere's own shape
-    # (`parameter_definitions`) unconditionally; probed, it renders no tools, so the gateway
-    # leaves them out and the loop fails ('NoneType' object is not iterable).
-    "CohereForAI-c4ai-command-r-plus-tool_use": "tools in Cohere's parameter_definitions shape",
+    # Command R+'s tool-use template loops over `tools` even when there are none (None is not
+    # iterable) and writes each parameter's `description` with no default: the probe's tool
+    # has none, so the gateway takes it for a template that shows no tools, passes none, and
+    # the loop fails.
+    "CohereForAI-c4ai-command-r-plus-tool_use": "loops over tools that are None",
 }
 
 # Templates that render the conversation but leave part of it out, and why.
