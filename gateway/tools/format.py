@@ -35,6 +35,9 @@ class XmlArguments:
     value_open: str = ""  # GLM's <arg_value>, after the key's closing marker
     trim_newline: bool = False  # a value is written on lines of its own (Qwen3-Coder)
     separator: str = ""  # written after each parameter
+    # A regex whose group 1 is the key, in the text up to KEY_CLOSE (DeepSeek's DSML writes
+    # attributes after it: `city" string="true`); "": all of that text is the key.
+    key_pattern: str = ""
 
     def write(self, arguments: dict[str, Any]) -> str:
         """The arguments as this family writes them."""
@@ -316,6 +319,28 @@ DEEPSEEK_R1 = _framed_family(
     list_prefix="<｜tool▁calls▁begin｜>", list_suffix="<｜tool▁calls▁end｜>", separator="\n",
     templates=("llama-cpp-deepseek-r1", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"),
 )  # fmt: skip
+# DeepSeek V3.2 (DSML): <｜DSML｜function_calls>\n<｜DSML｜invoke name="NAME">\n
+# <｜DSML｜parameter name="k" string="true|false">v</｜DSML｜parameter>\n</｜DSML｜invoke>\n
+# </｜DSML｜function_calls>; a string value as it is, others as JSON. Its `string` attribute
+# is read past (the schema types the value); calls written here leave it out.
+DEEPSEEK_V32 = _framed_family(
+    "deepseek_v3_2",
+    Framed(opens=('<｜DSML｜invoke name="',), name_ends=('">',), close="</｜DSML｜invoke>",
+           args_open='">',
+           xml=XmlArguments('<｜DSML｜parameter name="', '">', "</｜DSML｜parameter>",
+                             separator="\n", key_pattern=r'([^"]*)(?:".*)?'),
+           between=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>",
+                    "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"),
+           written_after_name='">\n'),
+    list_prefix="<｜DSML｜function_calls>\n", list_suffix="</｜DSML｜function_calls>",
+    call_suffix="\n", templates=("deepseek-ai-DeepSeek-V3.2",),
+)  # fmt: skip
+# DeepSeek V4: the same calls in <｜DSML｜tool_calls>.
+DEEPSEEK_V4 = replace(
+    DEEPSEEK_V32, name="deepseek_v4", list_prefix="<｜DSML｜tool_calls>\n",
+    list_suffix="</｜DSML｜tool_calls>",
+    templates=("deepseek-ai-DeepSeek-V4", "deepseek-ai-DeepSeek-V4-Flash-0731"),
+)  # fmt: skip
 # Kimi-K2: <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
 # <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>
 KIMI_K2 = _framed_family(
@@ -382,7 +407,8 @@ LFM2 = _framed_family(
 FAMILIES: dict[str, ToolFormat] = {
     f.name: f
     for f in (
-        HERMES, QWEN3_CODER, GLM, MINIMAX, HARMONY, DEEPSEEK_V31, DEEPSEEK_R1, KIMI_K2,
+        HERMES, QWEN3_CODER, GLM, MINIMAX, HARMONY, DEEPSEEK_V31, DEEPSEEK_R1, DEEPSEEK_V32,
+        DEEPSEEK_V4, KIMI_K2,
         MISTRAL_ARGS, MISTRAL, LLAMA3, GRANITE, FIREFUNCTION, COMMAND_R7B, FUNCTIONARY_V31,
         FUNCTIONARY_V32, GEMMA4, PHI4, LFM2, PYTHONIC, JSON, GENERIC,
     )
@@ -408,6 +434,8 @@ def detect(template_source: str, renders_tools: bool, override: str = "auto") ->
         return HARMONY
     if "<|tool_call_begin|>" in s:
         return KIMI_K2
+    if "｜DSML｜" in s:  # DeepSeek V3.2 and V4 build their markers from this token
+        return DEEPSEEK_V32 if "function_calls>" in s else DEEPSEEK_V4
     if "tool▁call▁begin" in s:
         return DEEPSEEK_R1 if "```json" in s else DEEPSEEK_V31
     if "<|tool_call>" in s and "<tool_call|>" in s:

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from loomserve.gateway.tools.format import Framed, ToolFormat
+from loomserve.gateway.tools.format import Framed, ToolFormat, XmlArguments
 from loomserve.gateway.tools.parser import (
     CallStart,
     ParsedCall,
@@ -451,7 +451,7 @@ class FramedCallParser:
                 end = stripped.find(xml.key_close, len(xml.key_open))
                 if end < 0:
                     return False
-                call.key = stripped[len(xml.key_open) : end].strip()
+                call.key = _key(xml, stripped[len(xml.key_open) : end])
                 self._eat(end + len(xml.key_close))
                 return True
             ends = (framed.close, *framed.opens) if framed.close else framed.opens
@@ -634,6 +634,14 @@ def _name(framed: Framed, text: str) -> str | None:
     if not name or any(ch.isspace() or ch in "<>{}[]\"'" for ch in name):
         return None
     return name
+
+
+def _key(xml: XmlArguments, text: str) -> str:
+    """A parameter's key in the text between KEY_OPEN and KEY_CLOSE."""
+    if xml.key_pattern:
+        match = re.fullmatch(xml.key_pattern, text, re.DOTALL)
+        text = match.group(1) if match is not None else text
+    return text.strip()
 
 
 def _property(schema: Any, key: str | None) -> Any:
