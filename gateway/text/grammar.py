@@ -24,13 +24,14 @@ from loomserve.gateway.api.schemas import GenerationFields
 from loomserve.protocol.grammar_shape import grammar_shape_problem
 from loomserve.protocol.limits import GRAMMAR_LIMITS, grammar_problem, guidance_grammar_problem
 
-# JSON in llguidance's output: properties in the schema's order, at most 20 spaces, tabs or
-# newlines between tokens (compact, `{"a": 1}` or pretty-printed; llama.cpp's converter's
-# bound: a small model could otherwise write whitespace until max_tokens); unknown keywords
-# ignored, as llama.cpp's converter ignores them; `\u00fc` escapes as well as the characters.
+# JSON in llguidance's output: properties in the schema's order; between tokens nothing, a
+# space, or a newline and up to 20 spaces or tabs (compact, `{"a": 1}`, or pretty-printed:
+# llama.cpp's converter's `space` rule; a small model given more writes whitespace until
+# max_tokens); unknown keywords ignored, as llama.cpp's converter ignores them; `\u00fc`
+# escapes as well as the characters.
 JSON_OPTIONS = {
     "whitespace_flexible": True,
-    "whitespace_pattern": r"[ \t\n]{0,20}",
+    "whitespace_pattern": r"(?: |\n[ \t]{0,20})?",
     "lenient": True,
     "json_allow_general_unicode_escapes": True,  # "Z\u00fcrich", as json.dumps writes it
 }
