@@ -206,7 +206,8 @@ class GatewayConfig:
             "the chat template) or a family: hermes, qwen3_coder, glm, minimax_m2, harmony, "
             "deepseek_v3_1, deepseek_r1, deepseek_v3_2, deepseek_v4, kimi_k2, mistral_args, "
             "mistral, llama3, granite, "
-            "firefunction, command_r7b, functionary_v3_1, functionary_v3_2, gemma4, phi4, "
+            "firefunction, command_r7b, command_r_plus, functionary_v3_1, functionary_v3_2, "
+            "gemma4, phi4, "
             "lfm2, pythonic, json, generic."
         ),
     )

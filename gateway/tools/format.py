@@ -254,6 +254,14 @@ COMMAND_R7B = _json_family(
     name_key="tool_name", index_key="tool_call_id",
     templates=("CohereForAI-c4ai-command-r7b-12-2024-tool_use",),
 )  # fmt: skip
+# Command R+ (its tool-use template): Action:\n```json\n[{"tool_name": ..., "parameters":
+# {...}}, ...]``` (the template writes the list indented, which the parser skips).
+COMMAND_R_PLUS = _json_family(
+    "command_r_plus", ("Action:\n```json", "Action: ```json", "Action:```json"), "```",
+    arguments_key="parameters", name_key="tool_name", list_prefix="Action:\n```json\n[\n",
+    list_suffix="\n]```", separator=",\n",
+    templates=("CohereForAI-c4ai-command-r-plus-tool_use",),
+)  # fmt: skip
 # Qwen3-Coder, Qwen3.5, Nemotron 3 (and Seed-OSS, in <seed:tool_call>): <tool_call>\n
 # <function=NAME>\n<parameter=KEY>\nvalue\n</parameter>\n</function>\n</tool_call>
 QWEN3_CODER = _framed_family(
@@ -409,7 +417,8 @@ FAMILIES: dict[str, ToolFormat] = {
     for f in (
         HERMES, QWEN3_CODER, GLM, MINIMAX, HARMONY, DEEPSEEK_V31, DEEPSEEK_R1, DEEPSEEK_V32,
         DEEPSEEK_V4, KIMI_K2,
-        MISTRAL_ARGS, MISTRAL, LLAMA3, GRANITE, FIREFUNCTION, COMMAND_R7B, FUNCTIONARY_V31,
+        MISTRAL_ARGS, MISTRAL, LLAMA3, GRANITE, FIREFUNCTION, COMMAND_R7B, COMMAND_R_PLUS,
+        FUNCTIONARY_V31,
         FUNCTIONARY_V32, GEMMA4, PHI4, LFM2, PYTHONIC, JSON, GENERIC,
     )
 }  # fmt: skip
@@ -446,6 +455,8 @@ def detect(template_source: str, renders_tools: bool, override: str = "auto") ->
         return PYTHONIC
     if "<|START_ACTION|>" in s:
         return COMMAND_R7B
+    if "Action:" in s and "tool_name" in s:  # Command R+'s instruction and its calls
+        return COMMAND_R_PLUS
     if "<tool_call>" in s:
         return HERMES
     if "[TOOL_CALLS]" in s:
