@@ -111,7 +111,7 @@ def test_auto_samples_in_the_graph_only_where_the_graph_is_the_faster(
         ({"temperature": 1.0, "prompt_logprobs": 0}, HostSampler),
         ({"temperature": 1.0, "logit_bias": {5: 3.0}}, HostSampler),
         ({"temperature": 1.0, "frequency_penalty": 0.5}, HostSampler),
-        ({"temperature": 1.0, "grammar": 'root ::= "a"'}, Sampler),
+        ({"temperature": 1.0, "grammar": 'start: "a"'}, Sampler),
     ],
 )
 def test_each_request_takes_the_path_that_samples_it_exactly(engine, fields, path):
@@ -165,7 +165,7 @@ def test_seeded_requests_repeat_alone_batched_and_after_a_restart(engine, config
 
 def test_grammar_and_logprobs_requests_share_the_pass_on_the_host(engine, config):
     loop, collector = new_loop(engine, config)
-    grammar = 'root ::= "ab" [a-c]*'
+    grammar = 'start: "ab" /[a-c]*/'
     loop.inbox.submit(GW, sampled("grammar", 3, grammar=grammar))
     loop.inbox.submit(GW, sampled("logprobs", 3, logprobs=2))
     for i in range(4):

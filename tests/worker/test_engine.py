@@ -12,6 +12,7 @@ from pathlib import Path
 import llama_cpp as llama
 import pytest
 import structlog
+from llguidance.gbnf_to_lark import any_to_lark
 from structlog.testing import capture_logs
 
 from loomserve.protocol import (
@@ -357,7 +358,7 @@ def test_the_slot_context_limits_generation(engine, config):
         (greedy("bad-token", [1, 10**6], 4), ErrorCode.INVALID_REQUEST),
         (greedy("bad-bias", [1, 2], 4, logit_bias={10**6: 1.0}), ErrorCode.INVALID_REQUEST),
         (greedy("bad-grammar", [1, 2], 4, grammar="root ::= ("), ErrorCode.INVALID_REQUEST),
-        (greedy("no-root", [1, 2], 4, grammar='start ::= "a"'), ErrorCode.INVALID_REQUEST),
+        (greedy("no-start", [1, 2], 4, grammar='root: "a"'), ErrorCode.INVALID_REQUEST),
     ],
 )
 def test_invalid_requests_are_rejected(engine, config, generate, code):
@@ -457,17 +458,17 @@ def test_unseeded_sampling_differs_between_requests(engine, config):
 
 
 def test_grammar_constrains_the_output(engine, config):
-    grammar = r"""
+    grammar = any_to_lark(r"""
 root   ::= "{" ws "\"count\"" ws ":" ws number ws "," ws "\"name\"" ws ":" ws string ws "}"
 number ::= [1-9] [0-9]{0,4}
 string ::= "\"" [a-z]{1,8} "\""
 ws     ::= [ ]?
-"""
+""")
     loop, collector = new_loop(engine, config)
     for seed in range(4):
         params = SamplingParams(max_tokens=60, temperature=1.0, seed=seed, grammar=grammar)
         loop.inbox.submit(GW, Generate(f"json{seed}", [1, 40, 41], params))
-    digits = SamplingParams(max_tokens=5, temperature=0.0, grammar="root ::= [0-9]+")
+    digits = SamplingParams(max_tokens=5, temperature=0.0, grammar="start: /[0-9]+/")
     loop.inbox.submit(GW, Generate("digits", [1, 40], digits))
     drain(loop)
     tokens, finishes = collector.tokens(), collector.finishes()

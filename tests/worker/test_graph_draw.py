@@ -34,7 +34,7 @@ ON_HOST = [
     {"temperature": 1.0, "logprobs": 2},
     {"temperature": 1.0, "presence_penalty": 0.5},
     {"temperature": 0.0, "logit_bias": {7: 5.0}},
-    {"temperature": 0.9, "grammar": 'root ::= "ab" [a-c]*'},
+    {"temperature": 0.9, "grammar": 'start: "ab" /[a-c]*/'},
     {"temperature": 1.0, "prompt_logprobs": 1},  # its prompt scored: a pass of many outputs
 ]
 

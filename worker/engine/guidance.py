@@ -104,6 +104,7 @@ class GrammarVocab:
         self.bitmask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self.masked_by: GrammarState | None = None  # whose step the bitmask holds
         self._tokenizer: LLTokenizer | None = None
+        self.ends: frozenset[int] = frozenset()  # the end-of-generation tokens
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._build, name="grammar-tokenizer", daemon=True)
         self._thread.start()
@@ -111,6 +112,9 @@ class GrammarVocab:
     def _build(self) -> None:
         try:
             self._tokenizer = llguidance_tokenizer(self.vocab, self.n_vocab)
+            self.ends = frozenset(
+                t for t in range(self.n_vocab) if llama.llama_vocab_is_eog(self.vocab, t)
+            )
         except BaseException as exc:  # said when the first grammar needs it
             self._failure = exc
 
@@ -200,7 +204,13 @@ class GrammarState:
         return bits
 
     def accept(self, token: int) -> None:
-        """Advance the grammar by a token it allows; GrammarFailed when it cannot."""
+        """Advance the grammar by a token it allows; GrammarFailed when it cannot.
+
+        An end-of-generation token (allowed where the grammar may end) leaves the grammar as
+        it is, as llama.cpp's grammar does: it ends the request, unless the request ignores
+        EOS, and then the grammar goes on from where it was."""
+        if token in self.shared.ends:
+            return
         self._masked = False
         if not self.matcher.consume_token(token):
             self._check()
