@@ -26,6 +26,15 @@ from loomserve.gateway.tools.framed import schema_types
 # The most characters a string of a forced call's arguments holds where its schema sets no
 # maxLength: the largest maxLength a schema may set (text/grammar.py's MAX_SCHEMA_REPEAT).
 MAX_TOOL_STRING_CHARS = MAX_SCHEMA_REPEAT
+# A call's JSON as templates write it (json.dumps, `tojson`): `{"a": 1, "b": [2, 3]}`, no
+# other whitespace, so that a model's calls are written one way (and a repeated call is seen
+# to be one).
+CALL_JSON = {
+    **JSON_OPTIONS,
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 # An integer of a forced call without bounds has at most 15 digits (llama.cpp's converter's
 # bound): a small model otherwise writes digits until max_tokens.
 LARGEST_TOOL_INTEGER = 10**15 - 1
@@ -238,12 +247,12 @@ def _definitions(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json(schema: Any, definitions: dict[str, Any] | None = None) -> str:
-    """llguidance's inline JSON schema, with the gateway's JSON options (and the parameters'
-    definitions, for one parameter's schema)."""
+    """llguidance's inline JSON schema, written as chat templates write a call's JSON
+    (CALL_JSON), with the parameters' definitions for one parameter's schema."""
     if isinstance(schema, dict) and definitions:
         schema = {**schema, **definitions}
     if isinstance(schema, dict):
-        schema = {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
+        schema = {**schema, "x-guidance": {**CALL_JSON, **(schema.get("x-guidance") or {})}}
     return f"%json {json.dumps(schema)}"
 
 
