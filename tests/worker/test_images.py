@@ -6,7 +6,7 @@ thread, embeddings in passes of their own. No mocks."""
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from loomserve.protocol import ErrorCode, Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.media import MediaEncoder
+from loomserve.worker.stats import MediaRecord
 from loomserve.worker.tick.loop import TickLoop
 from tests.tiny_vision_model import TINY_GEMMA3, TINY_VISION, png_bytes
 from tests.worker.test_engine import GW, Collector
@@ -61,7 +62,10 @@ def loop(engine: Engine, config: WorkerConfig) -> Iterator[tuple[TickLoop, Colle
 
 
 def new_loop(
-    engine: Engine, config: WorkerConfig, made: list[MediaEncoder]
+    engine: Engine,
+    config: WorkerConfig,
+    made: list[MediaEncoder],
+    on_media: Callable[[MediaRecord], None] | None = None,
 ) -> tuple[TickLoop, Collector]:
     collector = Collector()
     loop: TickLoop | None = None
@@ -72,7 +76,7 @@ def new_loop(
 
     media = MediaEncoder(config.mmproj, engine.model, 1, False, done)
     made.append(media)
-    loop = TickLoop(engine, config, collector, media=media)
+    loop = TickLoop(engine, config, collector, media=media, on_media=on_media)
     return loop, collector
 
 
@@ -271,6 +275,32 @@ def test_an_image_sent_again_is_not_encoded_again(engine, config):
             np.array_equal(a.embeddings, b.embeddings)
             for a, b in zip(first.media, again.media, strict=True)
         )
+    finally:
+        for media in made:
+            media.close()
+
+
+def test_under_a_latency_target_a_generating_stream_waits_for_one_image_a_tick(engine, config):
+    made: list[MediaEncoder] = []
+    try:
+        images = [png_bytes(32, 32, seed=30 + i) for i in range(4)]
+        requests = [image_request(engine, "four", images), image_request(engine, "one", images[:1])]
+        alone_records: list[MediaRecord] = []
+        alone_loop, alone = new_loop(engine, config, made, alone_records.append)
+        expected = run(alone_loop, alone, *requests)
+        if not alone_loop.media.non_causal:  # four images in a row: one tick takes them all
+            assert max(record.passes for record in alone_records) == 4
+
+        records: list[MediaRecord] = []
+        target = replace(config, itl_target_ms=1000.0)
+        tick_loop, collector = new_loop(engine, target, made, records.append)
+        tick_loop.inbox.submit(GW, text_request(engine, "t", "once upon a time", max_tokens=60))
+        for _ in range(3):  # the text stream generates when the images arrive
+            tick_loop.tick(block=False)
+        out = run(tick_loop, collector, *requests)
+        passes = [record.passes for record in records if record.passes]
+        assert sum(passes) == 5 and max(passes) == 1
+        assert {key: out[key] for key in expected} == expected
     finally:
         for media in made:
             media.close()

@@ -113,8 +113,15 @@ class Scheduler:
         return bool(self._slot_of) or bool(self.waiting) or bool(self._cancelled_waiting)
 
     def views(self) -> list[SlotView]:
-        """What the strategy sees: the slots with work this tick."""
-        return [slot.view() for slot in self.slots if slot.request and not slot.finish_reason]
+        """What the strategy sees: the slots with token work this tick (not one whose next
+        positions are an image's that waits for its pass: media_due)."""
+        return [
+            view
+            for slot in self.slots
+            if slot.request and not slot.finish_reason
+            for view in (slot.view(),)
+            if view.phase is not SlotPhase.PREFILLING or view.prompt_remaining
+        ]
 
     # --- requests in and out ----------------------------------------------------------
 
@@ -253,8 +260,10 @@ class Scheduler:
     # --- images: their embeddings' passes, before the tick's ----------------------------
 
     def media_due(self) -> list[tuple[Slot, MediaSpan]]:
-        """The prefilling slots whose next positions are an image's, with that image: the
-        loop puts its embeddings in the cache before the strategy plans the token runs."""
+        """The prefilling slots whose next positions are an image's, with that image, oldest
+        admission first: the loop puts embeddings in the cache before the strategy plans the
+        token runs (all of them, or with a latency target one image a tick while streams
+        generate; the others wait for theirs, out of the plan)."""
         due = []
         for slot in self.slots:
             if slot.request is None or slot.finish_reason or slot.phase is not SlotPhase.PREFILLING:
@@ -262,7 +271,11 @@ class Scheduler:
             span = media_at(slot.request.media, slot.n_in_cache)
             if span is not None:
                 due.append((slot, span))
-        return due
+        return sorted(due, key=lambda item: (item[0].admitted_tick, item[0].index))
+
+    def generating(self) -> bool:
+        """Whether a slot is generating: its stream waits for every pass of the tick."""
+        return any(slot.phase is SlotPhase.GENERATING and slot.request for slot in self.slots)
 
     def media_decoded(self, slot: Slot, span: MediaSpan) -> None:
         """The image's remaining embeddings are in the slot's cells."""

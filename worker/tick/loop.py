@@ -407,8 +407,11 @@ class TickLoop:
         started = time.perf_counter()
         scheduler = self.scheduler
         passes = 0
-        while due := scheduler.media_due():  # bounded: each pass moves its slot past an image
-            for slot, span in due:
+        # Under a latency target the streams that generate wait for one image a tick at most.
+        limit = 1 if self.config.itl_target_ms is not None and scheduler.generating() else None
+        # Bounded: each pass moves its slot past an image.
+        while (due := scheduler.media_due()) and (limit is None or passes < limit):
+            for slot, span in due[: None if limit is None else limit - passes]:
                 if slot.n_in_cache > span.start:
                     # A reused prefix ends inside an image: it goes whole into its pass, as
                     # without the hit (a non-causal one must; a causal one keeps its bits).
