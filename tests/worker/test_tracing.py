@@ -149,3 +149,44 @@ def test_a_request_failed_after_it_was_taken_says_why_in_its_span(
     assert event.attributes["loomserve.error.message"] == finish.message
     assert finish.message == "internal error in the worker's tick"
     assert root.status.status_code.name == "ERROR"
+
+
+def test_a_request_with_an_image_has_its_encode_span(
+    engine, config, spans, tiny_mmproj_path: Path
+) -> None:
+    from loomserve.worker.engine.media import MediaEncoder
+    from tests.tiny_vision_model import TINY_VISION, png_bytes
+
+    spans.clear()
+    tracer = RequestTracer("tiny")
+    collector = Collector()
+    loop: TickLoop | None = None
+
+    def done(gateway, message, encoded, why):
+        assert loop is not None
+        loop.inbox.encoded(gateway, message, encoded, why)
+
+    media = MediaEncoder(tiny_mmproj_path, engine.model, 1, False, done)
+    try:
+        loop = TickLoop(engine, config, collector, tracer=tracer, media=media)
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        request = Generate(
+            "img", [1, 40, 41, 42], params, trace=TRACEPARENT, images=[png_bytes(32, 32)],
+            image_at=[2],
+        )  # fmt: skip
+        loop.inbox.submit(GW, request)
+        for _ in range(1000):  # the encoder's answer, then the request to its end
+            loop.tick(block=not loop.scheduler.has_work())
+            if "img" in collector.finishes():
+                break
+        tracer.close()
+    finally:
+        media.close()
+    made = {span.name: span for span in spans.get_finished_spans()}
+    encode, root = made["worker.image_encode"], made["worker.request"]
+    assert encode.attributes["loomserve.images"] == 1
+    assert encode.attributes["loomserve.image_tokens"] == TINY_VISION.image_tokens
+    assert encode.parent is not None and encode.parent.span_id == root.context.span_id
+    assert (
+        root.start_time == encode.start_time <= encode.end_time <= made["worker.queue"].start_time
+    )

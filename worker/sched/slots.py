@@ -81,8 +81,10 @@ class Request:
     drafts_accepted: int = 0
     # Its thinking budget (think_budget.py), which the loop's sampling steers through.
     think: ThinkBudget | None = None
-    # Its images, in prompt order: their positions in `prompt` hold placeholders (media.py).
+    # Its images, in prompt order: their positions in `prompt` hold placeholders (media.py),
+    # and the seconds from its arrival to their encoding's end (before arrived_at).
     media: tuple[MediaSpan, ...] = ()
+    media_seconds: float = 0.0
 
     @property
     def request_id(self) -> str:

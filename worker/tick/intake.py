@@ -8,6 +8,7 @@ part, in the loop).
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 
 from loomserve.protocol import ErrorCode, Generate
 from loomserve.worker.sched.media import MediaSpan
@@ -30,7 +31,7 @@ def refusal(
     n_vocab: int,
     slot_context: int,
     stopping: bool,
-    encoding: frozenset[RequestKey] | set[RequestKey] = frozenset(),
+    encoding: Container[RequestKey] = frozenset(),
 ) -> tuple[ErrorCode, str] | None:
     """Why this request cannot be taken, cheapest checks first; None when it can.
     `encoding`: the requests whose images are being encoded (they are live too)."""
@@ -90,6 +91,7 @@ def new_request(
     sampler_seconds: float = 0.0,
     prompt: list[int] | None = None,
     media: tuple[MediaSpan, ...] = (),
+    media_seconds: float = 0.0,
 ) -> Request:
     """The accepted Generate as the scheduler queues it, arriving now; with images, `prompt`
     is the one with them in place and `media` the images."""
@@ -104,6 +106,7 @@ def new_request(
         think=think,
         prompt=generate.prompt_tokens if prompt is None else prompt,
         media=media,
+        media_seconds=media_seconds,
         params=generate.params,
         arrived_at=time.monotonic(),
         sampler=sampler,

@@ -132,7 +132,8 @@ class TickLoop:
         self.media_batch = (
             EmbeddingBatch(engine.ctx, config.batch_tokens, media.n_embd) if media else None
         )
-        self._encoding: set[RequestKey] = set()  # Generates whose images are being encoded
+        # Generates whose images are being encoded, and when they went to the encoder.
+        self._encoding: dict[RequestKey, float] = {}
         self._on_media = on_media
         self._stop_by: float | None = None  # set by STOP (Inbox.stop): when the last are cut
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
@@ -263,13 +264,15 @@ class TickLoop:
             elif isinstance(item, Abort):
                 # Unknown ids are ignored: the request may have just finished.
                 self.scheduler.cancel((item.gateway, item.request_id), reason=item.reason)
-                self._encoding.discard((item.gateway, item.request_id))
+                self._encoding.pop((item.gateway, item.request_id), None)
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway, item.request_id)
             elif isinstance(item, GatewayGone):
                 for key in self.scheduler.keys_of(item.gateway):
                     self.scheduler.cancel(key, item.why)
-                self._encoding = {key for key in self._encoding if key[0] != item.gateway}
+                self._encoding = {
+                    key: at for key, at in self._encoding.items() if key[0] != item.gateway
+                }
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway)
             item = self.inbox.get(block=False)
@@ -277,7 +280,11 @@ class TickLoop:
         self.sink.flush()
 
     def _accept(
-        self, gateway: bytes, generate: Generate, encoded: EncodedPrompt | None = None
+        self,
+        gateway: bytes,
+        generate: Generate,
+        encoded: EncodedPrompt | None = None,
+        media_seconds: float = 0.0,
     ) -> None:
         """Queue a Generate or refuse it; one with images goes to the media encoder first,
         and comes back here with them encoded (_encoded)."""
@@ -297,7 +304,7 @@ class TickLoop:
             if self.media is None:
                 error = (ErrorCode.INVALID_REQUEST, NO_IMAGES)
             elif encoded is None:  # Accepted or Rejected once they are encoded
-                self._encoding.add(key)
+                self._encoding[key] = time.monotonic()
                 self.media.submit(gateway, generate)
                 return
             else:
@@ -318,16 +325,18 @@ class TickLoop:
             self._reject(gateway, Rejected(generate.request_id, code.value, message))
             return
         prompt, media = (encoded.tokens, encoded.media) if encoded else (None, ())
-        request = new_request(key, generate, sampler, time.monotonic() - building, prompt, media)
+        request = new_request(
+            key, generate, sampler, time.monotonic() - building, prompt, media, media_seconds
+        )
         ahead = self.scheduler.enqueue(request)
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
 
     def _encoded(self, item: Encoded) -> None:
         """The media encoder is done with a Generate's images: queue it, or say why not."""
         key = (item.gateway, item.message.request_id)
-        if key not in self._encoding:
+        submitted = self._encoding.pop(key, None)
+        if submitted is None:
             return  # cancelled, or its gateway went, while its images were encoded
-        self._encoding.discard(key)
         encoded = item.prompt
         if not isinstance(encoded, EncodedPrompt):
             code = ErrorCode.INVALID_REQUEST.value
@@ -350,7 +359,7 @@ class TickLoop:
                     encode_seconds=encoded.encode_seconds,
                 )
             )
-        self._accept(item.gateway, item.message, encoded)
+        self._accept(item.gateway, item.message, encoded, time.monotonic() - submitted)
 
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
         rejected: Rejected | None

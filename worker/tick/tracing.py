@@ -10,7 +10,8 @@ The SDK's BatchSpanProcessor exports them from its own thread (cli/tracing.py).
 
 server.py imports this module only when tracing is on: off, OpenTelemetry is never loaded.
 
-    worker.request                 arrival (before the sampler's build) to finish
+    worker.request                 arrival (before its images and its sampler) to finish
+      worker.image_encode          its images read, tokenized and encoded (libmtmd's thread)
       worker.grammar               compiling the request's grammar into its sampler
       worker.queue                 waiting for a slot
       worker.prefill               admission to the first token: prompt, cached tokens
@@ -81,7 +82,8 @@ class RequestTracer:
             return wall_now - int((now - moment) * NS)
 
         end = ns(now)
-        arrived = request.arrived_at - request.sampler_seconds
+        built = request.arrived_at - request.sampler_seconds  # the sampler's build began
+        arrived = built - request.media_seconds
         gateway, request_id = request.key
         root = self.tracer.start_span(
             "worker.request",
@@ -103,9 +105,15 @@ class RequestTracer:
         )
         within = trace.set_span_in_context(root)
         params = request.params
+        if request.media:
+            images = {
+                "loomserve.images": len(request.media),
+                "loomserve.image_tokens": sum(span.n_tokens for span in request.media),
+            }
+            self._span("worker.image_encode", within, ns(arrived), ns(built), images)
         if params.grammar:
             grammar = {"loomserve.grammar.chars": len(params.grammar)}
-            self._span("worker.grammar", within, ns(arrived), ns(request.arrived_at), grammar)
+            self._span("worker.grammar", within, ns(built), ns(request.arrived_at), grammar)
         admitted, first = request.admitted_at, request.first_token_at
         queued_until = admitted or now  # never admitted: it waited until it was cancelled
         queue = {"loomserve.queue_seconds": finish.queue_seconds}
