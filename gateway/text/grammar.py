@@ -12,6 +12,7 @@ recurses) is refused as well: its output could only end at max_tokens.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from typing import Any
@@ -75,12 +76,27 @@ def grammar_error(grammar: str) -> str | None:
 
 def json_schema_lark(schema: Any) -> str:
     """Lark whose output is JSON that the schema accepts (llguidance compiles the schema)."""
-    options = (
-        {**JSON_OPTIONS, **(schema.get("x-guidance") or {})} if isinstance(schema, dict) else None
-    )
-    if options is not None:
-        schema = {**schema, "x-guidance": options}
+    if isinstance(schema, dict):
+        schema = closed_objects(schema)
+        schema["x-guidance"] = {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}
     return f"start: %json {json.dumps(schema)}\n"
+
+
+def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the schema in which an object that lists its properties and says nothing of
+    others allows none (`additionalProperties: false`), as llama.cpp's converter reads it
+    (and OpenAI's strict mode requires): a model does not pad its answer with keys."""
+    copied = copy.deepcopy(schema)
+    todo: list[Any] = [copied]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            todo.extend(node.values())
+    return copied
 
 
 def _requested_lark(text: str) -> str:

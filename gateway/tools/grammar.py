@@ -15,11 +15,15 @@ max_tokens (`{"tz": "UTC-00:00:00:00:...`), and the call never ends.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
-from loomserve.gateway.text.grammar import JSON_OPTIONS, MAX_SCHEMA_REPEAT, schema_problem
+from loomserve.gateway.text.grammar import (
+    JSON_OPTIONS,
+    MAX_SCHEMA_REPEAT,
+    closed_objects,
+    schema_problem,
+)
 from loomserve.gateway.tools.format import ToolFormat, XmlArguments
 from loomserve.gateway.tools.framed import schema_types
 
@@ -30,7 +34,7 @@ MAX_TOOL_STRING_CHARS = MAX_SCHEMA_REPEAT
 # other whitespace, so that a model's calls are written one way (and a repeated call is seen
 # to be one).
 CALL_JSON = {
-    **JSON_OPTIONS,
+    **{key: value for key, value in JSON_OPTIONS.items() if key != "whitespace_pattern"},
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -55,7 +59,7 @@ def tool_grammar(
     alternatives: list[str] = []
     rules: list[str] = []  # the framed calls' own rules
     for i, (name, parameters) in enumerate(functions):
-        schema = copy.deepcopy(parameters) if parameters else {"type": "object"}
+        schema = closed_objects(parameters) if parameters else {"type": "object"}
         problem = schema_problem(schema)  # bounded before anything reads it
         if problem:
             raise ToolGrammarError(f"function {name!r}: {problem}")
