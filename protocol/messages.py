@@ -30,8 +30,9 @@ DEFAULT_TENANT = "default"
 # 11: VocabQuery, VocabFile, Heartbeat.idle_seconds, the models control messages,
 # Ping.for_gateway; 12: Generate's and Embed's trace and trace_state (W3C trace context,
 # docs/metrics.md); 13: Heartbeat.load, one Load in place of its queue_depth, free_slots
-# and running; 14: Generate's images and image_at, ModelInfo.vision
-PROTOCOL_VERSION = 14
+# and running; 14: Generate's images and image_at, ModelInfo.vision; 15: SamplingParams.grammar
+# is llguidance's grammar (Lark, or its JSON form), no longer GBNF
+PROTOCOL_VERSION = 15
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
 )

@@ -24,7 +24,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None  # None: a fresh random seed per request
     logit_bias: dict[int, float] = field(default_factory=dict)
-    grammar: str | None = None  # GBNF; the gateway turns JSON schemas into GBNF
+    # llguidance's grammar: Lark (its dialect, JSON schemas inlined as %json) or its JSON form
+    # (several grammars); the gateway writes every request's grammar so (docs/grammar.md)
+    grammar: str | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to report per token (0: the sampled only)
     # The same for every prompt token after the first (completions' echo with logprobs);
