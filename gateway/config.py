@@ -270,6 +270,14 @@ class GatewayConfig:
             "any, only data: URLs are taken."
         ),
     )
+    media_path: Path | None = setting(
+        None,
+        help=(
+            "Folder whose image files a request may name as file:// URLs (with everything under "
+            "it). Without it, file:// URLs are refused."
+        ),
+        path="any",
+    )
     media_fetch_timeout: float = setting(
         10.0,
         help="Seconds an image fetched from an allowed domain may take.",

@@ -1,6 +1,7 @@
 """A chat's images: each image part's bytes, checked, and where each goes in the prompt.
 
-An image part (`image_url` with a data: URL, or an http(s) URL on an allowed domain) becomes
+An image part (`image_url` with a data: URL, an http(s) URL on an allowed domain, or a
+file:// URL under --media-path) becomes
 libmtmd's media marker in the rendered chat; the prompt is tokenized around the markers and
 the Generate carries the images' bytes and positions (protocol Generate.images, image_at):
 the worker's projector tokenizes and encodes each one there (worker/engine/media.py). Every
@@ -13,12 +14,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import struct
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.text.tokenizer import Vocab
@@ -40,6 +43,7 @@ class ImageLimits:
     max_side: int = 8192
     allowed_domains: tuple[str, ...] = ()
     fetch_timeout: float = 10.0
+    media_path: Path | None = None  # file:// URLs may name files under it (--media-path)
 
 
 def image_parts(messages: list[Any]) -> list[tuple[str, str]]:
@@ -103,8 +107,10 @@ def read_url(url: str, param: str, limits: ImageLimits) -> bytes:
         except (binascii.Error, ValueError):
             raise invalid_request(f"{param}: the data: URL is not valid base64", param) from None
     parsed = urlsplit(url)
+    if parsed.scheme == "file":
+        return _local_file(unquote(parsed.path), param, limits)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise invalid_request(f"{param}: an image URL is a data: URL or http(s)", param)
+        raise invalid_request(f"{param}: an image URL is a data: URL, http(s) or file://", param)
     if parsed.hostname.lower() not in limits.allowed_domains:
         raise invalid_request(
             f"{param}: images are not fetched from {parsed.hostname!r}; send a data: URL "
@@ -112,6 +118,22 @@ def read_url(url: str, param: str, limits: ImageLimits) -> bytes:
             param,
         )
     return _fetch(url, param, limits)
+
+
+def _local_file(path: str, param: str, limits: ImageLimits) -> bytes:
+    """A file:// URL's bytes: only a file under --media-path, links resolved first."""
+    root = limits.media_path
+    if root is None:
+        raise invalid_request(
+            f"{param}: file:// URLs are refused (the server's --media-path would allow them)",
+            param,
+        )
+    resolved = Path(os.path.realpath(path))
+    if not resolved.is_relative_to(os.path.realpath(root)) or not resolved.is_file():
+        raise invalid_request(f"{param}: no image file {path!r} under the media path", param)
+    if resolved.stat().st_size > limits.max_bytes:
+        raise invalid_request(f"{param}: the image is over {limits.max_bytes} bytes", param)
+    return resolved.read_bytes()
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):

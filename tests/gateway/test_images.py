@@ -67,7 +67,8 @@ def test_data_urls_are_read_and_checked() -> None:
 
 def test_remote_urls_only_from_allowed_domains() -> None:
     assert "not fetched from 'example.com'" in refusal("https://example.com/cat.png")
-    assert "data: URL or http(s)" in refusal("file:///etc/passwd")
+    assert "data: URL, http(s) or file://" in refusal("ftp://example.com/cat.png")
+    assert "--media-path" in refusal("file:///etc/passwd")
     allowed = ImageLimits(allowed_domains=("127.0.0.1",), fetch_timeout=2.0)
     assert "could not be fetched" in refusal("http://127.0.0.1:1/cat.png", allowed)
 
@@ -102,3 +103,17 @@ def test_the_prompt_is_tokenized_around_the_markers(vocab: Vocab) -> None:
     assert image_at == [1 + len(look), 1 + len(look), len(tokens)]
     with pytest.raises(APIError, match="rendered 3 image markers for 2 images"):
         images.image_tokens(vocab, text, 2)
+
+
+def test_local_files_only_under_the_media_path(tmp_path: Path) -> None:
+    folder = tmp_path / "media"
+    folder.mkdir()
+    (folder / "cat.png").write_bytes(png_bytes(16, 16))
+    (tmp_path / "secret.png").write_bytes(png_bytes(16, 16))
+    (folder / "link.png").symlink_to(tmp_path / "secret.png")
+    allowed = ImageLimits(max_bytes=4096, max_side=64, media_path=folder)
+    read = images.read_url(f"file://{folder / 'cat.png'}", "p", allowed)
+    assert read == png_bytes(16, 16)
+    assert "--media-path" in refusal(f"file://{folder / 'cat.png'}")  # none given
+    for outside in (tmp_path / "secret.png", folder / "link.png", folder / "../secret.png"):
+        assert "no image file" in refusal(f"file://{outside}", allowed)
