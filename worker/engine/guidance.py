@@ -189,7 +189,7 @@ class GrammarState:
         GrammarFailed when the step is over the grammar's limits."""
         bits = self._mask_bits()
         allowed = np.unpackbits(bits.view(np.uint8), count=self.shared.n_vocab, bitorder="little")
-        candidates.logits()[allowed == 0] = -np.inf
+        np.putmask(candidates.logits(), ~allowed.view(bool), -np.inf)
 
     def _mask_bits(self) -> np.ndarray:
         """This step's mask: a bit per token, set where the grammar allows it. The buffer is
