@@ -3,8 +3,8 @@
 Three workloads through /v1/chat/completions, greedy, max_tokens 64: plain text (with
 ignore_eos, so every answer is 64 tokens), a json_schema response_format, and a forced tool
 call (a named tool_choice; both servers turn its parameters schema into a grammar). Each runs
-at concurrency 1 and 4 on `loomserve serve` (one worker, 4 slots, 2 threads) and, when the
-binary is there, on llama-server (`-np 4 -t 2`, the same model file). Both servers stay up for
+at concurrency 1, 4 and 16 on `loomserve serve` (one worker, 16 slots, 2 threads) and, when
+the binary is there, on llama-server (`-np 16 -t 2`, the same model file). Both servers stay up for
 the whole run and take turns, workload by workload, so the machine's noise falls on all alike;
 the order flips every round. It prints, per server, workload and concurrency, the median of
 each request's tokens/s (completion tokens over its whole latency) and the aggregate tokens/s
@@ -39,8 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_spec import llama_server_cpu_args
 from loomserve.cli.default_model import resolve_model
 
-LLAMA_SERVER = "/work/llama-server/build/bin/llama-server"
-SLOTS = 4
+# .ci/build-llama-server's binary (the same llama.cpp as llama-cpp-python's), or the variable.
+LLAMA_SERVER = os.environ.get(
+    "LOOMSERVE_LLAMA_SERVER",
+    str(Path.home() / ".cache/loomserve/llama-server-0.3.36/llama-server"),
+)
+SLOTS = 16
 THREADS = 2
 SLOT_CONTEXT = 2048
 TOPICS = ("a lighthouse", "a red fox", "the moon", "a small boat", "an old clock", "rain")
@@ -171,6 +175,9 @@ def median(values: list[float]) -> float:
 @click.option("--max-tokens", type=int, default=64, help="Output tokens per request.")
 @click.option("--sequential", type=int, default=2, help="Requests one after another at c=1.")
 @click.option(
+    "--concurrency", default="1,4,16", help=f"Comma-separated waves' sizes, at most {SLOTS}."
+)
+@click.option(
     "--llama-server", "llama_server", default=LLAMA_SERVER, help="Binary; '' to leave it out."
 )
 @click.option(
@@ -183,6 +190,7 @@ def main(
     rounds: int,
     max_tokens: int,
     sequential: int,
+    concurrency: str,
     llama_server: str,
     workloads: str,
 ):
@@ -208,18 +216,21 @@ def main(
             for workload in WORKLOADS:  # warm up: load pages, compile nothing twice
                 one_request(url, workload_body(workload, "warming up", 8))
         chosen = [w for w in WORKLOADS if w in workloads.split(",")]
-        runs = [(w, c, s) for w in chosen for c in (1, SLOTS) for s in servers]
+        sizes = [int(c) for c in concurrency.split(",")]
+        if max(sizes) > SLOTS:
+            raise SystemExit(f"--concurrency: at most {SLOTS}, the servers' slots")
+        runs = [(w, c, s) for w in chosen for c in sizes for s in servers]
         for round_index in range(rounds):
-            for workload, concurrency, server in runs if round_index % 2 == 0 else runs[::-1]:
+            for workload, size, server in runs if round_index % 2 == 0 else runs[::-1]:
                 url = servers[server][0]
-                out = samples.setdefault((server, workload, concurrency), Samples())
-                if concurrency == 1:
+                out = samples.setdefault((server, workload, size), Samples())
+                if size == 1:
                     for i in range(sequential):
                         wave(url, workload, 1, round_index + i, max_tokens, out)
                 else:
-                    wave(url, workload, concurrency, round_index, max_tokens, out)
+                    wave(url, workload, size, round_index, max_tokens, out)
                 print(
-                    f"round {round_index + 1} {server} {workload} c={concurrency}: "
+                    f"round {round_index + 1} {server} {workload} c={size}: "
                     f"{median(out.per_request):.2f} tok/s per request",
                     flush=True,
                 )
