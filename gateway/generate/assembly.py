@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loomserve.gateway.api.response_bodies import Usage
+from loomserve.gateway.text.reasoning import ReplySplit
 from loomserve.gateway.text.stop import StopMatcher, TextMatcher
 from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Pieces
 from loomserve.gateway.workers.errors import WorkerBadOutput, WorkerFailed, WorkerLost
@@ -48,10 +49,13 @@ class PromptScores:
 @dataclass(slots=True)
 class TextDelta:
     """New text for the client, and the logprobs of the tokens it took when the request asked
-    (never both empty: a token's text may still be held back while its logprob goes out)."""
+    (never all empty: a token's text may still be held back while its logprob goes out).
+    A chat reply whose thinking is split from its answer has its think block's text in
+    `reasoning` (it comes before `text`, the answer's)."""
 
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning: str = ""
 
 
 @dataclass(slots=True)
@@ -77,7 +81,9 @@ class TextAssembly:
     """Feed `take` the worker's chunks as they come, then call `done` once.
 
     Text that may be the start of a stop string is held back until it is known not to be;
-    a matched stop string is dropped, and so is everything generated after it. The worker's
+    a matched stop string is dropped, and so is everything generated after it. With a
+    ReplySplit, what the stop strings let through is split there, once, into thinking
+    (`take_reasoning`) and answer (what push returns), and its tokens counted. The worker's
     output is not trusted: a chunk out of sequence or a token id outside the vocabulary
     raises WorkerBadOutput before any of it becomes text.
     """
@@ -87,6 +93,8 @@ class TextAssembly:
         "_matcher",
         "_n_vocab",
         "_prompt_logprobs",
+        "_reasoning",
+        "_split",
         "generated",
         "prompt_len",
         "received",
@@ -103,8 +111,11 @@ class TextAssembly:
         prompt_len: int,
         scored_prompt: list[int] | None = None,
         score_only: bool = False,
+        split: ReplySplit | None = None,  # a chat reply's thinking apart from its answer
     ) -> None:
         self.vocab = vocab
+        self._split = split
+        self._reasoning: list[str] = []  # thinking text not yet taken
         self._detokenizer = IncrementalDetokenizer(vocab)
         self._matcher = StopMatcher(stops) if isinstance(stops, tuple) else stops
         self._n_vocab = vocab.n_tokens
@@ -134,18 +145,30 @@ class TextAssembly:
         return self.push(chunk.token_ids)
 
     def push(self, token_ids: list[int]) -> str:
-        """The text these tokens complete that is safe to send; "" once stopped."""
+        """The text these tokens complete that is safe to send (the answer's only, with a
+        split: see take_reasoning); "" once stopped."""
         if self.stopped or self.score_only:
             return ""
         parts: list[str] = []
         for token_id in token_ids:
             self.generated += 1
             match = self._matcher.push(self._detokenizer.push_one(token_id))
-            parts.append(match.text)
-            if match.matched:
+            text, matched = match.text, match.matched
+            if self._split is not None:
+                split, ended = self._split.push_token(text)
+                self._reasoning.append(split.reasoning)
+                text, matched = split.content, matched or ended
+            parts.append(text)
+            if matched:
                 self.stopped = True
                 break
         return "".join(parts)
+
+    def take_reasoning(self) -> str:
+        """The thinking text push and done made certain since the last call (with a split)."""
+        text = "".join(self._reasoning)
+        self._reasoning.clear()
+        return text
 
     def logprobs(self, chunk: TokenChunk, taken: int) -> list[TokenLogprob]:
         """The logprobs of the first `taken` tokens of a chunk (those push took)."""
@@ -190,7 +213,7 @@ class TextAssembly:
         WorkerLost when the worker cancelled the request on its own.
         """
         if self.stopped:
-            return "", Done("stop", self._usage(finish, self.generated))
+            return self._finish_split(""), Done("stop", self._usage(finish, self.generated))
         if finish is None:
             raise ValueError("a sequence that did not stop needs the worker's Finish")
         if finish.completion_tokens < self.received:
@@ -205,13 +228,30 @@ class TextAssembly:
             return "", Done("length", self._usage(finish, 0))
         match = self._matcher.push(self._detokenizer.flush())
         tail = match.text + ("" if match.matched else self._matcher.flush())
+        if self._split is not None:
+            split, _ = self._split.push(tail)
+            self._reasoning.append(split.reasoning)
+            tail = self._finish_split(split.content)
         # The worker's cancelled (by us or because it dropped this gateway) reads as stop.
         reason: Literal["stop", "length"] = (
             "length" if finish.reason == FinishReason.LENGTH else "stop"
         )
         return tail, Done(reason, self._usage(finish, finish.completion_tokens))
 
+    def _finish_split(self, tail: str) -> str:
+        """The answer's tail once the reply ended: what the split still held (a reply cut
+        inside its think block ends there), its thinking kept for take_reasoning."""
+        if self._split is None:
+            return tail
+        rest = self._split.finish()
+        self._reasoning.append(rest.reasoning)
+        return tail + rest.content
+
     def _usage(self, finish: Finish | None, completion_tokens: int) -> Usage:
         if finish is None:
-            return Usage.of(self.prompt_len, completion_tokens, 0)
-        return Usage.of(finish.prompt_tokens, completion_tokens, finish.cached_tokens)
+            usage = Usage.of(self.prompt_len, completion_tokens, 0)
+        else:
+            usage = Usage.of(finish.prompt_tokens, completion_tokens, finish.cached_tokens)
+        if self._split is None:
+            return usage
+        return usage.with_reasoning(self._split.reasoning_tokens)

@@ -94,6 +94,7 @@ class Generation:
             len(generate.prompt_tokens),
             scored_prompt=generate.prompt_tokens if scored else None,
             score_only=request.score_only,
+            split=request.reply_split(),
         )
         return cls(request, index, handle, client, tries, assembly, metrics, span)
 
@@ -130,6 +131,7 @@ class Generation:
                         assembly.push_prompt(event.prompt_logprobs)
                     before = assembly.generated
                     delta.text += assembly.take(event)
+                    delta.reasoning += assembly.take_reasoning()
                     if event.logprobs:
                         delta.logprobs += assembly.logprobs(event, assembly.generated - before)
                     if assembly.stopped:
@@ -138,15 +140,16 @@ class Generation:
                         break
                 if scores := assembly.prompt_scores():
                     yield scores
-                if delta.text or delta.logprobs:
+                if delta.text or delta.logprobs or delta.reasoning:
                     yield delta
             if assembly.stopped:
                 finish = await self._cancel_after_stop(finish)
             tail, done = assembly.done(finish)
             if scores := assembly.prompt_scores(final=True):  # cut short before it was whole
                 yield scores
-            if tail:
-                yield TextDelta(tail)
+            reasoning = assembly.take_reasoning()
+            if tail or reasoning:
+                yield TextDelta(tail, reasoning=reasoning)
             self._record(done, finish)
             yield done
         finally:

@@ -106,11 +106,15 @@ class GenerationGroup:
         tokens of every choice summed."""
         n = self.request.n
         firsts = [done for index, done in self.dones.items() if index % n == 0]
-        return Usage.of(
+        usage = Usage.of(
             prompt_tokens=sum(d.usage.prompt_tokens for d in firsts),
             completion_tokens=sum(d.usage.completion_tokens for d in self.dones.values()),
             cached_tokens=sum(d.usage.prompt_tokens_details.cached_tokens for d in firsts),
         )
+        if self.request.reasoning is None:
+            return usage
+        details = (d.usage.completion_tokens_details for d in self.dones.values())
+        return usage.with_reasoning(sum(d.reasoning_tokens for d in details if d is not None))
 
     async def first_outputs(self) -> bool:
         """Wait for every choice's first output; raises a choice's error. True then."""

@@ -23,7 +23,6 @@ from loomserve.gateway.api.response_bodies import (
 )
 from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
 from loomserve.gateway.request.generation_request import GenerationRequest
-from loomserve.gateway.text.reasoning import ReasoningSplitter, Split, split_whole
 from loomserve.gateway.tools.framed import ToolParser
 from loomserve.gateway.tools.parser import ContentDelta, ToolEvent
 from loomserve.gateway.tools.replies import assistant_message, tool_call_delta
@@ -54,15 +53,13 @@ class StreamChunks:
     """The chunks of one streamed response: per choice its opening (the role for chat, the
     prompt for an echoing completion), text deltas and finish; then the usage.
 
-    With tools, each choice's text goes through its own tool parser and becomes content and
+    With tools, each choice's answer goes through its own tool parser and becomes content and
     tool-call deltas; a chunk may then be several events, or "" while the parser holds text.
+    A delta's thinking (split from the answer in assembly.py) goes out as reasoning deltas.
     """
 
     request: GenerationRequest
     _parsers: dict[int, ToolParser | None] = field(default_factory=dict)
-    # With reasoning: each choice's splitter, and the reasoning it sent (for its usage).
-    _splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)
-    _reasoning: dict[int, list[str]] = field(default_factory=dict)
     # Completions' text_offset: characters each choice has sent so far.
     _offsets: dict[int, int] = field(default_factory=dict)
 
@@ -95,9 +92,6 @@ class StreamChunks:
 
     def finish(self, index: int, reason: str) -> str:
         held = ""
-        splitter = self._splitters.get(index)
-        if splitter is not None:  # a reply cut inside its think block ends there
-            held = self._split_events(index, splitter.finish())
         parser = self._parser(index)
         if parser is not None:
             events = parser.finish(cut=reason == "length")
@@ -107,35 +101,24 @@ class StreamChunks:
         return held + self._choice(index, body, reason)
 
     def usage(self, usage: Usage) -> str:
-        reasoning = self.request.reasoning
-        if reasoning is not None:
-            texts = ("".join(parts) for parts in self._reasoning.values())
-            usage = usage.with_reasoning(sum(reasoning.count_tokens(t) for t in texts))
         return sse({**self._head(), "choices": [], "usage": usage.model_dump()})
 
     def _chat_text(self, index: int, delta: TextDelta) -> str:
         logprobs = None
         if self.request.logprobs:
             logprobs = chat_logprobs(delta.logprobs).model_dump()
-        reasoning = self.request.reasoning
-        if reasoning is None:
+        if not delta.reasoning:
             return self._answer(index, delta.text, logprobs, bool(delta.logprobs))
-        splitter = self._splitters.get(index)
-        if splitter is None:
-            splitter = self._splitters[index] = reasoning.splitter()
-        split = splitter.push(delta.text)
-        if not split.reasoning:
-            return self._answer(index, split.content, logprobs, bool(delta.logprobs))
         # The tokens' logprobs go with the reasoning, which comes first.
-        first = self._reasoning_delta(index, split.reasoning, logprobs)
-        return first + (self._answer(index, split.content, None, False) if split.content else "")
+        first = self._reasoning_delta(index, delta.reasoning, logprobs)
+        return first + (self._answer(index, delta.text, None, False) if delta.text else "")
 
     def _answer(self, index: int, text: str, logprobs: Any, scored: bool) -> str:
         """The answer's text as content and tool-call deltas."""
         parser = self._parser(index)
         if parser is None:
             if not text and logprobs is None and self.request.reasoning is not None:
-                return ""  # the splitter holds a possible marker back: nothing to send yet
+                return ""  # a delta of thinking only, or of held text: no content to send
             return self._choice(index, {"delta": {"content": text}}, None, logprobs)
         events = [self._tool_event(index, e) for e in parser.push(text)]
         if logprobs is not None and scored:
@@ -144,16 +127,8 @@ class StreamChunks:
         return "".join(events)
 
     def _reasoning_delta(self, index: int, text: str, logprobs: Any = None) -> str:
-        self._reasoning.setdefault(index, []).append(text)
         delta = {"reasoning_content": text, "reasoning": text}
         return self._choice(index, {"delta": delta}, None, logprobs)
-
-    def _split_events(self, index: int, split: Split) -> str:
-        """The events of what a splitter gave at the end of a reply."""
-        events = self._reasoning_delta(index, split.reasoning) if split.reasoning else ""
-        if split.content:
-            events += self._answer(index, split.content, None, False)
-        return events
 
     def _parser(self, index: int) -> ToolParser | None:
         if index not in self._parsers:
@@ -237,21 +212,18 @@ def response_body(
     dones: list[Done],
     logprobs: list[list[TokenLogprob]],
     usage: Usage,
+    reasonings: list[str] | None = None,
 ) -> Completion | ChatCompletion:
-    """The whole response of a request that does not stream: one choice per text, in order."""
+    """The whole response of a request that does not stream: one choice per text, in order
+    (with reasoning, each choice's answer, and in `reasonings` its thinking)."""
     asked = request.logprobs
     if request.chat:
         chat_choices = []
-        reasoning_tokens = 0
+        thoughts = reasonings or [""] * len(texts)
         for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):
-            thought, answer = None, text
-            if request.reasoning is not None:
-                split = split_whole(request.reasoning.family, request.reasoning.inside, text)
-                thought, answer = split.reasoning or None, split.content
-                reasoning_tokens += request.reasoning.count_tokens(split.reasoning)
-            message, reason = assistant_message(request.tools, answer, done.finish_reason)
-            if thought is not None:
-                message.reasoning_content = message.reasoning = thought
+            message, reason = assistant_message(request.tools, text, done.finish_reason)
+            if thoughts[i]:
+                message.reasoning_content = message.reasoning = thoughts[i]
             chat_choices.append(
                 ChatChoice(
                     index=i,
@@ -266,7 +238,7 @@ def response_body(
             model=request.model,
             system_fingerprint=system_fingerprint(request.model),
             choices=chat_choices,
-            usage=usage if request.reasoning is None else usage.with_reasoning(reasoning_tokens),
+            usage=usage,
         )
     choices = []
     for i, (text, done, lp) in enumerate(zip(texts, dones, logprobs, strict=True)):

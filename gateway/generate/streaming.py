@@ -30,20 +30,22 @@ log = structlog.get_logger(__name__)
 
 async def collect(
     group: GenerationGroup,
-) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
-    """Each choice's whole text, Done and logprobs (the prompt's first, when it was scored),
-    in choice order, for a non-streaming request."""
+) -> tuple[list[str], list[Done], list[list[TokenLogprob]], list[str]]:
+    """Each choice's whole text (its answer, with reasoning), Done, logprobs (the prompt's
+    first, when it was scored) and thinking, in choice order, for a non-streaming request."""
     n_choices = group.request.n_choices
     parts: list[list[str]] = [[] for _ in range(n_choices)]
+    thoughts: list[list[str]] = [[] for _ in range(n_choices)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n_choices)]
     async for index, event in group.events():
         if isinstance(event, TextDelta):
             parts[index].append(event.text)
+            thoughts[index].append(event.reasoning)
             logprobs[index] += event.logprobs
         elif isinstance(event, PromptScores):
             logprobs[index] = event.logprobs + logprobs[index]
     dones = [group.dones[i] for i in range(n_choices)]
-    return ["".join(p) for p in parts], dones, logprobs
+    return ["".join(p) for p in parts], dones, logprobs, ["".join(t) for t in thoughts]
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:

@@ -12,11 +12,10 @@ sample of prompt p.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
-from loomserve.gateway.text.reasoning import AfterReasoning, ReasoningFamily, ReasoningSplitter
+from loomserve.gateway.text.reasoning import ReasoningFamily, ReasoningSplitter, ReplySplit
 from loomserve.gateway.text.stop import StopMatcher, TextMatcher
 from loomserve.gateway.tools.checks import ToolRequest
 from loomserve.gateway.tools.end import PromptEcho, ToolCallEnd
@@ -41,12 +40,6 @@ class ReplyReasoning:
 
     family: ReasoningFamily
     inside: bool  # the prompt opened the block: the reply starts in it
-    # Tokens of a text, for usage's reasoning_tokens: the reasoning re-tokenized, an
-    # estimate (a token that straddles the end marker is not split the same way).
-    count_tokens: Callable[[str], int]
-
-    def splitter(self) -> ReasoningSplitter:
-        return ReasoningSplitter(self.family, self.inside)
 
 
 @dataclass(slots=True)
@@ -74,19 +67,25 @@ class GenerationRequest:
         return self.tools.parser() if self.tools is not None else None
 
     def text_matcher(self) -> TextMatcher:
-        """What ends a choice on its text: the stop strings, and with tools its calls' end."""
+        """What ends a choice on its raw text: the stop strings, and with tools its calls'
+        end (with reasoning, reply_split's: the calls' end reads the answer only)."""
         stops = StopMatcher(self.stops)
         tools = self.tools
         if tools is None:
             return stops
-        ending: TextMatcher = ToolCallEnd(stops, tools.parser())
-        if self.reasoning is not None:  # the calls' end reads the answer only
-            ending = AfterReasoning(
-                stops, self.reasoning.splitter(), ToolCallEnd(StopMatcher(()), tools.parser())
-            )
+        ending: TextMatcher = stops if self.reasoning else ToolCallEnd(stops, tools.parser())
         if tools.injected_prompt and tools.choice == "auto":
             return PromptEcho(ending, tools.injected_prompt)
         return ending
+
+    def reply_split(self) -> ReplySplit | None:
+        """A choice's one split of its thinking from its answer, when the reply has one."""
+        reasoning = self.reasoning
+        if reasoning is None:
+            return None
+        tools = self.tools
+        answer_end = ToolCallEnd(StopMatcher(()), tools.parser()) if tools is not None else None
+        return ReplySplit(ReasoningSplitter(reasoning.family, reasoning.inside), answer_end)
 
     @property
     def chat(self) -> bool:

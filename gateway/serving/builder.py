@@ -9,7 +9,6 @@ so each prompt's SamplingParams is made then, once, with its max_tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,6 @@ from loomserve.gateway.request.params import (
     with_max_tokens,
 )
 from loomserve.gateway.text.think_grammar import after_thinking
-from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.checks import ToolRequest, tool_request
 
 # A body this small (its JSON, every field) with no grammar to compile is drafted on the
@@ -126,15 +124,8 @@ def draft(served: ServedModel, body: ApiBody) -> Drafted:
             # own GBNF is taken as it is, think block and all).
             fields["grammar"] = after_thinking(fields["grammar"], family, inside)
         if thinking.splits_reasoning(body):
-            reasoning = ReplyReasoning(family, inside, _token_counter(vocab))
+            reasoning = ReplyReasoning(family, inside)
     return Drafted(fields, tools, [(tokens, "")], reasoning)
-
-
-def _token_counter(vocab: Vocab) -> Callable[[str], int]:
-    def count(text: str) -> int:
-        return len(vocab.tokenize(text, add_special=False, parse_special=False)) if text else 0
-
-    return count
 
 
 def requested_tokens(body: ApiBody) -> tuple[int | None, int | None]:

@@ -76,8 +76,9 @@ class ChatServing:
             running.close()
         if outcome is None:
             return Response(status_code=499)  # nobody is listening any more
-        texts, dones, logprobs = outcome
-        answer = response_body(request, texts, dones, logprobs, running.group.usage())
+        texts, dones, logprobs, reasonings = outcome
+        usage = running.group.usage()
+        answer = response_body(request, texts, dones, logprobs, usage, reasonings)
         return JSONResponse(answer.model_dump())
 
     async def count_prompt_tokens(self, body: ChatCompletionRequest) -> int:
@@ -216,7 +217,9 @@ class _NonStreamed:
     ) -> _NonStreamed:
         return cls(serving, served, request, await serving._start_group(served, request))
 
-    async def collect(self) -> tuple[list[str], list[Done], list[list[TokenLogprob]]]:
+    async def collect(
+        self,
+    ) -> tuple[list[str], list[Done], list[list[TokenLogprob]], list[str]]:
         try:
             return await collect(self.group)
         except WorkerLost as lost:

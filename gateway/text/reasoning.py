@@ -12,6 +12,10 @@ markers even when a marker arrives cut across deltas: it holds back only a tail 
 still become a marker (and whitespace that trimming may drop). Fed whole or one character
 at a time, it gives the same text. Only the first think block is reasoning: a marker later
 in the answer stays in the answer.
+
+A reply is split once: ReplySplit runs one splitter per choice as its tokens arrive
+(generate/assembly.py), counts the tokens that fell in the think block, and shows the tools'
+end the answer only; the stream's chunks and the whole response read its parts.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loomserve.gateway.text.stop import StopMatch, StopMatcher, TextMatcher
+from loomserve.gateway.text.stop import TextMatcher
 from loomserve.gateway.text.tokenizer import Pieces, Vocab
 
 
@@ -188,6 +192,12 @@ class ReasoningSplitter:
     _state: int = field(default=_START, init=False)
     _held: str = field(default="", init=False)
     _reasoned: bool = field(default=False, init=False)  # some reasoning text went out
+    opened: bool = field(default=False, init=False)  # the reply had a think block
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the text so far has not left the think block (nor shown it has none)."""
+        return self._state in (_START, _REASONING)
 
     def push(self, text: str) -> Split:
         """The reasoning and answer text that these characters make certain."""
@@ -218,10 +228,12 @@ class ReasoningSplitter:
                 start = held.lstrip()
                 if start.startswith(family.start):
                     self._held, self._state = start[len(family.start) :], _REASONING
+                    self.opened = True
                     continue
                 if not final and _may_become(start, (family.start, *family.content_prefixes)):
                     return
                 self._state = _REASONING if self.inside else _AFTER_END
+                self.opened = self.inside
                 continue
             if self._state == _REASONING:
                 if not self._reasoned:
@@ -291,31 +303,48 @@ def split_whole(family: ReasoningFamily, inside: bool, text: str) -> Split:
 
 
 @dataclass(slots=True)
-class AfterReasoning:
-    """StopMatcher's interface (push, flush) for a reply with reasoning: the stop strings
-    read all of its text, but `inner` (the tools' end, tools/end.py) only its answer, so a
-    call written inside the think block never ends the reply."""
+class ReplySplit:
+    """The one split of a chat reply's thinking from its answer, fed token by token the raw
+    text the stop strings let through (assembly.py): every reader (stream chunks, the whole
+    response, the tools' end) takes its parts from here instead of splitting again.
 
-    stops: StopMatcher
+    `answer_end` (the tools' end, tools/end.py) reads the answer only, so a call written inside
+    the think block never ends the reply. `reasoning_tokens` counts the tokens pushed while the
+    reply had not left its think block (its markers included), once it had one.
+    """
+
     splitter: ReasoningSplitter
-    inner: TextMatcher  # reads the answer only; what it returns is not sent
+    answer_end: TextMatcher | None = None  # reads the answer only; what it returns is not sent
+    _thinking_tokens: int = field(default=0, init=False)
     _ended: bool = field(default=False, init=False)
 
-    def push(self, text: str) -> StopMatch:
-        """The text that may be sent (all of it, reasoning and answer, raw); matched once a
-        stop string or the answer's calls ended it."""
-        if self._ended:
-            return StopMatch("", True)
-        match = self.stops.push(text)
-        answer = self.splitter.push(match.text).content
-        if answer and self.inner.push(answer).matched:
-            self._ended = True
-            return StopMatch(match.text, True)
-        return match
+    def push_token(self, text: str) -> tuple[Split, bool]:
+        """One generated token's text (what the stop strings let through, maybe ""): its
+        reasoning and answer parts, and whether the answer's end matched."""
+        if self.splitter.thinking:
+            self._thinking_tokens += 1
+        return self.push(text)
 
-    def flush(self) -> str:
-        """Text the stop strings held back, once generation ended without a match."""
-        return self.stops.flush()
+    def push(self, text: str) -> tuple[Split, bool]:
+        """Text that is no token's own (the detokenizer's and stop strings' held tail)."""
+        split = self.splitter.push(text)
+        return split, self._answer_ends(split.content)
+
+    def finish(self) -> Split:
+        """What the splitter held back, at the end of the reply (also when cut short)."""
+        return self.splitter.finish()
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Tokens of the think block, markers included: 0 for a reply without one."""
+        return self._thinking_tokens if self.splitter.opened else 0
+
+    def _answer_ends(self, answer: str) -> bool:
+        if self._ended:
+            return True
+        if answer and self.answer_end is not None and self.answer_end.push(answer).matched:
+            self._ended = True
+        return self._ended
 
 
 class MarkerText:

@@ -56,14 +56,28 @@ def chat_body(**fields: Any) -> dict[str, Any]:
     return {"messages": MESSAGES, "max_tokens": 64, "temperature": 0, **fields}
 
 
+def think_tokens(logprobs: dict[str, Any]) -> int:
+    """The generated tokens up to the one that completes `</think>` (as the model tokenized
+    its forced text, which logprobs show token by token)."""
+    text = ""
+    for count, entry in enumerate(logprobs["content"], 1):
+        text += entry["token"]
+        if "</think>" in text:
+            return count
+    raise AssertionError(f"no end of the think block in {text!r}")
+
+
 def test_a_whole_answer_splits_reasoning_from_content(gateways: tuple[Proc, Proc]) -> None:
-    reply = post(gateways[0], "/v1/chat/completions", chat_body(grammar=GRAMMAR)).json()
+    body = chat_body(grammar=GRAMMAR, logprobs=True)
+    reply = post(gateways[0], "/v1/chat/completions", body).json()
     message = reply["choices"][0]["message"]
     assert message["content"] == "The answer."
     assert message["reasoning_content"] == message["reasoning"] == "abc, then def"
     usage = reply["usage"]
     reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"]
-    assert 0 < reasoning_tokens < usage["completion_tokens"]
+    # Exactly the tokens of the think block, its markers included.
+    assert reasoning_tokens == think_tokens(reply["choices"][0]["logprobs"])
+    assert reasoning_tokens < usage["completion_tokens"]
 
 
 def test_a_stream_splits_reasoning_from_content(gateways: tuple[Proc, Proc]) -> None:
@@ -73,7 +87,10 @@ def test_a_stream_splits_reasoning_from_content(gateways: tuple[Proc, Proc]) -> 
     reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
     assert reasoning == "".join(d.get("reasoning") or "" for d in deltas) == "abc, then def"
     assert "".join(d.get("content") or "" for d in deltas) == "The answer."
-    assert payloads[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    usage = payloads[-1]["usage"]
+    whole = post(gateways[0], "/v1/chat/completions", chat_body(grammar=GRAMMAR, logprobs=True))
+    expected = think_tokens(whole.json()["choices"][0]["logprobs"])
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == expected
 
 
 def test_reasoning_format_none_keeps_the_raw_text(gateways: tuple[Proc, Proc]) -> None:
@@ -84,14 +101,21 @@ def test_reasoning_format_none_keeps_the_raw_text(gateways: tuple[Proc, Proc]) -
 
 
 def test_a_reply_cut_inside_the_block_is_reasoning_only(gateways: tuple[Proc, Proc]) -> None:
-    cut = OUTPUT[: OUTPUT.index(", then")]  # "<think>\nabc"
-    tokens = post(gateways[0], "/tokenize", {"content": cut}).json()["tokens"]
-    body = chat_body(grammar=GRAMMAR, max_tokens=len(tokens))
+    # The tokens the model writes the forced text in (the grammar, not /tokenize, decides
+    # them) up to past "<think>\nabc": the reply is cut there, inside the block.
+    whole = post(gateways[0], "/v1/chat/completions", chat_body(grammar=GRAMMAR, logprobs=True))
+    written, n_tokens = "", 0
+    for entry in whole.json()["choices"][0]["logprobs"]["content"]:
+        written, n_tokens = written + entry["token"], n_tokens + 1
+        if len(written) >= len("<think>\nabc"):
+            break
+    body = chat_body(grammar=GRAMMAR, max_tokens=n_tokens)
     reply = post(gateways[0], "/v1/chat/completions", body).json()
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["message"]["content"] == ""
-    assert choice["message"]["reasoning_content"] == "abc"
+    assert choice["message"]["reasoning_content"] == written.removeprefix("<think>").strip()
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == n_tokens
 
 
 def prompt_tokens(gateway: Proc, **fields: Any) -> int:

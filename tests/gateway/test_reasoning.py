@@ -4,21 +4,15 @@ family's output split whole and one character at a time, with the same result.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
-from loomserve.gateway.api.response_bodies import Usage
-from loomserve.gateway.api.schemas import ChatCompletionRequest, ChatMessage
-from loomserve.gateway.generate.assembly import Done, TextDelta
-from loomserve.gateway.generate.render import StreamChunks, response_body
+from loomserve.gateway.api.schemas import ChatMessage
 from loomserve.gateway.request import prompts
-from loomserve.gateway.request.generation_request import GenerationRequest, ReplyReasoning
 from loomserve.gateway.text.chat_template import ChatTemplate
 from loomserve.gateway.text.reasoning import (
-    AfterReasoning,
     MarkerText,
     ReasoningSplitter,
     Split,
@@ -28,9 +22,7 @@ from loomserve.gateway.text.reasoning import (
     family_names,
     split_whole,
 )
-from loomserve.gateway.text.stop import StopMatch, StopMatcher
 from loomserve.gateway.tools.template import TemplateTools
-from tests.gateway.scripted import request
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "templates"
 
@@ -235,103 +227,6 @@ def test_only_a_possible_marker_is_held_back() -> None:
     assert splitter.push(" more </th") == Split(" more", "")  # " </th" may end it
     assert splitter.push("ink>\nAns") == Split("", "Ans")
     assert splitter.push("wer") == Split("", "wer")
-
-
-class _Ends:
-    """A matcher that ends the reply once it reads CALL (a test double for ToolCallEnd)."""
-
-    def __init__(self) -> None:
-        self.read = ""
-
-    def push(self, text: str) -> StopMatch:
-        self.read += text
-        return StopMatch(text, "CALL" in self.read)
-
-    def flush(self) -> str:
-        return ""
-
-
-def test_after_reasoning_shows_the_tools_end_only_the_answer() -> None:
-    inner = _Ends()
-    matcher = AfterReasoning(
-        StopMatcher(("STOP",)), ReasoningSplitter(family_named("deepseek_r1")), inner
-    )
-    assert matcher.push("<think>I could CALL it") == StopMatch("<think>I could CALL it", False)
-    assert matcher.push("</think>So: CA") == StopMatch("</think>So: CA", False)
-    assert inner.read == "So: CA"
-    assert matcher.push("LL now").matched
-    stops = AfterReasoning(
-        StopMatcher(("STOP",)), ReasoningSplitter(family_named("mistral")), inner
-    )
-    assert stops.push("[THINK]x STOP") == StopMatch("[THINK]x ", True)
-
-
-# --- through render.py: whole answers and stream chunks ---------------------------------
-
-USAGE = Usage.of(prompt_tokens=3, completion_tokens=9, cached_tokens=0)
-CHAT = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
-OUTPUT = "<think>\nabc def\n</think>\n\nAnswer"
-
-
-def _with_reasoning(inside: bool = False) -> GenerationRequest:
-    generation = request(CHAT)
-    # One token per word stands in for the tokenizer.
-    generation.reasoning = ReplyReasoning(family_named("deepseek_r1"), inside, _words)
-    return generation
-
-
-def _words(text: str) -> int:
-    return len(text.split())
-
-
-def _deltas(events: str) -> list[dict]:
-    parsed = [json.loads(e) for e in events.split("data: ") if e.strip()]
-    return [p["choices"][0]["delta"] for p in parsed if p["choices"]]
-
-
-def test_a_whole_answer_has_its_reasoning_apart() -> None:
-    reply = response_body(_with_reasoning(), [OUTPUT], [Done("stop", USAGE)], [[]], USAGE)
-    message = reply.model_dump()["choices"][0]["message"]
-    assert message["content"] == "Answer"
-    assert message["reasoning_content"] == message["reasoning"] == "abc def"
-    assert reply.model_dump()["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
-    plain = response_body(request(CHAT), [OUTPUT], [Done("stop", USAGE)], [[]], USAGE)
-    assert plain.model_dump()["choices"][0]["message"] == {
-        "role": "assistant",
-        "content": OUTPUT,
-        "tool_calls": None,
-    }
-    assert "completion_tokens_details" not in plain.model_dump()["usage"]
-
-
-def test_a_whole_answer_cut_inside_the_block_is_all_reasoning() -> None:
-    reply = response_body(
-        _with_reasoning(inside=True), ["still thinking"], [Done("length", USAGE)], [[]], USAGE
-    )
-    message = reply.choices[0].message
-    assert (message.reasoning_content, message.content) == ("still thinking", "")
-
-
-def test_stream_chunks_carry_reasoning_deltas_then_content() -> None:
-    chunks = StreamChunks(_with_reasoning())
-    events = "".join(chunks.text(0, TextDelta(char)) for char in OUTPUT)
-    events += chunks.finish(0, "stop")
-    deltas = _deltas(events)
-    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
-    assert reasoning == "".join(d.get("reasoning", "") for d in deltas) == "abc def"
-    assert "".join(d.get("content", "") for d in deltas) == "Answer"
-    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
-    assert not any("reasoning" in d for d in deltas[first_content:])
-    usage = json.loads(chunks.usage(USAGE).removeprefix("data: "))["usage"]
-    assert usage["completion_tokens_details"] == {"reasoning_tokens": 2}
-
-
-def test_a_stream_cut_inside_the_block_sends_what_was_held_at_its_finish() -> None:
-    chunks = StreamChunks(_with_reasoning(inside=True))
-    events = chunks.text(0, TextDelta("partial </thi"))
-    assert "".join(d.get("reasoning", "") for d in _deltas(events)) == "partial"
-    deltas = _deltas(chunks.finish(0, "length"))
-    assert deltas[0] == {"reasoning_content": " </thi", "reasoning": " </thi"}
 
 
 @pytest.mark.parametrize(

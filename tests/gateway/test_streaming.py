@@ -49,6 +49,6 @@ def test_a_body_is_collected_whole() -> None:
         group = await GenerationGroup.start(pool, Pieces(), generation, None)
         return await collect(group)
 
-    texts, dones, logprobs = asyncio.run(scenario())
-    assert texts == ["Hello again!"] and logprobs == [[]]
+    texts, dones, logprobs, thoughts = asyncio.run(scenario())
+    assert texts == ["Hello again!"] and logprobs == [[]] and thoughts == [""]
     assert [d.finish_reason for d in dones] == ["length"]
