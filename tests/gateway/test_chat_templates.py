@@ -206,6 +206,10 @@ KIMI_CALL = (
     '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
     "<|tool_calls_section_end|><|im_end|>"
 )
+DSML_CALL = (
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+)
 LLAMA3 = (
     "Weather in Paris?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
@@ -268,6 +272,21 @@ FIXTURES = {
         "<｜tool▁output▁end｜>",
     )
     * 2,
+    # DeepSeek V3.2 (DSML): each parameter with its `string` attribute; the results in
+    # <function_results>; the prompt opens the think block (thinking) or closes it empty.
+    # V4: the same calls in <｜DSML｜tool_calls>, the result in a user turn's <tool_result>.
+    "deepseek-ai-DeepSeek-V3.2": tuple(
+        f"Weather in Paris?<｜Assistant｜>{block}\n\n<｜DSML｜function_calls>\n{DSML_CALL}"
+        "</｜DSML｜function_calls><｜end▁of▁sentence｜>\n\n<function_results>\n"
+        f"<result>sunny</result>\n</function_results>\n\n{tail}"
+        for block, tail in (("<think></think>", "<think>"), ("</think>", "<think></think>"))
+    ),
+    "deepseek-ai-DeepSeek-V4": tuple(
+        f"Weather in Paris?<｜Assistant｜>{block}\n\n<｜DSML｜tool_calls>\n{DSML_CALL}"
+        "</｜DSML｜tool_calls><｜end▁of▁sentence｜><｜User｜><tool_result>sunny</tool_result>"
+        f"<｜Assistant｜>{tail}"
+        for block, tail in (("<think></think>", "<think>"), ("</think>", "</think>"))
+    ),
     # gpt-oss (Harmony): the call on the commentary channel to functions.NAME, ended by
     # <|call|>; the result from the tool to the assistant; the reply's channel is the model's.
     "openai-gpt-oss-120b": (
