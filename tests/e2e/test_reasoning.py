@@ -183,7 +183,8 @@ def test_responses_carry_a_reasoning_item(gateways: tuple[Proc, Proc]) -> None:
     (item,) = whole["output"]
     assert item["type"] == "reasoning" and item["summary"] == []
     assert item["content"] == [{"type": "reasoning_text", "text": thought}]
-    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    # Cut by max_output_tokens inside the block the prompt opened: every token is thinking.
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == THINK_TOKENS
     streamed = events(qwen35, "/v1/responses", responses_body(stream=True))
     kinds = [e["type"] for e in streamed]
     deltas = "".join(e["delta"] for e in streamed if e["type"] == "response.reasoning_text.delta")
@@ -193,6 +194,7 @@ def test_responses_carry_a_reasoning_item(gateways: tuple[Proc, Proc]) -> None:
     assert kinds.index("response.output_item.added") < kinds.index("response.reasoning_text.delta")
     final = streamed[-1]["response"]
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": thought}]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == THINK_TOKENS
     # reasoning.effort "none" turns thinking off: the answer is a message.
     off = post(qwen35, "/v1/responses", responses_body(reasoning={"effort": "none"})).json()
     assert [i["type"] for i in off["output"]] == ["message"]
