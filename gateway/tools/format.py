@@ -38,15 +38,26 @@ class XmlArguments:
     # A regex whose group 1 is the key, in the text up to KEY_CLOSE (DeepSeek's DSML writes
     # attributes after it: `city" string="true`); "": all of that text is the key.
     key_pattern: str = ""
+    # KEY_CLOSE by the value's type, (a string's, any other's), where the family says it:
+    # DSML's `" string="true">` and `" string="false">`; () means KEY_CLOSE alone.
+    typed_key_close: tuple[str, str] | tuple[()] = ()
+
+    def key_closing(self, is_string: bool) -> str:
+        """What closes the key of a value that is (or is not) a string."""
+        if not self.typed_key_close:
+            return self.key_close
+        return self.typed_key_close[0 if is_string else 1]
 
     def write(self, arguments: dict[str, Any]) -> str:
         """The arguments as this family writes them."""
         parts = []
         for key, value in arguments.items():
-            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            is_string = isinstance(value, str)
+            text = value if is_string else json.dumps(value, ensure_ascii=False)
             if self.trim_newline:
                 text = f"\n{text}\n"
-            parts.append(f"{self.key_open}{key}{self.key_close}{self.value_open}{text}")
+            closing = self.key_closing(is_string)
+            parts.append(f"{self.key_open}{key}{closing}{self.value_open}{text}")
             parts.append(self.value_close + self.separator)
         return "".join(parts)
 
@@ -330,13 +341,14 @@ DEEPSEEK_R1 = _framed_family(
 # DeepSeek V3.2 (DSML): <｜DSML｜function_calls>\n<｜DSML｜invoke name="NAME">\n
 # <｜DSML｜parameter name="k" string="true|false">v</｜DSML｜parameter>\n</｜DSML｜invoke>\n
 # </｜DSML｜function_calls>; a string value as it is, others as JSON. Its `string` attribute
-# is read past (the schema types the value); calls written here leave it out.
+# is read past (the schema types the value); calls written here and forced calls write it.
 DEEPSEEK_V32 = _framed_family(
     "deepseek_v3_2",
     Framed(opens=('<｜DSML｜invoke name="',), name_ends=('">',), close="</｜DSML｜invoke>",
            args_open='">',
            xml=XmlArguments('<｜DSML｜parameter name="', '">', "</｜DSML｜parameter>",
-                             separator="\n", key_pattern=r'([^"]*)(?:".*)?'),
+                             separator="\n", key_pattern=r'([^"]*)(?:".*)?',
+                             typed_key_close=('" string="true">', '" string="false">')),
            between=("<｜DSML｜function_calls>", "</｜DSML｜function_calls>",
                     "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"),
            written_after_name='">\n'),

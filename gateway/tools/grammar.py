@@ -126,21 +126,32 @@ def _framed_call(
 def _xml_arguments(xml: XmlArguments, i: int, schema: dict[str, Any], rules: list[str]) -> str:
     """One element per parameter, in the schema's order (the optional ones optional); a
     string's text is any characters but `<`, as many as its minLength and maxLength allow
-    (without a maxLength, at most MAX_TOOL_STRING_CHARS beyond its minLength)."""
+    (without a maxLength, at most MAX_TOOL_STRING_CHARS beyond its minLength), or one of its
+    enum's texts; other values are JSON."""
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or ())
     definitions = _definitions(schema)
     newline = _literal("\n") if xml.trim_newline else ""
     elements = []
     close = _literal(xml.value_close + xml.separator)
+    ending = _regex_literal(("\n" if xml.trim_newline else "") + xml.value_close + xml.separator)
     for key, value_schema in properties.items():
-        head = _literal(xml.key_open + key + xml.key_close + xml.value_open)
-        if schema_types(value_schema) == {"string"} and "enum" not in value_schema:
-            # The text and what closes it in one regex: as two lexemes, the text (which may
-            # hold a newline) would take the newline that ends it.
-            ending = ("\n" if xml.trim_newline else "") + xml.value_close + xml.separator
-            value = f"/[^<]{{{_string_bounds(value_schema)}}}{_regex_literal(ending)}/"
-            element = _sequence(head, newline, value)
+        choices = value_schema.get("enum")
+        texts = choices if isinstance(choices, list) and choices else None
+        if texts is not None and not all(isinstance(text, str) for text in texts):
+            texts = None  # an enum of numbers or mixed values: JSON, as written
+        is_string = texts is not None or (
+            schema_types(value_schema) == {"string"} and "enum" not in value_schema
+        )
+        head = _literal(xml.key_open + key + xml.key_closing(is_string) + xml.value_open)
+        if is_string:
+            # The text (as written: not JSON) and what closes it in one regex: as two lexemes,
+            # the text (which may hold a newline) would take the newline that ends it.
+            if texts is not None:
+                text = "(?:" + "|".join(_regex_literal(t) for t in texts) + ")"
+            else:
+                text = f"[^<]{{{_string_bounds(value_schema)}}}"
+            element = _sequence(head, newline, f"/{text}{ending}/")
         else:
             element = _sequence(head, newline, _json(value_schema, definitions), newline, close)
         elements.append(f"({element})" + ("" if key in required else "?"))

@@ -549,6 +549,27 @@ def test_xml_grammar_types_values_by_the_schema(tiny_model_path: Path) -> None:
     assert not grammar_accepts(vocab, grammar, fmt.write_calls([("get_weather", {"days": 3})]))
 
 
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm", "minimax_m2", "deepseek_v3_2"])
+def test_xml_grammar_takes_a_string_enum_as_written(tiny_model_path: Path, family: str) -> None:
+    """An enum of strings is written as text, not JSON, and forced as one of its texts; DSML
+    marks each value's type in its key (`string="true"` for text, "false" for JSON)."""
+    vocab = Vocab(tiny_model_path)
+    fmt = FAMILIES[family]
+    schema = {
+        "type": "object",
+        "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "days": {"type": "integer"}},
+        "required": ["unit", "days"],
+    }
+    grammar = tool_grammar(fmt, [("get_weather", schema)], parallel=False)
+    good = fmt.write_calls([("get_weather", {"unit": "celsius", "days": 3})])
+    if family == "deepseek_v3_2":
+        assert 'name="unit" string="true">celsius' in good
+        assert 'name="days" string="false">3' in good
+    assert grammar_accepts(vocab, grammar, good)
+    assert not grammar_accepts(vocab, grammar, good.replace("celsius", "kelvin"))
+    assert not grammar_accepts(vocab, grammar, good.replace("celsius", '"celsius"'))
+
+
 # Each family, from the real chat templates llama.cpp ships (tests/data/templates).
 DETECTED = {
     "Qwen3-Coder": "qwen3_coder",
