@@ -233,7 +233,27 @@ class ChatTemplate:
         """The prompt text for messages (dicts with role and string content, and tool calls),
         with the OpenAI tool definitions the request gave (None, as HF passes, when none) and
         chat_template_kwargs as more variables (enable_thinking...; they cannot replace the
-        ones HF passes)."""
+        ones HF passes). A template that loops over the tools even when there are none
+        (Command R+'s tool-use template) gets an empty list instead of None."""
+        try:
+            return self._render(messages, add_generation_prompt, tools, kwargs)
+        except TypeError as exc:
+            failed = ChatTemplateError(f"the chat template failed on these messages: {exc}")
+            if tools is not None or "NoneType" not in str(exc):
+                raise failed from exc
+            try:
+                return self._render(messages, add_generation_prompt, [], kwargs)
+            except TypeError:
+                raise failed from exc  # not the tools after all: the first failure
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any] | None,
+    ) -> str:
+        """render's one try; TypeError left to the caller."""
         try:
             variables = {
                 "messages": messages,
@@ -245,7 +265,7 @@ class ChatTemplate:
                 "strftime_now": lambda fmt: datetime.now().strftime(fmt),
             }
             return self._template.render({**(kwargs or {}), **variables})
-        except ChatTemplateError:
+        except (ChatTemplateError, TypeError):
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, RecursionError) as exc:
+        except (jinja2.TemplateError, ValueError, KeyError, RecursionError) as exc:
             raise ChatTemplateError(f"the chat template failed on these messages: {exc}") from exc

@@ -81,7 +81,11 @@ class TemplateTools:
             "function": {
                 "name": _PROBE_TOOL,
                 "description": "probe",
-                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+                # A description on the parameter too: some templates write it unguarded.
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"type": "string", "description": "probe"}},
+                },
             },
         }
         user = {"role": "user", "content": "probe"}

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from loomserve.gateway.api.errors import APIError
 from loomserve.gateway.api.schemas import ChatCompletionRequest
 from loomserve.gateway.request import prompts, thinking
 from loomserve.gateway.text.chat_template import ChatTemplate
@@ -25,7 +24,12 @@ from loomserve.gateway.tools.template import TemplateTools
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# The parameter has a description: Command R+'s template writes it unguarded.
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "The city."}},
+    "required": ["city"],
+}
 TOOLS = [
     {
         "type": "function",
@@ -55,6 +59,8 @@ FAMILIES = {
     "ByteDance-Seed-OSS": ("seed_oss", "qwen3_coder"),
     "Cohere2MoE": ("command_r7b", "command_r7b"),
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ("command_r7b", "command_r7b"),
+    # It loops over the tools even when there are none: rendered with an empty list then.
+    "CohereForAI-c4ai-command-r-plus-tool_use": (None, "command_r_plus"),
     "GLM-4.6": ("deepseek_r1", "glm"),
     "GLM-4.7-Flash": ("deepseek_r1", "glm"),
     "GigaChat3-10B-A1.8B": (None, "json"),
@@ -120,15 +126,6 @@ FAMILIES = {
     "upstage-Solar-Open-100B": ("solar_open", "json"),
 }
 
-# Templates the gateway cannot render this conversation with, and why.
-NOT_RENDERED = {
-    # Command R+'s tool-use template loops over `tools` even when there are none (None is not
-    # iterable) and writes each parameter's `description` with no default: the probe's tool
-    # has none, so the gateway takes it for a template that shows no tools, passes none, and
-    # the loop fails.
-    "CohereForAI-c4ai-command-r-plus-tool_use": "loops over tools that are None",
-}
-
 # Templates that render the conversation but leave part of it out, and why.
 LOSES = {
     # Mistral Nemo writes the system message into the last message only when that message
@@ -164,8 +161,7 @@ def render(name: str, on: bool) -> tuple[str, TemplateTools]:
 def test_the_tables_cover_every_template() -> None:
     names = {path.stem for path in TEMPLATES.glob("*.jinja")}
     assert len(names) == 70
-    assert names == set(FAMILIES) | set(NOT_RENDERED)
-    assert not set(FAMILIES) & set(NOT_RENDERED)
+    assert names == set(FAMILIES)  # every one renders the conversation
 
 
 @pytest.mark.parametrize("on", [True, False], ids=["thinking", "not-thinking"])
@@ -182,12 +178,6 @@ def test_each_template_renders_the_conversation(name: str, on: bool) -> None:
             assert text not in prompt, text  # still lost: the list must stay true
         else:
             assert text in prompt, text
-
-
-@pytest.mark.parametrize("name", sorted(NOT_RENDERED))
-def test_the_templates_listed_as_not_rendering_still_do_not(name: str) -> None:
-    with pytest.raises(APIError, match="chat template failed"):
-        render(name, True)
 
 
 # The prompt from the user's question on, as each model's documentation writes a tool call,
@@ -221,6 +211,11 @@ QWEN3 = (
     "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
     "<|im_start|>assistant\n"
 )
+HERMES_2_PRO = (
+    f"Weather in Paris?<|im_end|>\n<|im_start|>assistant\n{QWEN_CALL}<|im_end|>\n"
+    "<|im_start|>tool\n<tool_response>\nsunny\n</tool_response><|im_end|>"
+    "<|im_start|>assistant\n"
+)
 MIXED = "<think>\n\n</think>\n\n"  # the closed, empty block of a turn without thinking
 GLM = (
     "<|assistant|>\n<think></think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
@@ -231,8 +226,9 @@ FIXTURES = {
     # Qwen3: Hermes calls; the results come back as a user turn; it opens its own block when
     # thinking, and with thinking off the prompt closes an empty one.
     "Qwen-Qwen3-0.6B": (QWEN3, QWEN3 + MIXED),
-    # Hermes 2 Pro and Qwen2.5: the same syntax, no thinking switch.
-    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": (QWEN3, QWEN3),
+    # Hermes 2 Pro and Qwen2.5: the same syntax, no thinking switch; Hermes 2 Pro's template
+    # writes a result as a turn of the `tool` role (its function-calling format's).
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": (HERMES_2_PRO, HERMES_2_PRO),
     "Qwen-Qwen2.5-7B-Instruct": (QWEN3, QWEN3),
     # Qwen3-Coder: the XML-ish calls, the result followed by a newline.
     "Qwen3-Coder": (
