@@ -32,6 +32,9 @@ class Prompt:
     tokens: list[int]  # after the chat template for chat
     params: SamplingParams  # max_tokens already capped by what the slot's context leaves
     text: str = ""  # the prompt as text, for completions' echo
+    # A chat's images (request/images.py): their files, and where each goes in `tokens`.
+    images: list[bytes] = dataclasses.field(default_factory=list)
+    image_at: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,4 +134,12 @@ class GenerationRequest:
         if sample and params.seed is not None:
             # The n samples of one seeded prompt differ from each other, and reproducibly.
             params = dataclasses.replace(params, seed=(params.seed + sample) % 2**32)
-        return Generate(self.worker_id(index), prompt.tokens, params, self.priority, self.tenant)
+        return Generate(
+            self.worker_id(index),
+            prompt.tokens,
+            params,
+            self.priority,
+            self.tenant,
+            images=prompt.images,
+            image_at=prompt.image_at,
+        )

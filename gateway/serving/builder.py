@@ -9,7 +9,7 @@ so each prompt's SamplingParams is made then, once, with its max_tokens.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from loomserve.gateway.api.errors import invalid_request
@@ -23,6 +23,7 @@ from loomserve.gateway.request.generation_request import (
     Prompt,
     ReplyReasoning,
 )
+from loomserve.gateway.request.images import image_tokens
 from loomserve.gateway.request.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -62,6 +63,9 @@ class Drafted:
     tools: ToolRequest | None
     texts: list[tuple[list[int], str]]  # each prompt's token ids and its echo text
     reasoning: ReplyReasoning | None = None  # chat: how its reply's think block is split
+    # A chat's images (request/images.py) and where each goes in its prompt's tokens.
+    images: list[bytes] = field(default_factory=list)
+    image_at: list[int] = field(default_factory=list)
 
 
 def check_body(body: ApiBody, served: ServedModel, slot_context: int | None) -> None:
@@ -94,9 +98,10 @@ def drafts_inline(body: ApiBody, body_bytes: int | None) -> bool:
     return not (isinstance(body, ChatCompletionRequest) and body.tools)
 
 
-def draft(served: ServedModel, body: ApiBody) -> Drafted:
+def draft(served: ServedModel, body: ApiBody, images: list[bytes] | None = None) -> Drafted:
     """The thread's part (drafts_inline says when it need not be): grammars, the chat
-    template, the tokenizer."""
+    template, the tokenizer. images: a vision model's chat's images, read and checked
+    (request/images.py); None: the model reads none."""
     vocab = served.vocab
     fields = sampling_fields(body, vocab, served.sampling_defaults)
     if not isinstance(body, ChatCompletionRequest):
@@ -111,8 +116,13 @@ def draft(served: ServedModel, body: ApiBody) -> Drafted:
         served.template_tools,
         tools.definitions if tools else None,
         thinking.template_kwargs(body, served.template_kwargs),
+        images=images is not None,
     )
-    tokens = prompts.chat_tokens(vocab, text)
+    image_at: list[int] = []
+    if images:
+        tokens, image_at = image_tokens(vocab, text, len(images))
+    else:
+        tokens = prompts.chat_tokens(vocab, text)
     reasoning = None
     family = served.reasoning
     inside = family is not None and family.starts_inside(text)
@@ -125,7 +135,7 @@ def draft(served: ServedModel, body: ApiBody) -> Drafted:
             fields["grammar"] = after_thinking(fields["grammar"], family, inside)
         if thinking.splits_reasoning(body):
             reasoning = ReplyReasoning(family, inside)
-    return Drafted(fields, tools, [(tokens, "")], reasoning)
+    return Drafted(fields, tools, [(tokens, "")], reasoning, images or [], image_at)
 
 
 def requested_tokens(body: ApiBody) -> tuple[int | None, int | None]:
@@ -161,6 +171,8 @@ def build(
                 drafted.fields, max_new_tokens(requested, default, len(tokens), slot_context)
             ),
             text=text,
+            images=drafted.images,
+            image_at=drafted.image_at,
         )
         for tokens, text in drafted.texts
     ]

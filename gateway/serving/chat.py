@@ -28,7 +28,7 @@ from loomserve.gateway.generate.streaming import (
 from loomserve.gateway.metrics import GatewayMetrics
 from loomserve.gateway.models.catalogue import ServedModel
 from loomserve.gateway.models.registry import Models
-from loomserve.gateway.request import limits, prompts, thinking
+from loomserve.gateway.request import images, limits, prompts, thinking
 from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest
 from loomserve.gateway.serving import builder
 from loomserve.gateway.serving.builder import Caller
@@ -146,11 +146,13 @@ class ChatServing:
         """
         info = self.workers(served.name).info
         builder.check_body(body, served, info.slot_context if info is not None else None)
+        chat_images = await self._images(served, body, info)
         # Grammars, the template and the tokenizer: seconds for a big request, in a thread.
-        if builder.drafts_inline(body, caller.body_bytes):
-            drafted = builder.draft(served, body)
+        if builder.drafts_inline(body, caller.body_bytes) and not chat_images:
+            drafted = builder.draft(served, body, chat_images)
         else:
-            drafted = await prompts.in_thread(functools.partial(builder.draft, served, body))
+            work = functools.partial(builder.draft, served, body, chat_images)
+            drafted = await prompts.in_thread(work)
         slot_context = self.worker_info(served.name).slot_context
         request = builder.build(served, body, drafted, slot_context, caller, arrived)
         if self.pool.in_use(request.id) or self.pool.in_use(f"{request.id}-0"):
@@ -160,6 +162,30 @@ class ChatServing:
                 code="duplicate_request_id",
             )
         return request
+
+    async def _images(
+        self, served: ServedModel, body: ApiBody, info: ModelInfo | None
+    ) -> list[bytes] | None:
+        """A vision model's chat's images, read and checked in a thread (base64, fetches);
+        None for a model that reads none, whose image parts are a 400 naming the part."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        if info is None:
+            info = self.worker_info(served.name)  # 503: no worker to say what it reads
+        if not info.vision:
+            images.refuse_images(body.messages, served.name)
+            return None
+        if not images.image_parts(body.messages):
+            return []
+        config = self.config
+        limits = images.ImageLimits(
+            config.max_image_bytes,
+            config.max_image_side,
+            tuple(domain.lower() for domain in config.allowed_media_domains),
+            config.media_fetch_timeout,
+            config.media_path,
+        )
+        return await prompts.in_thread(lambda: images.load_images(body.messages, limits))
 
     async def _start_group(
         self, served: ServedModel, request: GenerationRequest
