@@ -117,3 +117,40 @@ def test_local_files_only_under_the_media_path(tmp_path: Path) -> None:
     assert "--media-path" in refusal(f"file://{folder / 'cat.png'}")  # none given
     for outside in (tmp_path / "secret.png", folder / "link.png", folder / "../secret.png"):
         assert "no image file" in refusal(f"file://{outside}", allowed)
+
+
+def test_an_allowed_host_is_fetched_and_its_redirects_are_not_followed() -> None:
+    import http.server
+    import threading
+
+    image = png_bytes(16, 16, seed=4)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/cat.png":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(image)))
+                self.end_headers()
+                self.wfile.write(image)
+            else:  # elsewhere: a redirect, which could lead off the allowed hosts
+                self.send_response(302)
+                self.send_header("Location", "http://example.com/cat.png")
+                self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        allowed = ImageLimits(allowed_domains=("127.0.0.1",), fetch_timeout=5.0)
+        assert images.read_url(f"{base}/cat.png", "p", allowed) == image
+        assert "could not be fetched" in refusal(f"{base}/moved.png", allowed)
+        small = ImageLimits(max_bytes=100, allowed_domains=("127.0.0.1",), fetch_timeout=5.0)
+        assert "over 100 bytes" in refusal(f"{base}/cat.png", small)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
