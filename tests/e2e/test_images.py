@@ -5,6 +5,7 @@ The tiny model and projector are generated (tests/tiny_vision_model.py)."""
 from __future__ import annotations
 
 import base64
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Proc, free_port, scrape_metrics, start_gateway, start_worker
+from tests.procs import Proc, free_port, scrape_metrics, start_gateway, start_worker, wait_http
 from tests.tiny_vision_model import TINY_VISION, png_bytes, png_header
 
 MODEL = "tiny-llama"
@@ -240,3 +241,34 @@ def test_langchains_multimodal_message(gateway: Proc) -> None:
         ]
     )
     assert model.invoke([message]).content == expected
+
+
+def test_serve_pairs_a_models_dir_model_with_its_projector(
+    tiny_model_path: Path, tiny_mmproj_path: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_model_path, folder / "vision.gguf")
+    shutil.copy(tiny_model_path, folder / "text.gguf")
+    shutil.copy(tiny_mmproj_path, folder / "mmproj-vision.gguf")
+    port = free_port()
+    args = ["serve", "--models-dir", str(folder), "--port", str(port), "--models-max", "2"]
+    args += ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
+    args += ["--heartbeat-interval", "0.25", "--worker-timeout", "2"]
+    with Proc("serve", args) as proc:
+        proc.url = f"http://127.0.0.1:{port}"
+        wait_http(proc, "/health")
+        listed = httpx.get(proc.url + "/v1/models").json()["data"]
+        assert sorted(model["id"] for model in listed) == ["text", "vision"]  # no mmproj model
+        content = [image_part(png_bytes(32, 32, seed=40)), {"type": "text", "text": "what?"}]
+        for model, status in (("vision", 200), ("text", 400)):
+            body = {
+                "model": model,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": content}],
+            }
+            answer = httpx.post(proc.url + "/v1/chat/completions", json=body, timeout=120)
+            assert answer.status_code == status, (model, answer.text)
+        cards = {card["id"]: card for card in httpx.get(proc.url + "/v1/models").json()["data"]}
+        assert cards["vision"]["input_modalities"] == ["text", "image"]
+        assert cards["text"]["input_modalities"] == ["text"]
