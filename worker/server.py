@@ -213,7 +213,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
 def _media_encoder(config: WorkerConfig, engine: Engine, inbox: Inbox) -> MediaEncoder | None:
     """The vision projector and its encoding thread, with --mmproj; a projector libmtmd
     cannot load for this model stops the start."""
-    if config.mmproj is None:
+    if config.mmproj is None or engine.model is None:  # a closed engine reads nothing
         return None
     try:
         media = MediaEncoder(
