@@ -289,16 +289,17 @@ def test_under_a_latency_target_a_generating_stream_waits_for_one_image_a_tick(e
         alone_loop, alone = new_loop(engine, config, made, alone_records.append)
         expected = run(alone_loop, alone, *requests)
         if not alone_loop.media.non_causal:  # four images in a row: one tick takes them all
-            assert max(record.passes for record in alone_records) == 4
+            assert max(record.passes for record in alone_records) >= 4
 
         records: list[MediaRecord] = []
         target = replace(config, itl_target_ms=1000.0)
         tick_loop, collector = new_loop(engine, target, made, records.append)
-        tick_loop.inbox.submit(GW, text_request(engine, "t", "once upon a time", max_tokens=60))
+        tick_loop.inbox.submit(GW, text_request(engine, "t", "once upon a time", max_tokens=200))
         for _ in range(3):  # the text stream generates when the images arrive
             tick_loop.tick(block=False)
         out = run(tick_loop, collector, *requests)
         passes = [record.passes for record in records if record.passes]
+        assert len(out["t"]) == 200  # long enough to generate beside every image pass
         assert sum(passes) == 5 and max(passes) == 1
         assert {key: out[key] for key in expected} == expected
     finally:

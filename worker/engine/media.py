@@ -207,6 +207,7 @@ class EmbeddingBatch:
     def __init__(self, ctx: llama.llama_context_p, capacity: int, n_embd: int) -> None:
         self.ctx, self.capacity, self.n_embd = ctx, capacity, n_embd
         self.struct = llama.llama_batch_init(capacity, n_embd, 1)
+        self._freed = False
 
     def decode(self, rows: np.ndarray, first_pos: int, seq: int, non_causal: bool) -> int:
         """Put rows in seq's cells from first_pos on, in passes of at most `capacity` (one
@@ -237,6 +238,6 @@ class EmbeddingBatch:
         batch.n_tokens = n
 
     def close(self) -> None:
-        if self.struct is not None:
+        if not self._freed:
             llama.llama_batch_free(self.struct)
-            self.struct = None
+            self._freed = True
