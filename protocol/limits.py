@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from llguidance import LLParserLimits
+
 # The JSON schema converter writes maxLength out in full: 40 strings of at most 200
 # characters make 69 KB of GBNF, which llama.cpp parses in 50 ms.
 MAX_GRAMMAR_BYTES = 256 * 1024
@@ -30,17 +32,31 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_GUIDANCE_GRAMMAR_BYTES = 1024 * 1024
 # llguidance's own limits (LLParserLimits), the same in the gateway's check and the worker's
 # matcher: each grammar's compile and each token's step is bounded by work done, not time.
-# Its defaults, but for fewer lexer states (1-2 KB each: 100,000 is at most ~200 MB) and
-# errors that do not print the parser's state.
-GRAMMAR_LIMITS: dict[str, int | bool] = {
+# Its defaults, but for fewer lexer states (1-2 KB each: 100,000 is at most ~200 MB).
+GRAMMAR_LIMITS: dict[str, int] = {
     "max_items_in_row": 2_000,  # the branching of one production row
     "initial_lexer_fuel": 1_000_000,  # building the lexer: ~50,000 a millisecond
     "step_lexer_fuel": 200_000,  # one token's lexer work: ~14,000 a millisecond
     "step_max_items": 50_000,  # one token's Earley items: ~20,000 a millisecond
     "max_lexer_states": 100_000,
     "max_grammar_size": 500_000,  # symbols in the grammar's productions
-    "verbose_errors": False,
 }
+
+
+def parser_limits() -> LLParserLimits:
+    """GRAMMAR_LIMITS as llguidance takes them, with errors that do not print the parser's
+    state."""
+    limits = GRAMMAR_LIMITS
+    return LLParserLimits(
+        max_items_in_row=limits["max_items_in_row"],
+        initial_lexer_fuel=limits["initial_lexer_fuel"],
+        step_lexer_fuel=limits["step_lexer_fuel"],
+        step_max_items=limits["step_max_items"],
+        max_lexer_states=limits["max_lexer_states"],
+        max_grammar_size=limits["max_grammar_size"],
+        verbose_errors=False,
+    )
+
 
 # GBNF's tokens, as llama.cpp's parser reads them: a backslash escapes the next character
 # in literals and classes, `#` starts a comment wherever a space may stand.

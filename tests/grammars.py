@@ -6,7 +6,8 @@ from __future__ import annotations
 from llguidance import LLMatcher, LLTokenizer
 
 from loomserve.gateway.text.tokenizer import Vocab
-from loomserve.worker.engine.guidance import llguidance_tokenizer, parser_limits
+from loomserve.protocol.limits import parser_limits
+from loomserve.worker.engine.guidance import llguidance_tokenizer
 
 _TOKENIZERS: dict[int, LLTokenizer] = {}
 

@@ -17,13 +17,13 @@ import json
 import re
 from typing import Any
 
-from llguidance import LLMatcher, LLParserLimits
+from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 from loomserve.gateway.api.errors import invalid_request
 from loomserve.gateway.api.schemas import GenerationFields
 from loomserve.protocol.grammar_shape import grammar_shape_problem
-from loomserve.protocol.limits import GRAMMAR_LIMITS, grammar_problem, guidance_grammar_problem
+from loomserve.protocol.limits import grammar_problem, guidance_grammar_problem, parser_limits
 
 # JSON in llguidance's output: properties in the schema's order; between tokens nothing, a
 # space, or a newline and up to 20 spaces or tabs (compact, `{"a": 1}`, or pretty-printed:
@@ -70,7 +70,7 @@ def grammar_error(grammar: str) -> str | None:
     problem = guidance_grammar_problem(grammar)  # first: bounds what llguidance reads
     if problem:
         return problem
-    message = LLMatcher.validate_grammar(grammar, limits=LLParserLimits(**GRAMMAR_LIMITS))
+    message = LLMatcher.validate_grammar(grammar, limits=parser_limits())
     return f"the grammar cannot be used: {message}" if message else None
 
 

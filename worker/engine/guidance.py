@@ -27,9 +27,9 @@ import threading
 
 import llama_cpp as llama
 import numpy as np
-from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance import LLMatcher, LLTokenizer
 
-from loomserve.protocol.limits import GRAMMAR_LIMITS
+from loomserve.protocol.limits import parser_limits
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _SPECIAL = b"\xff"  # llguidance's mark of a token that is not text
@@ -37,11 +37,6 @@ _SPECIAL = b"\xff"  # llguidance's mark of a token that is not text
 
 class GrammarFailed(RuntimeError):
     """The request's grammar cannot go on: a step over its limits, or a token it refuses."""
-
-
-def parser_limits() -> LLParserLimits:
-    """The limits every grammar is compiled and run with, in the gateway and the worker."""
-    return LLParserLimits(**GRAMMAR_LIMITS)
 
 
 class Candidates:
