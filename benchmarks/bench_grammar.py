@@ -1,8 +1,11 @@
 """Grammar-constrained generation against plain generation, on loomserve and llama-server.
 
-Three workloads through /v1/chat/completions, greedy, max_tokens 64: plain text (with
-ignore_eos, so every answer is 64 tokens), a json_schema response_format, and a forced tool
-call (a named tool_choice; both servers turn its parameters schema into a grammar). Each runs
+Four workloads through /v1/chat/completions, greedy, max_tokens 64: a json_schema
+response_format against plain text with the same prompt (ignore_eos), and a forced tool call
+(a named tool_choice; both servers turn its parameters schema into a grammar) against plain
+text with the same tool in the prompt (tool_choice auto, ignore_eos). The schema's story is
+longer than any 64 tokens, so every answer is 64 tokens long, and each grammar is set against
+a reference of the same prompt: the ratios are the grammars' cost per token. Each runs
 at concurrency 1, 4 and 16 on `loomserve serve` (one worker, 16 slots, 2 threads) and, when
 the binary is there, on llama-server (`-np 16 -t 2`, the same model file). Both servers stay up for
 the whole run and take turns, workload by workload, so the machine's noise falls on all alike;
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_spec import llama_server_cpu_args
 from loomserve.cli.default_model import resolve_model
+from loomserve.gateway.tools.template import system_with_tools
 
 # .ci/build-llama-server's binary (the same llama.cpp as llama-cpp-python's), or the variable.
 LLAMA_SERVER = os.environ.get(
@@ -48,9 +52,11 @@ SLOTS = 16
 THREADS = 2
 SLOT_CONTEXT = 2048
 TOPICS = ("a lighthouse", "a red fox", "the moon", "a small boat", "an old clock", "rain")
+# A story at least 1,000 characters long: no output of max_tokens (64) completes it, so every
+# answer is max_tokens long and the workloads differ only in what holds the tokens.
 STORY_SCHEMA = {
     "type": "object",
-    "properties": {"title": {"type": "string"}, "story": {"type": "string"}},
+    "properties": {"title": {"type": "string"}, "story": {"type": "string", "minLength": 1000}},
     "required": ["title", "story"],
 }
 TOOL = {
@@ -63,27 +69,36 @@ TOOL = {
 }
 
 
-def workload_body(workload: str, topic: str, max_tokens: int) -> dict[str, Any]:
-    """The chat request of one workload about one topic."""
-    ask = f"Write a long story about {topic}."
-    body: dict[str, Any] = {"temperature": 0, "max_tokens": max_tokens}
+def workload_body(
+    workload: str, topic: str, max_tokens: int, server: str = "loomserve"
+) -> dict[str, Any]:
+    """The chat request of one workload about one topic. A grammar's workload and its plain
+    reference have the same prompt (REFERENCE): json_schema and plain no tools, tool_call and
+    plain_tools the tool. loomserve ends a reply at a whole call under tool_choice auto, so its
+    plain_tools writes the tool into the system message as its gateway does for this model
+    (whose template shows no tools); llama-server's is tool_choice auto."""
+    ask = f"Write a long story about {topic}, in JSON with a title and the story, and save it."
+    body: dict[str, Any] = {
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": ask}],
+    }
     if workload == "plain":
-        return {**body, "messages": [{"role": "user", "content": ask}], "ignore_eos": True}
+        return {**body, "ignore_eos": True}
     if workload == "json_schema":
         fmt = {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY_SCHEMA}}
-        content = f"{ask} Answer in JSON with a title and the story."
-        return {**body, "messages": [{"role": "user", "content": content}], "response_format": fmt}
-    content = f"{ask} Then save it."
+        return {**body, "response_format": fmt}
+    if workload == "plain_tools" and server == "loomserve":
+        system = {"role": "system", "content": system_with_tools("", [TOOL])}
+        return {**body, "messages": [system, *body["messages"]], "ignore_eos": True}
+    if workload == "plain_tools":
+        return {**body, "tools": [TOOL], "tool_choice": "auto", "ignore_eos": True}
     choice = {"type": "function", "function": {"name": "save_story"}}
-    return {
-        **body,
-        "messages": [{"role": "user", "content": content}],
-        "tools": [TOOL],
-        "tool_choice": choice,
-    }
+    return {**body, "tools": [TOOL], "tool_choice": choice}
 
 
-WORKLOADS = ("plain", "json_schema", "tool_call")
+REFERENCE = {"json_schema": "plain", "tool_call": "plain_tools"}
+WORKLOADS = ("plain", "json_schema", "plain_tools", "tool_call")
 
 
 @dataclass(slots=True)
@@ -146,10 +161,18 @@ def one_request(url: str, body: dict[str, Any]) -> tuple[int, float] | None:
     return response.json()["usage"]["completion_tokens"], seconds
 
 
-def wave(url: str, workload: str, concurrency: int, first: int, max_tokens: int, out: Samples):
+def wave(
+    url: str,
+    server: str,
+    workload: str,
+    concurrency: int,
+    first: int,
+    max_tokens: int,
+    out: Samples,
+):
     """`concurrency` requests at once, about different topics; one aggregate sample."""
     bodies = [
-        workload_body(workload, TOPICS[(first + i) % len(TOPICS)], max_tokens)
+        workload_body(workload, TOPICS[(first + i) % len(TOPICS)], max_tokens, server)
         for i in range(concurrency)
     ]
     started = time.perf_counter()
@@ -183,7 +206,8 @@ def median(values: list[float]) -> float:
 @click.option(
     "--workloads",
     default=",".join(WORKLOADS),
-    help="Comma-separated, of: plain, json_schema, tool_call (plain is the reference).",
+    help="Comma-separated, of: plain, json_schema, plain_tools, tool_call (json_schema is "
+    "set against plain, tool_call against plain_tools: the same prompts).",
 )
 def main(
     model: str | None,
@@ -211,10 +235,10 @@ def main(
         )
     samples: dict[tuple[str, str, int], Samples] = {}
     try:
-        for url, process in servers.values():
+        for name, (url, process) in servers.items():
             wait_healthy(url, process)
             for workload in WORKLOADS:  # warm up: load pages, compile nothing twice
-                one_request(url, workload_body(workload, "warming up", 8))
+                one_request(url, workload_body(workload, "warming up", 8, name))
         chosen = [w for w in WORKLOADS if w in workloads.split(",")]
         sizes = [int(c) for c in concurrency.split(",")]
         if max(sizes) > SLOTS:
@@ -226,9 +250,9 @@ def main(
                 out = samples.setdefault((server, workload, size), Samples())
                 if size == 1:
                     for i in range(sequential):
-                        wave(url, workload, 1, round_index + i, max_tokens, out)
+                        wave(url, server, workload, 1, round_index + i, max_tokens, out)
                 else:
-                    wave(url, workload, size, round_index, max_tokens, out)
+                    wave(url, server, workload, size, round_index, max_tokens, out)
                 print(
                     f"round {round_index + 1} {server} {workload} c={size}: "
                     f"{median(out.per_request):.2f} tok/s per request",
@@ -251,7 +275,7 @@ def main(
     print(" tokens/request (p50) | vs plain | errors |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for (server, workload, concurrency), out in sorted(samples.items()):
-        plain = samples.get((server, "plain", concurrency))
+        plain = samples.get((server, REFERENCE.get(workload, workload), concurrency))
         ratio = median(out.per_request) / median(plain.per_request) if plain else float("nan")
         print(
             f"| {server} | {workload} | {concurrency} | {median(out.per_request):.2f} "
