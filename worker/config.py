@@ -61,6 +61,13 @@ class WorkerConfig:
         help="CPU threads for llama.cpp; 0: the CPUs this worker may use (its affinity mask, "
         "or its container's CPU quota where that is smaller).",
     )
+    # Fewer threads while other processes take the worker's CPUs (engine/threads.py).
+    adaptive_threads: bool = setting(
+        True,
+        help="Run passes on fewer threads while other processes keep the worker's CPUs busy "
+        "(read once a second), and on all of them again once they are free: threads that wait "
+        "at llama.cpp's barriers for a partner without a core collapse a pass.",
+    )
     # 0: one a llama.cpp thread, up to sampling.py's MAX_SAMPLING_THREADS
     sampling_threads: int = setting(
         0,

@@ -43,6 +43,7 @@ from loomserve.worker.engine.graph_draw import (
 from loomserve.worker.engine.guidance import GrammarVocab
 from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
 from loomserve.worker.engine.sampling import HostSampler, Sampler, build_sampler
+from loomserve.worker.engine.threads import ThreadGovernor
 from loomserve.worker.sched.slots import Run
 from loomserve.worker.sched.ubatches import SplitRules
 
@@ -210,6 +211,12 @@ class Engine:
         )
         self.batch = TokenBatch(config.batch_tokens)
         self.last_outputs = 0  # rows of logits the last decode made (output_logits)
+        # Fewer threads while other processes take the CPUs; none to govern on a GPU.
+        self.threads = (
+            ThreadGovernor.for_this_process(config.n_threads)
+            if config.adaptive_threads and self._gpu_layers(config) == 0
+            else None
+        )
         # llguidance's tokenizer builds on a thread from here (seconds for a large vocabulary);
         # the first grammar waits for it.
         self.grammars = GrammarVocab(self.vocab, self.n_vocab)
@@ -385,10 +392,21 @@ class Engine:
 
     # --- per tick -----------------------------------------------------------------------
 
+    def _govern_threads(self) -> None:
+        """The passes' threads as the governor (threads.py) says: fewer while other processes
+        take the worker's CPUs."""
+        if self.threads is None:
+            return
+        before = self.threads.threads
+        now = self.threads.update()
+        if now != before:
+            llama.llama_set_n_threads(self.ctx, now, now)
+
     def decode(self, batch: TokenBatch) -> int:
         """One forward pass over the batch; llama_decode's return code (0 is success)."""
         batch.struct.n_tokens = batch.n_tokens
         self.last_outputs = 0
+        self._govern_threads()
         code = llama.llama_decode(self.ctx, batch.struct)
         if code == 0:  # the rows of logits output_logits may read
             self.last_outputs = int(np.count_nonzero(batch.logits[: batch.n_tokens]))

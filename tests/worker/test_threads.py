@@ -1,0 +1,142 @@
+"""The passes' threads follow the CPUs other processes leave free (worker/engine/threads.py):
+the readings of /proc, the governor's decisions on a fake clock, and the real engine giving
+the same tokens whatever its passes' threads."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from loomserve.protocol import Generate, SamplingParams
+from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.threads import (
+    AGREEING_WINDOWS,
+    WINDOW_SECONDS,
+    CpuTimes,
+    ThreadGovernor,
+    read_cpu_times,
+)
+from tests.worker.test_engine import GW, drain, new_loop
+
+PROC_STAT = """cpu  900 0 300 5000 10 0 5 0 0 0
+cpu0 100 0 50 2000 5 0 1 0 0 0
+cpu1 200 0 60 1500 5 0 2 7 0 0
+cpu2 600 0 190 1500 0 0 2 0 0 0
+intr 12345
+"""
+# pid (comm with a space and a paren)) state ppid ... utime=41 stime=9 (fields 14 and 15)
+PROC_SELF_STAT = "4242 (python (x) y) S 1 2 3 4 5 6 7 8 9 10 41 9 0 0 20 0 3 0 100 1000 50\n"
+
+
+def test_cpu_times_are_read_for_the_workers_cpus_only(tmp_path: Path) -> None:
+    stat, own = tmp_path / "stat", tmp_path / "self_stat"
+    stat.write_text(PROC_STAT)
+    own.write_text(PROC_SELF_STAT)
+    times = read_cpu_times(frozenset({0, 1}), stat, own)
+    # cpu0: 100 + 50 + 1; cpu1: 200 + 60 + 2 + 7 (steal); cpu2 is not the worker's.
+    assert times == CpuTimes(busy=151 + 269, own=50)
+
+
+class FakeCpus:
+    """A clock and CPU counters that the test moves: others' and the worker's CPUs in use."""
+
+    TICKS = 100.0
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0
+        self.own = 0
+
+    def run(self, seconds: float, others: float, own: float) -> None:
+        self.now += seconds
+        self.own += round(own * seconds * self.TICKS)
+        self.busy += round((others + own) * seconds * self.TICKS)
+
+    def times(self) -> CpuTimes:
+        return CpuTimes(self.busy, self.own)
+
+
+def governor(cpus: FakeCpus, most: int = 2) -> ThreadGovernor:
+    return ThreadGovernor(most, frozenset(range(2)), cpus.times, cpus.TICKS, lambda: cpus.now)
+
+
+def test_alone_the_worker_keeps_all_its_threads() -> None:
+    cpus = FakeCpus()
+    threads = governor(cpus)
+    for _ in range(10):
+        cpus.run(WINDOW_SECONDS, others=0.2, own=1.8)  # a gateway's bit beside it
+        assert threads.update() == 2
+
+
+def test_busy_neighbours_take_threads_away_and_give_them_back() -> None:
+    cpus = FakeCpus()
+    threads = governor(cpus)
+    cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)  # two busy loops share the cores
+    assert threads.update() == 2  # one window is not enough: a burst must not flip it
+    for _ in range(AGREEING_WINDOWS - 1):
+        cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)
+        threads.update()
+    assert threads.threads == 1
+    cpus.run(WINDOW_SECONDS, others=1.33, own=0.67)  # one thread's fair share
+    assert threads.update() == 1
+    cpus.run(WINDOW_SECONDS / 4, others=0.0, own=0.5)
+    assert threads.update() == 1  # within a window: nothing is read
+    seen = []
+    for _ in range(AGREEING_WINDOWS):
+        cpus.run(WINDOW_SECONDS, others=0.05, own=1.0)  # the neighbours are gone
+        seen.append(threads.update())
+    assert seen == [1] * (AGREEING_WINDOWS - 1) + [2]
+
+
+def test_a_window_that_disagrees_starts_the_count_again() -> None:
+    cpus = FakeCpus()
+    threads = governor(cpus)
+    for others in (1.2, 0.0, 1.2, 0.0):
+        cpus.run(WINDOW_SECONDS, others=others, own=0.8)
+        assert threads.update() == 2
+
+
+def test_a_worker_of_one_thread_has_nothing_to_govern() -> None:
+    assert ThreadGovernor.for_this_process(1) is None
+
+
+class Alternating:
+    """A governor that changes the passes' threads at every pass: 1, 2, 1, 2, ..."""
+
+    def __init__(self) -> None:
+        self.threads = 2
+        self.changes = 0
+
+    def update(self) -> int:
+        self.threads = 3 - self.threads
+        self.changes += 1
+        return self.threads
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_path: Path) -> WorkerConfig:
+    return WorkerConfig(model_path=tiny_model_path, slots=4, ctx_size=256, threads=2)
+
+
+def greedy_tokens(config: WorkerConfig, alternate: bool) -> dict[str, list[int]]:
+    engine = Engine(replace(config, adaptive_threads=False))
+    try:
+        if alternate:
+            engine.threads = Alternating()  # type: ignore[assignment]
+        loop, collector = new_loop(engine, config)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(([1, 40, 41, 42], [1, 50, 51], [1, 60, 61, 62, 63])):
+            loop.inbox.submit(GW, Generate(f"r{i}", prompt, params))
+        drain(loop)
+        if alternate:
+            assert engine.threads.changes > 20  # type: ignore[union-attr]
+        return collector.tokens()
+    finally:
+        engine.close()
+
+
+def test_the_passes_threads_do_not_change_the_tokens(config: WorkerConfig) -> None:
+    assert greedy_tokens(config, alternate=True) == greedy_tokens(config, alternate=False)

@@ -1,0 +1,134 @@
+"""How many threads the worker's forward passes use: fewer while other processes take its CPUs.
+
+llama.cpp's CPU passes run on OpenMP threads that meet at hundreds of barriers a pass, and a
+thread that reaches one spins while it waits (worker/openmp.py). When other processes keep
+the worker's cores busy (a laptop's browser, a CI runner's other jobs), a thread that spins
+at a barrier while its partner has lost its core holds its own core for the whole spin, at
+every barrier: measured on this project's 2-core VM with 2 busy-looping processes beside it,
+a single stream of Gemma 3 270M fell from 45 to 6 tok/s (0.13x; llama-server to 7). One
+thread has no barriers to wait at, and gets its fair share of a core.
+
+So once a second the governor reads how busy the worker's CPUs (its affinity mask) were
+(/proc/stat) and how much of that was the worker itself (/proc/self/stat): what is left is
+the other processes' use, and the CPUs they leave free are the threads worth running, at
+least one and at most --threads. A change needs two windows in a row that agree, so a burst
+does not flip it; `llama_set_n_threads` applies it from the next pass. Alone on its CPUs the
+worker keeps all its threads, and its passes run as before: the count of threads does not
+change a row's arithmetic (each row is one thread's work), so outputs are the same.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+WINDOW_SECONDS = 1.0  # how often the CPUs' use is read
+AGREEING_WINDOWS = 2  # windows in a row that must ask for the same change
+PROC_STAT = Path("/proc/stat")
+PROC_SELF_STAT = Path("/proc/self/stat")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTimes:
+    """Cumulative CPU time, in clock ticks: the worker's CPUs busy, and the worker itself."""
+
+    busy: int  # user, nice, system, irq, softirq and steal on the worker's CPUs
+    own: int  # this process's user and system time, every thread
+
+
+def read_cpu_times(
+    cpus: frozenset[int], proc_stat: Path = PROC_STAT, proc_self_stat: Path = PROC_SELF_STAT
+) -> CpuTimes:
+    """The CPU times now (files are parameters for tests)."""
+    busy = 0
+    for line in proc_stat.read_text().splitlines():
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        fields = [int(value) for value in rest.split()]
+        user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+        steal = fields[7] if len(fields) > 7 else 0
+        busy += user + nice + system + irq + softirq + steal
+    # The command may hold spaces and parentheses: the fields start after the last ')'.
+    fields = proc_self_stat.read_text().rpartition(")")[2].split()
+    own = int(fields[11]) + int(fields[12])  # utime, stime (the 14th and 15th fields)
+    return CpuTimes(busy, own)
+
+
+class ThreadGovernor:
+    """The threads the next pass should use, from the CPUs other processes leave free."""
+
+    def __init__(
+        self,
+        most: int,
+        cpus: frozenset[int],
+        read: Callable[[], CpuTimes],
+        ticks_per_second: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.most = most
+        self.threads = most
+        self._cpus = len(cpus)
+        self._read = read
+        self._ticks_per_second = ticks_per_second
+        self._clock = clock
+        self._last_at = clock()
+        self._last = read()
+        self._wanted: int | None = None  # a change asked for by the windows so far
+        self._agreeing = 0
+
+    @classmethod
+    def for_this_process(cls, most: int) -> ThreadGovernor | None:
+        """A governor over this process's CPUs, or None where it cannot read them (not
+        Linux) or has nothing to govern (one thread)."""
+        if most < 2 or not PROC_STAT.exists() or not PROC_SELF_STAT.exists():
+            return None
+        try:
+            cpus = frozenset(os.sched_getaffinity(0))
+        except AttributeError:
+            return None
+        return cls(
+            most,
+            cpus,
+            lambda: read_cpu_times(cpus),
+            float(os.sysconf("SC_CLK_TCK")),
+            time.monotonic,
+        )
+
+    def update(self) -> int:
+        """The threads to use now: read the CPUs once a window, and change when two windows
+        in a row agree on another count."""
+        now = self._clock()
+        elapsed = now - self._last_at
+        if elapsed < WINDOW_SECONDS:
+            return self.threads
+        times = self._read()
+        others = (times.busy - self._last.busy) - (times.own - self._last.own)
+        self._last, self._last_at = times, now
+        others_cpus = max(0.0, others / self._ticks_per_second / elapsed)
+        free = self._cpus - others_cpus
+        wanted = max(1, min(self.most, int(free + 0.5)))
+        if wanted == self.threads:
+            self._wanted, self._agreeing = None, 0
+            return self.threads
+        self._agreeing = self._agreeing + 1 if wanted == self._wanted else 1
+        self._wanted = wanted
+        if self._agreeing >= AGREEING_WINDOWS:
+            log.info(
+                "passes' threads changed: other processes use the worker's CPUs"
+                if wanted < self.threads
+                else "passes' threads changed: the worker's CPUs are free again",
+                threads=wanted,
+                before=self.threads,
+                others_cpus=round(others_cpus, 2),
+                cpus=self._cpus,
+            )
+            self.threads, self._wanted, self._agreeing = wanted, None, 0
+        return self.threads
