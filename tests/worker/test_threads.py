@@ -14,6 +14,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.threads import (
     AGREEING_WINDOWS,
+    STALE_SECONDS,
     WINDOW_SECONDS,
     CpuTimes,
     ThreadGovernor,
@@ -84,11 +85,23 @@ def test_busy_neighbours_take_threads_away_and_give_them_back() -> None:
     assert threads.update() == 1
     cpus.run(WINDOW_SECONDS / 4, others=0.0, own=0.5)
     assert threads.update() == 1  # within a window: nothing is read
-    seen = []
+    cpus.run(WINDOW_SECONDS, others=0.05, own=1.0)  # the neighbours are gone
+    assert threads.update() == 2  # more threads at once
+
+
+def test_after_an_idle_spell_the_worker_starts_from_all_its_threads() -> None:
+    cpus = FakeCpus()
+    threads = governor(cpus)
     for _ in range(AGREEING_WINDOWS):
-        cpus.run(WINDOW_SECONDS, others=0.05, own=1.0)  # the neighbours are gone
-        seen.append(threads.update())
-    assert seen == [1] * (AGREEING_WINDOWS - 1) + [2]
+        cpus.run(WINDOW_SECONDS, others=1.2, own=0.8)
+        threads.update()
+    assert threads.threads == 1
+    cpus.run(STALE_SECONDS + 1, others=1.9, own=0.0)  # idle: no pass, no reading
+    assert threads.update() == 2  # what was read before says nothing of now
+    cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)  # the neighbours are still there
+    assert threads.update() == 2
+    cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)
+    assert threads.update() == 1
 
 
 def test_a_window_that_disagrees_starts_the_count_again() -> None:

@@ -11,8 +11,10 @@ thread has no barriers to wait at, and gets its fair share of a core.
 So once a second the governor reads how busy the worker's CPUs (its affinity mask) were
 (/proc/stat) and how much of that was the worker itself (/proc/self/stat): what is left is
 the other processes' use, and the CPUs they leave free are the threads worth running, at
-least one and at most --threads. A change needs two windows in a row that agree, so a burst
-does not flip it; `llama_set_n_threads` applies it from the next pass. Alone on its CPUs the
+least one and at most --threads. Fewer threads need two windows in a row that agree, so a
+burst does not take one away; more come after one window, and after an idle spell (nothing
+read) the worker starts again from all of them. `llama_set_n_threads` applies a change from
+the next pass. Alone on its CPUs the
 worker keeps all its threads, and its passes run as before: the count of threads does not
 change a row's arithmetic (each row is one thread's work), so outputs are the same.
 """
@@ -30,7 +32,10 @@ import structlog
 log = structlog.get_logger(__name__)
 
 WINDOW_SECONDS = 1.0  # how often the CPUs' use is read
-AGREEING_WINDOWS = 2  # windows in a row that must ask for the same change
+AGREEING_WINDOWS = 2  # windows in a row that must ask for fewer threads
+# After this long without a pass (an idle worker reads nothing), what was read before says
+# nothing of now: start again from all the threads, and read afresh.
+STALE_SECONDS = 3 * WINDOW_SECONDS
 PROC_STAT = Path("/proc/stat")
 PROC_SELF_STAT = Path("/proc/self/stat")
 
@@ -110,6 +115,11 @@ class ThreadGovernor:
         if elapsed < WINDOW_SECONDS:
             return self.threads
         times = self._read()
+        if elapsed > STALE_SECONDS:  # idle since: the neighbours may be gone
+            self._last, self._last_at = times, now
+            self._wanted, self._agreeing = None, 0
+            self.threads = self.most
+            return self.threads
         others = (times.busy - self._last.busy) - (times.own - self._last.own)
         self._last, self._last_at = times, now
         others_cpus = max(0.0, others / self._ticks_per_second / elapsed)
@@ -120,7 +130,9 @@ class ThreadGovernor:
             return self.threads
         self._agreeing = self._agreeing + 1 if wanted == self._wanted else 1
         self._wanted = wanted
-        if self._agreeing >= AGREEING_WINDOWS:
+        # Fewer threads after AGREEING_WINDOWS (a burst must not take a thread away); more at
+        # once: were the neighbours still there, the next windows would say so.
+        if wanted > self.threads or self._agreeing >= AGREEING_WINDOWS:
             log.info(
                 "passes' threads changed: other processes use the worker's CPUs"
                 if wanted < self.threads
