@@ -14,7 +14,6 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.threads import (
     AGREEING_WINDOWS,
-    STALE_SECONDS,
     WINDOW_SECONDS,
     CpuTimes,
     ThreadGovernor,
@@ -69,39 +68,22 @@ def test_alone_the_worker_keeps_all_its_threads() -> None:
     threads = governor(cpus)
     for _ in range(10):
         cpus.run(WINDOW_SECONDS, others=0.2, own=1.8)  # a gateway's bit beside it
-        assert threads.update() == 2
+        assert threads.observe() == 2
 
 
 def test_busy_neighbours_take_threads_away_and_give_them_back() -> None:
     cpus = FakeCpus()
     threads = governor(cpus)
     cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)  # two busy loops share the cores
-    assert threads.update() == 2  # one window is not enough: a burst must not flip it
+    assert threads.observe() == 2  # one window is not enough: a burst must not flip it
     for _ in range(AGREEING_WINDOWS - 1):
         cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)
-        threads.update()
+        threads.observe()
     assert threads.threads == 1
     cpus.run(WINDOW_SECONDS, others=1.33, own=0.67)  # one thread's fair share
-    assert threads.update() == 1
-    cpus.run(WINDOW_SECONDS / 4, others=0.0, own=0.5)
-    assert threads.update() == 1  # within a window: nothing is read
+    assert threads.observe() == 1
     cpus.run(WINDOW_SECONDS, others=0.05, own=1.0)  # the neighbours are gone
-    assert threads.update() == 2  # more threads at once
-
-
-def test_after_an_idle_spell_the_worker_starts_from_all_its_threads() -> None:
-    cpus = FakeCpus()
-    threads = governor(cpus)
-    for _ in range(AGREEING_WINDOWS):
-        cpus.run(WINDOW_SECONDS, others=1.2, own=0.8)
-        threads.update()
-    assert threads.threads == 1
-    cpus.run(STALE_SECONDS + 1, others=1.9, own=0.0)  # idle: no pass, no reading
-    assert threads.update() == 2  # what was read before says nothing of now
-    cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)  # the neighbours are still there
-    assert threads.update() == 2
-    cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)
-    assert threads.update() == 1
+    assert threads.observe() == 2  # more threads at once
 
 
 def test_a_window_that_disagrees_starts_the_count_again() -> None:
@@ -109,11 +91,20 @@ def test_a_window_that_disagrees_starts_the_count_again() -> None:
     threads = governor(cpus)
     for others in (1.2, 0.0, 1.2, 0.0):
         cpus.run(WINDOW_SECONDS, others=others, own=0.8)
-        assert threads.update() == 2
+        assert threads.observe() == 2
 
 
 def test_a_worker_of_one_thread_has_nothing_to_govern() -> None:
     assert ThreadGovernor.for_this_process(1) is None
+
+
+def test_this_process_is_read_on_a_thread_until_closed() -> None:
+    governor = ThreadGovernor.for_this_process(2)
+    assert governor is not None  # Linux: /proc is there
+    assert governor.update() in (1, 2)
+    assert 1 <= governor.observe() <= 2  # the real /proc reads
+    governor.close()
+    assert governor._thread is not None and not governor._thread.is_alive()
 
 
 class Alternating:
@@ -127,6 +118,9 @@ class Alternating:
         self.threads = 3 - self.threads
         self.changes += 1
         return self.threads
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
 
 @pytest.fixture(scope="module")

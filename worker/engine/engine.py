@@ -484,6 +484,8 @@ class Engine:
         if self.graph_draws is not None:
             self.graph_draws.close()
         self.grammars.close()
+        if self.threads is not None:
+            self.threads.close()
         if self.ctx:
             llama.llama_free(self.ctx)
             self.ctx = None

@@ -8,13 +8,13 @@ every barrier: measured on this project's 2-core VM with 2 busy-looping processe
 a single stream of Gemma 3 270M fell from 45 to 6 tok/s (0.13x; llama-server to 7). One
 thread has no barriers to wait at, and gets its fair share of a core.
 
-So once a second the governor reads how busy the worker's CPUs (its affinity mask) were
-(/proc/stat) and how much of that was the worker itself (/proc/self/stat): what is left is
-the other processes' use, and the CPUs they leave free are the threads worth running, at
-least one and at most --threads. Fewer threads need two windows in a row that agree, so a
-burst does not take one away; more come after one window, and after an idle spell (nothing
-read) the worker starts again from all of them. `llama_set_n_threads` applies a change from
-the next pass. Alone on its CPUs the
+So once a second a thread of the governor's reads how busy the worker's CPUs (its affinity
+mask) were (/proc/stat) and how much of that was the worker itself (/proc/self/stat): what is
+left is the other processes' use, and the CPUs they leave free are the threads worth running,
+at least one and at most --threads. Fewer threads need two windows in a row that agree, so a
+burst does not take one away; more come after one window. It reads while the worker idles
+too, and never waits for a pass (a collapsed one may take seconds). `llama_set_n_threads`
+applies a change from the next pass. Alone on its CPUs the
 worker keeps all its threads, and its passes run as before: the count of threads does not
 change a row's arithmetic (each row is one thread's work), so outputs are the same.
 """
@@ -22,6 +22,7 @@ change a row's arithmetic (each row is one thread's work), so outputs are the sa
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +34,6 @@ log = structlog.get_logger(__name__)
 
 WINDOW_SECONDS = 1.0  # how often the CPUs' use is read
 AGREEING_WINDOWS = 2  # windows in a row that must ask for fewer threads
-# After this long without a pass (an idle worker reads nothing), what was read before says
-# nothing of now: start again from all the threads, and read afresh.
-STALE_SECONDS = 3 * WINDOW_SECONDS
 PROC_STAT = Path("/proc/stat")
 PROC_SELF_STAT = Path("/proc/self/stat")
 
@@ -57,18 +55,20 @@ def read_cpu_times(
         name, _, rest = line.partition(" ")
         if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
             continue
-        fields = [int(value) for value in rest.split()]
-        user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-        steal = fields[7] if len(fields) > 7 else 0
+        counts = [int(value) for value in rest.split()]
+        user, nice, system, _idle, _iowait, irq, softirq = counts[:7]
+        steal = counts[7] if len(counts) > 7 else 0
         busy += user + nice + system + irq + softirq + steal
     # The command may hold spaces and parentheses: the fields start after the last ')'.
-    fields = proc_self_stat.read_text().rpartition(")")[2].split()
-    own = int(fields[11]) + int(fields[12])  # utime, stime (the 14th and 15th fields)
+    stat = proc_self_stat.read_text().rpartition(")")[2].split()
+    own = int(stat[11]) + int(stat[12])  # utime, stime (the 14th and 15th fields)
     return CpuTimes(busy, own)
 
 
 class ThreadGovernor:
-    """The threads the next pass should use, from the CPUs other processes leave free."""
+    """The threads the next pass should use, from the CPUs other processes leave free: read
+    by a thread of its own once a window (a pass that collapsed may take seconds: the reading
+    must not wait for it), while the worker decodes or idles."""
 
     def __init__(
         self,
@@ -79,7 +79,7 @@ class ThreadGovernor:
         clock: Callable[[], float],
     ) -> None:
         self.most = most
-        self.threads = most
+        self.threads = most  # what the next pass uses (an int: read without a lock)
         self._cpus = len(cpus)
         self._read = read
         self._ticks_per_second = ticks_per_second
@@ -88,37 +88,52 @@ class ThreadGovernor:
         self._last = read()
         self._wanted: int | None = None  # a change asked for by the windows so far
         self._agreeing = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def for_this_process(cls, most: int) -> ThreadGovernor | None:
-        """A governor over this process's CPUs, or None where it cannot read them (not
-        Linux) or has nothing to govern (one thread)."""
+        """A governor over this process's CPUs, reading them from now on, or None where it
+        cannot read them (not Linux) or has nothing to govern (one thread)."""
         if most < 2 or not PROC_STAT.exists() or not PROC_SELF_STAT.exists():
             return None
         try:
             cpus = frozenset(os.sched_getaffinity(0))
         except AttributeError:
             return None
-        return cls(
+        governor = cls(
             most,
             cpus,
             lambda: read_cpu_times(cpus),
             float(os.sysconf("SC_CLK_TCK")),
             time.monotonic,
         )
+        governor._thread = threading.Thread(
+            target=governor._run, name="thread-governor", daemon=True
+        )
+        governor._thread.start()
+        return governor
+
+    def _run(self) -> None:
+        while not self._stop.wait(WINDOW_SECONDS):
+            try:
+                self.observe()
+            except (OSError, ValueError, IndexError):  # /proc unreadable: keep what is set
+                continue
 
     def update(self) -> int:
-        """The threads to use now: read the CPUs once a window, and change when two windows
-        in a row agree on another count."""
+        """The threads the next pass should use."""
+        return self.threads
+
+    def observe(self) -> int:
+        """Read one window: the CPUs other processes used since the last reading, and the
+        threads they leave room for. Fewer threads after AGREEING_WINDOWS windows in a row
+        ask for them (a burst must not take a thread away); more at once (were the neighbours
+        still there, the next windows would say so)."""
         now = self._clock()
         elapsed = now - self._last_at
-        if elapsed < WINDOW_SECONDS:
-            return self.threads
         times = self._read()
-        if elapsed > STALE_SECONDS:  # idle since: the neighbours may be gone
-            self._last, self._last_at = times, now
-            self._wanted, self._agreeing = None, 0
-            self.threads = self.most
+        if elapsed <= 0:
             return self.threads
         others = (times.busy - self._last.busy) - (times.own - self._last.own)
         self._last, self._last_at = times, now
@@ -130,8 +145,6 @@ class ThreadGovernor:
             return self.threads
         self._agreeing = self._agreeing + 1 if wanted == self._wanted else 1
         self._wanted = wanted
-        # Fewer threads after AGREEING_WINDOWS (a burst must not take a thread away); more at
-        # once: were the neighbours still there, the next windows would say so.
         if wanted > self.threads or self._agreeing >= AGREEING_WINDOWS:
             log.info(
                 "passes' threads changed: other processes use the worker's CPUs"
@@ -144,3 +157,9 @@ class ThreadGovernor:
             )
             self.threads, self._wanted, self._agreeing = wanted, None, 0
         return self.threads
+
+    def close(self) -> None:
+        """Stop reading."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
