@@ -218,6 +218,9 @@ def main(
     json_out: Path | None,
 ) -> None:
     """Every server at every stream count and busy level, `repetitions` times; the table."""
+    # Stopped (SIGTERM, a timeout), it still ends its busy loops and servers: they run in
+    # sessions of their own and would otherwise spin on, disturbing whatever runs next.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     path = resolve_model(model)
     stream_counts = [int(n) for n in streams.split(",")]
     busy_levels = [int(n) for n in busy.split(",")]

@@ -147,3 +147,32 @@ def greedy_tokens(config: WorkerConfig, alternate: bool) -> dict[str, list[int]]
 
 def test_the_passes_threads_do_not_change_the_tokens(config: WorkerConfig) -> None:
     assert greedy_tokens(config, alternate=True) == greedy_tokens(config, alternate=False)
+
+
+class SetElsewhere:
+    """A governor whose count another thread sets, as the real one's reading thread does."""
+
+    threads = 2
+
+    def update(self) -> int:
+        return self.threads
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+def test_the_engine_applies_a_count_set_by_the_governors_thread(config: WorkerConfig) -> None:
+    engine = Engine(replace(config, adaptive_threads=False))
+    try:
+        governor = engine.threads = SetElsewhere()  # type: ignore[assignment]
+        loop, _ = new_loop(engine, config)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        loop.inbox.submit(GW, Generate("a", [1, 40, 41], params))
+        drain(loop)
+        assert engine._passes_threads == 2
+        governor.threads = 1  # the reading thread's decision, between passes
+        loop.inbox.submit(GW, Generate("b", [1, 40, 41], params))
+        drain(loop)
+        assert engine._passes_threads == 1
+    finally:
+        engine.close()

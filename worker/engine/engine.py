@@ -211,6 +211,7 @@ class Engine:
         )
         self.batch = TokenBatch(config.batch_tokens)
         self.last_outputs = 0  # rows of logits the last decode made (output_logits)
+        self._passes_threads = config.n_threads  # what llama_decode runs on now
         # Fewer threads while other processes take the CPUs; none to govern on a GPU.
         self.threads = (
             ThreadGovernor.for_this_process(config.n_threads)
@@ -397,10 +398,10 @@ class Engine:
         take the worker's CPUs."""
         if self.threads is None:
             return
-        before = self.threads.threads
-        now = self.threads.update()
-        if now != before:
-            llama.llama_set_n_threads(self.ctx, now, now)
+        wanted = self.threads.update()
+        if wanted != self._passes_threads:
+            llama.llama_set_n_threads(self.ctx, wanted, wanted)
+            self._passes_threads = wanted
 
     def decode(self, batch: TokenBatch) -> int:
         """One forward pass over the batch; llama_decode's return code (0 is success)."""
