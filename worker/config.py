@@ -65,8 +65,9 @@ class WorkerConfig:
     adaptive_threads: bool = setting(
         True,
         help="Run passes on fewer threads while other processes keep the worker's CPUs busy "
-        "(read once a second), and on all of them again once they are free: threads that wait "
-        "at llama.cpp's barriers for a partner without a core collapse a pass.",
+        "(read four times a second), and on all of them again once they are free or it idles: "
+        "threads that wait at llama.cpp's barriers for a partner without a core collapse a "
+        "pass.",
     )
     # 0: one a llama.cpp thread, up to sampling.py's MAX_SAMPLING_THREADS
     sampling_threads: int = setting(

@@ -86,6 +86,19 @@ def test_busy_neighbours_take_threads_away_and_give_them_back() -> None:
     assert threads.observe() == 2  # more threads at once
 
 
+def test_an_idle_worker_starts_its_next_passes_on_all_its_threads() -> None:
+    """Idle, the worker reads nothing of how its passes fare (another server's run on the
+    same CPUs ends when its own begins): all its threads, at once."""
+    cpus = FakeCpus()
+    threads = governor(cpus)
+    for _ in range(AGREEING_WINDOWS):
+        cpus.run(WINDOW_SECONDS, others=1.2, own=0.8)
+        threads.observe()
+    assert threads.threads == 1
+    cpus.run(WINDOW_SECONDS, others=2.0, own=0.0)  # idle, the CPUs full of others' work
+    assert threads.observe() == 2
+
+
 def test_a_window_that_disagrees_starts_the_count_again() -> None:
     cpus = FakeCpus()
     threads = governor(cpus)

@@ -8,11 +8,12 @@ every barrier: measured on this project's 2-core VM with 2 busy-looping processe
 a single stream of Gemma 3 270M fell from 45 to 6 tok/s (0.13x; llama-server to 7). One
 thread has no barriers to wait at, and gets its fair share of a core.
 
-So once a second a thread of the governor's reads how busy the worker's CPUs (its affinity
+So four times a second a thread of the governor's reads how busy the worker's CPUs (its affinity
 mask) were (/proc/stat) and how much of that was the worker itself (/proc/self/stat): what is
 left is the other processes' use, and the CPUs they leave free are the threads worth running,
 at least one and at most --threads. Fewer threads need two windows in a row that agree, so a
-burst does not take one away; more come after one window. It reads while the worker idles
+burst does not take one away; more come after one window, and an idle worker (under a tenth
+of a CPU of its own) starts its next passes on all of them. It reads while the worker idles
 too, and never waits for a pass (a collapsed one may take seconds). `llama_set_n_threads`
 applies a change from the next pass. Alone on its CPUs the
 worker keeps all its threads, and its passes run as before: the count of threads does not
@@ -32,8 +33,12 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-WINDOW_SECONDS = 1.0  # how often the CPUs' use is read
+WINDOW_SECONDS = 0.25  # how often the CPUs' use is read (/proc counts in 10 ms ticks)
 AGREEING_WINDOWS = 2  # windows in a row that must ask for fewer threads
+# Below this share of a CPU used by the worker itself, it is idle: what the others do then
+# says nothing of how its next passes will fare (another server's run on the same CPUs ends
+# when this one's begins), so it starts its next passes on all its threads.
+IDLE_CPUS = 0.1
 PROC_STAT = Path("/proc/stat")
 PROC_SELF_STAT = Path("/proc/self/stat")
 
@@ -136,10 +141,12 @@ class ThreadGovernor:
         if elapsed <= 0:
             return self.threads
         others = (times.busy - self._last.busy) - (times.own - self._last.own)
+        previous_own = self._last.own
         self._last, self._last_at = times, now
         others_cpus = max(0.0, others / self._ticks_per_second / elapsed)
+        own_cpus = (times.own - previous_own) / self._ticks_per_second / elapsed
         free = self._cpus - others_cpus
-        wanted = max(1, min(self.most, int(free + 0.5)))
+        wanted = self.most if own_cpus < IDLE_CPUS else max(1, min(self.most, int(free + 0.5)))
         if wanted == self.threads:
             self._wanted, self._agreeing = None, 0
             return self.threads
