@@ -1,0 +1,203 @@
+"""The oracle for images: llama.cpp's own llama-server, built from the same llama.cpp, with the
+same tiny model, the same tiny projector (--mmproj, each projector type) and the same image,
+answers greedily with the same tokens as loomserve.
+
+What makes the two comparable: the tiny model ships no chat template, and both servers then
+render ChatML (llama-server's fallback, and loomserve's for an architecture without a built-in
+one), each image part as the projector's media marker in the user's text, the text tokenized
+around it with BOS once; both then run libmtmd's mtmd_tokenize and mtmd_encode_chunk on the
+image. So the prompts are the same (usage.prompt_tokens is compared too) and temperature 0
+makes both greedy. llama-server's generated token ids (its /completion on that ChatML prompt,
+its own chat checked to render the same) are compared with loomserve's tokens, read from its
+chat logprobs as bytes (loomserve's name no ids): token by token, each id's piece.
+
+Skipped unless LOOMSERVE_LLAMA_SERVER names a llama-server binary (as the bench tests are).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from loomserve.gateway.text.tokenizer import Vocab
+from tests.procs import LOG_DIR, free_port, start_gateway, start_worker
+from tests.tiny_vision_model import png_bytes
+
+LLAMA_SERVER_ENV = "LOOMSERVE_LLAMA_SERVER"
+START_TIMEOUT = 90.0
+MAX_TOKENS = 16
+
+
+def llama_server_binary() -> str:
+    binary = os.environ.get(LLAMA_SERVER_ENV)
+    if not binary:
+        pytest.skip(f"{LLAMA_SERVER_ENV} is not set: name a llama-server binary for the oracle")
+    if not Path(binary).is_file():
+        pytest.fail(f"{LLAMA_SERVER_ENV}={binary}: no such file")
+    return binary
+
+
+def start_llama_server(model: Path, mmproj: Path) -> tuple[subprocess.Popen, str, Path]:
+    """llama-server on 127.0.0.1 with the projector, one thread, ready to answer."""
+    port = free_port()
+    args = [llama_server_binary(), "-m", str(model), "--mmproj", str(mmproj)]
+    args += ["--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "1024", "-t", "1"]
+    args += ["--no-webui", "--no-mmproj-offload"]
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / f"llama-server-mmproj-{os.getpid()}-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"llama-server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop(proc)
+    pytest.fail(f"llama-server not ready within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and nothing else
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module", params=["mlp", "gemma3"])
+def servers(
+    request: pytest.FixtureRequest,
+    tiny_model_path: Path,
+    tiny_mmproj_path: Path,
+    tiny_gemma3_mmproj_path: Path,
+) -> Iterator[tuple[str, str]]:
+    """(loomserve's gateway URL, llama-server's URL), both with the param's projector."""
+    mmproj = tiny_mmproj_path if request.param == "mlp" else tiny_gemma3_mmproj_path
+    llama, llama_url, log = start_llama_server(tiny_model_path, mmproj)
+    try:
+        with (
+            start_worker(tiny_model_path, slots=2, ctx_size=1024, mmproj=mmproj) as worker,
+            start_gateway(tiny_model_path, worker.endpoint) as gateway,
+        ):
+            yield gateway.url, llama_url
+            print("logs:", worker.log_path, gateway.log_path, log)
+    finally:
+        stop(llama)
+
+
+def greedy(url: str, content: list[dict[str, Any]]) -> tuple[list[bytes], str, int]:
+    """loomserve's chat at temperature 0: each generated token's bytes (its logprobs), the
+    text, and the prompt's token count."""
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+    }
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    tokens = [bytes(entry["bytes"]) for entry in choice["logprobs"]["content"]]
+    return tokens, choice["message"]["content"], answer.json()["usage"]["prompt_tokens"]
+
+
+def llama_greedy(url: str, images: list[str], text: str) -> tuple[list[int], str, int]:
+    """llama-server's /completion at temperature 0 on the ChatML prompt both servers render,
+    its media marker (random per process: /props names it) for each image: the generated
+    token ids, the text, and the prompt's token count. (Its chat logprobs would merge the
+    byte tokens of one character into one entry, so its ids come from here.)"""
+    marker = httpx.get(url + "/props", timeout=10).json()["media_marker"]
+    prompt = f"<|im_start|>user\n{marker * len(images)}{text}<|im_end|>\n<|im_start|>assistant\n"
+    body = {
+        "prompt": {"prompt_string": prompt, "multimodal_data": images},
+        "n_predict": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_tokens": True,
+        "cache_prompt": False,
+    }
+    answer = httpx.post(url + "/completion", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    found = answer.json()
+    return found["tokens"], found["content"], found["tokens_evaluated"]
+
+
+def llama_chat_text(url: str, content: list[dict[str, Any]]) -> str:
+    """llama-server's own chat at temperature 0: its template rendered the prompt above."""
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model_path: Path) -> Iterator[Vocab]:
+    found = Vocab(tiny_model_path)
+    yield found
+    found.close()
+
+
+def image_part(image: bytes) -> dict[str, Any]:
+    url = f"data:image/png;base64,{base64.b64encode(image).decode()}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+CASES = {
+    "one image": [(40, 24, 1)],
+    "square": [(32, 32, 3)],
+    "two images": [(32, 32, 5), (24, 48, 6)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_equal_llama_servers(
+    servers: tuple[str, str], vocab: Vocab, case: str
+) -> None:
+    loomserve, llama_server = servers
+    images = [png_bytes(w, h, seed=seed) for w, h, seed in CASES[case]]
+    text = "what is in the picture?"
+    content = [*map(image_part, images), {"type": "text", "text": text}]
+    ours = greedy(loomserve, content)
+    encoded = [base64.b64encode(image).decode() for image in images]
+    ids, their_text, their_prompt = llama_greedy(llama_server, encoded, text)
+    assert ours[2] == their_prompt, "the prompts differ in length"
+    assert len(ids) == MAX_TOKENS
+    assert ours[0] == [vocab.piece(token) for token in ids]
+    assert ours[1] == their_text
+    # Its chat renders the same prompt (it drops the bytes of a last token that ends inside a
+    # character, which its /completion and loomserve end with U+FFFD).
+    chat_text = llama_chat_text(llama_server, content)
+    assert chat_text.rstrip("\ufffd") == their_text.rstrip("\ufffd")
+
+
+def test_the_image_changes_the_answer(servers: tuple[str, str]) -> None:
+    # Otherwise the oracle above would hold for a server that dropped the image.
+    loomserve, _ = servers
+    text = {"type": "text", "text": "what is in the picture?"}
+    one = greedy(loomserve, [image_part(png_bytes(32, 32, seed=8)), text])
+    two = greedy(loomserve, [image_part(png_bytes(32, 32, seed=9)), text])
+    assert one[0] != two[0]
