@@ -6,7 +6,7 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
@@ -104,6 +104,31 @@ def named_models(specs: Sequence[str], models_dir: str | Path | None = None) -> 
     return found
 
 
+def pair_projectors(models: Sequence[NamedModel], specs: Sequence[str]) -> list[NamedModel]:
+    """The models with the vision projectors of `serve --mmproj`: PATH for the one model,
+    NAME=PATH (repeatable) for the model named NAME, over any --models-dir pairing; each file
+    checked. ModelFileError for a name no model has, a bare PATH beside several models, or
+    two projectors for one model."""
+    names = [model.name for model in models]
+    given: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or Path(spec).expanduser().is_file():
+            if len(models) != 1:
+                raise ModelFileError(
+                    f"--mmproj {spec}: with several models, name the one it is for "
+                    "(--mmproj NAME=PATH), or put it beside its model in --models-dir as "
+                    "mmproj-<model file name>"
+                )
+            name, path = names[0], spec
+        if name not in names:
+            raise ModelFileError(f"--mmproj {spec}: no model is named {name!r} (served: {names})")
+        if name in given:
+            raise ModelFileError(f"--mmproj: two projectors for the model {name!r}")
+        given[name] = resolve_model(path)
+    return [replace(model, mmproj=given.get(model.name, model.mmproj)) for model in models]
+
+
 @dataclass(frozen=True, slots=True)
 class NamedModel:
     """A model file and the name it is served under."""
@@ -111,4 +136,4 @@ class NamedModel:
     name: str
     path: Path
     named: bool  # the name was given (NAME=PATH), not taken from the file
-    mmproj: Path | None = None  # its vision projector (--models-dir's mmproj-NAME.gguf)
+    mmproj: Path | None = None  # its vision projector (--mmproj, --models-dir's mmproj-NAME)

@@ -19,7 +19,12 @@ import dataclasses
 
 import click
 
-from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS, named_models
+from loomserve.cli.default_model import (
+    MODELS_MAX,
+    UNLOAD_DRAIN_SECONDS,
+    named_models,
+    pair_projectors,
+)
 from loomserve.cli.operations import keygen, worker_health, workers
 from loomserve.cli.options import (
     CONTEXT_SETTINGS,
@@ -163,6 +168,14 @@ def gateway(
     "may take to finish before its workers are stopped (new requests for it get 503 with "
     "Retry-After meanwhile).",
 )
+@click.option(
+    "--mmproj",
+    multiple=True,
+    envvar="LOOMSERVE_MMPROJ",
+    help="Vision projector (mmproj GGUF) of a model, whose requests may then carry images: "
+    "PATH for the one model, NAME=PATH for the model served as NAME (repeatable). With "
+    "--models-dir, mmproj-<model file name> beside a model is its projector.",
+)
 @worker_options
 @gateway_options
 @click.option(
@@ -201,6 +214,7 @@ def serve(
     models_max: int,
     idle_unload: float | None,
     unload_drain: float,
+    mmproj: tuple[str, ...],
     log_level: str,
     log_json: bool | None,
     **opts,
@@ -220,11 +234,7 @@ def serve(
             # One model: the manager knows it by the name the gateways serve it under.
             name = opts["served_model_name"].split(",")[0].strip()  # NAME,ALIAS,...
             models = [dataclasses.replace(models[0], name=name)]
-        if opts.get("mmproj") is not None and len(models) > 1:
-            raise ValueError(
-                "--mmproj is the projector of one model; with several, put each beside its "
-                "model in --models-dir as mmproj-<model file name>"
-            )
+        models = pair_projectors(models, mmproj)
         threads = serving.threads_per_worker(opts["threads"], replicas)
         options = {**opts, "threads": threads, "log_level": log_level, "log_json": log_json}
         # Bad settings fail here, not in a child.

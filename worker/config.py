@@ -342,8 +342,10 @@ class WorkerConfig:
     # images (worker/engine/media.py); without one an image part is a 400 at the gateway.
     mmproj: Path | None = setting(
         None,
-        help="Vision projector (mmproj GGUF) for the model: requests may carry images.",
+        help="Vision projector (mmproj GGUF) for the model: requests may carry images. Under "
+        "serve, NAME=PATH (repeatable) gives the model served as NAME its projector.",
         path="file",
+        alone=True,  # serve has its own --mmproj, NAME=PATH for one of several models
     )
     # CURVE: the worker's certificate (a zmq.auth .key_secret file) and the gateways it lets
     # in (a .key file or a directory of them). Without them anything that reaches bind is

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loomserve.cli.default_model import ModelFileError, NamedModel, named_models
+from loomserve.cli.default_model import ModelFileError, NamedModel, named_models, pair_projectors
 
 
 def test_names_come_from_the_option_or_the_file(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -63,3 +63,29 @@ def test_a_models_dir_pairs_each_model_with_its_projector(
     assert sorted(found) == ["text", "vision"]  # a projector is no model of its own
     assert found["vision"].mmproj == folder / "mmproj-vision.gguf"
     assert found["text"].mmproj is None
+
+
+def test_serve_mmproj_pairs_projectors_by_name(
+    tiny_model_path: Path, tiny_mmproj_path: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_model_path, folder / "dir.gguf")
+    shutil.copy(tiny_mmproj_path, folder / "mmproj-dir.gguf")
+    other = Path(shutil.copy(tiny_mmproj_path, tmp_path / "other-mmproj.gguf"))
+    models = named_models([f"vision={tiny_model_path}", f"text={tiny_model_path}"], folder)
+    paired = {m.name: m.mmproj for m in pair_projectors(models, [f"vision={tiny_mmproj_path}"])}
+    assert paired == {"vision": tiny_mmproj_path, "text": None, "dir": folder / "mmproj-dir.gguf"}
+    # NAME=PATH overrides the folder's pairing; a lone PATH is the one model's.
+    paired = {m.name: m.mmproj for m in pair_projectors(models, [f"dir={other}"])}
+    assert paired["dir"] == other
+    (one,) = pair_projectors(named_models([str(tiny_model_path)]), [str(tiny_mmproj_path)])
+    assert one.mmproj == tiny_mmproj_path
+    with pytest.raises(ModelFileError, match="name the one it is for"):
+        pair_projectors(models, [str(tiny_mmproj_path)])
+    with pytest.raises(ModelFileError, match="no model is named 'nope'"):
+        pair_projectors(models, [f"nope={tiny_mmproj_path}"])
+    with pytest.raises(ModelFileError, match="two projectors for the model 'text'"):
+        pair_projectors(models, [f"text={tiny_mmproj_path}", f"text={other}"])
+    with pytest.raises(ModelFileError, match="no model file"):
+        pair_projectors(models, [f"text={tmp_path / 'missing.gguf'}"])

@@ -243,16 +243,29 @@ def test_langchains_multimodal_message(gateway: Proc) -> None:
     assert model.invoke([message]).content == expected
 
 
-def test_serve_pairs_a_models_dir_model_with_its_projector(
-    tiny_model_path: Path, tiny_mmproj_path: Path, tmp_path: Path
+@pytest.mark.parametrize("form", ["models-dir", "NAME=PATH"])
+def test_serve_pairs_each_model_with_its_projector(
+    tiny_model_path: Path, tiny_mmproj_path: Path, tmp_path: Path, form: str
 ) -> None:
+    """--models-dir's mmproj-<model file name>, or --model NAME=PATH with --mmproj NAME=PATH:
+    the vision model's worker gets --mmproj, the text one none."""
     folder = tmp_path / "models"
     folder.mkdir()
     shutil.copy(tiny_model_path, folder / "vision.gguf")
     shutil.copy(tiny_model_path, folder / "text.gguf")
-    shutil.copy(tiny_mmproj_path, folder / "mmproj-vision.gguf")
     port = free_port()
-    args = ["serve", "--models-dir", str(folder), "--port", str(port), "--models-max", "2"]
+    if form == "models-dir":
+        shutil.copy(tiny_mmproj_path, folder / "mmproj-vision.gguf")
+        args = ["serve", "--models-dir", str(folder)]
+    else:
+        args = ["serve", "--model", f"vision={folder / 'vision.gguf'}"]
+        args += [
+            "--model",
+            f"text={folder / 'text.gguf'}",
+            "--mmproj",
+            f"vision={tiny_mmproj_path}",
+        ]
+    args += ["--port", str(port), "--models-max", "2"]
     args += ["--slots", "2", "--ctx-size", "256", "--threads", "1"]
     args += ["--heartbeat-interval", "0.25", "--worker-timeout", "2"]
     with Proc("serve", args) as proc:
