@@ -36,6 +36,7 @@ _TYPE_BY_TAG: dict[int, type] = {
     0x08: m.LoadModel,
     0x09: m.UnloadModel,
     0x0A: m.ModelsQuery,
+    0x0B: m.ImageTokensQuery,
     0x81: m.ModelInfo,
     0x82: m.Accepted,
     0x83: m.Rejected,
@@ -46,6 +47,7 @@ _TYPE_BY_TAG: dict[int, type] = {
     0x88: m.SlotsReport,
     0x89: m.VocabFile,
     0x8A: m.ModelStates,
+    0x8B: m.ImageTokens,
 }
 _TAG_BY_TYPE = {cls: bytes([tag]) for tag, cls in _TYPE_BY_TAG.items()}
 

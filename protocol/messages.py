@@ -1,9 +1,9 @@
 """The wire messages between gateways and the worker: plain dataclasses, nothing else.
 
-Gateway -> worker: Hello, Generate, Embed, Cancel, Ping, SlotsQuery.
+Gateway -> worker: Hello, Generate, Embed, Cancel, Ping, SlotsQuery, ImageTokensQuery.
 Worker -> gateway: ModelInfo, Accepted, Rejected, Outputs, Embeddings, Heartbeat, WorkerError,
-SlotsReport. A Generate's SamplingParams are in sampling.py; the messages between gateways and
-`serve`'s model manager in model_manager.py; all of them make up `Message`.
+SlotsReport, ImageTokens. A Generate's SamplingParams are in sampling.py; the messages between
+gateways and `serve`'s model manager in model_manager.py; all of them make up `Message`.
 
 The worker speaks token ids only; text is the gateway's business.
 """
@@ -31,8 +31,9 @@ DEFAULT_TENANT = "default"
 # Ping.for_gateway; 12: Generate's and Embed's trace and trace_state (W3C trace context,
 # docs/metrics.md); 13: Heartbeat.load, one Load in place of its queue_depth, free_slots
 # and running; 14: Generate's images and image_at, ModelInfo.vision; 15: SamplingParams.grammar
-# is llguidance's grammar (Lark, or its JSON form), no longer GBNF
-PROTOCOL_VERSION = 15
+# is llguidance's grammar (Lark, or its JSON form), no longer GBNF; 16: ImageTokensQuery,
+# ImageTokens
+PROTOCOL_VERSION = 16
 MAX_EMBED_INPUTS = (
     2048  # inputs in one Embed: OpenAI's limit per request; the worker's decode budget
 )
@@ -171,6 +172,19 @@ class SlotsQuery:
     """Ask for the worker's slots (GET /slots); it answers with a SlotsReport of the same id."""
 
     query_id: str
+
+
+@dataclass(slots=True)
+class ImageTokensQuery:
+    """How many prompt positions each image takes on the worker's projector (the count
+    endpoints); it answers ImageTokens of the same id, without encoding anything."""
+
+    query_id: str
+    images: list[bytes]  # encoded files, as Generate.images
+
+    def __post_init__(self) -> None:
+        if len(self.images) > MAX_IMAGES:
+            raise ValueError(f"at most {MAX_IMAGES} images")
 
 
 @dataclass(slots=True)
@@ -361,6 +375,16 @@ class SlotsReport:
 
 
 @dataclass(slots=True)
+class ImageTokens:
+    """The answer to an ImageTokensQuery: each image's positions (its tokens and any begin
+    and end tokens the projector wraps it in), or why they cannot be counted."""
+
+    query_id: str
+    counts: list[int]  # one per image; empty with an error
+    error: str = ""  # an image that cannot be read, or no projector
+
+
+@dataclass(slots=True)
 class WorkerError:
     """An error not tied to one request: protocol mismatch, engine failure."""
 
@@ -375,6 +399,7 @@ Message = (
     | Cancel
     | Ping
     | SlotsQuery
+    | ImageTokensQuery
     | VocabQuery
     | ModelInfo
     | Accepted
@@ -384,6 +409,7 @@ Message = (
     | Heartbeat
     | WorkerError
     | SlotsReport
+    | ImageTokens
     | VocabFile
     | LoadModel
     | UnloadModel

@@ -116,10 +116,13 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             keys=keys,
             on_reject=metrics.on_reject if metrics else None,
             vocab_file=compressed_metadata(config.model_path),
+            count_images=media.submit_count if media is not None else None,
         )
     except zmq.ZMQError as exc:
         log.error("cannot bind", bind=config.bind, error=str(exc))
         raise SystemExit(1) from exc
+    if media is not None:
+        media.answer = io.outbox.post  # counts go straight to the gateway, not via the loop
     embedder = _embedder(config, engine)
     tracer = None
     if config.otlp_endpoint is not None:  # imported only then: off, no OpenTelemetry at all

@@ -12,7 +12,7 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from loomserve.gateway.api.errors import APIError, unavailable
+from loomserve.gateway.api.errors import APIError, invalid_request, unavailable
 from loomserve.gateway.api.schemas import ChatCompletionRequest
 from loomserve.gateway.config import GatewayConfig
 from loomserve.gateway.generate.assembly import Done, TokenLogprob
@@ -82,26 +82,45 @@ class ChatServing:
         return JSONResponse(answer.model_dump())
 
     async def count_prompt_tokens(self, body: ChatCompletionRequest) -> int:
-        """The prompt's token count of a chat request: template, tools and all."""
+        """The prompt's token count of a chat request: template, tools and all; a vision
+        model's images count the positions its worker's projector gives them."""
         served = await self.models.get(body.model, worker=False)
         # Counting a prompt longer than a slot is fine; megabytes no context holds are not.
         self.check_count_text(served, limits.chat_chars(body.messages), "messages")
+        # Images: a worker's projector says how many positions each takes (it reads them).
+        chat_images = await self._images(served, body, None) if _has_images(body) else None
 
         def count() -> int:
             tools = tool_request(body, served.template_tools, served.vocab)
-            definitions = tools.definitions if tools else None
-            kwargs = thinking.template_kwargs(body, served.template_kwargs)
-            tokens = prompts.chat_prompt(
-                served.vocab,
+            text = prompts.chat_text(
                 served.template,
                 body.messages,
                 served.template_tools,
-                definitions,
-                kwargs,
+                tools.definitions if tools else None,
+                thinking.template_kwargs(body, served.template_kwargs),
+                images=chat_images is not None,
             )
-            return len(tokens)
+            if chat_images:
+                return len(images.image_tokens(served.vocab, text, len(chat_images))[0])
+            return len(prompts.chat_tokens(served.vocab, text))
 
-        return await prompts.in_thread(count)
+        tokens = await prompts.in_thread(count)
+        if chat_images:
+            tokens += sum(await self._image_tokens(served, chat_images))
+        return tokens
+
+    async def _image_tokens(self, served: ServedModel, chat_images: list[bytes]) -> list[int]:
+        """Each image's prompt positions, from one of the model's workers; a 400 for an
+        image its projector cannot read."""
+        picked = self.workers(served.name).pick(None)
+        if picked is None:
+            raise unavailable("no worker of the model can count its images now")
+        answer = await picked[0].image_tokens(chat_images, self.config.request_timeout)
+        if answer.error or len(answer.counts) != len(chat_images):
+            raise invalid_request(
+                answer.error or "the worker did not count every image", "messages"
+            )
+        return answer.counts
 
     def check_count_text(self, served: ServedModel, chars: int, param: str) -> None:
         """400 (context_length_exceeded) for a count-only request's text that surely makes
@@ -282,3 +301,7 @@ def shutting_down() -> APIError:
     error = unavailable("the gateway is shutting down; retry the request", code="shutting_down")
     error.headers = {**(error.headers or {}), "Connection": "close"}
     return error
+
+
+def _has_images(body: ChatCompletionRequest) -> bool:
+    return bool(images.image_parts(body.messages))

@@ -49,6 +49,7 @@ from loomserve.protocol.messages import (
     Generate,
     Heartbeat,
     Hello,
+    ImageTokens,
     Message,
     ModelInfo,
     Ping,
@@ -208,6 +209,15 @@ class WorkerClient:
         if self.info is None:
             raise WorkerUnavailable(self._lost_because)
         return await self._open.query_slots(timeout)
+
+    async def image_tokens(self, images: list[bytes], timeout: float) -> ImageTokens:
+        """How many prompt positions each image takes on the worker's projector.
+
+        Raises WorkerUnavailable when not connected, WorkerTimeout past `timeout`, WorkerLost.
+        """
+        if self.info is None:
+            raise WorkerUnavailable(self._lost_because)
+        return await self._open.query_image_tokens(images, timeout)
 
     # --- loops -----------------------------------------------------------------
 

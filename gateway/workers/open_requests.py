@@ -15,6 +15,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -34,6 +35,8 @@ from loomserve.protocol.messages import (
     Embeddings,
     FinishReason,
     Generate,
+    ImageTokens,
+    ImageTokensQuery,
     Message,
     Outputs,
     Rejected,
@@ -45,7 +48,8 @@ log = structlog.get_logger(__name__)
 
 
 class OpenRequests:
-    """The requests and slot queries sent on one connection that the worker has not ended."""
+    """The requests and queries (slots, image tokens) sent on one connection that the worker
+    has not ended."""
 
     def __init__(
         self, config: GatewayConfig, endpoint: str, send: Callable[[Message], bool]
@@ -56,6 +60,7 @@ class OpenRequests:
         self._send = send  # without waiting; False when the worker is not connected
         self.handles: dict[str, RequestHandle] = {}  # by request id
         self.slot_queries: dict[str, asyncio.Future[SlotsReport]] = {}  # by query id
+        self.image_queries: dict[str, asyncio.Future[ImageTokens]] = {}  # by query id
         self._sent_since_heartbeat: list[str] = []  # request ids the latest heartbeat cannot count
 
     def __len__(self) -> int:
@@ -140,6 +145,25 @@ class OpenRequests:
         finally:
             self.slot_queries.pop(query_id, None)
 
+    async def query_image_tokens(self, images: list[bytes], timeout: float) -> ImageTokens:
+        """Ask the worker how many positions each image takes (the count endpoints) and wait
+        for its ImageTokens: its projector reads and tokenizes them, encoding nothing.
+
+        Raises WorkerUnavailable when not connected, WorkerTimeout past `timeout`, WorkerLost.
+        """
+        query_id = secrets.token_hex(8)
+        reply: asyncio.Future[ImageTokens] = asyncio.get_running_loop().create_future()
+        self.image_queries[query_id] = reply
+        try:
+            if not self._send(ImageTokensQuery(query_id, images)):
+                raise WorkerUnavailable(f"not connected to the worker at {self.endpoint}")
+            async with asyncio.timeout(timeout):
+                return await reply
+        except TimeoutError:
+            raise WorkerTimeout(f"the worker did not count the images in {timeout:g}s") from None
+        finally:
+            self.image_queries.pop(query_id, None)
+
     def route(self, message: Message) -> bool:
         """Hand a reply to the request or query it answers; False for other messages."""
         match message:
@@ -157,13 +181,21 @@ class OpenRequests:
                 query = self.slot_queries.get(message.query_id)
                 if query is not None and not query.done():
                     query.set_result(message)
+            case ImageTokens():
+                counted = self.image_queries.get(message.query_id)
+                if counted is not None and not counted.done():
+                    counted.set_result(message)
             case _:
                 return False
         return True
 
     def fail_all(self, error: WorkerClientError) -> None:
         """End every open request and query with `error` (the connection is gone)."""
-        for query in self.slot_queries.values():
+        queries: list[asyncio.Future[Any]] = [
+            *self.slot_queries.values(),
+            *self.image_queries.values(),
+        ]
+        for query in queries:
             if not query.done():
                 query.set_exception(error)
         handles, self.handles = self.handles, {}

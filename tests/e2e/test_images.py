@@ -285,3 +285,41 @@ def test_serve_pairs_each_model_with_its_projector(
         cards = {card["id"]: card for card in httpx.get(proc.url + "/v1/models").json()["data"]}
         assert cards["vision"]["input_modalities"] == ["text", "image"]
         assert cards["text"]["input_modalities"] == ["text"]
+
+
+def test_the_count_endpoints_count_image_tokens_as_the_worker_does(
+    gateway: Proc, text_gateway: Proc
+) -> None:
+    image = png_bytes(36, 20, seed=50)
+    used = chat(gateway, image, image, text="count me").usage.prompt_tokens
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+    block = {"type": "image", "source": source}
+    messages = [{"role": "user", "content": [block, block, {"type": "text", "text": "count me"}]}]
+    counted = httpx.post(
+        gateway.url + "/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": messages},
+        timeout=60,
+    )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == used
+    part = {"type": "input_image", "image_url": data_url(image)}
+    content = [part, part, {"type": "input_text", "text": "count me"}]
+    counted = httpx.post(
+        gateway.url + "/v1/responses/input_tokens",
+        json={"model": MODEL, "input": [{"role": "user", "content": content}]},
+        timeout=60,
+    )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == used
+    # An image the worker cannot decode, and a model that reads none: 400s.
+    broken = {**block, "source": {**source, "data": base64.b64encode(image[:70]).decode()}}
+    for url, status, needle in (
+        (gateway.url, 400, "image 0"),
+        (text_gateway.url, 400, "reads no images"),
+    ):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [broken]}]}
+        if url == text_gateway.url:
+            body["messages"] = messages
+        answer = httpx.post(url + "/v1/messages/count_tokens", json=body, timeout=60)
+        assert answer.status_code == status, answer.text
+        assert needle in answer.json()["error"]["message"], answer.text

@@ -16,6 +16,8 @@ from loomserve.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    ImageTokens,
+    ImageTokensQuery,
     Load,
     ModelInfo,
     Outputs,
@@ -111,6 +113,9 @@ EVERY_MESSAGE = [
     WorkerError(code="decode_failed", message="boom"),
     Embeddings(request_id="e1", size=2, vectors=b"\x00\x00\x80?" * 4, prompt_tokens=3),
     SlotsQuery(query_id="q1"),
+    ImageTokensQuery(query_id="i1", images=[b"\x89PNG...", b"GIF89a"]),
+    ImageTokens(query_id="i1", counts=[16, 258]),
+    ImageTokens(query_id="i2", counts=[], error="image 1 is not an image this server can read"),
     SlotsReport(
         query_id="q1",
         queue_depth=2,

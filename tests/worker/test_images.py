@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from llama_cpp import mtmd_cpp as mtmd
 
-from loomserve.protocol import ErrorCode, Generate, SamplingParams
+from loomserve.protocol import ErrorCode, Generate, ImageTokens, ImageTokensQuery, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.media import MediaEncoder
@@ -302,6 +302,35 @@ def test_under_a_latency_target_a_generating_stream_waits_for_one_image_a_tick(e
         assert len(out["t"]) == 200  # long enough to generate beside every image pass
         assert sum(passes) == 5 and max(passes) == 1
         assert {key: out[key] for key in expected} == expected
+    finally:
+        for media in made:
+            media.close()
+
+
+def test_counting_images_gives_the_positions_encoding_places(engine, config):
+    """The count endpoints' answer (MediaEncoder.count, via ImageTokensQuery) is what the
+    prompt grows by, begin and end tokens included, before encoding and from the cache."""
+    made: list[MediaEncoder] = []
+    answers: list[tuple[bytes, object]] = []
+    try:
+        _, _ = new_loop(engine, config, made)
+        media = made[0]
+        media.answer = lambda gateway, message: answers.append((gateway, message))
+        images = [png_bytes(40, 24, seed=5), png_bytes(24, 40, seed=6)]
+        counted = media.count(images)  # nothing encoded yet
+        request = image_request(engine, "r", images)
+        encoded = media.encode(request)
+        assert sum(counted) == len(encoded.tokens) - len(request.prompt_tokens)
+        shape = TINY_VISION if config.mmproj.name == "mmproj-tiny-llama.gguf" else TINY_GEMMA3
+        assert all(n >= shape.image_tokens for n in counted)
+        assert media.count(images) == counted  # from the encoded cache now
+        media.submit_count(GW, ImageTokensQuery("q", [images[0], b"not an image"]))
+        media.submit_count(GW, ImageTokensQuery("q2", images))
+        media.close()  # after the work it has: both answered
+        assert answers == [
+            (GW, ImageTokens("q", [], "image 1 is not an image this server can read")),
+            (GW, ImageTokens("q2", counted)),
+        ]
     finally:
         for media in made:
             media.close()

@@ -26,6 +26,8 @@ from loomserve.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    ImageTokens,
+    ImageTokensQuery,
     Load,
     ModelInfo,
     Outputs,
@@ -413,6 +415,29 @@ def test_the_desk_answers_what_it_can_and_hands_work_to_the_loop():
     submit, abort = inbox_items(inbox)
     assert isinstance(submit, Submit) and submit.message.request_id == "a"
     assert isinstance(abort, Abort) and abort.request_id == "a"
+
+
+def test_the_desk_hands_image_counts_to_the_encoder_or_says_it_has_none():
+    said, inbox, counted = Said(), Inbox(), []
+    with_projector = GatewayDesk(
+        inbox,
+        said.replies,
+        max_items=64,
+        max_open=4,
+        count_images=lambda gateway, query: counted.append((gateway, query)),
+    )
+    query = ImageTokensQuery("q", [b"\x89PNG"])
+    with_projector.handle(b"gw", Hello("g1"), now=0.0)
+    said.take()
+    assert not with_projector.handle(b"gw", query, now=1.0)
+    assert counted == [(b"gw", query)] and said.take() == [] and inbox_items(inbox) == []
+    without = GatewayDesk(inbox, said.replies, max_items=64, max_open=4)
+    without.handle(b"gw", Hello("g1"), now=0.0)
+    said.take()
+    assert not without.handle(b"gw", query, now=1.0)
+    [(to, answer)] = said.take()
+    assert to == b"gw" and answer == ImageTokens("q", [], answer.error)
+    assert "no --mmproj" in answer.error
 
 
 def test_the_desk_gives_up_on_silent_gateways_and_refuses_their_work_until_hello():

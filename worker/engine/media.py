@@ -31,7 +31,7 @@ import numpy as np
 import structlog
 from llama_cpp import mtmd_cpp as mtmd
 
-from loomserve.protocol import Generate
+from loomserve.protocol import Generate, ImageTokens, ImageTokensQuery, Message
 from loomserve.worker.sched.media import MediaSpan, placeholders
 
 log = structlog.get_logger(__name__)
@@ -59,6 +59,7 @@ class EncodedPrompt:
 
 
 Done = Callable[[bytes, Generate, EncodedPrompt | None, str], None]
+Answer = Callable[[bytes, Message], None]  # a reply to a gateway, from the encoder's thread
 
 
 class MediaEncoder:
@@ -89,12 +90,21 @@ class MediaEncoder:
         self._done = done
         self._encoded: OrderedDict[bytes, list[Piece]] = OrderedDict()  # the thread's only
         self._encoded_bytes = 0
-        self._queue: queue.SimpleQueue[tuple[bytes, Generate] | None] = queue.SimpleQueue()
+        # Where counts go (the IO's outbox; set once the IO exists: worker/server.py).
+        self.answer: Answer | None = None
+        self._queue: queue.SimpleQueue[tuple[bytes, Generate | ImageTokensQuery] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._run, name="media-encoder", daemon=True)
         self._thread.start()
 
     def submit(self, gateway: bytes, generate: Generate) -> None:
         self._queue.put((gateway, generate))
+
+    def submit_count(self, gateway: bytes, query: ImageTokensQuery) -> None:
+        """Count the query's images on the thread (after the work before it); the ImageTokens
+        goes to `answer`."""
+        self._queue.put((gateway, query))
 
     def close(self) -> None:
         """Stop the thread (after the work it has) and free the context."""
@@ -111,6 +121,9 @@ class MediaEncoder:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             gateway, generate = item
+            if isinstance(generate, ImageTokensQuery):
+                self._answer_count(gateway, generate)
+                continue
             try:
                 encoded, why = self.encode(generate), ""
             except MediaError as exc:
@@ -119,6 +132,39 @@ class MediaEncoder:
                 log.exception("image encoding failed", request_id=generate.request_id)
                 encoded, why = None, f"the image could not be encoded: {exc}"
             self._done(gateway, generate, encoded, why)
+
+    def _answer_count(self, gateway: bytes, query: ImageTokensQuery) -> None:
+        try:
+            answer = ImageTokens(query.query_id, self.count(query.images))
+        except MediaError as exc:
+            answer = ImageTokens(query.query_id, [], str(exc))
+        except Exception as exc:  # a bug must cost this query only
+            log.exception("image counting failed", query_id=query.query_id)
+            answer = ImageTokens(query.query_id, [], f"the images could not be counted: {exc}")
+        if self.answer is not None:
+            self.answer(gateway, answer)
+
+    def count(self, images: list[bytes]) -> list[int]:
+        """How many prompt positions each image takes, as encode() places it (its tokens and
+        the projector's begin and end tokens), read and tokenized but not encoded."""
+        counts = []
+        for index, image in enumerate(images):
+            pieces = self._encoded.get(hashlib.sha256(image).digest())
+            if pieces is not None:
+                counts.append(sum(_positions(piece) for piece in pieces))
+                continue
+            chunks, bitmap = self._tokenized(index, image)
+            try:
+                counts.append(
+                    sum(
+                        mtmd.mtmd_input_chunk_get_n_tokens(mtmd.mtmd_input_chunks_get(chunks, i))
+                        for i in range(mtmd.mtmd_input_chunks_size(chunks))
+                    )
+                )
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+                mtmd.mtmd_bitmap_free(bitmap)
+        return counts
 
     def encode(self, generate: Generate) -> EncodedPrompt:
         """The Generate's prompt with its images read, tokenized and encoded in place."""
@@ -162,23 +208,31 @@ class MediaEncoder:
     def _pieces(self, index: int, image: bytes) -> list[Piece]:
         """One image as mtmd_tokenize cuts it: text tokens around it (the projector's begin
         and end markers, if any), and its embeddings with its hash."""
-        buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
-        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(image), False)
-        if not bitmap:
-            raise MediaError(f"image {index} is not an image this server can read")
-        chunks = mtmd.mtmd_input_chunks_init()
+        chunks, bitmap = self._tokenized(index, image)
         try:
-            marker = self.marker.encode()
-            text = mtmd.mtmd_input_text(marker, len(marker), False, True)
-            bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
-            if mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), bitmaps, 1) != 0:
-                raise MediaError(f"image {index} could not be preprocessed")
             return [
                 self._piece(index, chunks, i) for i in range(mtmd.mtmd_input_chunks_size(chunks))
             ]
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
+
+    def _tokenized(self, index: int, image: bytes) -> tuple[int, int]:
+        """The image read (stb_image) and cut by mtmd_tokenize: its chunks and its bitmap,
+        both the caller's to free."""
+        buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
+        bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(image), False)
+        if not bitmap:
+            raise MediaError(f"image {index} is not an image this server can read")
+        chunks = mtmd.mtmd_input_chunks_init()
+        marker = self.marker.encode()
+        text = mtmd.mtmd_input_text(marker, len(marker), False, True)
+        bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+        if mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), bitmaps, 1) != 0:
+            mtmd.mtmd_input_chunks_free(chunks)
+            mtmd.mtmd_bitmap_free(bitmap)
+            raise MediaError(f"image {index} could not be preprocessed")
+        return chunks, bitmap
 
     def _piece(self, index: int, chunks: int, i: int) -> Piece:
         chunk = mtmd.mtmd_input_chunks_get(chunks, i)
@@ -198,6 +252,10 @@ class MediaEncoder:
         if not image_hash:
             raise MediaError(f"image {index} has no content hash")
         return rows.reshape(n_tokens, self.n_embd), image_hash
+
+
+def _positions(piece: Piece) -> int:
+    return len(piece) if isinstance(piece, list) else piece[0].shape[0]
 
 
 class EmbeddingBatch:

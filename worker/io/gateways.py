@@ -30,6 +30,8 @@ from loomserve.protocol import (
     Generate,
     Heartbeat,
     Hello,
+    ImageTokens,
+    ImageTokensQuery,
     Message,
     ModelInfo,
     Ping,
@@ -182,8 +184,11 @@ class GatewayDesk:
         max_open: int,
         on_gateways: Callable[[int], None] | None = None,
         on_reject: Callable[[str], None] | None = None,
+        count_images: Callable[[bytes, ImageTokensQuery], None] | None = None,
     ) -> None:
         self.inbox = inbox  # where inbound work goes, for the loop
+        # The media encoder's submit_count (its thread answers), None without a projector.
+        self.count_images = count_images
         self.replies = replies
         self.counters = IOCounters()
         self.table = GatewayTable(MAX_GATEWAYS, max_open, LOST_REMEMBERED)
@@ -287,6 +292,13 @@ class GatewayDesk:
             self._refuse_gateway(gateway)
             return False
         self._admit(gateway, now)
+        if isinstance(message, ImageTokensQuery):  # a gateway's only: reading images costs
+            if self.count_images is None:
+                why = "this worker reads no images (it has no --mmproj)"
+                send(gateway, ImageTokens(message.query_id, [], why))
+            else:
+                self.count_images(gateway, message)
+            return False
         if isinstance(message, (Generate, Embed)):  # the loop tells which work it is
             refusal = gateways.open(gateway, message.request_id)
             if refusal is None:

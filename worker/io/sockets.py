@@ -35,6 +35,7 @@ from loomserve.protocol import (
     Embeddings,
     ErrorCode,
     Heartbeat,
+    ImageTokensQuery,
     Message,
     ModelInfo,
     Outputs,
@@ -83,6 +84,11 @@ class Outbox:
         self.messages.append((BROADCAST, message))
         self.flush()
 
+    def post(self, gateway: bytes, message: Message) -> None:
+        """Send a message to one gateway from any thread (the media encoder's answers)."""
+        self.messages.append((gateway, message))
+        self.flush()
+
     def flush(self) -> None:
         """Wake the IO thread to send the outbox."""
         self._wake()
@@ -101,6 +107,7 @@ class WorkerIO:
         keys: ServerKeys | None = None,
         on_reject: Callable[[str], None] | None = None,
         vocab_file: bytes = b"",
+        count_images: Callable[[bytes, ImageTokensQuery], None] | None = None,
     ) -> None:
         self.config = config
         self.vocab_file = vocab_file  # vocab_file.compressed_metadata, for VocabQuery
@@ -122,6 +129,7 @@ class WorkerIO:
             max_open=config.slots + config.max_queue,
             on_gateways=on_gateways,
             on_reject=on_reject,
+            count_images=count_images,
         )
         self.counters: IOCounters = self._desk.counters
         self._context = zmq.Context()
