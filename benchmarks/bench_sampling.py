@@ -29,6 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
+import llama_cpp as llama
 import numpy as np
 import structlog
 
@@ -37,12 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loomserve.cli.default_model import resolve_model
 from loomserve.protocol import Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
+from loomserve.worker.engine.backend_sampling import drawing_stages, sampler_chain
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.sampling import (
     MAX_SAMPLING_THREADS,
     HostSampler,
-    Sampler,
-    llama_chain,
     sample_rows,
 )
 from loomserve.worker.tick.loop import TickLoop
@@ -158,14 +158,13 @@ def per_token(
         params = SamplingParams(max_tokens=16, **fields)
         timings: dict[str, list[float]] = {"chain": [], "host": []}
         for rep in range(reps):
-            chain = Sampler(
-                None if params.greedy else llama_chain(params, engine.n_vocab, 4096), engine.ctx
-            )
+            # llama.cpp's own chain over each row (llama_sampler_sample reads the context's).
+            chain = sampler_chain(drawing_stages(params, engine.n_vocab))
             started = time.perf_counter()
-            for row, index in enumerate(indices):
-                chain.sample(index, logits[row])
+            for index in indices:
+                llama.llama_sampler_sample(chain, engine.ctx, index)
             timings["chain"].append((time.perf_counter() - started) / slots * 1e6)
-            chain.close()
+            llama.llama_sampler_free(chain)
             host = [
                 HostSampler(replace(params, seed=rep * slots + row), 4096) for row in range(slots)
             ]

@@ -114,10 +114,10 @@ def test_the_worker_checks_what_it_is_sent_before_llguidance_does() -> None:
     # Refused before any native call: no context or vocabulary is needed to get here.
     huge = 'start: "' + "a" * MAX_GUIDANCE_GRAMMAR_BYTES + '"'
     with pytest.raises(InvalidSampling, match="bytes"):
-        build_sampler(SamplingParams(grammar=huge), None, None, 1000, 512)
+        build_sampler(SamplingParams(grammar=huge), None, 1000, 512)
     bias = {t: 1.0 for t in range(MAX_LOGIT_BIAS + 1)}
     with pytest.raises(InvalidSampling, match="logit_bias"):
-        build_sampler(SamplingParams(logit_bias=bias), None, None, 1000, 512)
+        build_sampler(SamplingParams(logit_bias=bias), None, 1000, 512)
 
 
 # --- through real processes ---------------------------------------------------------------

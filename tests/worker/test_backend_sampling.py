@@ -20,7 +20,7 @@ from loomserve.worker.engine.backend_sampling import BackendSampler
 from loomserve.worker.engine.draw import Truncation
 from loomserve.worker.engine.engine import Engine, ModelDescription
 from loomserve.worker.engine.graph_draw import GraphDrawSampler
-from loomserve.worker.engine.sampling import HostSampler, Sampler
+from loomserve.worker.engine.sampling import HostSampler
 from loomserve.worker.sched.slots import Run
 from tests.worker import test_preemption
 from tests.worker.test_draw import _chi_square_p, _expected
@@ -111,7 +111,7 @@ def test_auto_samples_in_the_graph_only_where_the_graph_is_the_faster(
         ({"temperature": 1.0, "prompt_logprobs": 0}, HostSampler),
         ({"temperature": 1.0, "logit_bias": {5: 3.0}}, HostSampler),
         ({"temperature": 1.0, "frequency_penalty": 0.5}, HostSampler),
-        ({"temperature": 1.0, "grammar": 'start: "a"'}, Sampler),
+        ({"temperature": 1.0, "grammar": 'start: "a"'}, HostSampler),
     ],
 )
 def test_each_request_takes_the_path_that_samples_it_exactly(engine, fields, path):

@@ -24,8 +24,10 @@ from loomserve.protocol.limits import GRAMMAR_LIMITS
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.guidance import compile_grammar
-from loomserve.worker.engine.sampling import build_sampler
+from loomserve.worker.engine.sampling import HostSampler, build_sampler
 from loomserve.worker.tick.loop import TickLoop
+from tests.worker.llama_oracle import Candidates, llama_chain
+from tests.worker.test_draw import _chi_square_p
 from tests.worker.test_engine import GW, Collector, drain
 from tests.worker.text import tokenize
 
@@ -87,31 +89,16 @@ class EagerSampler:
     def __init__(self, params: SamplingParams, engine: Engine) -> None:
         assert params.grammar is not None
         self.grammar = compile_grammar(params.grammar, engine.grammars)
+        self.candidates = Candidates(engine.n_vocab)
         self.grammar_complete = False
-        self.chain = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
-        if params.logit_bias:
-            biases = (llama.llama_logit_bias * len(params.logit_bias))(
-                *(llama.llama_logit_bias(t, b) for t, b in params.logit_bias.items())
-            )
-            bias = llama.llama_sampler_init_logit_bias(engine.n_vocab, len(biases), biases)
-            llama.llama_sampler_chain_add(self.chain, bias)
-        if params.repeat_penalty != 1.0 or params.presence_penalty != 0.0:
-            args = (
-                params.repeat_last_n,
-                params.repeat_penalty,
-                params.frequency_penalty,
-                params.presence_penalty,
-            )
-            if len(llama.llama_sampler_init_penalties.argtypes) == 5:  # with n_vocab first
-                args = (engine.n_vocab, *args)
-            penalties = llama.llama_sampler_init_penalties(*args)
-            llama.llama_sampler_chain_add(self.chain, penalties)
-        llama.llama_sampler_chain_add(self.chain, llama.llama_sampler_init_greedy())
+        self.chain = llama_chain(params, engine.n_vocab, engine.slot_context)
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
-        candidates = self.grammar.shared.candidates
+        candidates = self.candidates
         candidates.fill(logits)
-        self.grammar.mask(candidates)
+        refused = np.ones(len(logits), dtype=bool)
+        refused[self.grammar.allowed()] = False
+        candidates.logits()[refused] = -np.inf
         llama.llama_sampler_apply(self.chain, candidates.pointer)
         token = candidates.selected()
         self.grammar.accept(token)
@@ -175,7 +162,6 @@ def test_both_paths_are_taken_the_check_and_the_mask(engine, config):
     grammar = GRAMMARS["schema"]
     sampler = build_sampler(
         SamplingParams(temperature=0.0, grammar=grammar),
-        engine.ctx,
         engine.grammars,
         engine.n_vocab,
         engine.slot_context,
@@ -202,7 +188,6 @@ def test_the_grammar_advances_only_by_the_token_kept(engine):
     """A refused first pick never reaches the grammar: the next check still starts at `{`."""
     sampler = build_sampler(
         SamplingParams(temperature=0.0, grammar=any_to_lark('root ::= "{" [a-z]+ "}"')),
-        engine.ctx,
         engine.grammars,
         engine.n_vocab,
         engine.slot_context,
@@ -229,7 +214,7 @@ def test_a_token_beyond_the_best_is_found_by_the_mask(engine):
 
     def sampler():
         params = SamplingParams(temperature=0.0, grammar=grammar)
-        return build_sampler(params, engine.ctx, engine.grammars, engine.n_vocab, 256)
+        return build_sampler(params, engine.grammars, engine.n_vocab, 256)
 
     probe = sampler()
     try:
@@ -336,7 +321,7 @@ def test_greedy_picks_the_first_maximum_among_allowed_tokens(engine, name):
     params = SamplingParams(temperature=0.0, grammar=GRAMMARS[name])
 
     def sampler():
-        return build_sampler(params, engine.ctx, engine.grammars, engine.n_vocab, 256)
+        return build_sampler(params, engine.grammars, engine.n_vocab, 256)
 
     probe = sampler()
     try:
@@ -353,3 +338,32 @@ def test_greedy_picks_the_first_maximum_among_allowed_tokens(engine, name):
             assert fresh.sample(0, logits) == expected
         finally:
             fresh.close()
+
+
+def test_a_sampled_token_refused_and_drawn_again_follows_the_masked_distribution(engine):
+    """Drawn from the whole row, then again from the allowed tokens when refused: each
+    allowed token comes as often as softmax over the allowed tokens alone says (chi-square
+    over 20,000 draws), though the refused tokens hold most of the row's mass."""
+    grammar = any_to_lark("root ::= [a-e] [a-e]")
+    params = SamplingParams(temperature=1.0, seed=11, grammar=grammar)
+    sampler = build_sampler(params, engine.grammars, engine.n_vocab, 256)
+    assert isinstance(sampler, HostSampler) and sampler._grammar is not None
+    matcher = sampler._grammar.matcher
+    allowed = sampler._grammar.allowed()
+    logits = np.random.default_rng(4).normal(0.0, 1.0, engine.n_vocab).astype(np.float32)
+    refused = np.ones(engine.n_vocab, dtype=bool)
+    refused[allowed] = False
+    logits[refused] += 3.0  # most draws from the whole row are refused
+    weights = np.exp(logits[allowed].astype(np.float64) - logits[allowed].max())
+    expected = weights / weights.sum()
+    draws = 20_000
+    counts = np.zeros(len(allowed))
+    position = {int(token): i for i, token in enumerate(allowed)}
+    try:
+        for _ in range(draws):
+            token = sampler.sample(0, logits)
+            counts[position[token]] += 1
+            matcher.rollback(1)  # back to the first step: every draw is from the same row
+    finally:
+        sampler.close()
+    assert _chi_square_p(counts, expected * draws) > 1e-3

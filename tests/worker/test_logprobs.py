@@ -66,9 +66,8 @@ def test_adjusted_logits_are_llama_cpps_bias_and_penalties_to_the_bit(fields) ->
     logit_bias and penalties samplers make of it, bit for bit, a biased token penalised too."""
     import llama_cpp as llama
 
-    from loomserve.worker.engine.guidance import Candidates
     from loomserve.worker.engine.logprobs import adjusted_logits, logit_adjustments
-    from loomserve.worker.engine.sampling import llama_chain
+    from tests.worker.llama_oracle import Candidates, llama_chain
 
     n_vocab = 1000
     rng = np.random.default_rng(len(fields))

@@ -15,7 +15,6 @@ from loomserve.worker.engine.sampling import (
     MAX_SAMPLING_THREADS,
     PARALLEL_ROWS,
     HostSampler,
-    Sampler,
     SamplingThreads,
     sample_rows,
 )
@@ -41,7 +40,10 @@ def test_greedy_rows_take_the_first_maximum_and_the_others_their_sampler(n_chain
     logits = rng.standard_normal((4, 50)).astype(np.float32)
     logits[0, 7] = logits[0, 9] = 10.0  # a tie: the first maximum wins, as in llama.cpp
     chained = [Chained(1000 + row) for row in range(n_chained)]
-    samplers = [*chained, *(Sampler(None, None) for _ in range(4 - n_chained))]
+    samplers = [
+        *chained,
+        *(HostSampler(SamplingParams(temperature=0.0), 256) for _ in range(4 - n_chained)),
+    ]
     tokens = sample_rows(samplers, [10, 20, 30, 40], logits)
     for row, token in enumerate(tokens):
         if row < n_chained:
@@ -181,7 +183,7 @@ def test_many_greedy_rows_are_shared_out_and_keep_their_first_maximum(n_threads,
     rows = PARALLEL_ROWS + 5
     logits = np.random.default_rng(3).standard_normal((rows, 3000)).astype(np.float32)
     logits[rows - 1, 11] = logits[rows - 1, 12] = 9.0  # a tie in the last thread's share
-    samplers = [Sampler(None, None) for _ in range(rows)]
+    samplers = [HostSampler(SamplingParams(temperature=0.0), 256) for _ in range(rows)]
     threads = SamplingThreads(n_threads)
     threads.openmp = openmp
     asked: list[str] = []

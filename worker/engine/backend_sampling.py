@@ -99,9 +99,8 @@ def backend_eligible(params: SamplingParams, n_vocab: int) -> bool:
 
 def drawing_stages(params: SamplingParams, n_vocab: int) -> list[llama.llama_sampler_p]:
     """llama.cpp's samplers that pick the token: greedy, or top-k, top-p, min-p, temperature
-    and dist, in that order. The graph runs them as they are; the chain of a grammar request
-    (sampling.llama_chain) puts its logit bias and penalties first. A top-k that keeps the
-    whole vocabulary is left out: the graph's top-k needs k below it."""
+    and dist, in that order, as the graph runs them. A top-k that keeps the whole vocabulary
+    is left out: the graph's top-k needs k below it."""
     if params.greedy:
         return [llama.llama_sampler_init_greedy()]
     stages = []

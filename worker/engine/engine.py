@@ -42,7 +42,7 @@ from loomserve.worker.engine.graph_draw import (
 )
 from loomserve.worker.engine.guidance import GrammarVocab
 from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
-from loomserve.worker.engine.sampling import HostSampler, Sampler, build_sampler
+from loomserve.worker.engine.sampling import HostSampler, build_sampler
 from loomserve.worker.engine.threads import ThreadGovernor
 from loomserve.worker.sched.slots import Run
 from loomserve.worker.sched.ubatches import SplitRules
@@ -341,11 +341,10 @@ class Engine:
 
     def new_sampler(
         self, params: SamplingParams
-    ) -> Sampler | HostSampler | BackendSampler | GraphDrawSampler:
+    ) -> HostSampler | BackendSampler | GraphDrawSampler:
         """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
         return build_sampler(
             params,
-            self.ctx,
             self.grammars,
             self.n_vocab,
             self.slot_context,

@@ -8,8 +8,8 @@ fuel and Earley items per step, lexer states, grammar size. A grammar that needs
 its own request with llguidance's message, before the work, and nothing else on the worker
 notices. No wall clock is involved: a slow machine is never a reason to refuse a grammar.
 
-The sampler (sampling.py) checks the token its chain picked with `allows` (a bit of the
-step's mask), masks the row with `mask` only when that token is refused, and advances the
+The sampler (sampling.py) checks the token it drew with `allows` (a bit of the step's mask),
+draws again from the `allowed` tokens only when that token is refused, and advances the
 grammar with `accept` for the token it keeps: llama.cpp's `common_sampler_sample`.
 
 The tokenizer llguidance needs (each token's bytes) is built once per model, on a thread of
@@ -31,7 +31,6 @@ from llguidance import LLMatcher, LLTokenizer
 
 from loomserve.protocol.limits import parser_limits
 
-_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 _SPECIAL = b"\xff"  # llguidance's mark of a token that is not text
 
 
@@ -39,63 +38,13 @@ class GrammarFailed(RuntimeError):
     """The request's grammar cannot go on: a step over its limits, or a token it refuses."""
 
 
-class Candidates:
-    """A llama_token_data_array over the whole vocabulary, filled from a row of logits.
-
-    One per vocabulary, shared by the samplers of one tick loop (they run one at a time).
-    """
-
-    __slots__ = ("_buffer", "_ids", "array", "pointer")
-
-    def __init__(self, n_vocab: int) -> None:
-        self._buffer = np.zeros(n_vocab, dtype=_TOKEN_DATA)
-        self._ids = np.arange(n_vocab, dtype=np.int32)
-        self.array = llama.llama_token_data_array()
-        self.pointer = ctypes.pointer(self.array)
-
-    def fill(self, logits: np.ndarray) -> None:
-        """Every token with its logit, unsorted and none selected, as llama_sampler_sample
-        builds them."""
-        buffer = self._buffer
-        buffer["id"] = self._ids  # again each time: samplers sort the entries in place
-        buffer["logit"] = logits
-        buffer["p"] = 0.0
-        array = self.array
-        # llama_cpp annotates `data` as an array; the C field is a pointer, which this is.
-        pointer = buffer.ctypes.data_as(ctypes.POINTER(llama.llama_token_data))
-        array.data = pointer  # type: ignore[assignment]
-        array.size = len(buffer)
-        array.selected = -1
-        array.sorted = False
-
-    def selected(self) -> int:
-        """The token the chain's last stage selected."""
-        return int(self._buffer["id"][self.array.selected])
-
-    def logits(self) -> np.ndarray:
-        """The entries' logits as the samplers left them (a view; in id order unless a stage
-        sorted them: logit bias, penalties and greedy do not)."""
-        return self._buffer["logit"][: self.array.size]
-
-    def first_maximum(self) -> int:
-        """The greedy choice over the entries as they are, which must still be in id order
-        (a grammar mask leaves them so): llama.cpp's greedy sampler picks the first maximum."""
-        return int(self._buffer["logit"][: self.array.size].argmax())
-
-    def surviving(self) -> np.ndarray:
-        """The ids whose logit is not -inf."""
-        entries = self._buffer[: self.array.size]
-        return entries["id"][entries["logit"] != -np.inf]
-
-
 class GrammarVocab:
     """What every grammar over one model's vocabulary shares: llguidance's tokenizer (built
-    on a thread from construction on), the candidates buffer and the mask's bits."""
+    on a thread from construction on) and the mask's bits."""
 
     def __init__(self, vocab, n_vocab: int) -> None:
         self.vocab = vocab
         self.n_vocab = n_vocab
-        self.candidates = Candidates(n_vocab)
         self.bitmask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self.masked_by: GrammarState | None = None  # whose step the bitmask holds
         self._tokenizer: LLTokenizer | None = None
@@ -179,12 +128,12 @@ class GrammarState:
         bits = self._mask_bits()
         return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
 
-    def mask(self, candidates: Candidates) -> None:
-        """Set every token the grammar refuses to -inf (the entries must be in id order);
-        GrammarFailed when the step is over the grammar's limits."""
+    def allowed(self) -> np.ndarray:
+        """The ids of every token the grammar lets come next, ascending; GrammarFailed when
+        the step is over the grammar's limits."""
         bits = self._mask_bits()
         allowed = np.unpackbits(bits.view(np.uint8), count=self.shared.n_vocab, bitorder="little")
-        np.putmask(candidates.logits(), ~allowed.view(bool), -np.inf)
+        return np.flatnonzero(allowed)
 
     def _mask_bits(self) -> np.ndarray:
         """This step's mask: a bit per token, set where the grammar allows it. The buffer is

@@ -13,14 +13,14 @@ argmax; sample_rows takes those for a whole tick at once (rowscan's argmax, in C
 With backend sampling on (backend_sampling.py), a request the graph samples exactly gets a
 BackendSampler instead: llama_decode draws its token, the host only reads it.
 
-A request with a grammar gets a Sampler: the request's chain (llama.cpp's samplers, or an
-argmax for greedy) picks a token, the grammar (guidance.py, on llguidance) is asked about that
-one token, and only when it refuses does it mask the row (about 0.1 ms over 262,144 tokens)
-for a second pick, as llama.cpp's common_sampler_sample does. The grammar advances by the
-kept token only. For greedy requests the token is the one masking first gives: the first
-maximum over all tokens, when the grammar allows it, is the first maximum over those it
-allows; for sampled ones, a draw refused and drawn again from the masked row is a draw from
-the masked distribution.
+A request with a grammar is a HostSampler too: its token is drawn as any other (in C, with
+the tick's other rows), then its grammar (guidance.py, on llguidance) is asked about that one
+token, and only when it refuses is the token drawn again from the tokens the grammar allows
+(about 0.1 ms to read the mask over 262,144 tokens), as llama.cpp's common_sampler_sample
+does. The grammar advances by the kept token only. A greedy request's token is then the one
+masking first gives: the first maximum over all tokens, when the grammar allows it, is the
+first maximum over those it allows; a sampled one's, a draw refused and drawn again from the
+allowed tokens, is a draw from the masked distribution.
 
 Penalties see the generated tokens only, not the prompt, as in llama-server.
 """
@@ -31,7 +31,6 @@ import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import llama_cpp as llama
 import numpy as np
 
 from loomserve.protocol import SamplingParams
@@ -86,107 +85,34 @@ class InvalidSampling(ValueError):
     """The request's sampling settings cannot run on this model (bad grammar, bad token id)."""
 
 
-class Sampler:
-    """One request's sampling state; sample() picks and accepts the next token.
-
-    After sample(): `failure` says why the request must end with an error (its grammar grew
-    too complex; the token returned is then meaningless), and `grammar_complete` whether its
-    grammar allows nothing more but an end-of-generation token.
-    """
-
-    __slots__ = ("_chain", "_ctx", "_grammar", "failure", "grammar_complete")
-
-    verifies_drafts = True
-
-    def __init__(
-        self,
-        chain: llama.llama_sampler_p | None,
-        ctx,
-        grammar: GrammarState | None = None,
-    ) -> None:
-        self._chain = chain  # None: greedy, an argmax over the logits (then the grammar)
-        self._ctx = ctx
-        self._grammar = grammar  # checked lazily, never in the chain
-        self.failure: str | None = None
-        self.grammar_complete = False
-
-    def sample(self, batch_index: int, logits: np.ndarray) -> int:
-        """The token for the output at batch_index of the last decode, whose logits these are."""
-        if self._grammar is not None:
-            return self._sample_with_grammar(self._grammar, logits)
-        if self._chain is None:
-            return int(logits.argmax())
-        # llama_sampler_sample also accepts the token into every sampler of the chain.
-        return llama.llama_sampler_sample(self._chain, self._ctx, batch_index)
-
-    def _sample_with_grammar(self, grammar: GrammarState, logits: np.ndarray) -> int:
-        chain = self._chain
-        candidates = grammar.shared.candidates
-        if chain is None:
-            token = int(logits.argmax())
-        else:
-            candidates.fill(logits)
-            llama.llama_sampler_apply(chain, candidates.pointer)
-            token = candidates.selected()
-        try:
-            if not grammar.allows(token):
-                token = self._pick_masked(grammar, logits)
-                if not grammar.allows(token):  # it refuses every token the bias leaves
-                    self.failure = "the grammar allows none of the tokens the request may produce"
-                    return token
-            grammar.accept(token)
-        except GrammarFailed as exc:
-            self.failure = str(exc)
-            return token
-        if chain is not None:
-            llama.llama_sampler_accept(chain, token)
-        self.grammar_complete = grammar.complete()
-        return token
-
-    def _pick_masked(self, grammar: GrammarState, logits: np.ndarray) -> int:
-        """The chain's pick again, over the row with every token the grammar refuses at -inf
-        (the chain cannot bring one back)."""
-        candidates = grammar.shared.candidates
-        candidates.fill(logits)
-        grammar.mask(candidates)
-        if self._chain is None:
-            return candidates.first_maximum()
-        llama.llama_sampler_apply(self._chain, candidates.pointer)
-        return candidates.selected()
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Whether the token is the logits' argmax and nothing else (no state to update)."""
-        return self._chain is None and self._grammar is None
-
-    def close(self) -> None:
-        if self._chain is not None:
-            llama.llama_sampler_free(self._chain)
-            self._chain = None
-        if self._grammar is not None:
-            self._grammar.close()
-            self._grammar = None
-
-
 class HostSampler:
-    """A request without a grammar: each token drawn on the host from its row of logits
-    (draw.py), with the request's own random generator."""
+    """One request's sampling state: each token drawn on the host from its row of logits
+    (draw.py), with the request's own random generator, then checked against its grammar, if
+    it has one.
+
+    After a token: `failure` says why the request must end with an error (its grammar grew
+    too complex, or allows none of the tokens the request may produce; the token is then
+    meaningless), and `grammar_complete` whether its grammar allows nothing more but an
+    end-of-generation token."""
 
     __slots__ = (
         "_adjusts",
         "_context",
         "_cut",
         "_generated",
+        "_grammar",
         "_mass",
         "_params",
         "_rng",
         "failure",
+        "grammar_complete",
     )
 
-    grammar_complete = False  # no grammar
     verifies_drafts = True
 
-    def __init__(self, params: SamplingParams, slot_context: int) -> None:
+    def __init__(
+        self, params: SamplingParams, slot_context: int, grammar: GrammarState | None = None
+    ) -> None:
         self._params = params
         self._context = slot_context
         self._cut = (
@@ -199,11 +125,14 @@ class HostSampler:
         self._adjusts = bool(params.logit_bias) or params.penalized
         self._generated: list[int] = []  # the penalties' history, when they apply
         self._mass = 1.0  # its last row's head mass: how wide the next head should be
+        self._grammar = grammar  # checked after the draw, never before it
         self.failure: str | None = None
+        self.grammar_complete = False
 
     @property
     def plain_greedy(self) -> bool:
-        return self._cut is None and not self._adjusts
+        """Whether the token is the logits' argmax and nothing else (no state to update)."""
+        return self._cut is None and not self._adjusts and self._grammar is None
 
     @property
     def greedy(self) -> bool:
@@ -214,6 +143,11 @@ class HostSampler:
     def adjusts(self) -> bool:
         """Whether it applies a logit bias or penalties to its rows."""
         return self._adjusts
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar checks its tokens (constrain(), after the draw)."""
+        return self._grammar is not None
 
     def adjust(self, row: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Writes its bias and penalties into `row` (its own row of a tick's logits) and gives
@@ -283,12 +217,51 @@ class HostSampler:
             token = int(scores.argmax())
         else:
             token, self._mass = draw_token(scores, self._cut, self._rng, self._mass)
+        if self._grammar is not None:
+            token = self.constrain(token, scores)
         if self._adjusts:
             self._generated.append(token)
         return token
 
+    def constrain(self, token: int, row: np.ndarray) -> int:
+        """The token drawn from `row` (its bias and penalties in it), or, where the grammar
+        refuses it, one drawn again from the tokens it allows; the grammar then advances by
+        it. Sets `failure` where nothing can be kept."""
+        grammar = self._grammar
+        if grammar is None:
+            return token
+        try:
+            if not grammar.allows(token):
+                token = self._redraw(grammar.allowed(), row)
+                if token < 0:  # every allowed token is at -inf: the bias forbids them
+                    self.failure = "the grammar allows none of the tokens the request may produce"
+                    return token
+            grammar.accept(token)
+        except GrammarFailed as exc:
+            self.failure = str(exc)
+            return token
+        self.grammar_complete = grammar.complete()
+        return token
+
+    def _redraw(self, allowed: np.ndarray, row: np.ndarray) -> int:
+        """A token from `row` over the `allowed` ids alone (-1: none has a finite logit).
+        The row cut to those tokens is drawn from exactly as the masked row would be: a
+        token at -inf weighs nothing and top-k, top-p and min-p keep the same ones."""
+        kept = row[allowed]
+        if not len(kept) or not np.isfinite(kept).any():
+            return -1
+        if self._cut is None:  # the first maximum: ids ascend
+            return int(allowed[int(kept.argmax())])
+        drawn, self._mass = draw_token(
+            np.ascontiguousarray(kept, dtype=np.float32), self._cut, self._rng, self._mass
+        )
+        return int(allowed[drawn])
+
     def close(self) -> None:
-        """Nothing to free: its state is Python's."""
+        """Frees its grammar's step, if it has one."""
+        if self._grammar is not None:
+            self._grammar.close()
+            self._grammar = None
 
 
 class SamplingThreads:
@@ -360,7 +333,9 @@ def _sample_rows(
     already."""
 
     argmaxed = [
-        sampler.plain_greedy or (row in adjusted and adjusted[row].greedy)
+        sampler.greedy and (not sampler.adjusts or row in adjusted)
+        if isinstance(sampler, HostSampler)
+        else sampler.plain_greedy
         for row, sampler in enumerate(samplers)
     ]
     if 2 * sum(argmaxed) < len(samplers):
@@ -404,11 +379,16 @@ def _sample_rows(
 
     futures = [pool.submit(sample, share) for share in range(1, n_shares)] if pool else []
     sample(0)
-    for row in rest:  # grammars' and the graph's rows: llama.cpp's, on the tick's thread
+    for row in rest:  # the graph's rows: read on the tick's thread
         if not isinstance(samplers[row], HostSampler):
             tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
     for future in futures:
         future.result()
+    # Grammars see the drawn tokens (their bias and penalties still in the rows), one at a
+    # time: they share the vocabulary's mask buffer. sample() checked the copied rows.
+    for row, sampler in enumerate(samplers):
+        if isinstance(sampler, HostSampler) and sampler.constrained and row not in copied:
+            tokens[row] = sampler.constrain(tokens[row], logits[row])
     return tokens
 
 
@@ -429,28 +409,14 @@ def _argmax_rows(logits: np.ndarray, threads: SamplingThreads | None) -> list[in
     return np.concatenate([first, *(future.result() for future in futures)]).tolist()
 
 
-def _is_argmax(params: SamplingParams) -> bool:
-    """Whether the chain would pick the logits' argmax (before any grammar)."""
-    return params.greedy and not params.logit_bias and not params.penalized
-
-
-def _penalties(n_vocab: int, last_n: int, params: SamplingParams) -> llama.llama_sampler_p:
-    args = (last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty)
-    # llama.cpp added n_vocab as a first argument; older builds take the four above.
-    if len(llama.llama_sampler_init_penalties.argtypes) == 5:
-        return llama.llama_sampler_init_penalties(n_vocab, *args)
-    return llama.llama_sampler_init_penalties(*args)
-
-
 def build_sampler(
     params: SamplingParams,
-    ctx,
     grammars: GrammarVocab | None,
     n_vocab: int,
     slot_context: int,
     graph_chains: GraphChains | None = None,
     graph_draws: bool = False,
-) -> Sampler | HostSampler | BackendSampler | GraphDrawSampler:
+) -> HostSampler | BackendSampler | GraphDrawSampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
     With `graph_chains` (backend sampling on), a request the graph samples exactly gets a
     BackendSampler (backend_sampling.py); with `graph_draws` (the C draw in the graph), a
@@ -470,30 +436,8 @@ def build_sampler(
     if graph_chains is not None and backend_eligible(params, n_vocab):
         host = HostSampler(params, slot_context)
         return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)
-    if not params.grammar:
-        return HostSampler(params, slot_context)
-    grammar = _grammar(params.grammar, grammars)
-    if _is_argmax(params):
-        return Sampler(None, ctx, grammar)
-
-    chain = llama_chain(params, n_vocab, slot_context)
-    return Sampler(chain, ctx, grammar)
-
-
-def llama_chain(params: SamplingParams, n_vocab: int, slot_context: int) -> llama.llama_sampler_p:
-    """llama.cpp's sampler chain for the params (bias, penalties, then greedy, or top-k,
-    top-p, min-p, temperature and dist): grammar requests sample with it."""
-    stages: list[llama.llama_sampler_p] = []
-    if params.logit_bias:
-        biases = (llama.llama_logit_bias * len(params.logit_bias))(
-            *(llama.llama_logit_bias(t, b) for t, b in params.logit_bias.items())
-        )
-        stages.append(llama.llama_sampler_init_logit_bias(n_vocab, len(biases), biases))
-    if params.penalized:
-        last_n = slot_context if params.repeat_last_n == -1 else params.repeat_last_n
-        stages.append(_penalties(n_vocab, last_n, params))
-    stages += drawing_stages(params, n_vocab)
-    return sampler_chain(stages)
+    grammar = _grammar(params.grammar, grammars) if params.grammar else None
+    return HostSampler(params, slot_context, grammar)
 
 
 def _grammar(text: str, grammars: GrammarVocab | None) -> GrammarState:
