@@ -168,6 +168,118 @@ def _write_gemma3(path: Path, seed: int, shape: VisionShape) -> Path:
     return path
 
 
+def write_tiny_qwen2vl(folder: Path, seed: int = 77) -> tuple[Path, Path]:
+    """A tiny Qwen2-VL pair in folder: a `qwen2vl` text model (M-RoPE: its rope split in
+    sections, tests/tiny_model.py's vocabulary) and a `qwen2vl_merger` projector (two patch
+    kernels, 2D M-RoPE in the tower, 2x2 patches merged into a token). Its images take fewer
+    rope positions than tokens (max(nx, ny) of the merged grid), which loomserve's worker does
+    not lay out yet: it refuses such a projector at start-up (worker/engine/media.py)."""
+    from tests.tiny_model import TINY, vocabulary
+
+    rng = np.random.default_rng(seed)
+
+    def weight(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        values = rng.standard_normal((rows, cols), dtype=np.float32) * (gain / np.sqrt(cols))
+        return values.astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return (rng.standard_normal(n, dtype=np.float32) * 0.1).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    shape = TINY
+    head_dim, kv = shape.n_embd // shape.n_head, shape.n_head_kv * (shape.n_embd // shape.n_head)
+    tokens, scores, types = vocabulary()
+    model = folder / "tiny-qwen2vl.gguf"
+    writer = gguf.GGUFWriter(str(model), arch="qwen2vl")
+    writer.add_name("tiny-qwen2vl-test")
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_array("qwen2vl.rope.dimension_sections", [2, 3, 3, 0])  # head_dim / 2 in all
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_tensor("token_embd.weight", weight(len(tokens), shape.n_embd, gain=8.0))
+    writer.add_tensor("output_norm.weight", ones(shape.n_embd))
+    writer.add_tensor("output.weight", weight(len(tokens), shape.n_embd, gain=6.0))
+    for layer in range(shape.n_layer):
+        prefix = f"blk.{layer}"
+        writer.add_tensor(f"{prefix}.attn_norm.weight", ones(shape.n_embd))
+        for name, rows in (("attn_q", shape.n_embd), ("attn_k", kv), ("attn_v", kv)):
+            writer.add_tensor(f"{prefix}.{name}.weight", weight(rows, shape.n_embd))
+            writer.add_tensor(f"{prefix}.{name}.bias", bias(rows))
+        writer.add_tensor(f"{prefix}.attn_output.weight", weight(shape.n_embd, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_norm.weight", ones(shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_gate.weight", weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_up.weight", weight(shape.n_ff, shape.n_embd))
+        writer.add_tensor(f"{prefix}.ffn_down.weight", weight(shape.n_embd, shape.n_ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    vision = VisionShape(patch_size=4, n_layer=2)
+    mmproj = folder / "mmproj-tiny-qwen2vl.gguf"
+    writer = gguf.GGUFWriter(str(mmproj), arch="clip")
+    writer.add_name("tiny-qwen2vl-vision-test")
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_string("clip.projector_type", "qwen2vl_merger")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.embedding_length", vision.n_embd)
+    writer.add_uint32("clip.vision.attention.head_count", vision.n_head)
+    writer.add_uint32("clip.vision.feed_forward_length", vision.n_ff)
+    writer.add_uint32("clip.vision.block_count", vision.n_layer)
+    writer.add_uint32("clip.vision.projection_dim", shape.n_embd)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_uint32("clip.vision.image_size", vision.image_size)
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    side, n = vision.patch_size, vision.n_embd
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):  # a kernel per frame
+        kernel = rng.standard_normal((n, 3, side, side)) / side
+        writer.add_tensor(name, kernel.astype(np.float32))
+    for layer in range(vision.n_layer):
+        prefix = f"v.blk.{layer}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{prefix}.{name}.weight", weight(n, n))
+            writer.add_tensor(f"{prefix}.{name}.bias", bias(n))
+        for name in ("ln1", "ln2"):
+            writer.add_tensor(f"{prefix}.{name}.weight", ones(n))
+            writer.add_tensor(f"{prefix}.{name}.bias", np.zeros(n, dtype=np.float32))
+        writer.add_tensor(f"{prefix}.ffn_up.weight", weight(vision.n_ff, n))
+        writer.add_tensor(f"{prefix}.ffn_up.bias", bias(vision.n_ff))
+        writer.add_tensor(f"{prefix}.ffn_down.weight", weight(n, vision.n_ff))
+        writer.add_tensor(f"{prefix}.ffn_down.bias", bias(n))
+    writer.add_tensor("v.post_ln.weight", ones(n))
+    writer.add_tensor("v.post_ln.bias", np.zeros(n, dtype=np.float32))
+    # The merger: 2x2 patches' features side by side, then two layers to the text width.
+    writer.add_tensor("mm.0.weight", weight(4 * n, 4 * n, gain=2.0))
+    writer.add_tensor("mm.0.bias", bias(4 * n))
+    writer.add_tensor("mm.2.weight", weight(shape.n_embd, 4 * n, gain=8.0))
+    writer.add_tensor("mm.2.bias", bias(shape.n_embd))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, mmproj
+
+
 def png_bytes(width: int, height: int, seed: int = 0) -> bytes:
     """A random RGB PNG of the given size, written with zlib alone (no imaging library)."""
     import struct

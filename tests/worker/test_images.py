@@ -21,7 +21,7 @@ from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.media import MediaEncoder
 from loomserve.worker.stats import MediaRecord
 from loomserve.worker.tick.loop import TickLoop
-from tests.tiny_vision_model import TINY_GEMMA3, TINY_VISION, png_bytes
+from tests.tiny_vision_model import TINY_GEMMA3, TINY_VISION, png_bytes, write_tiny_qwen2vl
 from tests.worker.test_engine import GW, Collector
 from tests.worker.text import tokenize
 
@@ -334,3 +334,20 @@ def test_counting_images_gives_the_positions_encoding_places(engine, config):
     finally:
         for media in made:
             media.close()
+
+
+def test_an_m_rope_projector_is_refused_at_start_up(tmp_path: Path) -> None:
+    """Qwen2-VL's images take fewer rope positions than tokens, in four sections a position;
+    the worker does not lay them out yet, so it says so instead of answering wrongly."""
+    import llama_cpp as llama
+
+    model_path, mmproj_path = write_tiny_qwen2vl(tmp_path)
+    model = llama.llama_model_load_from_file(
+        str(model_path).encode(), llama.llama_model_default_params()
+    )
+    assert model
+    try:
+        with pytest.raises(ValueError, match="M-RoPE"):
+            MediaEncoder(mmproj_path, model, 1, False, lambda *args: None)
+    finally:
+        llama.llama_model_free(model)

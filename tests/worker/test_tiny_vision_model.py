@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from llama_cpp import mtmd_cpp as mtmd
 
-from tests.tiny_vision_model import TINY_VISION, png_bytes
+from tests.tiny_vision_model import TINY_VISION, png_bytes, write_tiny_qwen2vl
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +76,49 @@ def test_different_images_encode_differently(mtmd_ctx: int) -> None:
     _, other, id_other = encode(mtmd_ctx, png_bytes(32, 32, seed=2), marker)
     assert np.array_equal(first, again) and id_first == id_again
     assert not np.allclose(first, other) and id_first != id_other
+
+
+def test_the_qwen2vl_pair_loads_with_m_rope_positions(tmp_path: Path) -> None:
+    """libmtmd loads the generated Qwen2-VL pair, M-RoPE on, and its image takes fewer
+    positions than tokens: llama.cpp's own mtmd_helper_eval_chunks advances by positions."""
+    model_path, mmproj_path = write_tiny_qwen2vl(tmp_path)
+    llama.llama_backend_init()
+    model = llama.llama_model_load_from_file(
+        str(model_path).encode(), llama.llama_model_default_params()
+    )
+    assert model
+    params = mtmd.mtmd_context_params_default()
+    params.use_gpu, params.n_threads, params.print_timings = False, 1, False
+    ctx = mtmd.mtmd_init_from_file(str(mmproj_path).encode(), model, params)
+    assert ctx, "libmtmd refused the generated Qwen2-VL projector"
+    context_params = llama.llama_context_default_params()
+    context_params.n_ctx = context_params.n_batch = context_params.n_ubatch = 256
+    context_params.n_threads = context_params.n_threads_batch = 1
+    lctx = llama.llama_init_from_model(model, context_params)
+    image = png_bytes(40, 24, seed=1)
+    buf = (ctypes.c_uint8 * len(image)).from_buffer_copy(image)
+    bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(image), False)
+    chunks = mtmd.mtmd_input_chunks_init()
+    prompt = b"look " + mtmd.mtmd_default_marker() + b" now"
+    text = mtmd.mtmd_input_text(prompt, len(prompt), True, True)
+    try:
+        assert mtmd.mtmd_decode_use_mrope(ctx)
+        bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
+        assert mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1) == 0
+        sizes = []
+        for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd.mtmd_input_chunks_get(chunks, i)
+            sizes.append(
+                (mtmd.mtmd_input_chunk_get_n_tokens(chunk), mtmd.mtmd_input_chunk_get_n_pos(chunk))
+            )
+        n_tokens, n_pos = sizes[1]  # the image's
+        assert 0 < n_pos < n_tokens
+        n_past = llama.llama_pos(0)
+        assert mtmd.mtmd_helper_eval_chunks(ctx, lctx, chunks, 0, 0, 256, True, n_past) == 0
+        assert n_past.value == sum(pos for _, pos in sizes)
+    finally:
+        mtmd.mtmd_input_chunks_free(chunks)
+        mtmd.mtmd_bitmap_free(bitmap)
+        mtmd.mtmd_free(ctx)
+        llama.llama_free(lctx)
+        llama.llama_model_free(model)
