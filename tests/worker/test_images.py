@@ -351,3 +351,34 @@ def test_an_m_rope_projector_is_refused_at_start_up(tmp_path: Path) -> None:
             MediaEncoder(mmproj_path, model, 1, False, lambda *args: None)
     finally:
         llama.llama_model_free(model)
+
+
+def test_greedy_output_with_an_image_is_the_same_beside_8_text_streams_and_2_images(config):
+    """Issue 58's batch invariance, at its size: a request's greedy tokens alone, and again
+    while 8 text streams generate and 2 other image requests arrive with it."""
+    wide = replace(config, slots=11, max_queue=16)
+    engine = Engine(wide)
+    made: list[MediaEncoder] = []
+    try:
+        request = image_request(engine, "img", [png_bytes(44, 28, seed=15)], max_tokens=16)
+        alone_loop, alone = new_loop(engine, wide, made)
+        expected = run(alone_loop, alone, request)["img"]
+
+        busy_loop, busy = new_loop(engine, wide, made)
+        texts = [text_request(engine, f"t{i}", f"tell me a story {i}", 40) for i in range(8)]
+        others = [
+            image_request(engine, "o1", [png_bytes(32, 32, seed=16)], text=" the dog"),
+            image_request(engine, "o2", [png_bytes(28, 40, seed=17)], max_tokens=8),
+        ]
+        for text in texts:
+            busy_loop.inbox.submit(GW, text)
+        for _ in range(3):  # the text streams are generating when the images arrive
+            busy_loop.tick(block=False)
+        out = run(busy_loop, busy, request, *others)
+        assert out["img"] == expected
+        assert all(len(out[f"t{i}"]) == 40 for i in range(8))
+        assert (len(out["o1"]), len(out["o2"])) == (12, 8)
+    finally:
+        for media in made:
+            media.close()
+        engine.close()
