@@ -172,8 +172,8 @@ def write_tiny_qwen2vl(folder: Path, seed: int = 77) -> tuple[Path, Path]:
     """A tiny Qwen2-VL pair in folder: a `qwen2vl` text model (M-RoPE: its rope split in
     sections, tests/tiny_model.py's vocabulary) and a `qwen2vl_merger` projector (two patch
     kernels, 2D M-RoPE in the tower, 2x2 patches merged into a token). Its images take fewer
-    rope positions than tokens (max(nx, ny) of the merged grid), which loomserve's worker does
-    not lay out yet: it refuses such a projector at start-up (worker/engine/media.py)."""
+    rope positions than tokens (max(nx, ny) of the merged grid) and four positions a row,
+    which the worker lays out as llama.cpp's mtmd helper does (sched/media.py)."""
     from tests.tiny_model import TINY, vocabulary
 
     rng = np.random.default_rng(seed)

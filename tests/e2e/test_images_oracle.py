@@ -1,6 +1,7 @@
 """The oracle for images: llama.cpp's own llama-server, built from the same llama.cpp, with the
-same tiny model, the same tiny projector (--mmproj, each projector type) and the same image,
-answers greedily with the same tokens as loomserve.
+same tiny model, the same tiny projector (--mmproj, each projector type: LLaVA's, Gemma 3's,
+and Qwen2-VL's with its M-RoPE text model) and the same image, answers greedily with the same
+tokens as loomserve.
 
 What makes the two comparable: the tiny model ships no chat template, and both servers then
 render ChatML (llama-server's fallback, and loomserve's for an architecture without a built-in
@@ -30,11 +31,14 @@ import pytest
 
 from loomserve.gateway.text.tokenizer import Vocab
 from tests.procs import LOG_DIR, free_port, start_gateway, start_worker
-from tests.tiny_vision_model import png_bytes
+from tests.tiny_vision_model import png_bytes, write_tiny_qwen2vl
 
 LLAMA_SERVER_ENV = "LOOMSERVE_LLAMA_SERVER"
 START_TIMEOUT = 90.0
 MAX_TOKENS = 16
+# ignore_eos differs: llama-server never samples an end-of-generation token, loomserve (as
+# vLLM) may sample one and go on. The end of sequence (id 2) is kept out of both greedy runs.
+NO_EOS = {"2": -100}
 
 
 def llama_server_binary() -> str:
@@ -81,20 +85,27 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-@pytest.fixture(scope="module", params=["mlp", "gemma3"])
+@pytest.fixture(scope="module", params=["mlp", "gemma3", "qwen2vl"])
 def servers(
     request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
     tiny_model_path: Path,
     tiny_mmproj_path: Path,
     tiny_gemma3_mmproj_path: Path,
 ) -> Iterator[tuple[str, str]]:
-    """(loomserve's gateway URL, llama-server's URL), both with the param's projector."""
-    mmproj = tiny_mmproj_path if request.param == "mlp" else tiny_gemma3_mmproj_path
-    llama, llama_url, log = start_llama_server(tiny_model_path, mmproj)
+    """(loomserve's gateway URL, llama-server's URL), both with the param's projector (and
+    for qwen2vl its own text model: M-RoPE)."""
+    model = tiny_model_path
+    if request.param == "qwen2vl":
+        model, mmproj = write_tiny_qwen2vl(tmp_path_factory.mktemp("qwen2vl"))
+    else:
+        mmproj = tiny_mmproj_path if request.param == "mlp" else tiny_gemma3_mmproj_path
+    llama_server_binary()  # skipped before anything starts
+    llama, llama_url, log = start_llama_server(model, mmproj)
     try:
         with (
-            start_worker(tiny_model_path, slots=2, ctx_size=1024, mmproj=mmproj) as worker,
-            start_gateway(tiny_model_path, worker.endpoint) as gateway,
+            start_worker(model, slots=2, ctx_size=1024, mmproj=mmproj) as worker,
+            start_gateway(model, worker.endpoint) as gateway,
         ):
             yield gateway.url, llama_url
             print("logs:", worker.log_path, gateway.log_path, log)
@@ -105,12 +116,12 @@ def servers(
 def greedy(url: str, content: list[dict[str, Any]]) -> tuple[list[bytes], str, int]:
     """loomserve's chat at temperature 0: each generated token's bytes (its logprobs), the
     text, and the prompt's token count."""
-    body = {
-        "model": "tiny-llama",
+    body = {  # no model: the one each server serves
         "messages": [{"role": "user", "content": content}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
+        "logit_bias": NO_EOS,
         "logprobs": True,
     }
     answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
@@ -132,6 +143,7 @@ def llama_greedy(url: str, images: list[str], text: str) -> tuple[list[int], str
         "n_predict": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
+        "logit_bias": [[2, -100]],
         "return_tokens": True,
         "cache_prompt": False,
     }
@@ -148,6 +160,7 @@ def llama_chat_text(url: str, content: list[dict[str, Any]]) -> str:
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
+        "logit_bias": NO_EOS,
     }
     answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
@@ -156,7 +169,7 @@ def llama_chat_text(url: str, content: list[dict[str, Any]]) -> str:
 
 @pytest.fixture(scope="module")
 def vocab(tiny_model_path: Path) -> Iterator[Vocab]:
-    found = Vocab(tiny_model_path)
+    found = Vocab(tiny_model_path)  # the qwen2vl model's vocabulary is the same
     yield found
     found.close()
 

@@ -336,21 +336,57 @@ def test_counting_images_gives_the_positions_encoding_places(engine, config):
             media.close()
 
 
-def test_an_m_rope_projector_is_refused_at_start_up(tmp_path: Path) -> None:
-    """Qwen2-VL's images take fewer rope positions than tokens, in four sections a position;
-    the worker does not lay them out yet, so it says so instead of answering wrongly."""
-    import llama_cpp as llama
-
+@pytest.fixture
+def qwen2vl_config(tmp_path: Path) -> WorkerConfig:
+    """The generated Qwen2-VL pair (M-RoPE) under the tests' worker settings."""
     model_path, mmproj_path = write_tiny_qwen2vl(tmp_path)
-    model = llama.llama_model_load_from_file(
-        str(model_path).encode(), llama.llama_model_default_params()
+    return WorkerConfig(
+        model_path=model_path,
+        mmproj=mmproj_path,
+        slots=6,
+        ctx_size=256,
+        max_queue=32,
+        batch_tokens=32,
+        prefill_chunk=7,
+        threads=1,
     )
-    assert model
+
+
+def test_m_rope_images_give_llama_cpps_own_tokens(qwen2vl_config: WorkerConfig) -> None:
+    """Qwen2-VL's layout: an image's rows get four positions each (t, y, x, z) and the text
+    after it goes on from its start plus its n_pos, fewer than its tokens; greedy tokens
+    equal mtmd_helper_eval_chunks', alone and beside text streams and other images (their
+    images in passes of their own, their text in shared ones, at shifted positions)."""
+    config = qwen2vl_config
+    engine = Engine(config)
+    made: list[MediaEncoder] = []
     try:
-        with pytest.raises(ValueError, match="M-RoPE"):
-            MediaEncoder(mmproj_path, model, 1, False, lambda *args: None)
+        image = png_bytes(36, 28, seed=11)
+        request = image_request(engine, "img", [image], max_tokens=16)
+        alone_loop, alone = new_loop(engine, config, made)
+        assert made[0].mrope
+        ours = run(alone_loop, alone, request)["img"]
+        n_prompt = alone.finishes()["img"].prompt_tokens
+        assert ours == oracle_greedy(engine, config, n_prompt, image, 16)
+        # Again: its cells are reused past the image (kept at rope positions, not indices).
+        again = image_request(engine, "again", [image], max_tokens=16)
+        assert run(alone_loop, alone, again)["again"] == ours
+        image_end = made[0].encode(again).media[0].end
+        assert alone.finishes()["again"].cached_tokens > image_end
+
+        busy_loop, busy = new_loop(engine, config, made)
+        texts = [text_request(engine, f"t{i}", f"once upon a time {i}") for i in range(2)]
+        other = image_request(engine, "o", [png_bytes(20, 44, seed=9)], text=" the cat")
+        for text in texts:
+            busy_loop.inbox.submit(GW, text)
+        busy_loop.tick(block=False)
+        out = run(busy_loop, busy, request, other)
+        assert out["img"] == ours
+        assert len(out["o"]) == 12 and all(len(out[f"t{i}"]) == 30 for i in range(2))
     finally:
-        llama.llama_model_free(model)
+        for media in made:
+            media.close()
+        engine.close()
 
 
 def test_greedy_output_with_an_image_is_the_same_beside_8_text_streams_and_2_images(config):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import llama_cpp as llama
 import numpy as np
 
+from loomserve.worker.sched.media import rope_position
 from loomserve.worker.sched.slots import Run, Slot, Step
 
 
@@ -96,18 +97,21 @@ def fill_batch(batch: TokenBatch, step: Step) -> Filled:
     filled = Filled()
     for run in step.runs:
         seq = run.slot.index
+        # After an M-RoPE image a token's rope position is less than its prompt index.
+        media = run.slot.request.media if run.slot.request is not None else ()
+        start = rope_position(media, run.start) if media else run.start
         if run.filler and run.pad:  # padding grown to the tick's draft length
-            last = batch.add_run(run.tokens, run.start, seq, False)
+            last = batch.add_run(run.tokens, start, seq, False)
         elif run.draft or run.filler:  # its token, its drafts (logits on each), filler
-            last = batch.add_verified_run(run.tokens, run.start, seq, 1 + run.draft)
+            last = batch.add_verified_run(run.tokens, start, seq, 1 + run.draft)
             filled.verified[seq] = run
         elif run.score:  # a prompt being scored: logits on every token (logprobs.py)
-            last = batch.add_run(run.tokens, run.start, seq, True, logits_on_all=True)
+            last = batch.add_run(run.tokens, start, seq, True, logits_on_all=True)
             filled.scoring = step
         elif len(run.tokens) == 1:  # a decode token: the cheaper single add
-            last = batch.add(run.tokens[0], run.start, seq, run.sample)
+            last = batch.add(run.tokens[0], start, seq, run.sample)
         else:
-            last = batch.add_run(run.tokens, run.start, seq, run.sample)
+            last = batch.add_run(run.tokens, start, seq, run.sample)
         if run.sample:
             filled.sampled.append((run.slot, last))
     return filled

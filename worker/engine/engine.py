@@ -44,6 +44,7 @@ from loomserve.worker.engine.guidance import GrammarVocab
 from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
 from loomserve.worker.engine.sampling import HostSampler, build_sampler
 from loomserve.worker.engine.threads import ThreadGovernor
+from loomserve.worker.sched.media import MediaSpan, rope_position
 from loomserve.worker.sched.slots import Run
 from loomserve.worker.sched.ubatches import SplitRules
 
@@ -418,24 +419,30 @@ class Engine:
         """Empty every sequence of the KV cache."""
         llama.llama_memory_clear(self.memory, True)
 
-    def keep_prefix(self, seq: int, n_tokens: int) -> bool:
-        """Drop a sequence's cells from position n_tokens on; keep the prefix before it.
+    def keep_prefix(self, seq: int, n_tokens: int, media: tuple[MediaSpan, ...] = ()) -> bool:
+        """Drop a sequence's cells from prompt index n_tokens on; keep the prefix before it.
+        media: the sequence's images, whose M-RoPE positions are fewer than their tokens
+        (sched/media.py's rope_position; an index inside such an image drops all of it).
 
         False when the cache cannot cut the sequence there (some recurrent or sliding-window
         caches); the caller then drops the whole sequence.
         """
-        return llama.llama_memory_seq_rm(self.memory, seq, n_tokens, -1)
+        return llama.llama_memory_seq_rm(self.memory, seq, rope_position(media, n_tokens), -1)
 
-    def copy_prefix(self, source: int, target: int, n_tokens: int) -> None:
-        """Give `target` the source sequence's cells for positions 0..n_tokens-1."""
+    def copy_prefix(
+        self, source: int, target: int, n_tokens: int, media: tuple[MediaSpan, ...] = ()
+    ) -> None:
+        """Give `target` the source sequence's cells for prompt indices 0..n_tokens-1 (media:
+        the images of that prefix, as keep_prefix's)."""
+        end = rope_position(media, n_tokens)
         if self.config.batch_invariant:
             # Between KV streams llama.cpp copies only a whole stream (on the next decode);
             # the target then drops what lies past the prefix. A memory copy of one slot's
             # cache is far cheaper than evaluating the prefix again.
             llama.llama_memory_seq_cp(self.memory, source, target, -1, -1)
-            llama.llama_memory_seq_rm(self.memory, target, n_tokens, -1)
+            llama.llama_memory_seq_rm(self.memory, target, end, -1)
         else:  # one cache: the cells are shared, nothing is copied
-            llama.llama_memory_seq_cp(self.memory, source, target, 0, n_tokens)
+            llama.llama_memory_seq_cp(self.memory, source, target, 0, end)
 
     def drop_sequence(self, seq: int) -> None:
         llama.llama_memory_seq_rm(self.memory, seq, -1, -1)

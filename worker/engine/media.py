@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import llama_cpp as llama
@@ -40,7 +40,7 @@ log = structlog.get_logger(__name__)
 # hash), least recently used dropped first: embeddings take n_tokens * n_embd * 4 bytes.
 ENCODED_CACHE_BYTES = 256 * 1024 * 1024
 
-Piece = list[int] | tuple[np.ndarray, str]  # text tokens, or an image's embeddings and hash
+Piece = list[int] | MediaSpan  # text tokens, or an image (its span placed at start 0)
 
 
 class MediaError(Exception):
@@ -80,9 +80,8 @@ class MediaEncoder:
         if not mtmd.mtmd_support_vision(self.ctx):
             self.close()
             raise ValueError(f"{mmproj} is no vision projector (audio only)")
-        if mtmd.mtmd_decode_use_mrope(self.ctx):
-            self.close()
-            raise ValueError(f"{mmproj} needs M-RoPE positions (Qwen-VL), not supported yet")
+        # Qwen-VL's images: four positions a row, and fewer positions than rows (sched/media.py).
+        self.mrope = bool(mtmd.mtmd_decode_use_mrope(self.ctx))
         # Gemma 3's images attend both ways: each goes whole into one pass (the loop's part).
         self.non_causal = bool(mtmd.mtmd_decode_use_non_causal(self.ctx, None))
         self.n_embd = llama.llama_model_n_embd_inp(model)  # the width of one embedding row
@@ -181,9 +180,8 @@ class MediaEncoder:
                 if isinstance(piece, list):
                     tokens += piece
                 else:
-                    embeddings, image_hash = piece
-                    media.append(MediaSpan(len(tokens), embeddings, image_hash))
-                    tokens += placeholders(image_hash, embeddings.shape[0])
+                    media.append(replace(piece, start=len(tokens)))
+                    tokens += placeholders(piece.image_hash, piece.n_tokens)
         tokens += generate.prompt_tokens[taken:]
         seconds = time.perf_counter() - started
         return EncodedPrompt(tokens, tuple(media), seconds, cached)
@@ -196,13 +194,13 @@ class MediaEncoder:
             self._encoded.move_to_end(key)
             return pieces, True
         pieces = self._pieces(index, image)
-        size = sum(piece[0].nbytes for piece in pieces if isinstance(piece, tuple))
+        size = sum(_nbytes(piece) for piece in pieces)
         if size <= ENCODED_CACHE_BYTES:
             self._encoded[key] = pieces
             self._encoded_bytes += size
             while self._encoded_bytes > ENCODED_CACHE_BYTES:
                 _, dropped = self._encoded.popitem(last=False)
-                self._encoded_bytes -= sum(p[0].nbytes for p in dropped if isinstance(p, tuple))
+                self._encoded_bytes -= sum(_nbytes(p) for p in dropped)
         return pieces, False
 
     def _pieces(self, index: int, image: bytes) -> list[Piece]:
@@ -251,11 +249,32 @@ class MediaEncoder:
         image_hash = (mtmd.mtmd_input_chunk_get_id(chunk) or b"").decode()
         if not image_hash:
             raise MediaError(f"image {index} has no content hash")
-        return rows.reshape(n_tokens, self.n_embd), image_hash
+        embeddings = rows.reshape(n_tokens, self.n_embd)
+        if not self.mrope:
+            return MediaSpan(0, embeddings, image_hash)
+        n_pos = mtmd.mtmd_input_chunk_get_n_pos(chunk)
+        return MediaSpan(0, embeddings, image_hash, n_pos, self._rope_rows(chunk, n_tokens))
+
+    def _rope_rows(self, chunk: int, n_tokens: int) -> np.ndarray:
+        """Each row's M-RoPE positions (t, y, x, z), as mtmd_helper_decode_image_chunk lays
+        them out (libmtmd's decoder positions): [0] for the image at rope position 0, [1]
+        what one position further adds (z, for one, stays put)."""
+        image = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+        rows = np.zeros((2, n_tokens, 4), dtype=np.int32)
+        for i in range(n_tokens):
+            at0 = mtmd.mtmd_image_tokens_get_decoder_pos(image, 0, i)
+            at1 = mtmd.mtmd_image_tokens_get_decoder_pos(image, 1, i)
+            rows[0, i] = (at0.t, at0.y, at0.x, at0.z)
+            rows[1, i] = (at1.t - at0.t, at1.y - at0.y, at1.x - at0.x, at1.z - at0.z)
+        return rows
 
 
 def _positions(piece: Piece) -> int:
-    return len(piece) if isinstance(piece, list) else piece[0].shape[0]
+    return len(piece) if isinstance(piece, list) else piece.n_tokens
+
+
+def _nbytes(piece: Piece) -> int:
+    return 0 if isinstance(piece, list) else int(piece.embeddings.nbytes)
 
 
 class EmbeddingBatch:
@@ -265,25 +284,46 @@ class EmbeddingBatch:
     def __init__(self, ctx: llama.llama_context_p, capacity: int, n_embd: int) -> None:
         self.ctx, self.capacity, self.n_embd = ctx, capacity, n_embd
         self.struct = llama.llama_batch_init(capacity, n_embd, 1)
+        # M-RoPE's four positions a row, section-major (all t, all y, all x, all z), as
+        # llama.cpp reads an embedding batch's pos: in place of the batch's own pos array
+        # (llama_batch_init makes one a row) while such a pass runs.
+        self._rope_pos = np.zeros(4 * capacity, dtype=np.int32)
         self._freed = False
 
-    def decode(self, rows: np.ndarray, first_pos: int, seq: int, non_causal: bool) -> int:
+    def decode(
+        self,
+        rows: np.ndarray,
+        first_pos: int,
+        seq: int,
+        non_causal: bool,
+        rope: np.ndarray | None = None,
+    ) -> int:
         """Put rows in seq's cells from first_pos on, in passes of at most `capacity` (one
-        pass for a non-causal image: the caller checks it fits); llama_decode's code."""
+        pass for a non-causal image: the caller checks it fits); llama_decode's code. With
+        rope (M-RoPE: each row's t, y, x, z, n x 4) those are the rows' positions instead."""
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         if non_causal:
             llama.llama_set_causal_attn(self.ctx, False)
+        own_pos = self.struct.pos
         try:
             for offset in range(0, rows.shape[0], self.capacity):
                 part = rows[offset : offset + self.capacity]
                 self._fill(part, first_pos + offset, seq)
+                if rope is not None:
+                    self._fill_rope(rope[offset : offset + part.shape[0]])
                 code = llama.llama_decode(self.ctx, self.struct)
                 if code != 0:
                     return code
             return 0
         finally:
+            self.struct.pos = own_pos  # llama_batch_free frees it
             if non_causal:
                 llama.llama_set_causal_attn(self.ctx, True)
+
+    def _fill_rope(self, positions: np.ndarray) -> None:
+        n = positions.shape[0]
+        self._rope_pos[: 4 * n] = np.ascontiguousarray(positions.T, dtype=np.int32).ravel()
+        self.struct.pos = self._rope_pos.ctypes.data_as(ctypes.POINTER(llama.llama_pos))
 
     def _fill(self, rows: np.ndarray, first_pos: int, seq: int) -> None:
         batch, n = self.struct, rows.shape[0]

@@ -28,6 +28,12 @@ class MediaSpan:
     start: int  # the prompt position of its first embedding
     embeddings: Any  # a float32 numpy array, one row of n_embd per position
     image_hash: str  # libmtmd's hash of the decoded bitmap
+    # M-RoPE (Qwen-VL): the rope positions the image advances by, fewer than its tokens
+    # (0: as many as its tokens), and each row's four positions (t, y, x, z): an int32 array
+    # of 2 x n_tokens x 4, [0] for the image at rope position 0, [1] what each position
+    # further adds (worker/engine/media.py); None for 1-D positions.
+    n_pos: int = 0
+    rope: Any = None
 
     @property
     def n_tokens(self) -> int:
@@ -36,6 +42,21 @@ class MediaSpan:
     @property
     def end(self) -> int:
         return self.start + self.n_tokens
+
+
+def rope_position(media: tuple[MediaSpan, ...], index: int) -> int:
+    """The rope position of prompt index `index`: the index, less what the images before it
+    take in tokens beyond their positions (M-RoPE: an image of n tokens takes fewer). Inside
+    an image: its start's, where all its cells sit (M-RoPE gives its rows one t)."""
+    shift = 0
+    for span in media:
+        if index < span.end:
+            if index > span.start and span.n_pos:
+                return span.start - shift
+            break
+        if span.n_pos:
+            shift += span.n_tokens - span.n_pos
+    return index - shift
 
 
 def placeholders(image_hash: str, n_tokens: int) -> list[int]:

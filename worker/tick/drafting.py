@@ -140,7 +140,8 @@ class Drafting:
         """After the scheduler's update: each verified slot's sequence is its cached
         tokens; the rest of its run's cells go."""
         for run in self._settling:
-            self.engine.keep_prefix(run.slot.index, run.slot.n_in_cache)
+            media = run.slot.request.media if run.slot.request else ()
+            self.engine.keep_prefix(run.slot.index, run.slot.n_in_cache, media)
         self._settling = []
 
     def _verify(self, slot: Slot, index: int, rows: np.ndarray, drafts: list[int]) -> Sampled:

@@ -31,6 +31,7 @@ class KvMoves:
         if admission.preempted is not None:
             swapped = self.swap_out(admission.preempted)
         slot, reused = admission.slot.index, admission.reused
+        media = admission.request.media  # the reused prefix's images are its images
         if admission.save_first is not None and not swapped:
             self.save_to_ram(slot, admission.save_first)
         if admission.restore is not None:
@@ -43,8 +44,8 @@ class KvMoves:
             self.restore_from_ram(admission, admission.ram_entry)
         elif admission.source is not None:
             self.engine.drop_sequence(slot)
-            self.engine.copy_prefix(admission.source.index, slot, reused)
-        elif not self.engine.keep_prefix(slot, reused):
+            self.engine.copy_prefix(admission.source.index, slot, reused, media)
+        elif not self.engine.keep_prefix(slot, reused, media):
             # This cache cannot keep a part of a sequence: evaluate the whole prompt.
             self.engine.drop_sequence(slot)
             self.scheduler.prefix_lost(admission)
@@ -78,7 +79,7 @@ class KvMoves:
         slot, reused = admission.slot.index, admission.reused
         self.engine.drop_sequence(slot)
         if self.engine.restore_sequence(slot, entry.state) and self.engine.keep_prefix(
-            slot, reused
+            slot, reused, admission.request.media
         ):
             self.scheduler.ram.restored(entry, reused)
             return

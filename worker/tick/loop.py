@@ -51,6 +51,7 @@ from loomserve.worker.io.channels import (
     StatsBoard,
     Submit,
 )
+from loomserve.worker.sched.media import rope_position
 from loomserve.worker.sched.preemption import GIB
 from loomserve.worker.sched.queueing import WaitingQueue
 from loomserve.worker.sched.records import (
@@ -421,15 +422,18 @@ class TickLoop:
         # Bounded: each pass moves its slot past an image.
         while (due := scheduler.media_due()) and (limit is None or passes < limit):
             for slot, span in due[: None if limit is None else limit - passes]:
+                media = slot.request.media if slot.request else ()
                 if slot.n_in_cache > span.start:
                     # A reused prefix ends inside an image: it goes whole into its pass, as
                     # without the hit (a non-causal one must; a causal one keeps its bits).
-                    self.engine.keep_prefix(slot.index, span.start)
+                    self.engine.keep_prefix(slot.index, span.start, media)
                     scheduler.media_restarted(slot, span)
                 rows = span.embeddings[slot.n_in_cache - span.start :]
-                code = self.media_batch.decode(
-                    rows, slot.n_in_cache, slot.index, self.media.non_causal
-                )
+                first = rope_position(media, span.start)
+                rope = None
+                if span.rope is not None:  # M-RoPE: each row's (t, y, x, z) from `first`
+                    rope = span.rope[0] + first * span.rope[1]
+                code = self.media_batch.decode(rows, first, slot.index, self.media.non_causal, rope)
                 if code != 0:
                     log.error("image decode failed", code=code, slot=slot.index)
                     scheduler.media_failed(
@@ -452,7 +456,8 @@ class TickLoop:
         if step.n_pad:  # padding only joined the pass: its slots never had those cells
             for run in step.runs:
                 if run.pad:
-                    self.engine.keep_prefix(run.slot.index, run.start)
+                    media = run.slot.request.media if run.slot.request else ()
+                    self.engine.keep_prefix(run.slot.index, run.start, media)
         if code != 0:
             log.error("decode failed", code=code, slots=[run.slot.index for run in step.runs])
             self.scheduler.fail(step, f"llama_decode failed with code {code}")
