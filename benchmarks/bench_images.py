@@ -17,6 +17,7 @@ LLaVA-style projector for it (tests/tiny_vision_model.py, 224x224 images in 14-p
 256 image tokens). Give a real pair with `--model M.gguf --mmproj mmproj-M.gguf`.
 
     python -m benchmarks.bench_images --rounds 5
+    python -m benchmarks.bench_images --rounds 5 --loomserve-args '--itl-target-ms 100'
     python -m benchmarks.bench_images --rounds 1 --phase-seconds 3 --no-llama-server  # smoke
 
 Run it on a machine nobody else uses.
@@ -29,6 +30,7 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -102,12 +104,14 @@ def generated_pair(folder: Path) -> tuple[Path, Path]:
     return model, write_tiny_mmproj(folder / "mmproj-bench-270m.gguf", shape=BENCH_VISION)
 
 
-def start_loomserve(model: Path, mmproj: Path, threads: int, metrics_port: int) -> tuple:
+def start_loomserve(
+    model: Path, mmproj: Path, threads: int, metrics_port: int, extra: list[str]
+) -> tuple:
     port = free_port()
     args = [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(model)]
     args += ["--mmproj", str(mmproj), "--port", str(port), "--threads", str(threads)]
     args += ["--slots", str(STREAMS + IMAGE_SLOTS), "--ctx-size", str(CTX_PER_SLOT)]
-    args += ["--metrics-port", str(metrics_port)]
+    args += ["--metrics-port", str(metrics_port), *extra]
     log = Path(tempfile.gettempdir()) / f"bench-images-loom-{port}.log"
     return start(args, port, log), f"http://127.0.0.1:{port}"
 
@@ -277,6 +281,11 @@ def report(phases: dict[str, list[Phase]], servers: list[str]) -> list[str]:
     help="llama-server's binary (default: $LOOMSERVE_LLAMA_SERVER).",
 )
 @click.option("--no-llama-server", is_flag=True, help="loomserve only.")
+@click.option(
+    "--loomserve-args",
+    default="",
+    help="More options for `loomserve serve`, e.g. '--itl-target-ms 100'.",
+)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     model: Path | None,
@@ -288,6 +297,7 @@ def main(
     threads: int,
     binary: Path | None,
     no_llama_server: bool,
+    loomserve_args: str,
     json_out: Path | None,
 ) -> None:
     """Every server through both phases, `rounds` times, alternating; the medians."""
@@ -303,7 +313,8 @@ def main(
     metrics: dict[str, str | None] = {}
     phases: dict[str, list[Phase]] = {}
     try:
-        proc, servers["loomserve"] = start_loomserve(model, mmproj, threads, metrics_port)
+        extra = shlex.split(loomserve_args)
+        proc, servers["loomserve"] = start_loomserve(model, mmproj, threads, metrics_port, extra)
         procs.append(proc)
         metrics["loomserve"] = f"http://127.0.0.1:{metrics_port}/metrics"
         if not no_llama_server and binary is not None and Path(binary).exists():
