@@ -19,9 +19,17 @@ from loomserve.protocol import ErrorCode, Generate, ImageTokens, ImageTokensQuer
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
 from loomserve.worker.engine.media import MediaEncoder
+from loomserve.worker.sched.media import MediaSpan, outside_image, rope_position
 from loomserve.worker.stats import MediaRecord
 from loomserve.worker.tick.loop import TickLoop
-from tests.tiny_vision_model import TINY_GEMMA3, TINY_VISION, png_bytes, write_tiny_qwen2vl
+from tests.tiny_vision_model import (
+    TINY_GEMMA3,
+    TINY_VISION,
+    VisionShape,
+    png_bytes,
+    write_tiny_mmproj,
+    write_tiny_qwen2vl,
+)
 from tests.worker.test_engine import GW, Collector
 from tests.worker.text import tokenize
 
@@ -418,3 +426,85 @@ def test_greedy_output_with_an_image_is_the_same_beside_8_text_streams_and_2_ima
         for media in made:
             media.close()
         engine.close()
+
+
+@pytest.mark.parametrize("projector", ["mlp", "qwen2vl"])
+def test_under_a_tight_latency_target_a_causal_image_goes_in_over_several_ticks(
+    projector: str, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A 64-token causal image (LLaVA's; Qwen2-VL's, M-RoPE) beside a generating stream
+    under a latency target goes in a few rows a tick (the target's prompt tokens: 16 at
+    least), not whole; its request's greedy tokens are those it gets alone and whole."""
+    if projector == "mlp":
+        model_path = tiny_model_path
+        mmproj = write_tiny_mmproj(tmp_path / "mmproj-64.gguf", shape=VisionShape(image_size=64))
+    else:
+        model_path, mmproj = write_tiny_qwen2vl(tmp_path)
+    base = WorkerConfig(
+        model_path=model_path,
+        mmproj=mmproj,
+        slots=4,
+        ctx_size=256,
+        max_queue=8,
+        batch_tokens=128,
+        prefill_chunk=7,
+        threads=1,
+    )
+    engine = Engine(base)
+    made: list[MediaEncoder] = []
+    try:
+        image = png_bytes(64, 64, seed=21)
+        request = image_request(engine, "img", [image], max_tokens=12)
+        alone_loop, alone = new_loop(engine, base, made)
+        expected = run(alone_loop, alone, request)["img"]
+        assert made[0].encode(request).media[0].n_tokens == 64
+
+        tight = replace(base, itl_target_ms=0.001)  # every tick over: the fewest rows
+        tick_loop, collector = new_loop(engine, tight, made)
+        passes: list[int] = []
+        decode = tick_loop.media_batch.decode
+
+        def counted(rows, *args):  # the real pass, its rows counted
+            passes.append(len(rows))
+            return decode(rows, *args)
+
+        tick_loop.media_batch.decode = counted
+        stream = text_request(engine, "t", "once upon a time there lived " * 3, max_tokens=120)
+        tick_loop.inbox.submit(GW, stream)
+        for _ in range(20):  # the stream's prompt and tokens teach the tick cost model
+            tick_loop.tick(block=False)
+        # What the target leaves for prompt rows beside the stream: its floor, 16, once the
+        # tick cost is known (the tiny model's own ticks are too cheap to price a token).
+        for prefill in (0, 32) * 20:
+            tick_loop.tick_cost.observe(1, prefill, 0.01 + 0.001 * prefill)
+        assert tick_loop.scheduler.media_rows_cap() == 16
+        tick_loop.scheduler.media_rows_cap = lambda: 16  # the run's ticks re-price it
+        out = run(tick_loop, collector, request)
+        assert out["img"] == expected and len(out["t"]) == 120
+        assert sum(passes) == 64 and max(passes) == 16
+    finally:
+        for media in made:
+            media.close()
+        engine.close()
+
+
+def test_rope_positions_and_reused_prefixes_around_images() -> None:
+    """sched/media.py's arithmetic: an M-RoPE image of 6 tokens and 2 positions at 3 puts
+    the text after it 4 earlier; a 1-D image shifts nothing; a reused prefix that would end
+    inside an image ends at its start."""
+    rope = MediaSpan(3, np.zeros((6, 4), dtype=np.float32), "a", n_pos=2)
+    flat = MediaSpan(12, np.zeros((5, 4), dtype=np.float32), "b")
+    media = (rope, flat)
+    assert [rope_position(media, i) for i in (0, 3, 5, 9, 10, 12, 14, 17, 20)] == [
+        0,
+        3,
+        3,  # inside the M-RoPE image: its cells all sit at its start
+        5,
+        6,
+        8,
+        10,  # inside a 1-D image: as a token
+        13,
+        16,
+    ]
+    assert rope_position((), 7) == 7
+    assert [outside_image(media, i) for i in (2, 3, 4, 8, 9, 13, 17)] == [2, 3, 3, 3, 9, 12, 17]

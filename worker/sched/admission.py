@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from loomserve.worker.cache.prefix_cache import can_place, place
 from loomserve.worker.cache.ram_cache import RamCache
+from loomserve.worker.sched.media import outside_image
 from loomserve.worker.sched.slots import Admission, Request, Slot, set_phase
 from loomserve.worker.sched.ubatches import SplitRules
 
@@ -55,6 +56,8 @@ class Seating:
         restore = request.saved_state
         if restore is not None:  # swapped out: its own saved cells, not a shared prefix
             reused, source, ram_entry = request.saved_tokens, None, None
+        else:
+            reused = outside_image(request.media, reused)
         kept = reused if source is None and ram_entry is None and restore is None else 0
         save_first = self._worth_saving(slot, kept)
         slot.request = request

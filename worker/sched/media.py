@@ -44,6 +44,14 @@ class MediaSpan:
         return self.start + self.n_tokens
 
 
+def outside_image(media: tuple[MediaSpan, ...], index: int) -> int:
+    """`index`, or the start of the image whose positions hold it: a reused prefix never
+    ends inside an image, whose rows then go in from its start (a non-causal one must go
+    whole into one pass; an M-RoPE one has all its cells at one position)."""
+    span = media_at(media, index)
+    return span.start if span is not None else index
+
+
 def rope_position(media: tuple[MediaSpan, ...], index: int) -> int:
     """The rope position of prompt index `index`: the index, less what the images before it
     take in tokens beyond their positions (M-RoPE: an image of n tokens takes fewer). Inside

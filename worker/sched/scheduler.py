@@ -263,7 +263,8 @@ class Scheduler:
         """The prefilling slots whose next positions are an image's, with that image, oldest
         admission first: the loop puts embeddings in the cache before the strategy plans the
         token runs (all of them, or with a latency target one image a tick while streams
-        generate; the others wait for theirs, out of the plan)."""
+        generate, and of a causal image the rows the target leaves room for; the others
+        wait for theirs, out of the plan)."""
         due = []
         for slot in self.slots:
             if slot.request is None or slot.finish_reason or slot.phase is not SlotPhase.PREFILLING:
@@ -275,7 +276,19 @@ class Scheduler:
 
     def generating(self) -> bool:
         """Whether a slot is generating: its stream waits for every pass of the tick."""
-        return any(slot.phase is SlotPhase.GENERATING and slot.request for slot in self.slots)
+        return self.n_generating() > 0
+
+    def n_generating(self) -> int:
+        return sum(slot.phase is SlotPhase.GENERATING and bool(slot.request) for slot in self.slots)
+
+    def media_rows_cap(self) -> int | None:
+        """The image rows a tick's pass may take beside the generating streams to keep to
+        the latency target (as many as its prompt tokens); None: no cap (no target, no
+        stream generating, or the tick cost not learned yet)."""
+        generating = self.n_generating()
+        if self.latency is None or not generating:
+            return None
+        return self.latency.prefill_cap(generating)
 
     def media_decoded(self, slot: Slot, span: MediaSpan) -> None:
         """The image's remaining embeddings are in the slot's cells."""
@@ -285,10 +298,10 @@ class Scheduler:
         """An image's pass failed: its request ends with an error."""
         slot.finish(FinishReason.ERROR, message)
 
-    def media_restarted(self, slot: Slot, span: MediaSpan) -> None:
-        """A reused prefix ended inside an image, which goes whole into one pass: the
-        slot's cells from the image's start were dropped, to be filled again."""
-        slot.n_in_cache = span.start
+    def media_progressed(self, slot: Slot, rows: int) -> None:
+        """A pass put the next `rows` of the slot's image in its cells, not all of them: the
+        rest go in the next ticks (a causal image under a latency target)."""
+        slot.n_in_cache += rows
 
     # --- after the forward pass ---------------------------------------------------------
 

@@ -416,32 +416,37 @@ class TickLoop:
             return 0.0
         started = time.perf_counter()
         scheduler = self.scheduler
-        passes = 0
-        # Under a latency target the streams that generate wait for one image a tick at most.
+        non_causal = self.media.non_causal
+        passes = 0  # images now whole in their cells
+        # Under a latency target the streams that generate wait for one image a tick at most,
+        # and of a causal one for the rows the target leaves room for (the rest next ticks;
+        # a reused prefix never ends inside an image: sched/admission.py).
         limit = 1 if self.config.itl_target_ms is not None and scheduler.generating() else None
-        # Bounded: each pass moves its slot past an image.
-        while (due := scheduler.media_due()) and (limit is None or passes < limit):
-            for slot, span in due[: None if limit is None else limit - passes]:
+        cap = None if limit is None or non_causal else scheduler.media_rows_cap()
+        taken = 0  # images a pass went into
+        # Bounded: each pass moves its slot past an image, or ends the loop (limit).
+        while (due := scheduler.media_due()) and (limit is None or taken < limit):
+            for slot, span in due[: None if limit is None else limit - taken]:
+                taken += 1
                 media = slot.request.media if slot.request else ()
-                if slot.n_in_cache > span.start:
-                    # A reused prefix ends inside an image: it goes whole into its pass, as
-                    # without the hit (a non-causal one must; a causal one keeps its bits).
-                    self.engine.keep_prefix(slot.index, span.start, media)
-                    scheduler.media_restarted(slot, span)
-                rows = span.embeddings[slot.n_in_cache - span.start :]
+                offset = slot.n_in_cache - span.start
+                rows = span.embeddings[offset : None if cap is None else offset + cap]
                 first = rope_position(media, span.start)
                 rope = None
                 if span.rope is not None:  # M-RoPE: each row's (t, y, x, z) from `first`
-                    rope = span.rope[0] + first * span.rope[1]
-                code = self.media_batch.decode(rows, first, slot.index, self.media.non_causal, rope)
+                    rope = (span.rope[0] + first * span.rope[1])[offset : offset + len(rows)]
+                code = self.media_batch.decode(rows, first + offset, slot.index, non_causal, rope)
                 if code != 0:
                     log.error("image decode failed", code=code, slot=slot.index)
                     scheduler.media_failed(
                         slot, f"llama_decode of an image failed with code {code}"
                     )
                     continue
-                scheduler.media_decoded(slot, span)
-                passes += 1
+                if offset + len(rows) < span.n_tokens:
+                    scheduler.media_progressed(slot, len(rows))
+                else:
+                    scheduler.media_decoded(slot, span)
+                    passes += 1
         seconds = time.perf_counter() - started
         if passes and self._on_media:
             self._on_media(MediaRecord(passes=passes, pass_seconds=seconds))
