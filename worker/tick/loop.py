@@ -448,7 +448,7 @@ class TickLoop:
                     scheduler.media_decoded(slot, span)
                     passes += 1
         seconds = time.perf_counter() - started
-        if passes and self._on_media:
+        if taken and self._on_media:  # partial passes took their seconds too
             self._on_media(MediaRecord(passes=passes, pass_seconds=seconds))
         return seconds
 
