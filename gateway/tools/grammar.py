@@ -26,6 +26,7 @@ from loomserve.gateway.text.grammar import (
 )
 from loomserve.gateway.tools.format import ToolFormat, XmlArguments
 from loomserve.gateway.tools.framed import schema_types
+from loomserve.protocol.limits import MAX_GUIDANCE_GRAMMAR_BYTES
 
 # The most characters a string of a forced call's arguments holds where its schema sets no
 # maxLength: the largest maxLength a schema may set (text/grammar.py's MAX_SCHEMA_REPEAT).
@@ -58,7 +59,18 @@ def tool_grammar(
     (name, parameters schema) functions, in fmt's syntax."""
     alternatives: list[str] = []
     rules: list[str] = []  # the framed calls' own rules
+    size, counted = 0, 0  # the rules' bytes so far, and how many rules that counts
     for i, (name, parameters) in enumerate(functions):
+        # Stop where the grammar is already over the limit: 128 functions of 800 properties
+        # each took the gateway 0.7 s to write out whole only to refuse it.
+        size += sum(len(rule.encode()) for rule in rules[counted:])
+        counted = len(rules)
+        if size > MAX_GUIDANCE_GRAMMAR_BYTES:
+            raise ToolGrammarError(
+                f"the grammar has more than {size} bytes with the first {i} of "
+                f"{len(functions)} functions alone; at most {MAX_GUIDANCE_GRAMMAR_BYTES} "
+                "are allowed"
+            )
         schema = closed_objects(parameters) if parameters else {"type": "object"}
         problem = schema_problem(schema)  # bounded before anything reads it
         if problem:

@@ -24,6 +24,7 @@ from loomserve.gateway.tools.parser import (
     parse_reply,
 )
 from loomserve.gateway.tools.template import TemplateTools
+from loomserve.protocol.limits import MAX_GUIDANCE_GRAMMAR_BYTES
 from tests.grammars import grammar_accepts
 
 
@@ -250,6 +251,22 @@ def test_grammar_from_schemas_compiles_for_every_format(tiny_model_path: Path) -
         assert wrong != written and not grammar_accepts(vocab, grammar, wrong), fmt.name
     with pytest.raises(ToolGrammarError):
         tool_grammar(HERMES, [("f", {"type": "string", "maxLength": 10**7})], parallel=False)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL])
+def test_a_tool_grammar_over_the_size_limit_stops_growing_at_the_limit(fmt: ToolFormat):
+    """128 functions of 800 properties each: refused once the rules written so far pass the
+    limit (about a fifth of the way), not after writing 4.8 MB."""
+    properties = {f"p{j}": {"type": "string"} for j in range(800)}
+    schema = {"type": "object", "properties": properties}
+    functions: list[tuple[str, dict[str, Any] | None]] = [(f"t{i}", schema) for i in range(128)]
+    with pytest.raises(ToolGrammarError, match=str(MAX_GUIDANCE_GRAMMAR_BYTES)) as refused:
+        tool_grammar(fmt, functions, parallel=True)
+    written = int(str(refused.value).split("with the first ")[1].split(" ")[0])
+    assert 0 < written < 64
+    # Just under the limit it is written whole.
+    grammar = tool_grammar(fmt, functions[: written - 1], parallel=True)
+    assert len(grammar.encode()) <= MAX_GUIDANCE_GRAMMAR_BYTES
 
 
 def test_a_forced_calls_strings_are_bounded(tiny_model_path: Path) -> None:
