@@ -220,7 +220,12 @@ def _media_encoder(config: WorkerConfig, engine: Engine, inbox: Inbox) -> MediaE
         return None
     try:
         media = MediaEncoder(
-            config.mmproj, engine.model, config.n_threads, config.gpu_layers != 0, inbox.encoded
+            config.mmproj,
+            engine.model,
+            config.n_threads,
+            config.gpu_layers != 0,
+            inbox.encoded,
+            engine.lend_threads if config.gpu_layers == 0 else None,  # a CPU's threads only
         )
     except ValueError as exc:
         _cannot_start(exc, EXIT_CONFIG)

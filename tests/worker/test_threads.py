@@ -4,6 +4,7 @@ the same tokens whatever its passes' threads."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from loomserve.protocol import Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.media import MediaEncoder
 from loomserve.worker.engine.threads import (
     AGREEING_WINDOWS,
     WINDOW_SECONDS,
@@ -19,6 +21,7 @@ from loomserve.worker.engine.threads import (
     ThreadGovernor,
     read_cpu_times,
 )
+from tests.tiny_vision_model import png_bytes
 from tests.worker.test_engine import GW, drain, new_loop
 
 PROC_STAT = """cpu  900 0 300 5000 10 0 5 0 0 0
@@ -188,4 +191,55 @@ def test_the_engine_applies_a_count_set_by_the_governors_thread(config: WorkerCo
         drain(loop)
         assert engine._passes_threads == 1
     finally:
+        engine.close()
+
+
+def test_threads_lent_to_the_image_encoder_leave_the_passes_the_rest(
+    config: WorkerConfig,
+) -> None:
+    """While an image encodes on half the worker's threads, the passes run on the other half,
+    and on all of them again once it is done."""
+    engine = Engine(replace(config, adaptive_threads=False))
+    try:
+        loop, _ = new_loop(engine, config)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        engine.lend_threads(1)
+        loop.inbox.submit(GW, Generate("a", [1, 40, 41], params))
+        drain(loop)
+        assert engine._passes_threads == 1
+        engine.lend_threads(0)
+        loop.inbox.submit(GW, Generate("b", [1, 40, 41], params))
+        drain(loop)
+        assert engine._passes_threads == 2
+        engine.lend_threads(8)  # more than it has: one thread is always left to the passes
+        loop.inbox.submit(GW, Generate("c", [1, 40, 41], params))
+        drain(loop)
+        assert engine._passes_threads == 1
+    finally:
+        engine.close()
+
+
+def test_the_image_encoder_borrows_its_threads_only_while_it_encodes(
+    config: WorkerConfig, tiny_mmproj_path: Path
+) -> None:
+    engine = Engine(replace(config, adaptive_threads=False, mmproj=tiny_mmproj_path))
+    lent: list[int] = []
+    finished = threading.Event()
+    encoder = MediaEncoder(
+        tiny_mmproj_path,
+        engine.model,
+        2,
+        False,
+        lambda *_: finished.set(),
+        lent.append,
+    )
+    try:
+        assert encoder.threads == 1  # half of 2, on the CPU
+        request = Generate("img", [1, 40, 41], SamplingParams(max_tokens=2))
+        request.images, request.image_at = [png_bytes(32, 32)], [1]
+        encoder.submit(GW, request)
+        assert finished.wait(60)
+        assert lent == [1, 0]
+    finally:
+        encoder.close()
         engine.close()

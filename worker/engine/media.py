@@ -67,11 +67,23 @@ class MediaEncoder:
     on that thread with its EncodedPrompt, or None and why it failed."""
 
     def __init__(
-        self, mmproj: Path, model: llama.llama_model_p, threads: int, use_gpu: bool, done: Done
+        self,
+        mmproj: Path,
+        model: llama.llama_model_p,
+        threads: int,
+        use_gpu: bool,
+        done: Done,
+        lend: Callable[[int], None] | None = None,
     ) -> None:
         params = mtmd.mtmd_context_params_default()
         params.use_gpu = use_gpu
-        params.n_threads = max(1, threads)
+        # On the CPU an image's encoding takes half the worker's threads, lent to it by the
+        # passes (`lend`) while it runs: the streams' passes go on, on the other half. With
+        # all of them both sides' threads outnumbered the cores, and a pass's threads spun at
+        # every barrier for a partner the encoder had displaced.
+        self.threads = max(1, threads if use_gpu else threads // 2)
+        params.n_threads = self.threads
+        self._lend = lend
         params.print_timings = False
         params.warmup = True
         self.ctx = mtmd.mtmd_init_from_file(str(mmproj).encode(), model, params)
@@ -123,6 +135,8 @@ class MediaEncoder:
             if isinstance(generate, ImageTokensQuery):
                 self._answer_count(gateway, generate)
                 continue
+            if self._lend is not None:
+                self._lend(self.threads)
             try:
                 encoded, why = self.encode(generate), ""
             except MediaError as exc:
@@ -130,6 +144,9 @@ class MediaEncoder:
             except Exception as exc:  # a bug must cost this request only
                 log.exception("image encoding failed", request_id=generate.request_id)
                 encoded, why = None, f"the image could not be encoded: {exc}"
+            finally:
+                if self._lend is not None:
+                    self._lend(0)
             self._done(gateway, generate, encoded, why)
 
     def _answer_count(self, gateway: bytes, query: ImageTokensQuery) -> None:
