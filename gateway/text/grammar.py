@@ -12,7 +12,6 @@ recurses) is refused as well: its output could only end at max_tokens.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from typing import Any
@@ -86,16 +85,21 @@ def closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy of the schema in which an object that lists its properties and says nothing of
     others allows none (`additionalProperties: false`), as llama.cpp's converter reads it
     (and OpenAI's strict mode requires): a model does not pad its answer with keys."""
-    copied = copy.deepcopy(schema)
-    todo: list[Any] = [copied]
+    # Each dict and list copied once, in one walk without recursion (copy.deepcopy took most
+    # of the 0.7 s a request of 128 tools of 800 properties spent in the gateway).
+    if not isinstance(schema, dict):  # not a schema: the caller says so
+        return schema
+    copied = dict(schema)
+    todo: list[dict[Any, Any] | list[Any]] = [copied]
     while todo:
         node = todo.pop()
-        if isinstance(node, list):
-            todo.extend(node)
-        elif isinstance(node, dict):
-            if "properties" in node and "additionalProperties" not in node:
-                node["additionalProperties"] = False
-            todo.extend(node.values())
+        entries = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in list(entries):
+            if isinstance(value, dict | list):
+                node[key] = inner = dict(value) if isinstance(value, dict) else list(value)
+                todo.append(inner)
+        if isinstance(node, dict) and "properties" in node and "additionalProperties" not in node:
+            node["additionalProperties"] = False
     return copied
 
 
