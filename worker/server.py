@@ -22,6 +22,7 @@ from loomserve.protocol.vocab import vocab_fingerprint
 from loomserve.worker.config import MIB, WorkerConfig
 from loomserve.worker.engine.embeddings import POOLING_NAMES, Embedder, model_pooling
 from loomserve.worker.engine.engine import Engine, EngineError
+from loomserve.worker.engine.grammar_compiler import GrammarCompiler
 from loomserve.worker.engine.media import MediaEncoder
 from loomserve.worker.engine.vocab_file import compressed_metadata
 from loomserve.worker.io.channels import Inbox, StatsBoard
@@ -93,6 +94,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     # IO and the loop share these and the outbox, never each other (channels.py).
     inbox, board = Inbox(), StatsBoard(config.slots)
     media = _media_encoder(config, engine, inbox)
+    grammars = GrammarCompiler(engine.grammars, inbox.compiled)  # grammars off the tick
     info = ModelInfo(
         protocol_version=PROTOCOL_VERSION,
         model_name=config.model_name,  # the name gateways serve it under
@@ -144,6 +146,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
         tracer=tracer,
         media=media,
         on_media=metrics.on_media if metrics else None,
+        grammars=grammars,
     )
     if metrics is not None and config.metrics_port is not None:  # both or neither
         metrics.watch(
@@ -204,6 +207,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
             embedder.close()
         if media is not None:
             media.close()
+        grammars.close()
         if metrics is not None:
             metrics.close()
         if tracer is not None:

@@ -74,8 +74,8 @@ def run(config: WorkerConfig, requests: list[Generate], seed: int = 3):
     samplers: list = []
     build = engine.new_sampler
 
-    def keep(params):
-        sampler = build(params)
+    def keep(params, grammar=None):
+        sampler = build(params, grammar)
         samplers.append(sampler)
         return sampler
 

@@ -132,7 +132,7 @@ def run(engine: Engine, config: WorkerConfig, batch: list[Generate], eager: bool
     loop = TickLoop(engine, replace(config), collector := Collector())
     if eager:  # the same engine; only its samplers differ
         original = engine.new_sampler
-        engine.new_sampler = lambda params: EagerSampler(params, engine)  # type: ignore[method-assign]
+        engine.new_sampler = lambda params, _=None: EagerSampler(params, engine)  # type: ignore[method-assign]
     try:
         for request in batch:
             loop.inbox.submit(GW, request)

@@ -40,7 +40,7 @@ from loomserve.worker.engine.graph_draw import (
     GraphDrawSampler,
     graph_draw_library,
 )
-from loomserve.worker.engine.guidance import GrammarVocab
+from loomserve.worker.engine.guidance import GrammarState, GrammarVocab
 from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
 from loomserve.worker.engine.sampling import HostSampler, build_sampler
 from loomserve.worker.engine.threads import ThreadGovernor
@@ -343,9 +343,10 @@ class Engine:
     # --- per request ----------------------------------------------------------------
 
     def new_sampler(
-        self, params: SamplingParams
+        self, params: SamplingParams, grammar: GrammarState | None = None
     ) -> HostSampler | BackendSampler | GraphDrawSampler:
-        """A fresh sampler for one request; raises InvalidSampling on a bad grammar or bias."""
+        """A fresh sampler for one request, with its grammar if it was compiled already;
+        raises InvalidSampling on a bad grammar or bias."""
         return build_sampler(
             params,
             self.grammars,
@@ -353,6 +354,7 @@ class Engine:
             self.slot_context,
             self.graph_chains,
             self.graph_draws is not None,
+            grammar,
         )
 
     def bind_graph_samplers(self, runs: list[Run]) -> None:

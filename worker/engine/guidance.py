@@ -29,7 +29,7 @@ import llama_cpp as llama
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-from loomserve.protocol.limits import parser_limits
+from loomserve.protocol.limits import guidance_grammar_problem, parser_limits
 
 _SPECIAL = b"\xff"  # llguidance's mark of a token that is not text
 
@@ -39,14 +39,12 @@ class GrammarFailed(RuntimeError):
 
 
 class GrammarVocab:
-    """What every grammar over one model's vocabulary shares: llguidance's tokenizer (built
-    on a thread from construction on) and the mask's bits."""
+    """What every grammar over one model's vocabulary shares: llguidance's tokenizer, built
+    on a thread from construction on."""
 
     def __init__(self, vocab, n_vocab: int) -> None:
         self.vocab = vocab
         self.n_vocab = n_vocab
-        self.bitmask = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
-        self.masked_by: GrammarState | None = None  # whose step the bitmask holds
         self._tokenizer: LLTokenizer | None = None
         self.ends: frozenset[int] = frozenset()  # the end-of-generation tokens
         self._failure: BaseException | None = None
@@ -96,6 +94,18 @@ def llguidance_tokenizer(vocab, n_vocab: int) -> LLTokenizer:
     )
 
 
+def request_grammar(text: str, shared: GrammarVocab | None) -> GrammarState:
+    """A request's grammar, bounded first: ValueError naming why it cannot be used (too
+    large to read, a worker without grammars, or it does not compile within its limits),
+    before anything else is allocated."""
+    problem = guidance_grammar_problem(text)
+    if problem:
+        raise ValueError(problem)
+    if shared is None:
+        raise ValueError("this worker takes no grammars")
+    return compile_grammar(text, shared)
+
+
 def compile_grammar(grammar: str, shared: GrammarVocab) -> GrammarState:
     """The request's grammar (llguidance's Lark or JSON form) compiled for this vocabulary;
     ValueError with llguidance's message when it does not compile within the limits."""
@@ -115,12 +125,15 @@ class GrammarState:
     than masking first.
     """
 
-    __slots__ = ("_masked", "matcher", "shared")
+    __slots__ = ("_bits", "_masked", "matcher", "shared")
 
     def __init__(self, matcher: LLMatcher, shared: GrammarVocab) -> None:
         self.matcher = matcher
         self.shared = shared
-        self._masked = False  # whether shared.bitmask holds this step's mask
+        # Its own (32 KB at 262,144 tokens): the first step's may be computed on another
+        # thread (GrammarCompiler) while the tick samples other requests' grammars.
+        self._bits = np.zeros((shared.n_vocab + 31) // 32, dtype=np.int32)
+        self._masked = False  # whether _bits holds this step's mask
 
     def allows(self, token: int) -> bool:
         """Whether the grammar lets this token come next; GrammarFailed when the step is
@@ -135,16 +148,19 @@ class GrammarState:
         allowed = np.unpackbits(bits.view(np.uint8), count=self.shared.n_vocab, bitorder="little")
         return np.flatnonzero(allowed)
 
+    def prime(self) -> None:
+        """Compute the next step's mask now (the first step's, before the request is queued);
+        GrammarFailed when that step is over the grammar's limits."""
+        self._mask_bits()
+
     def _mask_bits(self) -> np.ndarray:
-        """This step's mask: a bit per token, set where the grammar allows it. The buffer is
-        shared by the tick's samplers, which sample one at a time: another request's step
-        since means this one's is computed again."""
-        bits = self.shared.bitmask
-        if not self._masked or self.shared.masked_by is not self:
+        """This step's mask: a bit per token, set where the grammar allows it; computed once
+        a step (llguidance lets go of the GIL meanwhile)."""
+        bits = self._bits
+        if not self._masked:
             self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
             self._check()
             self._masked = True
-            self.shared.masked_by = self
         return bits
 
     def accept(self, token: int) -> None:
@@ -170,5 +186,3 @@ class GrammarState:
 
     def close(self) -> None:
         """Nothing native to free by hand: the matcher goes with its last reference."""
-        if self.shared.masked_by is self:
-            self.shared.masked_by = None

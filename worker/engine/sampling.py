@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from loomserve.protocol import SamplingParams
-from loomserve.protocol.limits import MAX_LOGIT_BIAS, guidance_grammar_problem
+from loomserve.protocol.limits import MAX_LOGIT_BIAS
 from loomserve.worker.engine import rowscan
 from loomserve.worker.engine.backend_sampling import (
     BackendSampler,
@@ -56,7 +56,7 @@ from loomserve.worker.engine.guidance import (
     GrammarFailed,
     GrammarState,
     GrammarVocab,
-    compile_grammar,
+    request_grammar,
 )
 from loomserve.worker.engine.logprobs import adjusted_logits, logit_adjustments
 from loomserve.worker.sched.slots import TokenSampler
@@ -416,6 +416,7 @@ def build_sampler(
     slot_context: int,
     graph_chains: GraphChains | None = None,
     graph_draws: bool = False,
+    compiled: GrammarState | None = None,
 ) -> HostSampler | BackendSampler | GraphDrawSampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
     With `graph_chains` (backend sampling on), a request the graph samples exactly gets a
@@ -424,7 +425,8 @@ def build_sampler(
 
     The worker checks what it is sent itself, as the gateway did: a peer that speaks the
     protocol directly must not be able to crash a grammar parser. `grammars`: the model's
-    (None where no request has a grammar).
+    (None where no request has a grammar); `compiled`: the request's grammar, compiled
+    already off the tick (grammar_compiler.py).
     """
     if len(params.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidSampling(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens")
@@ -436,19 +438,15 @@ def build_sampler(
     if graph_chains is not None and backend_eligible(params, n_vocab):
         host = HostSampler(params, slot_context)
         return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)
-    grammar = _grammar(params.grammar, grammars) if params.grammar else None
+    grammar = compiled
+    if grammar is None and params.grammar:
+        grammar = _grammar(params.grammar, grammars)
     return HostSampler(params, slot_context, grammar)
 
 
 def _grammar(text: str, grammars: GrammarVocab | None) -> GrammarState:
-    """The request's grammar, bounded first: one too large to read, or that does not compile
-    within its limits, is refused before anything else is allocated."""
-    problem = guidance_grammar_problem(text)
-    if problem:
-        raise InvalidSampling(problem)
-    if grammars is None:
-        raise InvalidSampling("this worker takes no grammars")
+    """The request's grammar (guidance.request_grammar); InvalidSampling naming why not."""
     try:
-        return compile_grammar(text, grammars)
+        return request_grammar(text, grammars)
     except ValueError as exc:
         raise InvalidSampling(str(exc)) from None

@@ -52,9 +52,23 @@ class Encoded:
     why: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A Generate whose grammar the grammar compiler has compiled (grammar_compiler.py):
+    `grammar` is a GrammarState, or None when it cannot be used, and `why` says why; `carry`
+    is what the loop gave the compiler with it."""
+
+    gateway: bytes
+    message: Generate
+    carry: object
+    grammar: object
+    why: str
+    seconds: float
+
+
 STOP = object()
 
-Item = Submit | Abort | GatewayGone | Encoded | object  # object: STOP
+Item = Submit | Abort | GatewayGone | Encoded | Compiled | object  # object: STOP
 
 
 class Inbox:
@@ -79,6 +93,18 @@ class Inbox:
     def encoded(self, gateway: bytes, message: Generate, prompt: object, why: str) -> None:
         """The media encoder's result for a Generate with images (from its thread)."""
         self._queue.put(Encoded(gateway, message, prompt, why))
+
+    def compiled(
+        self,
+        gateway: bytes,
+        message: Generate,
+        carry: object,
+        grammar: object,
+        why: str,
+        seconds: float,
+    ) -> None:
+        """The grammar compiler's result for a Generate with a grammar (from its thread)."""
+        self._queue.put(Compiled(gateway, message, carry, grammar, why, seconds))
 
     def stop(self) -> None:
         """Drain: refuse new requests, give the others the shutdown timeout, then return."""

@@ -38,12 +38,15 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.batch import Filled, fill_batch
 from loomserve.worker.engine.embeddings import Embedder
 from loomserve.worker.engine.engine import Engine
+from loomserve.worker.engine.grammar_compiler import GrammarCompiler
+from loomserve.worker.engine.guidance import GrammarState
 from loomserve.worker.engine.logprobs import sampled, score_prompts
 from loomserve.worker.engine.media import EmbeddingBatch, EncodedPrompt, MediaEncoder
 from loomserve.worker.engine.sampling import InvalidSampling, SamplingThreads, sample_rows
 from loomserve.worker.io.channels import (
     STOP,
     Abort,
+    Compiled,
     Encoded,
     GatewayGone,
     Inbox,
@@ -100,6 +103,7 @@ class TickLoop:
         tracer: RequestTracer | None = None,
         media: MediaEncoder | None = None,
         on_media: Callable[[MediaRecord], None] | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -135,6 +139,9 @@ class TickLoop:
         )
         # Generates whose images are being encoded, and when they went to the encoder.
         self._encoding: dict[RequestKey, float] = {}
+        # None: grammars compile in the tick, as they are accepted (tests that drive the loop).
+        self.grammars = grammars
+        self._compiling: dict[RequestKey, float] = {}  # Generates whose grammar compiles
         self._on_media = on_media
         self._stop_by: float | None = None  # set by STOP (Inbox.stop): when the last are cut
         self.failed_ticks = 0  # consecutive ticks that failed; a good forward pass resets it
@@ -205,7 +212,8 @@ class TickLoop:
         if self._stop_by is None:
             return False
         embedding = self.embedder is not None and self.embedder.pending
-        busy = self.scheduler.has_work() or embedding or bool(self._encoding)
+        pending = bool(self._encoding) or bool(self._compiling)
+        busy = self.scheduler.has_work() or embedding or pending
         return not busy or time.monotonic() >= self._stop_by
 
     def tick(self, block: bool = True) -> None:
@@ -257,6 +265,8 @@ class TickLoop:
                     self._stop_by = time.monotonic() + self.config.shutdown_timeout
             elif isinstance(item, Encoded):
                 self._encoded(item)
+            elif isinstance(item, Compiled):
+                self._compiled(item)
             elif isinstance(item, Submit):
                 if isinstance(item.message, Embed):  # the embedder's work, not the tick's
                     self._accept_embed(item.gateway, item.message)
@@ -266,6 +276,7 @@ class TickLoop:
                 # Unknown ids are ignored: the request may have just finished.
                 self.scheduler.cancel((item.gateway, item.request_id), reason=item.reason)
                 self._encoding.pop((item.gateway, item.request_id), None)
+                self._compiling.pop((item.gateway, item.request_id), None)
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway, item.request_id)
             elif isinstance(item, GatewayGone):
@@ -273,6 +284,9 @@ class TickLoop:
                     self.scheduler.cancel(key, item.why)
                 self._encoding = {
                     key: at for key, at in self._encoding.items() if key[0] != item.gateway
+                }
+                self._compiling = {
+                    key: at for key, at in self._compiling.items() if key[0] != item.gateway
                 }
                 if self.embedder is not None:
                     self.embedder.cancel(item.gateway)
@@ -286,9 +300,12 @@ class TickLoop:
         generate: Generate,
         encoded: EncodedPrompt | None = None,
         media_seconds: float = 0.0,
+        grammar: GrammarState | None = None,
+        grammar_seconds: float = 0.0,
     ) -> None:
         """Queue a Generate or refuse it; one with images goes to the media encoder first,
-        and comes back here with them encoded (_encoded)."""
+        and comes back here with them encoded (_encoded); one with a grammar then goes to
+        the grammar compiler, and comes back with it compiled (_compiled)."""
         key = (gateway, generate.request_id)
         engine = self.engine
         stopping = self._stop_by is not None
@@ -299,7 +316,7 @@ class TickLoop:
             engine.n_vocab,
             engine.slot_context,
             stopping,
-            self._encoding,
+            self._encoding.keys() | self._compiling.keys(),
         )
         if error is None and generate.images:
             if self.media is None:
@@ -313,11 +330,15 @@ class TickLoop:
                 error = media_refusal(
                     encoded.tokens, encoded.media, generate, engine.slot_context, whole
                 )
+        if error is None and generate.params.grammar and grammar is None and self.grammars:
+            self._compiling[key] = time.monotonic()  # Accepted or Rejected once compiled
+            self.grammars.submit(gateway, generate, (encoded, media_seconds))
+            return
         sampler = None
-        building = time.monotonic()  # a grammar compiles here: its span's start
+        building = time.monotonic()  # a grammar compiles here, unless it did off the tick
         if error is None:
             try:
-                sampler = self.engine.new_sampler(generate.params)
+                sampler = self.engine.new_sampler(generate.params, grammar)
             except InvalidSampling as exc:
                 error = (ErrorCode.INVALID_REQUEST, str(exc))
         if error is not None:
@@ -326,9 +347,8 @@ class TickLoop:
             self._reject(gateway, Rejected(generate.request_id, code.value, message))
             return
         prompt, media = (encoded.tokens, encoded.media) if encoded else (None, ())
-        request = new_request(
-            key, generate, sampler, time.monotonic() - building, prompt, media, media_seconds
-        )
+        sampler_seconds = grammar_seconds if grammar else time.monotonic() - building
+        request = new_request(key, generate, sampler, sampler_seconds, prompt, media, media_seconds)
         ahead = self.scheduler.enqueue(request)
         self.sink.send(gateway, Accepted(generate.request_id, ahead))
 
@@ -361,6 +381,20 @@ class TickLoop:
                 )
             )
         self._accept(item.gateway, item.message, encoded, time.monotonic() - submitted)
+
+    def _compiled(self, item: Compiled) -> None:
+        """The grammar compiler is done with a Generate's grammar: queue it, or say why not."""
+        key = (item.gateway, item.message.request_id)
+        if self._compiling.pop(key, None) is None:
+            return  # cancelled, or its gateway went, while its grammar compiled
+        if not isinstance(item.grammar, GrammarState):
+            code = ErrorCode.INVALID_REQUEST.value
+            self._reject(item.gateway, Rejected(item.message.request_id, code, item.why))
+            return
+        encoded: EncodedPrompt | None
+        media_seconds: float
+        encoded, media_seconds = item.carry  # type: ignore[misc]  # _accept's own pair
+        self._accept(item.gateway, item.message, encoded, media_seconds, item.grammar, item.seconds)
 
     def _accept_embed(self, gateway: bytes, embed: Embed) -> None:
         rejected: Rejected | None
