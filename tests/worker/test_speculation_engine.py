@@ -10,6 +10,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from llguidance.gbnf_to_lark import any_to_lark
 
 from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
@@ -19,6 +20,7 @@ from loomserve.worker.sched.tick_cost import WARM_UP_TICKS
 from loomserve.worker.stats import TickRecord
 from loomserve.worker.tick.loop import TickLoop
 from tests.worker.test_engine import GW, Collector, drain, run_staggered
+from tests.worker.text import detokenize
 
 
 @pytest.fixture
@@ -239,3 +241,20 @@ def test_the_adaptive_choice_drafts_on_a_repetitive_load_and_keeps_outputs(engin
         drain(run.loop)
     assert adaptive.collector.tokens() == plain.collector.tokens()
     assert adaptive.drafted > 0
+
+
+def test_drafts_of_a_grammar_request_are_verified_against_its_grammar(engine, config):
+    """Drafted tokens are checked by the grammar as they are verified: the greedy output is
+    the one without drafts, every output keeps to the grammar, and drafts were made (the
+    constrained outputs repeat, which n-gram drafting feeds on)."""
+    grammar = any_to_lark('root ::= ("ab" | "ba" | " ")+')
+    requests = repetitive_requests(6, engine.n_vocab, seed=3, grammar=grammar)
+    drafted = 0
+    for request in requests:
+        plain = alone(engine, config, request, spec=False)
+        run = alone(engine, config, request, spec=True)
+        assert run.collector.tokens() == plain.collector.tokens(), request.request_id
+        drafted += run.drafted
+        text = detokenize(engine, run.collector.tokens().get(request.request_id, []))
+        assert set(text) <= {"a", "b", " "}, text
+    assert drafted > 0

@@ -80,8 +80,9 @@ class Drafting:
             max_length = min(max_length, context - run.start - 1)
             request = slot.occupant
             params = request.params
-            # A thinking budget steers tokens one at a time (think_budget.py): no drafts.
-            may_draft = params.speculative and not params.grammar and not params.think_budget
+            # A thinking budget steers tokens one at a time (think_budget.py): no drafts. A
+            # grammar's drafts are checked by it as they are verified (HostSampler.sample).
+            may_draft = params.speculative and not params.think_budget
             if not may_draft or not request.chain.verifies_drafts:
                 proposals.append(Proposal(slot.index, [], 0.0))
                 continue
