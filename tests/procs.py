@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -269,3 +270,57 @@ def wait_worker_ready(proc: Proc, timeout: float = START_TIMEOUT) -> ModelInfo:
                     return message
     proc.fail(f"worker at {proc.endpoint} not ready within {timeout}s")
     raise AssertionError("unreachable")
+
+
+# --- other servers (llama.cpp's llama-server, llama-cpp-python's), for oracles and the bench --
+
+LLAMA_SERVER_ENV = "LOOMSERVE_LLAMA_SERVER"
+OTHER_SERVER_TIMEOUT = 90.0
+
+
+def llama_server_binary() -> str:
+    """The llama-server binary LOOMSERVE_LLAMA_SERVER names. Unset, the test skips, unless
+    LOOMSERVE_REQUIRE_LLAMA_SERVER says it must run (CI builds the binary and sets both)."""
+    binary = os.environ.get(LLAMA_SERVER_ENV)
+    if not binary:
+        message = (
+            f"{LLAMA_SERVER_ENV} is not set: name a llama-server binary (.ci/build-llama-server)"
+        )
+        if os.environ.get("LOOMSERVE_REQUIRE_LLAMA_SERVER"):
+            pytest.fail(message)
+        pytest.skip(message)
+    if not Path(binary).is_file():
+        pytest.fail(f"{LLAMA_SERVER_ENV}={binary}: no such file")
+    return binary
+
+
+def start_other_server(args: list[str], port: int, name: str) -> tuple[subprocess.Popen, Path]:
+    """Another server's process in a session of its own, logging to a file, once its
+    /v1/models answers (the test fails with the log's tail otherwise)."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / f"{name}-{os.getpid()}-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + OTHER_SERVER_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0).status_code == 200:
+                return proc, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    stop_other_server(proc)
+    pytest.fail(f"{name} not ready within {OTHER_SERVER_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_other_server(proc: subprocess.Popen) -> None:
+    """SIGTERM its session (the server and nothing else), SIGKILL after 15 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -12,26 +12,20 @@ request at a time; llama-server has slots, usage, /tokenize in its own shape and
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from click.testing import CliRunner, Result
 
 from loomserve.cli.bench.client import chunk_text, fallback_token_count, is_token_event
 from loomserve.cli.bench.command import bench
 from loomserve.cli.bench.records import RequestRecord
-from tests.procs import LOG_DIR, free_port
+from tests.procs import free_port, llama_server_binary, start_other_server, stop_other_server
 
-START_TIMEOUT = 90.0
-LLAMA_SERVER_ENV = "LOOMSERVE_LLAMA_SERVER"
 OUTPUT_LEN = 12
 
 
@@ -45,35 +39,6 @@ class Target:
     tokenizes: bool
     has_metrics: bool
     extra_args: tuple[str, ...]  # what a user of this server adds to the bench's command
-
-
-def _start(args: list[str], port: int, name: str) -> tuple[subprocess.Popen, Path]:
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = LOG_DIR / f"{name}-{os.getpid()}-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0).status_code == 200:
-                return proc, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    _stop(proc)
-    pytest.fail(f"{name} not ready within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and nothing else
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module", params=["llama-cpp-python", "llama-server"])
@@ -95,22 +60,15 @@ def target(request: pytest.FixtureRequest, tiny_model_path: Path) -> Iterator[Ta
             ("--extra-body", '{"min_tokens": 64}'),
         )
     else:
-        binary = os.environ.get(LLAMA_SERVER_ENV)
-        if not binary:
-            pytest.skip(
-                f"{LLAMA_SERVER_ENV} is not set: name a llama-server binary to run these against "
-                "llama.cpp's server too"
-            )
-        if not Path(binary).is_file():
-            pytest.fail(f"{LLAMA_SERVER_ENV}={binary}: no such file")
+        binary = llama_server_binary()
         args = [binary, "-m", str(tiny_model_path), "--host", "127.0.0.1", "--port", str(port)]
         args += ["-np", "2", "-c", "2048", "-t", "1", "--metrics", "--no-webui"]
         found = Target(request.param, f"http://127.0.0.1:{port}", True, True, True, ())
-    proc, log = _start(args, port, request.param)
+    proc, log = start_other_server(args, port, request.param)
     try:
         yield found
     finally:
-        _stop(proc)
+        stop_other_server(proc)
         print(f"{request.param} log: {log}")
 
 

@@ -18,10 +18,7 @@ Skipped unless LOOMSERVE_LLAMA_SERVER names a llama-server binary (as the bench 
 from __future__ import annotations
 
 import base64
-import os
-import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,24 +27,20 @@ import httpx
 import pytest
 
 from loomserve.gateway.text.tokenizer import Vocab
-from tests.procs import LOG_DIR, free_port, start_gateway, start_worker
+from tests.procs import (
+    free_port,
+    llama_server_binary,
+    start_gateway,
+    start_other_server,
+    start_worker,
+    stop_other_server,
+)
 from tests.tiny_vision_model import png_bytes, write_tiny_qwen2vl
 
-LLAMA_SERVER_ENV = "LOOMSERVE_LLAMA_SERVER"
-START_TIMEOUT = 90.0
 MAX_TOKENS = 16
 # ignore_eos differs: llama-server never samples an end-of-generation token, loomserve (as
 # vLLM) may sample one and go on. The end of sequence (id 2) is kept out of both greedy runs.
 NO_EOS = {"2": -100}
-
-
-def llama_server_binary() -> str:
-    binary = os.environ.get(LLAMA_SERVER_ENV)
-    if not binary:
-        pytest.skip(f"{LLAMA_SERVER_ENV} is not set: name a llama-server binary for the oracle")
-    if not Path(binary).is_file():
-        pytest.fail(f"{LLAMA_SERVER_ENV}={binary}: no such file")
-    return binary
 
 
 def start_llama_server(model: Path, mmproj: Path) -> tuple[subprocess.Popen, str, Path]:
@@ -56,33 +49,8 @@ def start_llama_server(model: Path, mmproj: Path) -> tuple[subprocess.Popen, str
     args = [llama_server_binary(), "-m", str(model), "--mmproj", str(mmproj)]
     args += ["--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "1024", "-t", "1"]
     args += ["--no-webui", "--no-mmproj-offload"]
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = LOG_DIR / f"llama-server-mmproj-{os.getpid()}-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"llama-server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2.0).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    stop(proc)
-    pytest.fail(f"llama-server not ready within {START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # its own session: the server and nothing else
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, log = start_other_server(args, port, "llama-server-mmproj")
+    return proc, f"http://127.0.0.1:{port}", log
 
 
 @pytest.fixture(scope="module", params=["mlp", "gemma3", "qwen2vl"])
@@ -110,7 +78,7 @@ def servers(
             yield gateway.url, llama_url
             print("logs:", worker.log_path, gateway.log_path, log)
     finally:
-        stop(llama)
+        stop_other_server(llama)
 
 
 def greedy(url: str, content: list[dict[str, Any]]) -> tuple[list[bytes], str, int]:
