@@ -57,22 +57,7 @@ def write_tiny_mmproj(path: Path, seed: int = 4321, shape: VisionShape = TINY_VI
     def bias(n: int) -> np.ndarray:
         return (rng.standard_normal(n, dtype=np.float32) * 0.1).astype(np.float32)
 
-    writer = gguf.GGUFWriter(str(path), arch="clip")
-    writer.add_name("tiny-vision-test")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_string("clip.projector_type", "mlp")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.embedding_length", shape.n_embd)
-    writer.add_uint32("clip.vision.attention.head_count", shape.n_head)
-    writer.add_uint32("clip.vision.feed_forward_length", shape.n_ff)
-    writer.add_uint32("clip.vision.block_count", shape.n_layer)
-    writer.add_uint32("clip.vision.projection_dim", shape.n_embd_text)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
-    writer.add_uint32("clip.vision.image_size", shape.image_size)
-    writer.add_uint32("clip.vision.patch_size", shape.patch_size)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer = clip_writer(path, "tiny-vision-test", "mlp", shape, shape.n_embd_text, 1e-5)
 
     n_pos = shape.image_tokens + 1  # the patches and the class embedding
     # numpy shapes are ggml's ne reversed: the conv kernel is ne [patch, patch, 3, n_embd].
@@ -120,23 +105,8 @@ def _write_gemma3(path: Path, seed: int, shape: VisionShape) -> Path:
     def bias(n: int) -> np.ndarray:
         return (rng.standard_normal(n, dtype=np.float32) * 0.1).astype(np.float32)
 
-    writer = gguf.GGUFWriter(str(path), arch="clip")
-    writer.add_name("tiny-gemma3-vision-test")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_string("clip.projector_type", "gemma3")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.embedding_length", shape.n_embd)
-    writer.add_uint32("clip.vision.attention.head_count", shape.n_head)
-    writer.add_uint32("clip.vision.feed_forward_length", shape.n_ff)
-    writer.add_uint32("clip.vision.block_count", shape.n_layer)
-    writer.add_uint32("clip.vision.projection_dim", shape.n_embd_text)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_uint32("clip.vision.image_size", shape.image_size)
-    writer.add_uint32("clip.vision.patch_size", shape.patch_size)
+    writer = clip_writer(path, "tiny-gemma3-vision-test", "gemma3", shape, shape.n_embd_text, 1e-6)
     writer.add_uint32("clip.vision.projector.scale_factor", shape.merge)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
     n_patches = (shape.image_size // shape.patch_size) ** 2
     patch = rng.standard_normal((shape.n_embd, 3, shape.patch_size, shape.patch_size))
@@ -234,22 +204,9 @@ def write_tiny_qwen2vl(folder: Path, seed: int = 77) -> tuple[Path, Path]:
 
     vision = VisionShape(patch_size=4, n_layer=2)
     mmproj = folder / "mmproj-tiny-qwen2vl.gguf"
-    writer = gguf.GGUFWriter(str(mmproj), arch="clip")
-    writer.add_name("tiny-qwen2vl-vision-test")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_string("clip.projector_type", "qwen2vl_merger")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.embedding_length", vision.n_embd)
-    writer.add_uint32("clip.vision.attention.head_count", vision.n_head)
-    writer.add_uint32("clip.vision.feed_forward_length", vision.n_ff)
-    writer.add_uint32("clip.vision.block_count", vision.n_layer)
-    writer.add_uint32("clip.vision.projection_dim", shape.n_embd)
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_uint32("clip.vision.image_size", vision.image_size)
-    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer = clip_writer(
+        mmproj, "tiny-qwen2vl-vision-test", "qwen2vl_merger", vision, shape.n_embd, 1e-6
+    )
     side, n = vision.patch_size, vision.n_embd
     for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):  # a kernel per frame
         kernel = rng.standard_normal((n, 3, side, side)) / side
@@ -310,6 +267,31 @@ def png_header(width: int, height: int) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     crc = struct.pack(">I", zlib.crc32(b"IHDR" + header) & 0xFFFFFFFF)
     return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + header + crc
+
+
+def clip_writer(
+    path: Path, name: str, projector: str, vision: VisionShape, projection_dim: int, eps: float
+) -> gguf.GGUFWriter:
+    """A GGUF writer for a projector file, its header written: the vision tower's shape,
+    `projector` (libmtmd's projector type) into `projection_dim`, images normalized to
+    [-1, 1]. The caller adds the tensors and writes the file."""
+    writer = gguf.GGUFWriter(str(path), arch="clip")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_string("clip.projector_type", projector)
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.embedding_length", vision.n_embd)
+    writer.add_uint32("clip.vision.attention.head_count", vision.n_head)
+    writer.add_uint32("clip.vision.feed_forward_length", vision.n_ff)
+    writer.add_uint32("clip.vision.block_count", vision.n_layer)
+    writer.add_uint32("clip.vision.projection_dim", projection_dim)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", eps)
+    writer.add_uint32("clip.vision.image_size", vision.image_size)
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    return writer
 
 
 if __name__ == "__main__":
