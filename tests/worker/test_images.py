@@ -42,8 +42,13 @@ def config(
     tiny_gemma3_mmproj_path: Path,
 ) -> WorkerConfig:
     mmproj = tiny_mmproj_path if request.param == "mlp" else tiny_gemma3_mmproj_path
+    return vision_config(tiny_model_path, mmproj)
+
+
+def vision_config(model_path: Path, mmproj: Path) -> WorkerConfig:
+    """The tests' worker settings for a model and its projector."""
     return WorkerConfig(
-        model_path=tiny_model_path,
+        model_path=model_path,
         mmproj=mmproj,
         slots=6,
         ctx_size=256,
@@ -347,17 +352,7 @@ def test_counting_images_gives_the_positions_encoding_places(engine, config):
 @pytest.fixture
 def qwen2vl_config(tmp_path: Path) -> WorkerConfig:
     """The generated Qwen2-VL pair (M-RoPE) under the tests' worker settings."""
-    model_path, mmproj_path = write_tiny_qwen2vl(tmp_path)
-    return WorkerConfig(
-        model_path=model_path,
-        mmproj=mmproj_path,
-        slots=6,
-        ctx_size=256,
-        max_queue=32,
-        batch_tokens=32,
-        prefill_chunk=7,
-        threads=1,
-    )
+    return vision_config(*write_tiny_qwen2vl(tmp_path))
 
 
 def test_m_rope_images_give_llama_cpps_own_tokens(qwen2vl_config: WorkerConfig) -> None:
@@ -440,16 +435,7 @@ def test_under_a_tight_latency_target_a_causal_image_goes_in_over_several_ticks(
         mmproj = write_tiny_mmproj(tmp_path / "mmproj-64.gguf", shape=VisionShape(image_size=64))
     else:
         model_path, mmproj = write_tiny_qwen2vl(tmp_path)
-    base = WorkerConfig(
-        model_path=model_path,
-        mmproj=mmproj,
-        slots=4,
-        ctx_size=256,
-        max_queue=8,
-        batch_tokens=128,
-        prefill_chunk=7,
-        threads=1,
-    )
+    base = replace(vision_config(model_path, mmproj), slots=4, max_queue=8, batch_tokens=128)
     engine = Engine(base)
     made: list[MediaEncoder] = []
     try:
