@@ -213,7 +213,6 @@ class Engine:
         self.batch = TokenBatch(config.batch_tokens)
         self.last_outputs = 0  # rows of logits the last decode made (output_logits)
         self._passes_threads = config.n_threads  # what llama_decode runs on now
-        self._most_threads = config.n_threads
         self._lent_threads = 0  # held by the image encoder while it encodes (lend_threads)
         # Fewer threads while other processes take the CPUs; none to govern on a GPU.
         self.threads = (
@@ -406,9 +405,10 @@ class Engine:
     def _govern_threads(self) -> None:
         """The passes' threads as the governor (threads.py) says, fewer while other processes
         take the worker's CPUs, and fewer by those lent to the image encoder."""
-        wanted = self.threads.update() if self.threads is not None else self._most_threads
+        most = self.config.n_threads
+        wanted = self.threads.update() if self.threads is not None else most
         if self._lent_threads:
-            wanted = max(1, min(wanted, self._most_threads - self._lent_threads))
+            wanted = max(1, min(wanted, most - self._lent_threads))
         if wanted != self._passes_threads:
             llama.llama_set_n_threads(self.ctx, wanted, wanted)
             self._passes_threads = wanted
