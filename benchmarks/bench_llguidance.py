@@ -1,6 +1,6 @@
 """The worker's grammar step on llguidance, per token, on one model's vocabulary.
 
-Each case drives the worker's own GrammarState (worker/engine/guidance.py) through a valid
+Each case drives the worker's own GrammarState (worker/sampling/guidance.py) through a valid
 output, token by token (the text tokenized by the model's own tokenizer), with the grammar
 the gateway writes for it, and times at every step:
   check:  whether the sampled token is allowed (the step's mask, computed once: what most
@@ -35,7 +35,7 @@ from loomserve.gateway.text.think_grammar import after_thinking
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.gateway.tools.format import HERMES
 from loomserve.gateway.tools.grammar import tool_grammar
-from loomserve.worker.engine.guidance import GrammarVocab, compile_grammar
+from loomserve.worker.sampling.guidance import GrammarVocab, compile_grammar
 
 SCHEMA = {
     "type": "object",

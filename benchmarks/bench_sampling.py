@@ -7,7 +7,7 @@ the numbers.
 Two figures:
 - per token: one token sampled from one row of logits, by llama.cpp's sampler chain (what
   loomserve ran before, and what grammar requests still run) and by the host sampler
-  (worker/engine/draw.py) as a tick draws them on one thread (sample_rows: the sampled rows
+  (worker/sampling/draw.py) as a tick draws them on one thread (sample_rows: the sampled rows
   in one call into C), for each mix of settings; the rows are those of one forward pass over
   `--slots` different prompts, as a tick's are: at the ends of prompts of random words (as
   the HTTP benchmarks send), after each has generated GENERATED tokens from them, and at
@@ -15,8 +15,8 @@ Two figures:
 - per tick: a TickLoop with `--slots` generating slots, every tick's time outside
   llama_decode (scheduling, the batch, sampling, bookkeeping, outputs) and in it, greedy
   against each sampled mix, with the host sampler, with the host's C draw inside llama_decode
-  (worker/engine/graph_draw.py) and with llama.cpp's chains there
-  (worker/engine/backend_sampling.py).
+  (worker/sampling/graph_draw.py) and with llama.cpp's chains there
+  (worker/sampling/backend_sampling.py).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loomserve.cli.default_model import resolve_model
 from loomserve.protocol import Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine.backend_sampling import drawing_stages, sampler_chain
 from loomserve.worker.engine.engine import Engine
-from loomserve.worker.engine.sampling import (
+from loomserve.worker.sampling.backend_sampling import drawing_stages, sampler_chain
+from loomserve.worker.sampling.samplers import (
     MAX_SAMPLING_THREADS,
     HostSampler,
     sample_rows,

@@ -31,12 +31,13 @@ if [ ! -f "$MODEL" ]; then
     PYTHONPATH=/tmp/site:$R python3 -m benchmarks.gpu_model "$MODEL" > "$OUT/model.log" 2>&1 &
     model_writer=$!
 fi
-# The host sampler's C draw and its kin (every worker/engine/*.c, as pyproject.toml's
-# ext-modules lists them; pip builds them elsewhere) for this machine's Python, and what its
-# CPU offers them (a flat row's top-p wants AVX-512).
-if [ -f worker/engine/rowscan.c ]; then
+# The worker's two C libraries (csrc/sampling, csrc/kernels: every .c there, as
+# pyproject.toml's ext-modules list them; pip builds them elsewhere) for this machine's
+# Python, and what its CPU offers them (a flat row's top-p wants AVX-512).
+if [ -f csrc/sampling/rowscan.c ]; then
     suffix=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-    gcc -O3 -shared -fPIC -o "worker/engine/_rowscan$suffix" worker/engine/*.c -lm -ldl || exit 1
+    gcc -O3 -shared -fPIC -Icsrc/include -o "worker/sampling/_sampling$suffix" csrc/sampling/*.c -lm -ldl || exit 1
+    gcc -O3 -shared -fPIC -Icsrc/include -o "worker/engine/_kernels$suffix" csrc/kernels/*.c -lm -ldl || exit 1
 fi
 grep -m1 'model name' /proc/cpuinfo
 grep -o -m1 -w 'avx512f' /proc/cpuinfo || echo "no avx512f"
@@ -77,7 +78,7 @@ if want graph; then
     stamp "loomserve, sampled in the graph"
 fi
 if want per-tick; then
-    python3 -c 'from loomserve.worker.engine import rowscan; print("rowscan isa", rowscan.library() and rowscan.library().ls_isa())'
+    python3 -c 'from loomserve.worker.sampling import rowscan; print("rowscan isa", rowscan.library() and rowscan.library().ls_isa())'
     timeout 120 python3 -m benchmarks.bench_sampling --model "$MODEL" --threads 8 --slots 64 \
         --reps 3 --ticks 10 --sampling-threads 1,8,16 2>"$OUT/per-tick.log" | tee "$OUT/per-tick.txt"
     stamp "per tick"

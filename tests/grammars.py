@@ -1,5 +1,5 @@
 """Grammars checked the way the worker runs them: llguidance over a model's vocabulary, with
-the worker's tokenizer and limits (worker/engine/guidance.py)."""
+the worker's tokenizer and limits (worker/sampling/guidance.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from llguidance import LLMatcher, LLTokenizer
 
 from loomserve.gateway.text.tokenizer import Vocab
 from loomserve.protocol.limits import parser_limits
-from loomserve.worker.engine.guidance import llguidance_tokenizer
+from loomserve.worker.sampling.guidance import llguidance_tokenizer
 
 _TOKENIZERS: dict[int, LLTokenizer] = {}
 

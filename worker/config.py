@@ -69,7 +69,7 @@ class WorkerConfig:
         "threads that wait at llama.cpp's barriers for a partner without a core collapse a "
         "pass.",
     )
-    # 0: one a llama.cpp thread, up to sampling.py's MAX_SAMPLING_THREADS
+    # 0: one a llama.cpp thread, up to sampling/samplers.py's MAX_SAMPLING_THREADS
     sampling_threads: int = setting(
         0,
         help="Threads that draw a tick's host-sampled rows; 0: one per llama.cpp thread, at "

@@ -22,7 +22,6 @@ from loomserve.protocol.vocab import vocab_fingerprint
 from loomserve.worker.config import MIB, WorkerConfig
 from loomserve.worker.engine.embeddings import POOLING_NAMES, Embedder, model_pooling
 from loomserve.worker.engine.engine import Engine, EngineError
-from loomserve.worker.engine.grammar_compiler import GrammarCompiler
 from loomserve.worker.engine.media import MediaEncoder
 from loomserve.worker.engine.vocab_file import compressed_metadata
 from loomserve.worker.io.channels import Inbox, StatsBoard
@@ -30,6 +29,7 @@ from loomserve.worker.io.curve import ServerKeys, load_server_keys
 from loomserve.worker.io.ipc_lock import EndpointInUse, claim_endpoint
 from loomserve.worker.io.sockets import WorkerIO
 from loomserve.worker.metrics import WorkerMetrics
+from loomserve.worker.sampling.grammar_compiler import GrammarCompiler
 from loomserve.worker.sched.strategies import load_strategy
 from loomserve.worker.tick.loop import TickLoop
 from loomserve.worker.tick.watchdog import Watchdog, exit_now

@@ -6,7 +6,7 @@ block, then the answer (`@answer`, the request's own Lark). The block is any tex
 family's end marker, matched lazily (llguidance's `suffix`: it ends at the first marker,
 which it includes), then a little whitespace. When the prompt opened the block the reply
 starts in it; otherwise the block is optional and must open with the start marker. Tokens
-are their text with control tokens written out (worker/engine/guidance.py), so markers that
+are their text with control tokens written out (worker/sampling/guidance.py), so markers that
 are single tokens match too.
 """
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from loomserve.worker.engine import rowscan
+from loomserve.worker.engine import kernels
+from loomserve.worker.sampling import rowscan
 from tests.procs import REPO_ROOT
 
 
@@ -83,18 +84,27 @@ def test_the_gpu_session_script_goes_past_its_build(tmp_path: Path) -> None:
     assert (tmp_path / "links" / "loomserve" / "worker").is_symlink()
 
 
-def test_the_gpu_session_script_builds_the_whole_c_library(tmp_path: Path) -> None:
-    """pip does not run on the lent machine, so the script builds the worker's C library with
-    gcc itself: from every C source pyproject.toml's extension lists (it once left out
-    graphdraw.c, and rowscan.library() would have failed there on the missing symbols)."""
+def test_the_gpu_session_script_builds_the_whole_c_libraries(tmp_path: Path) -> None:
+    """pip does not run on the lent machine, so the script builds the worker's two C
+    libraries with gcc itself: from every C source pyproject.toml's extensions list (it once
+    left out graphdraw.c, and rowscan.library() would have failed there on the missing
+    symbols)."""
     script = (REPO_ROOT / "benchmarks" / "gpu_session.sh").read_text()
-    assert "worker/engine/*.c -lm -ldl" in script
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    (extension,) = project["tool"]["setuptools"]["ext-modules"]
-    sources = sorted(str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob("worker/engine/*.c"))
-    assert sources == sorted(extension["sources"])
-    library = tmp_path / "_rowscan.so"
-    command = ["gcc", "-O3", "-shared", "-fPIC", "-o", str(library), *sources, "-lm", "-ldl"]
-    subprocess.run(command, cwd=REPO_ROOT, check=True, timeout=120)
-    built = ctypes.CDLL(str(library))
-    assert all(hasattr(built, name) for name in rowscan._SIGNATURES)
+    extensions = {e["name"]: e for e in project["tool"]["setuptools"]["ext-modules"]}
+    built_by = {
+        "loomserve.worker.sampling._sampling": ("sampling", "worker/sampling/_sampling", rowscan),
+        "loomserve.worker.engine._kernels": ("kernels", "worker/engine/_kernels", kernels),
+    }
+    assert set(extensions) == set(built_by)
+    for name, (folder, target, binding) in built_by.items():
+        assert f'-o "{target}$suffix" csrc/{folder}/*.c -lm -ldl' in script
+        sources = sorted(
+            str(p.relative_to(REPO_ROOT)) for p in REPO_ROOT.glob(f"csrc/{folder}/*.c")
+        )
+        assert sources == sorted(extensions[name]["sources"])
+        library = tmp_path / f"{folder}.so"
+        command = ["gcc", "-O3", "-shared", "-fPIC", "-Icsrc/include", "-o", str(library)]
+        subprocess.run([*command, *sources, "-lm", "-ldl"], cwd=REPO_ROOT, check=True, timeout=120)
+        built = ctypes.CDLL(str(library))
+        assert all(hasattr(built, function) for function in binding._SIGNATURES)

@@ -30,7 +30,7 @@ from loomserve.worker.tick.faults import STUCK_ENV
 from loomserve.worker.tick.loop import TickLoop
 from loomserve.worker.tick.watchdog import Watchdog
 from tests.procs import Proc, start_gateway, start_worker
-from tests.worker.test_engine import GW, Collector, drain
+from tests.worker.engine.test_engine import GW, Collector, drain
 
 NEVER_ENDS = 'root ::= x\nx ::= "a" x "b" | "a" x "c"'  # 38 bytes that froze a worker for good
 AMBIGUOUS = 'root ::= x\nx ::= "a" x "b" | "a" x "c" | "a"'  # ends, but doubles per "a"

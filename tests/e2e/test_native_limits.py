@@ -30,7 +30,7 @@ from loomserve.protocol.limits import (
     MAX_LOGIT_BIAS,
     grammar_problem,
 )
-from loomserve.worker.engine.sampling import InvalidSampling, build_sampler
+from loomserve.worker.sampling.samplers import InvalidSampling, build_sampler
 from tests.procs import Proc, start_gateway, start_worker
 from tests.worker.test_server import Gateway, greedy
 

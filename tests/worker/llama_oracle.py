@@ -9,7 +9,7 @@ import llama_cpp as llama
 import numpy as np
 
 from loomserve.protocol import SamplingParams
-from loomserve.worker.engine.backend_sampling import drawing_stages, sampler_chain
+from loomserve.worker.sampling.backend_sampling import drawing_stages, sampler_chain
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 

@@ -19,10 +19,10 @@ from loomserve.protocol import Generate, Hello, ModelInfo, Outputs, SamplingPara
 from loomserve.worker.cache.prefix_cache import usable_prefix
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
-from loomserve.worker.engine.graph_draw import graph_draw_library
+from loomserve.worker.engine.kernels import graph_native
 from loomserve.worker.tick.loop import TickLoop
 from tests.procs import start_worker
-from tests.worker.test_engine import Collector, drain, run_alone, run_staggered
+from tests.worker.engine.test_engine import Collector, drain, run_alone, run_staggered
 from tests.worker.test_server import Gateway
 from tests.worker.text import detokenize, tokenize
 
@@ -176,7 +176,8 @@ def test_the_swapped_matmuls_give_ggmls_tokens(engine: Engine):
     in their place (q0swap.c), whose outputs are ggml's to the bit (test_q0matmul.py,
     test_qkmatmul.py). Batched requests, greedy and seeded, get the same tokens with ggml's
     own matmuls."""
-    lib = graph_draw_library()
+    native = graph_native()
+    lib = native.kernels if native is not None else None
     if lib is None or not lib.ls_q0_matmul_supported():
         pytest.skip("no AVX-512 VNNI: ggml's matmul runs")
     mixes = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.95}]

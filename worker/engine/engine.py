@@ -27,23 +27,19 @@ import structlog
 
 from loomserve.protocol import SamplingParams
 from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine import rowscan
-from loomserve.worker.engine.backend_sampling import (
+from loomserve.worker.engine.batch import TokenBatch
+from loomserve.worker.engine.kernels import graph_native
+from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
+from loomserve.worker.engine.threads import ThreadGovernor
+from loomserve.worker.sampling import rowscan
+from loomserve.worker.sampling.backend_sampling import (
     BackendSampler,
     GraphChains,
     backend_sampling_available,
 )
-from loomserve.worker.engine.batch import TokenBatch
-from loomserve.worker.engine.graph_draw import (
-    SWAPPED_TYPES,
-    GraphDraws,
-    GraphDrawSampler,
-    graph_draw_library,
-)
-from loomserve.worker.engine.guidance import GrammarState, GrammarVocab
-from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
-from loomserve.worker.engine.sampling import HostSampler, build_sampler
-from loomserve.worker.engine.threads import ThreadGovernor
+from loomserve.worker.sampling.graph_draw import GraphDraws, GraphDrawSampler
+from loomserve.worker.sampling.guidance import GrammarState, GrammarVocab
+from loomserve.worker.sampling.samplers import HostSampler, build_sampler
 from loomserve.worker.sched.media import MediaSpan, rope_position
 from loomserve.worker.sched.slots import Run
 from loomserve.worker.sched.ubatches import SplitRules
@@ -176,20 +172,19 @@ class Engine:
         # Which sampler chain each sequence has in the graph (llama.cpp's chains).
         self.graph_chains = GraphChains(self.ctx) if self.sampling == "graph" else None
         # Or the C draw in the graph: each sequence's sampler and state (graph_draw.py).
-        draw_library = graph_draw_library() if self.sampling == "draw" else None
+        native = graph_native() if self.sampling == "draw" else None
         self.graph_draws = None
-        if draw_library is not None:
-            self.graph_draws = GraphDraws(self.ctx, draw_library, config.slots, self.n_vocab)
-            # Its passes' K-quant matmuls repeat ggml's dot product (qkmatmul.c): swapped
-            # only where ggml would run that product at every row count.
-            draw_library.ls_q0_swap_kquants(self.cpu_matmul == "dot")
-            draw_library.ls_q0_swap(config.cpu_kernels == "loomserve")
+        if native is not None:
+            self.graph_draws = GraphDraws(self.ctx, native.draw, config.slots, self.n_vocab)
+            if native.kernels is not None:
+                # Its passes' K-quant matmuls repeat ggml's dot product (qkmatmul.c):
+                # swapped only where ggml would run that product at every row count.
+                native.kernels.ls_q0_swap_kquants(self.cpu_matmul == "dot")
+                native.kernels.ls_q0_swap(config.cpu_kernels == "loomserve")
         # Whose kernels the passes that draw multiply with (logged at start-up).
         self.cpu_kernels = (
             "loomserve"
-            if draw_library is not None
-            and config.cpu_kernels == "loomserve"
-            and any(draw_library.ls_q0_swappable(kind) for kind in SWAPPED_TYPES)
+            if native is not None and config.cpu_kernels == "loomserve" and native.swaps()
             else "ggml"
         )
         self.memory = llama.llama_get_memory(self.ctx)
@@ -234,7 +229,7 @@ class Engine:
 
     @staticmethod
     def _sampling_place(config: WorkerConfig, model: ModelDescription, draws_in_c: bool) -> str:
-        """Where eligible requests are sampled: "host" (sampling.py), "graph" (llama.cpp's
+        """Where eligible requests are sampled: "host" (sampling/samplers.py), "graph" (llama.cpp's
         chains inside llama_decode, backend_sampling.py) or "draw" (the host's C draw inside
         llama_decode, graph_draw.py).
 
@@ -253,7 +248,7 @@ class Engine:
                     "--backend-sampling draw reads the logits in host memory; this model's "
                     "output layer runs on a GPU (use on or auto there)"
                 )
-            if graph_draw_library() is None:
+            if graph_native() is None:
                 raise EngineError(
                     "this build cannot draw inside llama_decode: it needs the C draw "
                     "(x86-64 with AVX2 or AVX-512), llama.cpp's backend sampling and a "
@@ -264,7 +259,7 @@ class Engine:
         if mode == "off":
             return "host"
         if mode == "auto" and not output_on_gpu:
-            drawable = draws_in_c and graph_draw_library() is not None
+            drawable = draws_in_c and graph_native() is not None
             return "draw" if drawable and not config.speculates else "host"
         if mode == "auto" and draws_in_c:
             return "host"

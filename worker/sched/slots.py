@@ -29,8 +29,8 @@ KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound
 
 
 class TokenSampler(Protocol):
-    """What the loop asks of a request's sampler (engine/sampling.py's HostSampler or Sampler,
-    engine/backend_sampling.py's BackendSampler);
+    """What the loop asks of a request's sampler (sampling/samplers.py's HostSampler or Sampler,
+    sampling/backend_sampling.py's BackendSampler);
     the scheduler only carries it."""
 
     failure: str | None  # after sample(): why the request must end with an error

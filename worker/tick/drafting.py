@@ -12,7 +12,7 @@ import numpy as np
 
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine
-from loomserve.worker.engine.logprobs import sampled
+from loomserve.worker.sampling.logprobs import sampled
 from loomserve.worker.sched.records import SpecCounts
 from loomserve.worker.sched.scheduler import Scheduler
 from loomserve.worker.sched.slots import Run, Sampled, Slot, Step

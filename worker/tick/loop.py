@@ -14,7 +14,7 @@ request's state; the loop hands the engine what those decisions need, with helpe
 parts that are not the tick's order itself: intake.py (refusals), kv_moves.py (cells moved for
 admissions), drafting.py (speculation), engine/batch.py (the engine's batch), engine/media.py
 (images: encoded on a thread of their own, their embeddings put in passes of their own),
-engine/logprobs.py (logprobs), sched/records.py (the stats, tick and finish records and their
+sampling/logprobs.py (logprobs), sched/records.py (the stats, tick and finish records and their
 log lines).
 """
 
@@ -38,11 +38,7 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.batch import Filled, fill_batch
 from loomserve.worker.engine.embeddings import Embedder
 from loomserve.worker.engine.engine import Engine
-from loomserve.worker.engine.grammar_compiler import GrammarCompiler
-from loomserve.worker.engine.guidance import GrammarState
-from loomserve.worker.engine.logprobs import sampled, score_prompts
 from loomserve.worker.engine.media import EmbeddingBatch, EncodedPrompt, MediaEncoder
-from loomserve.worker.engine.sampling import InvalidSampling, SamplingThreads, sample_rows
 from loomserve.worker.io.channels import (
     STOP,
     Abort,
@@ -54,6 +50,10 @@ from loomserve.worker.io.channels import (
     StatsBoard,
     Submit,
 )
+from loomserve.worker.sampling.grammar_compiler import GrammarCompiler
+from loomserve.worker.sampling.guidance import GrammarState
+from loomserve.worker.sampling.logprobs import sampled, score_prompts
+from loomserve.worker.sampling.samplers import InvalidSampling, SamplingThreads, sample_rows
 from loomserve.worker.sched.media import rope_position
 from loomserve.worker.sched.preemption import GIB
 from loomserve.worker.sched.queueing import WaitingQueue

@@ -1,0 +1,332 @@
+"""One row of logits, read once: each block's largest logit, then the tokens whose logits lie
+in a band, from the blocks that reach it (rowscan.c, with AVX-512 or AVX2; numpy where that
+library is not built or the CPU has neither). Also the row's exponentials and their sum, and a
+masked sum, for top-p's mass (AVX-512 only; row_exp.py and draw.py fall back). And draw(): a
+whole token drawn in one call (rowdraw.c, which reads the row through this scan).
+
+Why: the host sampler's draw is bound by reading its row, 1 MB at Gemma's 262,144 tokens. A
+numpy max, then a compare and a nonzero over the whole row for the tokens near the best, read
+it three times (about 240 us here); the scan's first pass keeps the blocks' maxima, and a band
+is then read from the few blocks that reach it (about 115 us for both). ctypes lets go of the
+GIL for each call, so the sampling threads scan rows side by side.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import math
+import threading
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+BLOCK = 256  # rowscan.c's
+_ROW, _LENGTH = ctypes.c_void_p, ctypes.c_int64  # an array's address, its length
+_REAL = ctypes.c_double
+_BAND = [_ROW, _LENGTH, _ROW, ctypes.c_float, ctypes.c_float]  # row, n, block_max, low, high
+# rowscan.c's functions: their arguments' C types and their result's.
+_SIGNATURES: dict[str, tuple[list[Any], Any]] = {
+    "ls_block_max": ([_ROW, _LENGTH, _ROW], ctypes.c_int),
+    "ls_gather": ([*_BAND, _ROW], ctypes.c_int64),
+    "ls_count": (_BAND, ctypes.c_int64),
+    "ls_exp_sum": ([_ROW, _LENGTH, ctypes.c_float, _ROW], _REAL),
+    "ls_sum_below": ([_ROW, _ROW, _LENGTH, ctypes.c_float], _REAL),
+    "ls_exp_sum_below": ([_ROW, _LENGTH, ctypes.c_float, ctypes.c_float], _REAL),
+    # row, n, block_max, total, weighted_depth
+    "ls_scan_exp_sum": ([_ROW, _LENGTH, _ROW, _ROW, _ROW], ctypes.c_int),
+    # the same scan in parts (graphdraw.c's threads take a share each): row, n, block_max,
+    # part, its sums; then the parts' sums, how many, total, weighted_depth
+    "ls_scan_parts": ([_LENGTH], _LENGTH),
+    "ls_scan_exp_sum_part": ([_ROW, _LENGTH, _ROW, _LENGTH, _ROW], ctypes.c_int),
+    "ls_scan_fold": ([_ROW, _LENGTH, _ROW, _ROW], None),
+    # row, ids, n, peak, temperature, start, weights
+    "ls_cumulative_weights": (
+        [_ROW, _ROW, _LENGTH, ctypes.c_float, _REAL, _REAL, _ROW],
+        _REAL,
+    ),
+    # row, n, temperature, top_k, top_p, min_p, span, seed, scratch, what it found
+    "ls_draw": (
+        [_ROW, _LENGTH, _REAL, _LENGTH, _REAL, _REAL, _REAL, ctypes.c_uint64, _ROW, _ROW],
+        ctypes.c_int64,
+    ),
+    # row, n, settings, seed, scratch (the row's maxima first), total, weighted_depth, found
+    "ls_draw_from_scan": (
+        [_ROW, _LENGTH, _ROW, ctypes.c_uint64, _ROW, _REAL, _REAL, _ROW],
+        ctypes.c_int64,
+    ),
+    # logits, n, count, rows, settings, seeds, scratch, its stride, threads, tokens, found
+    "ls_draw_rows_on": (
+        [_ROW, _LENGTH, _LENGTH, _ROW, _ROW, _ROW, _ROW, _LENGTH, ctypes.c_int, _ROW, _ROW],
+        ctypes.c_int,  # how many threads took part
+    ),
+    # rows, n_rows, n, block_max, its stride, threads, out
+    "ls_argmax_rows_on": (
+        [_ROW, _LENGTH, _LENGTH, _ROW, _LENGTH, ctypes.c_int, _ROW],
+        ctypes.c_int,  # how many threads took part
+    ),
+    "ls_openmp": ([], ctypes.c_int),
+    "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
+    "ls_draw_ids_at": ([_LENGTH], _LENGTH),
+    "ls_argmax_scratch_floats": ([_LENGTH], _LENGTH),
+    # graphdraw.c's: the draw inside llama_decode (backend_sampling.py's GraphDraws)
+    "ls_graph_iface": ([], ctypes.c_void_p),
+    "ls_graph_draw_bytes": ([], _LENGTH),
+    "ls_graph_bind": ([ctypes.c_char_p], ctypes.c_int),
+    "ls_graph_rows_drawn": ([], _LENGTH),
+    "ls_graph_set_pass_hook": ([ctypes.c_void_p], None),
+    "ls_limit_isa": ([ctypes.c_int], None),
+    "ls_isa": ([], ctypes.c_int),
+}
+_SCRATCH = threading.local()
+
+
+@functools.cache
+def library() -> Any | None:
+    """csrc/sampling's library as built beside this package (pip builds it: pyproject.toml's
+    ext-modules); None where it is missing or the CPU has neither AVX-512 nor AVX2 (numpy is
+    then as fast)."""
+    found = load_native(Path(__file__).resolve().parent, "_sampling", _SIGNATURES)
+    return found if found is not None and found.ls_isa() > 0 else None
+
+
+def load_native(
+    folder: Path, stem: str, signatures: dict[str, tuple[list[Any], Any]]
+) -> Any | None:
+    """The shared library `stem` built beside a package, with each function's argument and
+    result types set from `signatures`; None where it is not built."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = folder / f"{stem}{suffix}"
+        if not path.exists():
+            continue
+        found = ctypes.CDLL(str(path))
+        for name, (arguments, result) in signatures.items():
+            function = getattr(found, name)
+            function.argtypes, function.restype = arguments, result
+        return found
+    return None
+
+
+class RowScan:
+    """A row of logits (float32) and its blocks' maxima: `peak` is the row's largest logit
+    (NaN if it holds one, as numpy's max), `band` the tokens between two values."""
+
+    __slots__ = ("_lib", "block_max", "peak", "row")
+
+    def __init__(self, row: np.ndarray) -> None:
+        self.row = row
+        n_blocks = -(-len(row) // BLOCK)
+        self._lib = lib = library() if _plain(row) else None
+        if lib is None:
+            padded = np.full(n_blocks * BLOCK, -np.inf, dtype=np.float32)
+            padded[: len(row)] = row
+            self.block_max = padded.reshape(n_blocks, BLOCK).max(axis=1)
+            self.peak = float(row.max())
+            return
+        self.block_max = np.empty(n_blocks, dtype=np.float32)
+        has_nan = lib.ls_block_max(row.ctypes.data, len(row), self.block_max.ctypes.data)
+        self.peak = math.nan if has_nan else float(self.block_max.max())
+
+    def band(self, low: float, high: float = math.inf) -> np.ndarray:
+        """The tokens whose logit x has low <= x < high (compared in float32, as the row
+        is), in order: np.flatnonzero((row >= low) & (row < high))."""
+        low32, high32 = np.float32(low), np.float32(high)
+        if self._lib is None:
+            return np.flatnonzero((self.row >= low32) & (self.row < high32))
+        ids = _scratch(len(self.row))
+        found = self._lib.ls_gather(*self._args(), low32, high32, ids.ctypes.data)
+        return ids[:found].astype(np.intp)
+
+    def count(self, low: float, high: float = math.inf) -> int:
+        """How many tokens band(low, high) holds, found without gathering them."""
+        if self._lib is None:
+            return len(self.band(low, high))
+        return int(self._lib.ls_count(*self._args(), np.float32(low), np.float32(high)))
+
+    def _args(self) -> tuple[int, int, int]:
+        return self.row.ctypes.data, len(self.row), self.block_max.ctypes.data
+
+    def kth_block_max(self, k: int) -> float:
+        """A value that at least k tokens reach: the k-th largest block maximum (each is a
+        token's logit), or -inf where there are fewer than k blocks."""
+        if k > len(self.block_max):
+            return -math.inf
+        return float(np.partition(self.block_max, -k)[-k])
+
+
+def _scratch(size: int) -> np.ndarray:
+    """This thread's buffer for a band's token ids (rows are scanned on several threads)."""
+    ids = getattr(_SCRATCH, "ids", None)
+    if ids is None or len(ids) < size:
+        ids = _SCRATCH.ids = np.empty(size, dtype=np.int32)
+    return ids
+
+
+def exp_sum(row: np.ndarray, peak: float, out: np.ndarray) -> float | None:
+    """out[i] = e^(row[i] - peak) in float32 and their sum in float64, by the AVX-512 kernel;
+    None where it cannot serve (no AVX-512, or a row that is not contiguous float32)."""
+    lib = library()
+    if lib is None or not _plain(row) or not _plain(out):
+        return None
+    total = float(lib.ls_exp_sum(row.ctypes.data, len(row), np.float32(peak), out.ctypes.data))
+    return total if total >= 0.0 else None
+
+
+def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
+    """The float64 sum of values[i] over the tokens whose logit row[i] < below (float32
+    compares): np.sum(values, where=row < below, dtype=np.float64), in one pass."""
+    lib = library()
+    if lib is None or not _plain(values) or not _plain(row):
+        return float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
+    return float(lib.ls_sum_below(values.ctypes.data, row.ctypes.data, len(row), np.float32(below)))
+
+
+def argmax_rows(rows: np.ndarray, threads: int = 1) -> np.ndarray:
+    """Each row's argmax (numpy's: the first largest, or the first NaN), in one call that lets
+    go of the GIL, on `threads` of llama.cpp's OpenMP threads (rowthreads.c; on this thread
+    alone where there are none); by numpy where the library cannot serve."""
+    lib = library()
+    if lib is None or rows.ndim != 2 or not _plain(rows):
+        return rows.argmax(axis=1)
+    n_rows, n = rows.shape
+    out = np.empty(n_rows, dtype=np.int64)
+    floats = lib.ls_argmax_scratch_floats(n)
+    block_max = np.empty((max(threads, 1), floats), dtype=np.float32)
+    lib.ls_argmax_rows_on(
+        rows.ctypes.data, n_rows, n, block_max.ctypes.data, floats, threads, out.ctypes.data
+    )
+    return out
+
+
+def on_openmp() -> bool:
+    """Whether argmax_rows and draw_rows can share rows out among llama.cpp's OpenMP threads:
+    the library is there and libgomp is loaded in this process (by llama.cpp's CPU backend)."""
+    lib = library()
+    return lib is not None and lib.ls_openmp() == 1
+
+
+class Drawn(NamedTuple):
+    """What ls_draw found: the token, its candidates' tempered mass (in units of the best
+    token's weight), and how many candidates it kept (-1: every token, a tail too)."""
+
+    token: int
+    head_mass: float
+    kept: int
+
+
+def draw(
+    row: np.ndarray,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    span: float,
+    seed: int,
+) -> Drawn | None:
+    """A token drawn from the row (rowdraw.c: draw.py's candidates() and pick() in one call);
+    None where that cannot serve: no library, a row that is not contiguous float32, one whose
+    best logit is not finite, a top-p cut left in doubt."""
+    lib = library()
+    if lib is None or not _plain(row):
+        return None
+    found = (ctypes.c_double * 2)()
+    token = lib.ls_draw(
+        row.ctypes.data,
+        len(row),
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        span,
+        seed,
+        _draw_scratch(lib, len(row))[0],
+        found,
+    )
+    return None if token < 0 else Drawn(int(token), found[0], int(found[1]))
+
+
+class DrawnRows(NamedTuple):
+    """What ls_draw_rows_on found, a row each."""
+
+    tokens: np.ndarray  # int64, one a row; -1 where draw() would have given None
+    head_mass: np.ndarray  # float64, as Drawn's
+
+
+def draws_rows(logits: np.ndarray) -> bool:
+    """Whether draw_rows can read these logits: the library is there, and they are rows of
+    contiguous float32."""
+    return library() is not None and logits.ndim == 2 and _plain(logits)
+
+
+def draw_rows(
+    logits: np.ndarray,
+    rows: np.ndarray,
+    settings: np.ndarray,
+    seeds: np.ndarray,
+    threads: int = 1,
+) -> DrawnRows:
+    """draw() for several rows of `logits` (draws_rows(logits) must hold) in one call:
+    rows[i]'s token with settings[i] (temperature, top_k, top_p, min_p, span: float64) and
+    seeds[i] (uint64), on `threads` of llama.cpp's OpenMP threads (rowthreads.c; on this
+    thread alone where there are none). The tokens do not depend on `threads`."""
+    lib = library()
+    if lib is None or not draws_rows(logits):
+        raise ValueError("draw_rows needs the library and rows of contiguous float32")
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    settings = np.ascontiguousarray(settings, dtype=np.float64)
+    seeds = np.ascontiguousarray(seeds, dtype=np.uint64)
+    if settings.shape != (len(rows), 5) or seeds.shape != rows.shape:
+        raise ValueError("a row's settings are five numbers, and its seed one")
+    if rows.size and not (rows.min() >= 0 and rows.max() < len(logits)):
+        raise ValueError("rows outside the logits")  # C would read past them
+    n = logits.shape[1]
+    tokens = np.empty(len(rows), dtype=np.int64)
+    found = np.empty((len(rows), 2), dtype=np.float64)
+    scratch, stride = _draw_scratch(lib, n, max(threads, 1))
+    lib.ls_draw_rows_on(
+        logits.ctypes.data,
+        n,
+        len(rows),
+        rows.ctypes.data,
+        settings.ctypes.data,
+        seeds.ctypes.data,
+        scratch,
+        stride,
+        threads,
+        tokens.ctypes.data,
+        found.ctypes.data,
+    )
+    return DrawnRows(tokens, found[:, 0])
+
+
+def draw_candidates(
+    row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+) -> np.ndarray | None:
+    """The tokens rowdraw.c draws from (in its order: best first for a top-p), for the tests
+    to hold to the whole row's; None where it does not serve, or keeps a tail (every token)."""
+    drawn = draw(row, temperature, top_k, top_p, min_p, 1.0, 0)
+    lib = library()
+    if drawn is None or drawn.kept < 0 or lib is None:
+        return None
+    _, _, scratch, address, _ = _SCRATCH.draw
+    start = address - scratch.ctypes.data + lib.ls_draw_ids_at(len(row))
+    return scratch[start : start + 4 * drawn.kept].view(np.int32).astype(np.intp)
+
+
+def _draw_scratch(lib: Any, size: int, rooms: int = 1) -> tuple[int, int]:
+    """The address of this thread's room for `rooms` draws at once over `size` logits, and
+    the bytes from one room to the next (each 64-byte aligned)."""
+    scratch = getattr(_SCRATCH, "draw", None)
+    if scratch is None or scratch[0] < size or scratch[1] < rooms:
+        stride = -(-lib.ls_draw_scratch_bytes(size) // 64) * 64
+        buffer = np.empty(rooms * stride + 64, dtype=np.uint8)
+        address = -(-buffer.ctypes.data // 64) * 64
+        scratch = _SCRATCH.draw = (size, rooms, buffer, address, stride)
+    return scratch[3], scratch[4]
+
+
+def _plain(array: np.ndarray) -> bool:
+    """Whether the C can read the array as it is: contiguous float32."""
+    return array.dtype == np.float32 and array.flags.c_contiguous
