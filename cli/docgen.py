@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from loomserve.cli.main import main
+from .main import main
 
 OPTIONS_MD = Path(__file__).resolve().parent.parent / "docs" / "options.md"
 MIB = 1024 * 1024

@@ -16,10 +16,10 @@ from pathlib import Path
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from loomserve.gateway.workers.curve import set_curve_client
-from loomserve.gateway.workers.handshake import HANDSHAKE_FAILED, handshake_failure
-from loomserve.protocol.codec import DecodeError, decode, encode
-from loomserve.protocol.messages import Heartbeat, Ping
+from ..gateway.workers.curve import set_curve_client
+from ..gateway.workers.handshake import HANDSHAKE_FAILED, handshake_failure
+from ..protocol.codec import DecodeError, decode, encode
+from ..protocol.messages import Heartbeat, Ping
 
 
 @dataclass(frozen=True, slots=True)

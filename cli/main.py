@@ -19,14 +19,20 @@ import dataclasses
 
 import click
 
-from loomserve.cli.default_model import (
+from ..gateway.config import (
+    GatewayConfig,
+)
+from ..worker.config import (
+    WorkerConfig,
+)
+from .default_model import (
     MODELS_MAX,
     UNLOAD_DRAIN_SECONDS,
     named_models,
     pair_projectors,
 )
-from loomserve.cli.operations import keygen, worker_health, workers
-from loomserve.cli.options import (
+from .operations import keygen, worker_health, workers
+from .options import (
     CONTEXT_SETTINGS,
     build_gateway_config,
     build_worker_config,
@@ -37,12 +43,6 @@ from loomserve.cli.options import (
     options_from,
     tracing_options,
     worker_options,
-)
-from loomserve.gateway.config import (
-    GatewayConfig,
-)
-from loomserve.worker.config import (
-    WorkerConfig,
 )
 
 
@@ -65,9 +65,9 @@ def main() -> None:
 @log_options
 def worker(bind: str, log_level: str, log_json: bool | None, **opts) -> None:
     """Run the model-owning worker alone."""
-    from loomserve.cli.logs import configure_logging
-    from loomserve.cli.tracing import WORKER_SERVICE, traced, traces_url
-    from loomserve.worker.server import run_worker
+    from ..worker.server import run_worker
+    from .logs import configure_logging
+    from .tracing import WORKER_SERVICE, traced, traces_url
 
     configure_logging(level=log_level, json=log_json)
     opts["otlp_endpoint"] = traces_url(opts["otlp_endpoint"])
@@ -117,10 +117,10 @@ def gateway(
     **opts,
 ) -> None:
     """Run one HTTP gateway alone."""
-    from loomserve.cli.logs import configure_logging
-    from loomserve.cli.supervisor import reuse_port_socket
-    from loomserve.cli.tracing import GATEWAY_SERVICE, traced
-    from loomserve.gateway.http.server import run_gateway
+    from ..gateway.http.server import run_gateway
+    from .logs import configure_logging
+    from .supervisor import reuse_port_socket
+    from .tracing import GATEWAY_SERVICE, traced
 
     configure_logging(level=log_level, json=log_json)
     try:
@@ -221,9 +221,9 @@ def serve(
 ) -> None:
     """Run everything on this machine: --workers workers and --gateways gateways, supervised;
     with several models, each model's workers, loaded on demand."""
-    from loomserve.cli import serve as serving
-    from loomserve.cli.logs import configure_logging
-    from loomserve.cli.supervisor import check_port_free
+    from . import serve as serving
+    from .logs import configure_logging
+    from .supervisor import check_port_free
 
     configure_logging(level=log_level, json=log_json)
     try:
@@ -267,7 +267,7 @@ def serve(
 def _bench_command() -> click.Command:
     """`loomserve bench`, or a command that says how to install it: it is an extra."""
     try:
-        from loomserve.cli.bench.command import bench
+        from .bench.command import bench
     except ImportError as exc:
         missing = exc.name
 

@@ -28,10 +28,8 @@ from pathlib import Path
 import structlog
 import zmq
 
-from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS
-from loomserve.cli.supervisor import Child, Supervisor
-from loomserve.protocol.codec import DecodeError, decode, encode
-from loomserve.protocol.messages import (
+from ..protocol.codec import DecodeError, decode, encode
+from ..protocol.messages import (
     Heartbeat,
     LoadModel,
     ModelsQuery,
@@ -39,7 +37,9 @@ from loomserve.protocol.messages import (
     Ping,
     UnloadModel,
 )
-from loomserve.protocol.model_manager import ModelPhase, ModelState
+from ..protocol.model_manager import ModelPhase, ModelState
+from .default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS
+from .supervisor import Child, Supervisor
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from loomserve.cli.options import CONTEXT_SETTINGS, curve_client_options
+from .options import CONTEXT_SETTINGS, curve_client_options
 
 # The compose file's worker endpoint; serve's own workers are found without it.
 DEFAULT_WORKER = "tcp://127.0.0.1:5555"
@@ -56,7 +56,7 @@ def worker_health(
     curve_secret_key_file: Path | None,
 ) -> None:
     """Exit 0 when the worker answers a Ping and its model is loaded; for health checks."""
-    from loomserve.cli.serve_registry import running
+    from .serve_registry import running
 
     if (curve_server_key_file is None) != (curve_secret_key_file is None):
         raise click.UsageError("--curve-server-key-file and --curve-secret-key-file go together")
@@ -89,7 +89,7 @@ def worker_health(
 
 def _health(endpoint: str, timeout: float, curve: tuple[Path, Path] | None) -> tuple[bool, str]:
     """Whether the worker at endpoint is ready, and what to say about it."""
-    from loomserve.cli.health import probe
+    from .health import probe
 
     try:
         found = probe(endpoint, timeout, curve)
@@ -112,7 +112,7 @@ def _health(endpoint: str, timeout: float, curve: tuple[Path, Path] | None) -> t
 @click.option("--json", "as_json", is_flag=True, default=False, help="One JSON object a serve.")
 def workers(as_json: bool) -> None:
     """List the workers of each running `loomserve serve`: their ipc:// endpoints by model."""
-    from loomserve.cli.serve_registry import running, runtime_dir
+    from .serve_registry import running, runtime_dir
 
     serves = running()
     if not serves:
@@ -150,7 +150,7 @@ def workers(as_json: bool) -> None:
 def keygen(directory: Path, names: tuple[str, ...], split: bool) -> None:
     """Make CURVE certificates for the worker and its gateways in DIRECTORY (default: keys);
     existing ones are kept."""
-    from loomserve.cli.keygen import ensure_certificates, ensure_split_certificates
+    from .keygen import ensure_certificates, ensure_split_certificates
 
     made_now = ensure_split_certificates if split else ensure_certificates
     for secret, made in made_now(directory, list(names)):

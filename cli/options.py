@@ -16,18 +16,18 @@ from typing import Any
 
 import click
 
-from loomserve.cli.default_model import named_models, resolve_model
-from loomserve.cli.tracing import traces_url
-from loomserve.gateway.config import (
+from ..gateway.config import (
     GatewayConfig,
     check_api_key,
     parse_key_file,
     parse_template_kwargs,
     unnamed_key_tenant,
 )
-from loomserve.gateway.tools.format import PARSER_NAMES
-from loomserve.protocol.settings import SettingInfo, setting_info
-from loomserve.worker.config import WorkerConfig
+from ..gateway.tools.format import PARSER_NAMES
+from ..protocol.settings import SettingInfo, setting_info
+from ..worker.config import WorkerConfig
+from .default_model import named_models, resolve_model
+from .tracing import traces_url
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -260,7 +260,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
     template = opts["chat_template"]
     template_from = ""
     if template:
-        from loomserve.gateway.text.chat_template import (  # loads llama.cpp
+        from ..gateway.text.chat_template import (  # loads llama.cpp
             load_override,
             override_origin,
         )
@@ -269,7 +269,7 @@ def build_gateway_config(workers: str | tuple[str, ...], **opts) -> GatewayConfi
         template = load_override(template)
     parser = opts.get("reasoning_parser")
     if parser and parser not in ("auto", "none"):
-        from loomserve.gateway.text.reasoning import family_named
+        from ..gateway.text.reasoning import family_named
 
         try:
             family_named(parser)

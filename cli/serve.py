@@ -26,13 +26,13 @@ from typing import Any
 import click
 import structlog
 
-from loomserve.cli.default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS, NamedModel
-from loomserve.cli.models import ManagedModel, ModelManager
-from loomserve.cli.serve_registry import ServeRecord, registered
-from loomserve.cli.supervisor import Child, ChildSpec, Supervisor
-from loomserve.gateway.http.middleware import READY_PROBE_AGENT
-from loomserve.worker.host_cpus import default_cpu_budget
-from loomserve.worker.openmp import wait_environment
+from ..gateway.http.middleware import READY_PROBE_AGENT
+from ..worker.host_cpus import default_cpu_budget
+from ..worker.openmp import wait_environment
+from .default_model import MODELS_MAX, UNLOAD_DRAIN_SECONDS, NamedModel
+from .models import ManagedModel, ModelManager
+from .serve_registry import ServeRecord, registered
+from .supervisor import Child, ChildSpec, Supervisor
 
 log = structlog.get_logger(__name__)
 

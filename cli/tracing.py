@@ -62,7 +62,7 @@ def start_tracing(
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
 
-    from loomserve.cli.span_export import CountingExporter, CountingProcessor, bounded_stop
+    from .span_export import CountingExporter, CountingProcessor, bounded_stop
 
     # The sampler is the SDK's default unless OTEL_TRACES_SAMPLER says otherwise: parent
     # based, so a client's traceparent that says "not sampled" is honoured. No exit hook of

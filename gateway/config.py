@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loomserve.gateway.endpoints import split_tcp
-from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
-from loomserve.protocol.settings import setting
+from ..protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
+from ..protocol.settings import setting
+from .endpoints import split_tcp
 
 _KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 

@@ -1,7 +1,7 @@
 """Wire messages between gateways and the worker, and their msgpack codec."""
 
-from loomserve.protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
-from loomserve.protocol.messages import (
+from .codec import MAX_FRAME_BYTES, DecodeError, decode, encode
+from .messages import (
     PROTOCOL_VERSION,
     Accepted,
     Cancel,
@@ -37,7 +37,7 @@ from loomserve.protocol.messages import (
     VocabQuery,
     WorkerError,
 )
-from loomserve.protocol.model_manager import ModelPhase, ModelState
+from .model_manager import ModelPhase, ModelState
 
 __all__ = [
     "MAX_FRAME_BYTES",

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import msgpack
 
-from loomserve.protocol import messages as m
+from . import messages as m
 
 # Large enough for a prompt of a million token ids; ZMQ_MAXMSGSIZE uses the same cap.
 MAX_FRAME_BYTES = 16 * 1024 * 1024

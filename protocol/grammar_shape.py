@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from loomserve.protocol.limits import _GBNF_TOKEN
+from .limits import _GBNF_TOKEN
 
 _OPTIONAL_OPS = frozenset({"*", "?"})
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from loomserve.protocol.model_manager import (
+from .model_manager import (
     LoadModel,
     ModelsQuery,
     ModelStates,
     UnloadModel,
 )
-from loomserve.protocol.sampling import SamplingParams
+from .sampling import SamplingParams
 
 # The tenant of requests with neither a named API key nor a `user`: one name, on both sides.
 DEFAULT_TENANT = "default"

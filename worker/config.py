@@ -6,9 +6,9 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from loomserve.protocol.settings import setting
-from loomserve.worker.host_cpus import CpuBudget, thread_budget
-from loomserve.worker.host_memory import memory_limit_bytes
+from ..protocol.settings import setting
+from .host_cpus import CpuBudget, thread_budget
+from .host_memory import memory_limit_bytes
 
 MIB = 1024**2
 

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from loomserve.protocol import FinishReason
-from loomserve.worker.io.channels import StatsBoard
-from loomserve.worker.io.gateways import IOCounters
-from loomserve.worker.stats import FinishRecord, MediaRecord, TickRecord
+from ..protocol import FinishReason
+from .io.channels import StatsBoard
+from .io.gateways import IOCounters
+from .stats import FinishRecord, MediaRecord, TickRecord
 
 TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

@@ -17,22 +17,22 @@ import llama_cpp  # first, see above
 import structlog
 import zmq
 
-from loomserve.protocol import PROTOCOL_VERSION, ErrorCode, ModelInfo, WorkerError
-from loomserve.protocol.vocab import vocab_fingerprint
-from loomserve.worker.config import MIB, WorkerConfig
-from loomserve.worker.engine.embeddings import POOLING_NAMES, Embedder, model_pooling
-from loomserve.worker.engine.engine import Engine, EngineError
-from loomserve.worker.engine.media import MediaEncoder
-from loomserve.worker.engine.vocab_file import compressed_metadata
-from loomserve.worker.io.channels import Inbox, StatsBoard
-from loomserve.worker.io.curve import ServerKeys, load_server_keys
-from loomserve.worker.io.ipc_lock import EndpointInUse, claim_endpoint
-from loomserve.worker.io.sockets import WorkerIO
-from loomserve.worker.metrics import WorkerMetrics
-from loomserve.worker.sampling.grammar_compiler import GrammarCompiler
-from loomserve.worker.sched.strategies import load_strategy
-from loomserve.worker.tick.loop import TickLoop
-from loomserve.worker.tick.watchdog import Watchdog, exit_now
+from ..protocol import PROTOCOL_VERSION, ErrorCode, ModelInfo, WorkerError
+from ..protocol.vocab import vocab_fingerprint
+from .config import MIB, WorkerConfig
+from .engine.embeddings import POOLING_NAMES, Embedder, model_pooling
+from .engine.engine import Engine, EngineError
+from .engine.media import MediaEncoder
+from .engine.vocab_file import compressed_metadata
+from .io.channels import Inbox, StatsBoard
+from .io.curve import ServerKeys, load_server_keys
+from .io.ipc_lock import EndpointInUse, claim_endpoint
+from .io.sockets import WorkerIO
+from .metrics import WorkerMetrics
+from .sampling.grammar_compiler import GrammarCompiler
+from .sched.strategies import load_strategy
+from .tick.loop import TickLoop
+from .tick.watchdog import Watchdog, exit_now
 
 log = structlog.get_logger(__name__)
 
@@ -128,7 +128,7 @@ def _serve(config: WorkerConfig, engine: Engine, keys: ServerKeys | None) -> Non
     embedder = _embedder(config, engine)
     tracer = None
     if config.otlp_endpoint is not None:  # imported only then: off, no OpenTelemetry at all
-        from loomserve.worker.tick.tracing import RequestTracer
+        from .tick.tracing import RequestTracer
 
         tracer = RequestTracer(config.model_name)
         if embedder is not None:

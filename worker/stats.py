@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from loomserve.protocol import Finish, Load, SlotState, TenantQueue
-from loomserve.protocol.messages import DEFAULT_TENANT
+from ..protocol import Finish, Load, SlotState, TenantQueue
+from ..protocol.messages import DEFAULT_TENANT
 
 IDLE = "idle"  # an idle slot's state (strategies.SlotPhase.IDLE)
 

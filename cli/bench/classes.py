@@ -11,9 +11,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from loomserve.cli.bench.datasets import BenchRequest
-from loomserve.cli.bench.metrics import Distribution, distribution
-from loomserve.cli.bench.records import RequestRecord
+from .datasets import BenchRequest
+from .metrics import Distribution, distribution
+from .records import RequestRecord
 
 
 @dataclass(frozen=True, slots=True)

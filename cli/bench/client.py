@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from loomserve.cli.bench.datasets import BenchRequest
-from loomserve.cli.bench.records import (
+from .datasets import BenchRequest
+from .records import (
     BAD_RESPONSE,
     BROKEN_STREAM,
     CONNECT_ERROR,

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import click
 
-from loomserve.cli.bench.classes import parse_class
-from loomserve.cli.bench.compare import compare, format_comparison
-from loomserve.cli.bench.metrics import parse_slos
-from loomserve.cli.bench.probe import BenchSetupError
-from loomserve.cli.bench.report import write_json
-from loomserve.cli.bench.runner import LoadShape, WarmupFailed
-from loomserve.cli.bench.session import DATASETS, BenchConfig, run_session
-from loomserve.cli.bench.sweep import parse_sweep
+from .classes import parse_class
+from .compare import compare, format_comparison
+from .metrics import parse_slos
+from .probe import BenchSetupError
+from .report import write_json
+from .runner import LoadShape, WarmupFailed
+from .session import DATASETS, BenchConfig, run_session
+from .sweep import parse_sweep
 
 
 def _percentiles(text: str) -> tuple[float, ...]:
@@ -232,7 +232,7 @@ def bench(ctx: click.Context, **opts) -> None:
     if ctx.invoked_subcommand is not None:
         return
     if opts["self_test"]:
-        from loomserve.cli.bench.selftest import run_self_test
+        from .selftest import run_self_test
 
         result = run_self_test(echo=click.echo)
         if opts["result_json"]:

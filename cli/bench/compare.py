@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from loomserve.cli.bench.repeats import HEADLINE, HIGHER_IS_BETTER, headline_values, t_quantile
-from loomserve.cli.bench.search import stopped_words
+from .repeats import HEADLINE, HIGHER_IS_BETTER, headline_values, t_quantile
+from .search import stopped_words
 
 
 @dataclass(frozen=True, slots=True)

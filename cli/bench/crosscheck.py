@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loomserve.cli.bench.tap import Exchange
+from .tap import Exchange
 
 FIGURES = (  # (the summary's key, what it is)
     ("request_throughput", "request throughput (req/s)"),

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomserve.cli.bench.client import StreamingClient
-from loomserve.cli.bench.datasets import BenchRequest
-from loomserve.cli.bench.honesty import probe_flaw, server_pace
-from loomserve.cli.bench.metrics import BenchmarkMetrics, meets_slos, pacing_stats
-from loomserve.cli.bench.points import PointSettings, summarize_run
-from loomserve.cli.bench.repeats import combine, format_repeats
-from loomserve.cli.bench.runner import LoadShape, RunResult, run_load, warm_up
-from loomserve.cli.bench.scrape import MetricsScraper
-from loomserve.cli.bench.search import ProbeOutcome, SearchResult, find_limit, format_answer
+from .client import StreamingClient
+from .datasets import BenchRequest
+from .honesty import probe_flaw, server_pace
+from .metrics import BenchmarkMetrics, meets_slos, pacing_stats
+from .points import PointSettings, summarize_run
+from .repeats import combine, format_repeats
+from .runner import LoadShape, RunResult, run_load, warm_up
+from .scrape import MetricsScraper
+from .search import ProbeOutcome, SearchResult, find_limit, format_answer
 
 REPEAT_SEED_STRIDE = 1000  # repeat r of point p draws its prompts with seed + p + 1000·r
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from loomserve.cli.bench.datasets import (
+from .datasets import (
     BenchRequest,
     TokenCounter,
     sample_lengths,

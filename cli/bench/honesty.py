@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loomserve.cli.bench.records import RequestRecord
+from .records import RequestRecord
 
 KEEP_UP_RATIO = 0.9  # completions slower than this share of the offered rate: overloaded
 GENERATOR_KEEP_UP_RATIO = 0.95  # sends slower than this share of the asked rate: as PacingStats

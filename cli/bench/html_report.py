@@ -14,8 +14,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from loomserve.cli.bench import svg
-from loomserve.cli.bench.search import NOT_COUNTED, stopped_words
+from . import svg
+from .search import NOT_COUNTED, stopped_words
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1260px;color:#222;padding:0 1em}

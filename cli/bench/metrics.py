@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loomserve.cli.bench.records import NOT_SENT, UNFINISHED, RequestRecord
+from .records import NOT_SENT, UNFINISHED, RequestRecord
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATE_S = 0.010  # a request released this much after its due time counts as late

@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from loomserve.cli.bench import report
-from loomserve.cli.bench.classes import RequestClass, class_dict, class_metrics, format_class_table
-from loomserve.cli.bench.honesty import cache_warning, pace_warning, server_pace
-from loomserve.cli.bench.metrics import (
+from . import report
+from .classes import RequestClass, class_dict, class_metrics, format_class_table
+from .honesty import cache_warning, pace_warning, server_pace
+from .metrics import (
     BenchmarkMetrics,
     compute_metrics,
     meets_slos,
@@ -23,8 +23,8 @@ from loomserve.cli.bench.metrics import (
     pacing_stats,
     tpot_s,
 )
-from loomserve.cli.bench.records import RequestRecord
-from loomserve.cli.bench.runner import RunResult
+from .records import RequestRecord
+from .runner import RunResult
 
 HISTOGRAM_BINS = 30
 

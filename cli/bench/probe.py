@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from loomserve.cli.bench.client import api_root
+from .client import api_root
 
 
 class BenchSetupError(Exception):

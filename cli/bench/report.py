@@ -9,10 +9,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loomserve.cli.bench.honesty import ServerPace
-from loomserve.cli.bench.metrics import BenchmarkMetrics, Distribution, PacingStats, output_timeline
-from loomserve.cli.bench.records import RequestRecord
-from loomserve.cli.bench.runner import RunResult
+from .honesty import ServerPace
+from .metrics import BenchmarkMetrics, Distribution, PacingStats, output_timeline
+from .records import RequestRecord
+from .runner import RunResult
 
 WIDTH = 50
 LATENCIES = (

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from loomserve.cli.bench.arrivals import arrival_offsets, follow_schedule
-from loomserve.cli.bench.client import StreamingClient
-from loomserve.cli.bench.datasets import BenchRequest
-from loomserve.cli.bench.records import NOT_SENT, RequestRecord
+from .arrivals import arrival_offsets, follow_schedule
+from .client import StreamingClient
+from .datasets import BenchRequest
+from .records import NOT_SENT, RequestRecord
 
 
 class WarmupFailed(Exception):

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loomserve.cli.bench.client import api_root
+from .client import api_root
 
 # Our series → the sample names each server gives it, in order of preference. Gauges are
 # summed over their labels (several workers, several models); counters (the *_total ones)

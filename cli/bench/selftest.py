@@ -14,11 +14,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from loomserve.cli.bench.client import StreamingClient
-from loomserve.cli.bench.datasets import BenchRequest
-from loomserve.cli.bench.instant_server import MODEL
-from loomserve.cli.bench.metrics import compute_metrics, pacing_stats
-from loomserve.cli.bench.runner import LoadShape, RunResult, run_load
+from .client import StreamingClient
+from .datasets import BenchRequest
+from .instant_server import MODEL
+from .metrics import compute_metrics, pacing_stats
+from .runner import LoadShape, RunResult, run_load
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loomserve.cli.bench import report
-from loomserve.cli.bench.classes import RequestClass, assign_classes
-from loomserve.cli.bench.client import StreamingClient
-from loomserve.cli.bench.datasets import (
+from . import report
+from .classes import RequestClass, assign_classes
+from .client import StreamingClient
+from .datasets import (
     BenchRequest,
     TokenCounter,
     approximate_token_counts,
@@ -21,17 +21,17 @@ from loomserve.cli.bench.datasets import (
     shared_prefix_dataset,
     sharegpt_dataset,
 )
-from loomserve.cli.bench.driver import Driver, Outcome, Plan, describe_shape
-from loomserve.cli.bench.grounded import input_grounded_dataset
-from loomserve.cli.bench.html_report import write_html_report
-from loomserve.cli.bench.metrics import BenchmarkMetrics
-from loomserve.cli.bench.points import PointSettings
-from loomserve.cli.bench.probe import ServerTokenizer, first_model, server_identity
-from loomserve.cli.bench.runner import LoadShape
-from loomserve.cli.bench.scrape import MetricsScraper
-from loomserve.cli.bench.search import MODES, search_dict
-from loomserve.cli.bench.sweep import sweep_shapes
-from loomserve.cli.bench.trace import prompts_dataset, trace_dataset
+from .driver import Driver, Outcome, Plan, describe_shape
+from .grounded import input_grounded_dataset
+from .html_report import write_html_report
+from .metrics import BenchmarkMetrics
+from .points import PointSettings
+from .probe import ServerTokenizer, first_model, server_identity
+from .runner import LoadShape
+from .scrape import MetricsScraper
+from .search import MODES, search_dict
+from .sweep import sweep_shapes
+from .trace import prompts_dataset, trace_dataset
 
 DATASETS = (
     "random",

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from loomserve.cli.bench.runner import LoadShape
+from .runner import LoadShape
 
 SWEEPABLE = {
     "max-concurrency": "max_concurrency",

@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from loomserve.cli.bench.datasets import BenchRequest, TokenCounter, word_prompts
+from .datasets import BenchRequest, TokenCounter, word_prompts
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:

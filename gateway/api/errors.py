@@ -16,7 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loomserve.gateway.workers.errors import (
+from ...protocol.messages import ErrorCode
+from ..workers.errors import (
     ReaderTooSlow,
     WorkerBadOutput,
     WorkerClientError,
@@ -26,7 +27,6 @@ from loomserve.gateway.workers.errors import (
     WorkerTimeout,
     WorkerUnavailable,
 )
-from loomserve.protocol.messages import ErrorCode
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
-from loomserve.gateway.api.schemas import ToolCall
+from .schemas import ToolCall
 
 
 def streamed_responses(description: str) -> dict[int | str, dict[str, Any]]:

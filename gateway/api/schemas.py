@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WrapValidator
 
-from loomserve.gateway.api.fields import (
+from ...protocol.limits import MAX_LOGIT_BIAS
+from ...protocol.messages import MAX_EMBED_INPUTS
+from .fields import (
     FAIL_FAST,
     INT32_MAX,
     JsonInt,
@@ -24,8 +26,6 @@ from loomserve.gateway.api.fields import (
     schema_range,
     token_ids_schema,
 )
-from loomserve.protocol.limits import MAX_LOGIT_BIAS
-from loomserve.protocol.messages import MAX_EMBED_INPUTS
 
 MAX_TOOLS = 128  # OpenAI's limit on `tools` (request/limits.py checks it before validation)
 # Messages in one chat (or input items of a Responses request): far more than any context

@@ -9,18 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loomserve.gateway.api.response_bodies import Usage
-from loomserve.gateway.text.reasoning import ReplySplit
-from loomserve.gateway.text.stop import StopMatcher, TextMatcher
-from loomserve.gateway.text.tokenizer import IncrementalDetokenizer, Pieces
-from loomserve.gateway.workers.errors import WorkerBadOutput, WorkerFailed, WorkerLost
-from loomserve.protocol.messages import (
+from ...protocol.messages import (
     Finish,
     FinishReason,
     PromptLogprobs,
     TokenChunk,
     TokenLogprobs,
 )
+from ..api.response_bodies import Usage
+from ..text.reasoning import ReplySplit
+from ..text.stop import StopMatcher, TextMatcher
+from ..text.tokenizer import IncrementalDetokenizer, Pieces
+from ..workers.errors import WorkerBadOutput, WorkerFailed, WorkerLost
 
 
 @dataclass(slots=True)

@@ -17,23 +17,23 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from loomserve.gateway import tracing
-from loomserve.gateway.generate.assembly import (
+from ...protocol.messages import Finish, FinishReason, Generate, TokenChunk
+from .. import tracing
+from ..metrics import GatewayMetrics
+from ..request.generation_request import GenerationRequest
+from ..text.tokenizer import Pieces
+from ..workers.client import WorkerClient
+from ..workers.errors import WorkerClientError, WorkerLost
+from ..workers.handle import RequestHandle
+from ..workers.pool import ModelWorkers
+from ..workers.retries import Tries
+from .assembly import (
     Done,
     PromptScores,
     TextAssembly,
     TextDelta,
     finish_failure,
 )
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.request.generation_request import GenerationRequest
-from loomserve.gateway.text.tokenizer import Pieces
-from loomserve.gateway.workers.client import WorkerClient
-from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
-from loomserve.gateway.workers.handle import RequestHandle
-from loomserve.gateway.workers.pool import ModelWorkers
-from loomserve.gateway.workers.retries import Tries
-from loomserve.protocol.messages import Finish, FinishReason, Generate, TokenChunk
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

@@ -17,15 +17,15 @@ from collections.abc import AsyncIterator, Iterable
 
 import structlog
 
-from loomserve.gateway import tracing
-from loomserve.gateway.api.response_bodies import Usage
-from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta
-from loomserve.gateway.generate.generation import Generation
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.request.generation_request import GenerationRequest
-from loomserve.gateway.text.tokenizer import Pieces
-from loomserve.gateway.workers.errors import WorkerClientError
-from loomserve.gateway.workers.pool import ModelWorkers
+from .. import tracing
+from ..api.response_bodies import Usage
+from ..metrics import GatewayMetrics
+from ..request.generation_request import GenerationRequest
+from ..text.tokenizer import Pieces
+from ..workers.errors import WorkerClientError
+from ..workers.pool import ModelWorkers
+from .assembly import Done, PromptScores, TextDelta
+from .generation import Generation
 
 log = structlog.get_logger(__name__)
 

@@ -9,8 +9,8 @@ from functools import cache
 from importlib.metadata import version
 from typing import Any
 
-from loomserve.gateway.api.errors import APIError
-from loomserve.gateway.api.response_bodies import (
+from ..api.errors import APIError
+from ..api.response_bodies import (
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
@@ -21,11 +21,11 @@ from loomserve.gateway.api.response_bodies import (
     TopLogprob,
     Usage,
 )
-from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
-from loomserve.gateway.request.generation_request import GenerationRequest
-from loomserve.gateway.tools.framed import ToolParser
-from loomserve.gateway.tools.parser import ContentDelta, ToolEvent
-from loomserve.gateway.tools.replies import assistant_message, tool_call_delta
+from ..request.generation_request import GenerationRequest
+from ..tools.framed import ToolParser
+from ..tools.parser import ContentDelta, ToolEvent
+from ..tools.replies import assistant_message, tool_call_delta
+from .assembly import Done, PromptScores, TextDelta, TokenLogprob
 
 DONE_EVENT = "data: [DONE]\n\n"
 

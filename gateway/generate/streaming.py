@@ -18,12 +18,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from loomserve.gateway import tracing
-from loomserve.gateway.api.errors import worker_error
-from loomserve.gateway.generate.assembly import Done, PromptScores, TextDelta, TokenLogprob
-from loomserve.gateway.generate.group import GenerationGroup
-from loomserve.gateway.generate.render import DONE_EVENT, StreamChunks, error_event
-from loomserve.gateway.workers.errors import WorkerClientError
+from .. import tracing
+from ..api.errors import worker_error
+from ..workers.errors import WorkerClientError
+from .assembly import Done, PromptScores, TextDelta, TokenLogprob
+from .group import GenerationGroup
+from .render import DONE_EVENT, StreamChunks, error_event
 
 log = structlog.get_logger(__name__)
 

@@ -13,9 +13,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from loomserve.gateway import tracing
-from loomserve.gateway.api.errors import install_handlers, unavailable
-from loomserve.gateway.api.response_bodies import (
+from .. import tracing
+from ..api.errors import install_handlers, unavailable
+from ..api.response_bodies import (
     ChatCompletion,
     Completion,
     DetokenizeResponse,
@@ -30,38 +30,38 @@ from loomserve.gateway.api.response_bodies import (
     UnavailableModelStatus,
     streamed_responses,
 )
-from loomserve.gateway.api.schemas import (
+from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     TokenizeRequest,
 )
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.generate.streaming import (
+from ..config import GatewayConfig
+from ..generate.streaming import (
     until_disconnect,
 )
-from loomserve.gateway.http.docs_pages import install_docs_pages
-from loomserve.gateway.http.embeddings import create_embeddings
-from loomserve.gateway.http.json_route import OffLoopJSONRoute
-from loomserve.gateway.http.middleware import (
+from ..metrics import GatewayMetrics
+from ..models.catalogue import Catalogue
+from ..models.manager import ManagerClient
+from ..models.registry import ModelEntry, Models
+from ..request import prompts
+from ..serving.chat import ChatServing
+from ..translate.messages import messages_router
+from ..translate.responses import responses_router
+from ..workers.pool import WorkerPool
+from .docs_pages import install_docs_pages
+from .embeddings import create_embeddings
+from .json_route import OffLoopJSONRoute
+from .middleware import (
     AccessMiddleware,
     AuthMiddleware,
     BarePathMiddleware,
     BodyLimitMiddleware,
 )
-from loomserve.gateway.http.openapi_bounds import install_token_bounds
-from loomserve.gateway.http.ops import models_router, slots_router, status_router
-from loomserve.gateway.http.tracing import TracingMiddleware
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.models.catalogue import Catalogue
-from loomserve.gateway.models.manager import ManagerClient
-from loomserve.gateway.models.registry import ModelEntry, Models
-from loomserve.gateway.request import prompts
-from loomserve.gateway.serving.chat import ChatServing
-from loomserve.gateway.translate.messages import messages_router
-from loomserve.gateway.translate.responses import responses_router
-from loomserve.gateway.workers.pool import WorkerPool
+from .openapi_bounds import install_token_bounds
+from .ops import models_router, slots_router, status_router
+from .tracing import TracingMiddleware
 
 log = structlog.get_logger(__name__)
 

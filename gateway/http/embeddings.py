@@ -13,15 +13,15 @@ from typing import Any, cast
 
 import numpy as np
 
-from loomserve.gateway import tracing
-from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.api.schemas import EmbeddingRequest
-from loomserve.gateway.request import prompts
-from loomserve.gateway.text.tokenizer import Vocab
-from loomserve.gateway.workers.pool import ModelWorkers
-from loomserve.gateway.workers.retries import Tries
-from loomserve.protocol import Embed, Embeddings
-from loomserve.protocol.messages import MAX_EMBED_INPUTS
+from ...protocol import Embed, Embeddings
+from ...protocol.messages import MAX_EMBED_INPUTS
+from .. import tracing
+from ..api.errors import invalid_request
+from ..api.schemas import EmbeddingRequest
+from ..request import prompts
+from ..text.tokenizer import Vocab
+from ..workers.pool import ModelWorkers
+from ..workers.retries import Tries
 
 MAX_INPUTS = MAX_EMBED_INPUTS  # OpenAI's limit on inputs per request
 

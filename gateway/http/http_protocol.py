@@ -16,7 +16,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from loomserve.gateway.generate.streaming import TRANSPORT_STATE
+from ..generate.streaming import TRANSPORT_STATE
 
 
 class HeaderTimeoutProtocol(H11Protocol):

@@ -17,7 +17,7 @@ import anyio.to_thread
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from loomserve.gateway.request.limits import TURNS, check_counts
+from ..request.limits import TURNS, check_counts
 
 OFF_LOOP_BYTES = 64 * 1024
 

@@ -12,9 +12,9 @@ import uuid
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loomserve.gateway.api.errors import APIError, invalid_request
-from loomserve.gateway.config import PriorityRange
-from loomserve.gateway.metrics import GatewayMetrics
+from ..api.errors import APIError, invalid_request
+from ..config import PriorityRange
+from ..metrics import GatewayMetrics
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from loomserve.gateway.models.catalogue import Catalogue
+from ..models.catalogue import Catalogue
 
 # (schema, property) pairs that take token ids of the request's vocabulary (api/fields.py
 # states them as integers from 0, at any depth of lists).

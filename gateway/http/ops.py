@@ -11,15 +11,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from loomserve.gateway.api.response_bodies import (
+from ...protocol.messages import SlotsReport, SlotState
+from ..api.response_bodies import (
     ModelActionResult,
     ModelStatus,
     ModelUnloadResult,
 )
-from loomserve.gateway.api.schemas import ModelAction
-from loomserve.gateway.models.registry import ModelEntry, Models, ModelState
-from loomserve.gateway.workers.pool import WorkerPool, WorkerSlots
-from loomserve.protocol.messages import SlotsReport, SlotState
+from ..api.schemas import ModelAction
+from ..models.registry import ModelEntry, Models, ModelState
+from ..workers.pool import WorkerPool, WorkerSlots
 
 # How long a worker may take to answer: its IO thread answers from the loop's latest
 # snapshot, without waiting for a tick, so only a dead or unreachable worker takes this long.

@@ -16,14 +16,14 @@ import llama_cpp  # noqa: F401
 import structlog
 import uvicorn
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.http.app import create_app
-from loomserve.gateway.http.http_protocol import HeaderTimeoutProtocol
-from loomserve.gateway.metrics import GatewayMetrics, mark_dead
-from loomserve.gateway.models.catalogue import Catalogue
-from loomserve.gateway.models.manager import ManagerClient
-from loomserve.gateway.serving.drain import Drain
-from loomserve.gateway.workers.pool import WorkerPool
+from ..config import GatewayConfig
+from ..metrics import GatewayMetrics, mark_dead
+from ..models.catalogue import Catalogue
+from ..models.manager import ManagerClient
+from ..serving.drain import Drain
+from ..workers.pool import WorkerPool
+from .app import create_app
+from .http_protocol import HeaderTimeoutProtocol
 
 log = structlog.get_logger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from loomserve.gateway import tracing
-from loomserve.gateway.http.middleware import QUIET_PATHS
+from .. import tracing
+from .middleware import QUIET_PATHS
 
 TRACE_HEADERS = {b"traceparent": "traceparent", b"tracestate": "tracestate"}
 # An error body is a few hundred bytes; more than this is not an error of ours.

@@ -27,15 +27,15 @@ from typing import Any
 
 import structlog
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.request.params import model_sampling_defaults
-from loomserve.gateway.text.chat_template import Renderer, choose_template
-from loomserve.gateway.text.reasoning import MarkerText, ReasoningFamily, choose_family
-from loomserve.gateway.text.tokenizer import Pieces, Vocab
-from loomserve.gateway.tools.checks import MarkerPieces
-from loomserve.gateway.tools.template import TemplateTools
-from loomserve.gateway.workers.directory import Placement, place_on_one
-from loomserve.protocol.messages import ModelInfo, SamplingParams
+from ...protocol.messages import ModelInfo, SamplingParams
+from ..config import GatewayConfig
+from ..request.params import model_sampling_defaults
+from ..text.chat_template import Renderer, choose_template
+from ..text.reasoning import MarkerText, ReasoningFamily, choose_family
+from ..text.tokenizer import Pieces, Vocab
+from ..tools.checks import MarkerPieces
+from ..tools.template import TemplateTools
+from ..workers.directory import Placement, place_on_one
 
 log = structlog.get_logger(__name__)
 

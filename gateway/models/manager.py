@@ -19,9 +19,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from loomserve.protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
-from loomserve.protocol.messages import LoadModel, ModelsQuery, ModelStates, UnloadModel
-from loomserve.protocol.model_manager import ModelState
+from ...protocol.codec import MAX_FRAME_BYTES, DecodeError, decode, encode
+from ...protocol.messages import LoadModel, ModelsQuery, ModelStates, UnloadModel
+from ...protocol.model_manager import ModelState
 
 log = structlog.get_logger(__name__)
 

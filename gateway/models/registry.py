@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import structlog
 
-from loomserve.gateway import tracing
-from loomserve.gateway.api.errors import APIError, invalid_request, unavailable
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.models.catalogue import Catalogue, ServedModel
-from loomserve.gateway.models.manager import ManagerClient, ManagerGone
-from loomserve.gateway.workers.pool import WorkerPool
-from loomserve.protocol.messages import ModelInfo
-from loomserve.protocol.model_manager import ModelPhase
+from ...protocol.messages import ModelInfo
+from ...protocol.model_manager import ModelPhase
+from .. import tracing
+from ..api.errors import APIError, invalid_request, unavailable
+from ..config import GatewayConfig
+from ..metrics import GatewayMetrics
+from ..workers.pool import WorkerPool
+from .catalogue import Catalogue, ServedModel
+from .manager import ManagerClient, ManagerGone
 
 log = structlog.get_logger(__name__)
 

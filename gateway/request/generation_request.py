@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
-from loomserve.gateway.text.reasoning import ReasoningFamily, ReasoningSplitter, ReplySplit
-from loomserve.gateway.text.stop import StopMatcher, TextMatcher
-from loomserve.gateway.tools.checks import ToolRequest
-from loomserve.gateway.tools.end import PromptEcho, ToolCallEnd
-from loomserve.gateway.tools.framed import ToolParser
-from loomserve.protocol.messages import DEFAULT_TENANT, Generate, SamplingParams
+from ...protocol.messages import DEFAULT_TENANT, Generate, SamplingParams
+from ..api.schemas import ChatCompletionRequest, CompletionRequest
+from ..text.reasoning import ReasoningFamily, ReasoningSplitter, ReplySplit
+from ..text.stop import StopMatcher, TextMatcher
+from ..tools.checks import ToolRequest
+from ..tools.end import PromptEcho, ToolCallEnd
+from ..tools.framed import ToolParser
 
 ApiBody = CompletionRequest | ChatCompletionRequest
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.text.tokenizer import Vocab
-from loomserve.protocol import MAX_FRAME_BYTES
-from loomserve.protocol.messages import MAX_IMAGES
+from ...protocol import MAX_FRAME_BYTES
+from ...protocol.messages import MAX_IMAGES
+from ..api.errors import invalid_request
+from ..text.tokenizer import Vocab
 
 MEDIA_MARKER = "<__media__>"  # libmtmd's default marker: the worker puts the image there
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loomserve.gateway.api.errors import APIError, invalid_request
-from loomserve.gateway.api.schemas import MAX_MESSAGES, MAX_TOOLS, ChatMessage
+from ..api.errors import APIError, invalid_request
+from ..api.schemas import MAX_MESSAGES, MAX_TOOLS, ChatMessage
 
 # The body fields that hold a conversation's turns: chat's and the Messages API's `messages`,
 # the Responses API's `input` (the embeddings' `input`, inputs not turns, has its own cap).

@@ -11,13 +11,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from loomserve.gateway.api.errors import APIError, invalid_request
-from loomserve.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
-from loomserve.gateway.text.grammar import request_grammar
-from loomserve.gateway.text.tokenizer import Vocab
-from loomserve.protocol.limits import MAX_LOGIT_BIAS
-from loomserve.protocol.messages import MAX_TENANT_CHARS, PRIORITY_LIMIT, SamplingParams
-from loomserve.protocol.sampling import MAX_TOP_LOGPROBS
+from ...protocol.limits import MAX_LOGIT_BIAS
+from ...protocol.messages import MAX_TENANT_CHARS, PRIORITY_LIMIT, SamplingParams
+from ...protocol.sampling import MAX_TOP_LOGPROBS
+from ..api.errors import APIError, invalid_request
+from ..api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from ..text.grammar import request_grammar
+from ..text.tokenizer import Vocab
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 # Matching holds back the longest tail that starts a stop string, checked per token.

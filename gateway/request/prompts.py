@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 
-from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.api.schemas import ChatMessage, ToolCall
-from loomserve.gateway.request.images import IMAGE_PART_TYPES, MEDIA_MARKER
-from loomserve.gateway.text.chat_template import ChatTemplateError, Renderer
-from loomserve.gateway.text.tokenizer import Vocab
-from loomserve.gateway.tools.template import TemplateTools
+from ..api.errors import invalid_request
+from ..api.schemas import ChatMessage, ToolCall
+from ..text.chat_template import ChatTemplateError, Renderer
+from ..text.tokenizer import Vocab
+from ..tools.template import TemplateTools
+from .images import IMAGE_PART_TYPES, MEDIA_MARKER
 
 OFF_LOOP_SIZE = 32_768  # characters or tokens; more than this goes to a thread
 # Requests prepared at once (templates, tools' grammars, tokenizing). Python work holds the

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.api.schemas import ChatCompletionRequest
-from loomserve.gateway.text.reasoning import ReasoningFamily
-from loomserve.gateway.text.tokenizer import Vocab
+from ..api.errors import invalid_request
+from ..api.schemas import ChatCompletionRequest
+from ..text.reasoning import ReasoningFamily
+from ..text.tokenizer import Vocab
 
 # OpenAI's reasoning_effort values; "none" turns thinking off.
 EFFORTS = ("none", "minimal", "low", "medium", "high")

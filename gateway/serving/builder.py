@@ -12,19 +12,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.api.schemas import ChatCompletionRequest
-from loomserve.gateway.config import DEFAULT_TENANT, PriorityRange
-from loomserve.gateway.models.catalogue import ServedModel
-from loomserve.gateway.request import limits, prompts, thinking
-from loomserve.gateway.request.generation_request import (
+from ..api.errors import invalid_request
+from ..api.schemas import ChatCompletionRequest
+from ..config import DEFAULT_TENANT, PriorityRange
+from ..models.catalogue import ServedModel
+from ..request import limits, prompts, thinking
+from ..request.generation_request import (
     ApiBody,
     GenerationRequest,
     Prompt,
     ReplyReasoning,
 )
-from loomserve.gateway.request.images import image_tokens
-from loomserve.gateway.request.params import (
+from ..request.images import image_tokens
+from ..request.params import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
     max_new_tokens,
@@ -36,8 +36,8 @@ from loomserve.gateway.request.params import (
     user_tenant,
     with_max_tokens,
 )
-from loomserve.gateway.text.think_grammar import after_thinking
-from loomserve.gateway.tools.checks import ToolRequest, tool_request
+from ..text.think_grammar import after_thinking
+from ..tools.checks import ToolRequest, tool_request
 
 # A body this small (its JSON, every field) with no grammar to compile is drafted on the
 # event loop: for a short prompt the hop to a thread and back cost more than the work itself

@@ -12,31 +12,31 @@ import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from loomserve.gateway.api.errors import APIError, invalid_request, unavailable
-from loomserve.gateway.api.schemas import ChatCompletionRequest
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.generate.assembly import Done, TokenLogprob
-from loomserve.gateway.generate.group import GenerationGroup
-from loomserve.gateway.generate.render import StreamChunks, response_body
-from loomserve.gateway.generate.streaming import (
+from ...protocol.messages import ModelInfo
+from ..api.errors import APIError, invalid_request, unavailable
+from ..api.schemas import ChatCompletionRequest
+from ..config import GatewayConfig
+from ..generate.assembly import Done, TokenLogprob
+from ..generate.group import GenerationGroup
+from ..generate.render import StreamChunks, response_body
+from ..generate.streaming import (
     EventStreamResponse,
     collect,
     event_stream,
     limit_send_buffer,
     until_disconnect,
 )
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.models.catalogue import ServedModel
-from loomserve.gateway.models.registry import Models
-from loomserve.gateway.request import images, limits, prompts, thinking
-from loomserve.gateway.request.generation_request import ApiBody, GenerationRequest
-from loomserve.gateway.serving import builder
-from loomserve.gateway.serving.builder import Caller
-from loomserve.gateway.serving.drain import Drain
-from loomserve.gateway.tools.checks import tool_request
-from loomserve.gateway.workers.errors import WorkerClientError, WorkerLost
-from loomserve.gateway.workers.pool import ModelWorkers, WorkerPool
-from loomserve.protocol.messages import ModelInfo
+from ..metrics import GatewayMetrics
+from ..models.catalogue import ServedModel
+from ..models.registry import Models
+from ..request import images, limits, prompts, thinking
+from ..request.generation_request import ApiBody, GenerationRequest
+from ..tools.checks import tool_request
+from ..workers.errors import WorkerClientError, WorkerLost
+from ..workers.pool import ModelWorkers, WorkerPool
+from . import builder
+from .builder import Caller
+from .drain import Drain
 
 log = structlog.get_logger(__name__)
 

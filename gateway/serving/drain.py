@@ -12,8 +12,8 @@ import time
 
 import structlog
 
-from loomserve.gateway.generate.group import GenerationGroup
-from loomserve.gateway.workers.errors import WorkerLost
+from ..generate.group import GenerationGroup
+from ..workers.errors import WorkerLost
 
 log = structlog.get_logger(__name__)
 

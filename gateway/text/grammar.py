@@ -19,10 +19,10 @@ from typing import Any
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
-from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.api.schemas import GenerationFields
-from loomserve.protocol.grammar_shape import grammar_shape_problem
-from loomserve.protocol.limits import grammar_problem, guidance_grammar_problem, parser_limits
+from ...protocol.grammar_shape import grammar_shape_problem
+from ...protocol.limits import grammar_problem, guidance_grammar_problem, parser_limits
+from ..api.errors import invalid_request
+from ..api.schemas import GenerationFields
 
 # JSON in llguidance's output: properties in the schema's order; between tokens nothing, a
 # space, or a newline and up to 20 spaces or tabs (compact, `{"a": 1}`, or pretty-printed:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loomserve.gateway.text.stop import TextMatcher
-from loomserve.gateway.text.tokenizer import Pieces, Vocab
+from .stop import TextMatcher
+from .tokenizer import Pieces, Vocab
 
 
 @dataclass(frozen=True, slots=True)

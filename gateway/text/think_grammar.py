@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from loomserve.gateway.text.reasoning import ReasoningFamily
+from .reasoning import ReasoningFamily
 
 # Whitespace the model may write between the block's end and the answer (Qwen3: "\n\n").
 GAP = r"/[ \t\n]{0,8}/"

@@ -15,7 +15,7 @@ from typing import Protocol
 import llama_cpp
 import structlog
 
-from loomserve.protocol.vocab import vocab_fingerprint
+from ...protocol.vocab import vocab_fingerprint
 
 GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml's levels; 1-3 are debug, info and warn
 _llama_log = structlog.get_logger("llama.cpp")

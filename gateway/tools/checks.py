@@ -14,14 +14,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from loomserve.gateway.api.errors import invalid_request
-from loomserve.gateway.api.schemas import ChatCompletionRequest, NamedToolChoice, ToolDefinition
-from loomserve.gateway.text.grammar import grammar_error
-from loomserve.gateway.text.tokenizer import Pieces, Vocab
-from loomserve.gateway.tools.format import ToolFormat
-from loomserve.gateway.tools.framed import ToolParser, tool_parser
-from loomserve.gateway.tools.grammar import ToolGrammarError, tool_grammar
-from loomserve.gateway.tools.template import TemplateTools, system_with_tools
+from ..api.errors import invalid_request
+from ..api.schemas import ChatCompletionRequest, NamedToolChoice, ToolDefinition
+from ..text.grammar import grammar_error
+from ..text.tokenizer import Pieces, Vocab
+from .format import ToolFormat
+from .framed import ToolParser, tool_parser
+from .grammar import ToolGrammarError, tool_grammar
+from .template import TemplateTools, system_with_tools
 
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 

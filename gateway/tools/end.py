@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loomserve.gateway.text.stop import StopMatch, StopMatcher, TextMatcher
-from loomserve.gateway.tools.framed import ToolParser
+from ..text.stop import StopMatch, StopMatcher, TextMatcher
+from .framed import ToolParser
 
 ECHO_CHARS = 24  # a reply that starts with this much of the injected tool prompt copies it
 

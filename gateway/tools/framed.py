@@ -26,8 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from loomserve.gateway.tools.format import Framed, ToolFormat, XmlArguments
-from loomserve.gateway.tools.parser import (
+from .format import Framed, ToolFormat, XmlArguments
+from .parser import (
     CallStart,
     ParsedCall,
     ToolCallParser,
@@ -37,7 +37,7 @@ from loomserve.gateway.tools.parser import (
     add_content,
     read_reply,
 )
-from loomserve.gateway.tools.python_call import leading_keywords, python_arguments
+from .python_call import leading_keywords, python_arguments
 
 MAX_NAME_CHARS = 256  # a "name" longer than this is text, not a call
 

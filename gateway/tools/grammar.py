@@ -18,15 +18,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from loomserve.gateway.text.grammar import (
+from ...protocol.limits import MAX_GUIDANCE_GRAMMAR_BYTES
+from ..text.grammar import (
     JSON_OPTIONS,
     MAX_SCHEMA_REPEAT,
     closed_objects,
     schema_problem,
 )
-from loomserve.gateway.tools.format import ToolFormat, XmlArguments
-from loomserve.gateway.tools.framed import schema_types
-from loomserve.protocol.limits import MAX_GUIDANCE_GRAMMAR_BYTES
+from .format import ToolFormat, XmlArguments
+from .framed import schema_types
 
 # The most characters a string of a forced call's arguments holds where its schema sets no
 # maxLength: the largest maxLength a schema may set (text/grammar.py's MAX_SCHEMA_REPEAT).

@@ -32,9 +32,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from loomserve.gateway.tools.call_object import CallObject, as_call, decoded_string
-from loomserve.gateway.tools.format import ToolFormat
-from loomserve.gateway.tools.python_call import leading_keywords, python_arguments
+from .call_object import CallObject, as_call, decoded_string
+from .format import ToolFormat
+from .python_call import leading_keywords, python_arguments
 
 _BETWEEN_CALLS = " \t\r\n,;["  # what may separate calls in a run
 # A built-in tool's call after the code marker: NAME.call(ARGUMENTS)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from loomserve.gateway.api.response_bodies import AssistantMessage
-from loomserve.gateway.api.schemas import FunctionCall, ToolCall
-from loomserve.gateway.tools.checks import ToolRequest
-from loomserve.gateway.tools.parser import ArgumentsDelta, CallStart, read_reply
+from ..api.response_bodies import AssistantMessage
+from ..api.schemas import FunctionCall, ToolCall
+from .checks import ToolRequest
+from .parser import ArgumentsDelta, CallStart, read_reply
 
 
 def assistant_message(

@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from loomserve.gateway.text.chat_template import ChatTemplateError, Renderer
-from loomserve.gateway.tools.format import ToolFormat, detect
+from ..text.chat_template import ChatTemplateError, Renderer
+from .format import ToolFormat, detect
 
 _PROBE_TOOL = "loomserve_probe_tool"
 _PROBE_CALL = "loomserve_probe_call"

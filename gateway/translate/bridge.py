@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from loomserve.gateway.api.errors import APIError
-from loomserve.gateway.api.schemas import ChatCompletionRequest
-from loomserve.gateway.generate.streaming import EventStreamResponse
-from loomserve.gateway.serving.chat import ChatServing
+from ..api.errors import APIError
+from ..api.schemas import ChatCompletionRequest
+from ..generate.streaming import EventStreamResponse
+from ..serving.chat import ChatServing
 
 
 def named_event(name: str, payload: dict[str, Any]) -> str:

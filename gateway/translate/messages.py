@@ -22,16 +22,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from loomserve.gateway.api.errors import invalid_request, validation_error
-from loomserve.gateway.api.response_bodies import streamed_responses
-from loomserve.gateway.api.schemas import ChatCompletionRequest
-from loomserve.gateway.serving.chat import ChatServing
-from loomserve.gateway.translate.bridge import (
+from ..api.errors import invalid_request, validation_error
+from ..api.response_bodies import streamed_responses
+from ..api.schemas import ChatCompletionRequest
+from ..serving.chat import ChatServing
+from .bridge import (
     named_event,
     renamed,
     run_translated,
 )
-from loomserve.gateway.translate.messages_schemas import (
+from .messages_schemas import (
     AnthropicMessage,
     CountTokensRequest,
     MessagesRequest,

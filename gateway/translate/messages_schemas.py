@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from loomserve.gateway.api.fields import INT32_MAX, JsonInt, RequestModel
+from ..api.fields import INT32_MAX, JsonInt, RequestModel
 
 
 class AnthropicMessage(RequestModel):

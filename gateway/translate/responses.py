@@ -19,17 +19,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from loomserve.gateway.api.errors import APIError, invalid_request, validation_error
-from loomserve.gateway.api.response_bodies import streamed_responses
-from loomserve.gateway.api.schemas import ChatCompletionRequest
-from loomserve.gateway.serving.chat import ChatServing
-from loomserve.gateway.translate.bridge import renamed, run_translated
-from loomserve.gateway.translate.responses_output import (
+from ..api.errors import APIError, invalid_request, validation_error
+from ..api.response_bodies import streamed_responses
+from ..api.schemas import ChatCompletionRequest
+from ..serving.chat import ChatServing
+from .bridge import renamed, run_translated
+from .responses_output import (
     ResponseEvents,
     ResponseHead,
     whole_response,
 )
-from loomserve.gateway.translate.responses_schemas import (
+from .responses_schemas import (
     ResponsesInputTokensRequest,
     ResponsesNamedTool,
     ResponsesRequest,

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loomserve.gateway.translate.bridge import named_event
-from loomserve.gateway.translate.responses_schemas import ResponsesNamedTool, ResponsesRequest
+from .bridge import named_event
+from .responses_schemas import ResponsesNamedTool, ResponsesRequest
 
 
 def _new_id(prefix: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from loomserve.gateway.api.fields import INT32_MAX, JsonInt, RequestModel, only_null_schema
+from ..api.fields import INT32_MAX, JsonInt, RequestModel, only_null_schema
 
 
 class ResponsesFunctionTool(RequestModel):

@@ -23,25 +23,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.workers.dealer import (
-    gateway_identity,
-    open_dealer,
-    receive_now,
-    send_now,
-)
-from loomserve.gateway.workers.directory import ModelDirectory
-from loomserve.gateway.workers.errors import (
-    WorkerLost,
-    WorkerUnavailable,
-)
-from loomserve.gateway.workers.handle import RequestHandle
-from loomserve.gateway.workers.handshake import HANDSHAKE_FAILED, handshake_failure
-from loomserve.gateway.workers.open_requests import OpenRequests
-from loomserve.gateway.workers.preparation import ModelPreparation
-from loomserve.protocol.codec import DecodeError, decode
-from loomserve.protocol.messages import (
+from ...protocol.codec import DecodeError, decode
+from ...protocol.messages import (
     Cancel,
     Embed,
     ErrorCode,
@@ -57,6 +40,23 @@ from loomserve.protocol.messages import (
     VocabFile,
     WorkerError,
 )
+from ..config import GatewayConfig
+from ..metrics import GatewayMetrics
+from .dealer import (
+    gateway_identity,
+    open_dealer,
+    receive_now,
+    send_now,
+)
+from .directory import ModelDirectory
+from .errors import (
+    WorkerLost,
+    WorkerUnavailable,
+)
+from .handle import RequestHandle
+from .handshake import HANDSHAKE_FAILED, handshake_failure
+from .open_requests import OpenRequests
+from .preparation import ModelPreparation
 
 log = structlog.get_logger(__name__)
 

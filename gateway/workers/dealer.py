@@ -20,11 +20,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.workers.curve import set_curve_client
-from loomserve.gateway.workers.handshake import HANDSHAKE_FAILED
-from loomserve.protocol.codec import MAX_FRAME_BYTES, encode
-from loomserve.protocol.messages import Message
+from ...protocol.codec import MAX_FRAME_BYTES, encode
+from ...protocol.messages import Message
+from ..config import GatewayConfig
+from .curve import set_curve_client
+from .handshake import HANDSHAKE_FAILED
 
 log = structlog.get_logger(__name__)
 

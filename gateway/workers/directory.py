@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from loomserve.protocol.messages import ModelInfo
+from ...protocol.messages import ModelInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from loomserve.gateway.workers.errors import WorkerClientError, WorkerTimeout
-from loomserve.protocol.messages import Accepted, Embeddings, Finish, Rejected, TokenChunk
+from ...protocol.messages import Accepted, Embeddings, Finish, Rejected, TokenChunk
+from .errors import WorkerClientError, WorkerTimeout
 
 RequestEvent = TokenChunk | Finish
 

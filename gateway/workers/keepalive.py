@@ -18,10 +18,10 @@ import time
 
 import zmq
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.workers.curve import set_curve_client
-from loomserve.protocol.codec import encode
-from loomserve.protocol.messages import Ping
+from ...protocol.codec import encode
+from ...protocol.messages import Ping
+from ..config import GatewayConfig
+from .curve import set_curve_client
 
 
 class KeepAlive:

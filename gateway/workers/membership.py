@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import structlog
 import zmq.asyncio
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.workers.client import WorkerClient
-from loomserve.gateway.workers.directory import ModelDirectory
+from ..config import GatewayConfig
+from ..metrics import GatewayMetrics
+from .client import WorkerClient
+from .directory import ModelDirectory
 
 log = structlog.get_logger(__name__)
 

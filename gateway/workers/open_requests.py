@@ -19,16 +19,7 @@ from typing import Any
 
 import structlog
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.workers.errors import (
-    ReaderTooSlow,
-    WorkerClientError,
-    WorkerRejected,
-    WorkerTimeout,
-    WorkerUnavailable,
-)
-from loomserve.gateway.workers.handle import RequestHandle
-from loomserve.protocol.messages import (
+from ...protocol.messages import (
     Accepted,
     Cancel,
     Embed,
@@ -43,6 +34,15 @@ from loomserve.protocol.messages import (
     SlotsQuery,
     SlotsReport,
 )
+from ..config import GatewayConfig
+from .errors import (
+    ReaderTooSlow,
+    WorkerClientError,
+    WorkerRejected,
+    WorkerTimeout,
+    WorkerUnavailable,
+)
+from .handle import RequestHandle
 
 log = structlog.get_logger(__name__)
 

@@ -27,23 +27,23 @@ from dataclasses import dataclass
 import structlog
 import zmq.asyncio
 
-from loomserve.gateway.config import GatewayConfig
-from loomserve.gateway.endpoints import expand, needs_resolving
-from loomserve.gateway.metrics import GatewayMetrics
-from loomserve.gateway.workers.client import WorkerClient, stop_tasks
-from loomserve.gateway.workers.dealer import gateway_identity
-from loomserve.gateway.workers.directory import ModelDirectory
-from loomserve.gateway.workers.errors import WorkerClientError
-from loomserve.gateway.workers.keepalive import KeepAlive
-from loomserve.gateway.workers.membership import Member, Membership
-from loomserve.gateway.workers.routing import (
+from ...protocol.messages import Heartbeat, Load, ModelInfo, SlotsReport
+from ..config import GatewayConfig
+from ..endpoints import expand, needs_resolving
+from ..metrics import GatewayMetrics
+from .client import WorkerClient, stop_tasks
+from .dealer import gateway_identity
+from .directory import ModelDirectory
+from .errors import WorkerClientError
+from .keepalive import KeepAlive
+from .membership import Member, Membership
+from .routing import (
     Choice,
     PrefixAffinity,
     WorkerLoad,
     choose_worker,
     preferred_worker,
 )
-from loomserve.protocol.messages import Heartbeat, Load, ModelInfo, SlotsReport
 
 log = structlog.get_logger(__name__)
 

@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 import structlog
 
-from loomserve.gateway.workers.directory import ModelDirectory
-from loomserve.protocol.messages import (
+from ...protocol.messages import (
     PROTOCOL_VERSION,
     Message,
     ModelInfo,
     VocabFile,
     VocabQuery,
 )
+from .directory import ModelDirectory
 
 log = structlog.get_logger(__name__)
 

@@ -18,20 +18,20 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from loomserve.gateway import tracing
-from loomserve.gateway.workers.client import RequestHandle, WorkerClient
-from loomserve.gateway.workers.errors import (
+from ...protocol.messages import Embed, ErrorCode, Generate
+from ...protocol.prefix_keys import prefix_keys
+from .. import tracing
+from .client import RequestHandle, WorkerClient
+from .errors import (
     WorkerClientError,
     WorkerLost,
     WorkerRejected,
     WorkerUnavailable,
 )
-from loomserve.gateway.workers.routing import prefix_key
-from loomserve.protocol.messages import Embed, ErrorCode, Generate
-from loomserve.protocol.prefix_keys import prefix_keys
+from .routing import prefix_key
 
 if TYPE_CHECKING:
-    from loomserve.gateway.workers.pool import ModelWorkers
+    from .pool import ModelWorkers
 
 log = structlog.get_logger(__name__)
 

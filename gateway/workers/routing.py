@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loomserve.protocol.messages import Load
+from ...protocol.messages import Load
 
 PREFIX_BLOCK_TOKENS = 64  # prompt tokens hashed into the affinity key
 AFFINITY_SLACK = 2  # requests the preferred worker may be behind the least-loaded one

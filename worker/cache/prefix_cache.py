@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from loomserve.protocol.prefix_keys import MAX_ADVERTISED_KEYS, prefix_keys
-from loomserve.worker.cache.ram_cache import RamCache, RamEntry, common_prefix
+from ...protocol.prefix_keys import MAX_ADVERTISED_KEYS, prefix_keys
+from .ram_cache import RamCache, RamEntry, common_prefix
 
 
 class CachedSlot(Protocol):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import count
 
-from loomserve.protocol.prefix_keys import prefix_keys
+from ...protocol.prefix_keys import prefix_keys
 
 BLOCK_TOKENS = 32
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import llama_cpp as llama
 import numpy as np
 
-from loomserve.worker.sched.media import rope_position
-from loomserve.worker.sched.slots import Run, Slot, Step
+from ..sched.media import rope_position
+from ..sched.slots import Run, Slot, Step
 
 
 class TokenBatch:

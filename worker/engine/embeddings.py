@@ -29,9 +29,9 @@ import llama_cpp as llama
 import numpy as np
 import structlog
 
-from loomserve.protocol import Embed, Embeddings, ErrorCode, Rejected
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine.engine import Engine, TokenBatch
+from ...protocol import Embed, Embeddings, ErrorCode, Rejected
+from ..config import WorkerConfig
+from .engine import Engine, TokenBatch
 
 log = structlog.get_logger(__name__)
 

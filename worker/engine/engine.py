@@ -25,24 +25,24 @@ import llama_cpp as llama
 import numpy as np
 import structlog
 
-from loomserve.protocol import SamplingParams
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine.batch import TokenBatch
-from loomserve.worker.engine.kernels import graph_native
-from loomserve.worker.engine.llama_logs import LoadProgress, route_llama_logs
-from loomserve.worker.engine.threads import ThreadGovernor
-from loomserve.worker.sampling import rowscan
-from loomserve.worker.sampling.backend_sampling import (
+from ...protocol import SamplingParams
+from ..config import WorkerConfig
+from ..sampling import rowscan
+from ..sampling.backend_sampling import (
     BackendSampler,
     GraphChains,
     backend_sampling_available,
 )
-from loomserve.worker.sampling.graph_draw import GraphDraws, GraphDrawSampler
-from loomserve.worker.sampling.guidance import GrammarState, GrammarVocab
-from loomserve.worker.sampling.samplers import HostSampler, build_sampler
-from loomserve.worker.sched.media import MediaSpan, rope_position
-from loomserve.worker.sched.slots import Run
-from loomserve.worker.sched.ubatches import SplitRules
+from ..sampling.graph_draw import GraphDraws, GraphDrawSampler
+from ..sampling.guidance import GrammarState, GrammarVocab
+from ..sampling.samplers import HostSampler, build_sampler
+from ..sched.media import MediaSpan, rope_position
+from ..sched.slots import Run
+from ..sched.ubatches import SplitRules
+from .batch import TokenBatch
+from .kernels import graph_native
+from .llama_logs import LoadProgress, route_llama_logs
+from .threads import ThreadGovernor
 
 log = structlog.get_logger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any
 import llama_cpp as llama
 import structlog
 
-from loomserve.worker.engine import native_fence
-from loomserve.worker.sampling.graph_draw import graph_draw_library
-from loomserve.worker.sampling.rowscan import load_native
+from ..sampling.graph_draw import graph_draw_library
+from ..sampling.rowscan import load_native
+from . import native_fence
 
 log = structlog.get_logger(__name__)
 

@@ -31,8 +31,8 @@ import numpy as np
 import structlog
 from llama_cpp import mtmd_cpp as mtmd
 
-from loomserve.protocol import Generate, ImageTokens, ImageTokensQuery, Message
-from loomserve.worker.sched.media import MediaSpan, placeholders
+from ...protocol import Generate, ImageTokens, ImageTokensQuery, Message
+from ..sched.media import MediaSpan, placeholders
 
 log = structlog.get_logger(__name__)
 

@@ -14,8 +14,8 @@ import queue
 from dataclasses import dataclass
 from typing import Protocol
 
-from loomserve.protocol import Embed, FinishReason, Generate, Load, Message
-from loomserve.worker.stats import SchedulerStats
+from ...protocol import Embed, FinishReason, Generate, Load, Message
+from ..stats import SchedulerStats
 
 Work = Generate | Embed  # a request for the loop: the tick generates, the embedder embeds
 

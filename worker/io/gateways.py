@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loomserve.protocol import (
+from ...protocol import (
     PROTOCOL_VERSION,
     Cancel,
     DecodeError,
@@ -43,9 +43,9 @@ from loomserve.protocol import (
     WorkerError,
     decode,
 )
-from loomserve.protocol.codec import Frame, TooLong, request_id_of
-from loomserve.protocol.messages import MAX_EMBED_INPUTS
-from loomserve.worker.io.channels import Inbox
+from ...protocol.codec import Frame, TooLong, request_id_of
+from ...protocol.messages import MAX_EMBED_INPUTS
+from .channels import Inbox
 
 log = structlog.get_logger("loomserve.worker.io.sockets")  # the logger these lines always had
 

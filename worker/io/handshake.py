@@ -16,7 +16,7 @@ import structlog
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from loomserve.worker.io.curve import REFUSALS_LOGGED_EVERY
+from .curve import REFUSALS_LOGGED_EVERY
 
 log = structlog.get_logger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 import structlog
 import zmq
 
-from loomserve.protocol import (
+from ...protocol import (
     MAX_FRAME_BYTES,
     Embeddings,
     ErrorCode,
@@ -44,11 +44,11 @@ from loomserve.protocol import (
     VocabFile,
     encode,
 )
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.io.channels import Inbox, StatsBoard
-from loomserve.worker.io.curve import ServerKeys, make_curve_server
-from loomserve.worker.io.gateways import GatewayDesk, IOCounters, Replies, name_of
-from loomserve.worker.io.handshake import HandshakeWatch
+from ..config import WorkerConfig
+from .channels import Inbox, StatsBoard
+from .curve import ServerKeys, make_curve_server
+from .gateways import GatewayDesk, IOCounters, Replies, name_of
+from .handshake import HandshakeWatch
 
 log = structlog.get_logger(__name__)
 

@@ -37,8 +37,8 @@ import llama_cpp as llama
 import numpy as np
 import structlog
 
-from loomserve.protocol import SamplingParams
-from loomserve.worker.sched.slots import Run, TokenSampler
+from ...protocol import SamplingParams
+from ..sched.slots import Run, TokenSampler
 
 log = structlog.get_logger(__name__)
 

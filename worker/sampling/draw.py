@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loomserve.worker.sampling import rowscan
-from loomserve.worker.sampling.row_exp import exp_sum
-from loomserve.worker.sampling.rowscan import RowScan, sum_below
+from . import rowscan
+from .row_exp import exp_sum
+from .rowscan import RowScan, sum_below
 
 # The head's span is chosen so that the tail's envelope weighs about e^-TAIL_MARGIN of the
 # row's whole (estimated) mass: here e^1 of it, so most draws go to the tail, for a few random

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import structlog
 
-from loomserve.protocol import Generate
-from loomserve.worker.sampling.guidance import (
+from ...protocol import Generate
+from .guidance import (
     GrammarFailed,
     GrammarState,
     GrammarVocab,

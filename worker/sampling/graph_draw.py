@@ -37,16 +37,16 @@ import llama_cpp as llama
 import numpy as np
 import structlog
 
-from loomserve.worker.sampling import rowscan
-from loomserve.worker.sampling.backend_sampling import (
+from ..sched.slots import Run
+from . import rowscan
+from .backend_sampling import (
     backend_sampling_available,
     sampler_chain,
     set_sampler,
 )
-from loomserve.worker.sched.slots import Run
 
 if TYPE_CHECKING:
-    from loomserve.worker.sampling.samplers import HostSampler
+    from .samplers import HostSampler
 
 log = structlog.get_logger(__name__)
 

@@ -29,7 +29,7 @@ import llama_cpp as llama
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
-from loomserve.protocol.limits import guidance_grammar_problem, parser_limits
+from ...protocol.limits import guidance_grammar_problem, parser_limits
 
 _SPECIAL = b"\xff"  # llguidance's mark of a token that is not text
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from loomserve.protocol import Outputs, PromptLogprobs, SamplingParams, TokenChunk, TokenLogprobs
-from loomserve.worker.sched.slots import Run, Sampled, Slot, Step
+from ...protocol import Outputs, PromptLogprobs, SamplingParams, TokenChunk, TokenLogprobs
+from ..sched.slots import Run, Sampled, Slot, Step
 
 FLOOR = -9999.0  # what a token that cannot be chosen reports (as vLLM's); JSON has no -inf
 # Prompt rows are normalised this many at a time: a block's exponentials are a temporary of

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from loomserve.worker.sampling import rowscan
+from . import rowscan
 
 _NAMES = ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll")
 

@@ -33,10 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from loomserve.protocol import SamplingParams
-from loomserve.protocol.limits import MAX_LOGIT_BIAS
-from loomserve.worker.sampling import rowscan
-from loomserve.worker.sampling.backend_sampling import (
+from ...protocol import SamplingParams
+from ...protocol.limits import MAX_LOGIT_BIAS
+from ..sched.slots import TokenSampler
+from . import rowscan
+from .backend_sampling import (
     BackendSampler,
     GraphChains,
     backend_eligible,
@@ -44,22 +45,21 @@ from loomserve.worker.sampling.backend_sampling import (
     draws_plain_rows,
     sampler_chain,
 )
-from loomserve.worker.sampling.draw import (
+from .draw import (
     Truncation,
     draw_left,
     draw_settings,
     draw_token,
     draw_tokens,
 )
-from loomserve.worker.sampling.graph_draw import GraphDrawSampler
-from loomserve.worker.sampling.guidance import (
+from .graph_draw import GraphDrawSampler
+from .guidance import (
     GrammarFailed,
     GrammarState,
     GrammarVocab,
     request_grammar,
 )
-from loomserve.worker.sampling.logprobs import adjusted_logits, logit_adjustments
-from loomserve.worker.sched.slots import TokenSampler
+from .logprobs import adjusted_logits, logit_adjustments
 
 # Fewer rows than this in a tick, sampled or greedy, for Python helper threads (where there
 # are no OpenMP threads to draw on, and for rows drawn one by one): the tick's own thread

@@ -10,11 +10,11 @@ the Admission says to save it first. Plain Python, no model.
 
 from __future__ import annotations
 
-from loomserve.worker.cache.prefix_cache import can_place, place
-from loomserve.worker.cache.ram_cache import RamCache
-from loomserve.worker.sched.media import outside_image
-from loomserve.worker.sched.slots import Admission, Request, Slot, set_phase
-from loomserve.worker.sched.ubatches import SplitRules
+from ..cache.prefix_cache import can_place, place
+from ..cache.ram_cache import RamCache
+from .media import outside_image
+from .slots import Admission, Request, Slot, set_phase
+from .ubatches import SplitRules
 
 
 class Seating:

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from loomserve.worker.cache.ram_cache import SavedState
-    from loomserve.worker.sched.slots import Request, Slot
+    from ..cache.ram_cache import SavedState
+    from .slots import Request, Slot
 
 GIB = 1024**3
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
-from loomserve.protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
+from ...protocol.messages import DEFAULT_TENANT as DEFAULT_TENANT
 
 
 class Policy(StrEnum):

@@ -9,10 +9,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from loomserve.protocol import Load
-from loomserve.worker.sched.scheduler import Scheduler
-from loomserve.worker.sched.slots import Release, Slot, Step
-from loomserve.worker.stats import (
+from ...protocol import Load
+from ..stats import (
     FinishRecord,
     RamCacheUsage,
     SchedulerStats,
@@ -20,6 +18,8 @@ from loomserve.worker.stats import (
     TickCost,
     TickRecord,
 )
+from .scheduler import Scheduler
+from .slots import Release, Slot, Step
 
 log = structlog.get_logger("loomserve.worker.tick.loop")  # the logger these lines always had
 

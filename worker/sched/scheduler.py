@@ -23,15 +23,15 @@ from collections.abc import Sequence
 
 import structlog
 
-from loomserve.protocol import ErrorCode, FinishReason, Outputs, TokenChunk
-from loomserve.worker.cache.ram_cache import RamCache, SavedState
-from loomserve.worker.io.channels import Sink
-from loomserve.worker.sched.admission import Seating
-from loomserve.worker.sched.media import MediaSpan, media_at
-from loomserve.worker.sched.preemption import SwapSpace, victim_slot
-from loomserve.worker.sched.queueing import Policy, WaitingQueue
-from loomserve.worker.sched.shaping import add_drafts, shape, ubatches_with_filler
-from loomserve.worker.sched.slots import (
+from ...protocol import ErrorCode, FinishReason, Outputs, TokenChunk
+from ..cache.ram_cache import RamCache, SavedState
+from ..io.channels import Sink
+from .admission import Seating
+from .media import MediaSpan, media_at
+from .preemption import SwapSpace, victim_slot
+from .queueing import Policy, WaitingQueue
+from .shaping import add_drafts, shape, ubatches_with_filler
+from .slots import (
     KEEPS_CACHE,
     Admission,
     Preemption,
@@ -43,7 +43,7 @@ from loomserve.worker.sched.slots import (
     Step,
     set_phase,
 )
-from loomserve.worker.sched.strategies import (
+from .strategies import (
     BatchPlan,
     BatchStrategy,
     CheckedPlans,
@@ -51,8 +51,8 @@ from loomserve.worker.sched.strategies import (
     SlotPhase,
     SlotView,
 )
-from loomserve.worker.sched.tick_cost import LatencyTarget
-from loomserve.worker.sched.ubatches import SplitRules
+from .tick_cost import LatencyTarget
+from .ubatches import SplitRules
 
 log = structlog.get_logger(__name__)
 

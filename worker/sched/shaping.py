@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loomserve.worker.sched.slots import Run, Slot, Step
-from loomserve.worker.sched.strategies import BatchPlan, SlotPhase
-from loomserve.worker.sched.ubatches import SplitRules, count_ubatches, gaps_to_bridge
+from .slots import Run, Slot, Step
+from .strategies import BatchPlan, SlotPhase
+from .ubatches import SplitRules, count_ubatches, gaps_to_bridge
 
 
 def shape(plan: BatchPlan, slots: Sequence[Slot], budget: int, rules: SplitRules) -> Step:

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from loomserve.protocol import Finish, FinishReason, SamplingParams, TokenLogprobs
-from loomserve.worker.cache.ram_cache import RamEntry, SavedState
-from loomserve.worker.sched.media import MediaSpan, media_at, text_until
-from loomserve.worker.sched.queueing import DEFAULT_TENANT
-from loomserve.worker.sched.strategies import BatchPlan, SlotPhase, SlotView
-from loomserve.worker.sched.think_budget import ThinkBudget
+from ...protocol import Finish, FinishReason, SamplingParams, TokenLogprobs
+from ..cache.ram_cache import RamEntry, SavedState
+from .media import MediaSpan, media_at, text_until
+from .queueing import DEFAULT_TENANT
+from .strategies import BatchPlan, SlotPhase, SlotView
+from .think_budget import ThinkBudget
 
 if TYPE_CHECKING:
     import numpy as np

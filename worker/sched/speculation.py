@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from loomserve.worker.sched.least_squares import RecursiveLeastSquares
+from .least_squares import RecursiveLeastSquares
 
 # Acceptance of a fresh slot: optimistic, so that a new request gets to show what it does.
 PRIOR_ACCEPTED = 4.0

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from loomserve.worker.sched.least_squares import RecursiveLeastSquares
-from loomserve.worker.sched.strategies import BatchPlan, SlotPhase, SlotView, limit_prefill
-from loomserve.worker.stats import TickCost
+from ..stats import TickCost
+from .least_squares import RecursiveLeastSquares
+from .strategies import BatchPlan, SlotPhase, SlotView, limit_prefill
 
 FORGETTING = 0.98  # each tick weighs 2% less per newer tick: ~50 ticks of memory
 MAX_COVARIANCE_TRACE = 1e4  # no forgetting beyond this: unexcited directions must not blow up

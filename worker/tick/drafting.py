@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine.engine import Engine
-from loomserve.worker.sampling.logprobs import sampled
-from loomserve.worker.sched.records import SpecCounts
-from loomserve.worker.sched.scheduler import Scheduler
-from loomserve.worker.sched.slots import Run, Sampled, Slot, Step
-from loomserve.worker.sched.speculation import Proposal, SpecSettings, Speculator
-from loomserve.worker.sched.strategies import SlotPhase
-from loomserve.worker.sched.tick_cost import WARM_UP_TICKS, TickCostModel
-from loomserve.worker.sched.ubatches import SplitRules
+from ..config import WorkerConfig
+from ..engine.engine import Engine
+from ..sampling.logprobs import sampled
+from ..sched.records import SpecCounts
+from ..sched.scheduler import Scheduler
+from ..sched.slots import Run, Sampled, Slot, Step
+from ..sched.speculation import Proposal, SpecSettings, Speculator
+from ..sched.strategies import SlotPhase
+from ..sched.tick_cost import WARM_UP_TICKS, TickCostModel
+from ..sched.ubatches import SplitRules
 
 
 def make_speculator(config: WorkerConfig, split_rules: SplitRules) -> Speculator | None:

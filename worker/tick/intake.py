@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from collections.abc import Container
 
-from loomserve.protocol import ErrorCode, Generate
-from loomserve.worker.sched.media import MediaSpan
-from loomserve.worker.sched.queueing import DEFAULT_TENANT
-from loomserve.worker.sched.scheduler import Scheduler
-from loomserve.worker.sched.slots import Request, RequestKey, TokenSampler
-from loomserve.worker.sched.think_budget import ThinkBudget
+from ...protocol import ErrorCode, Generate
+from ..sched.media import MediaSpan
+from ..sched.queueing import DEFAULT_TENANT
+from ..sched.scheduler import Scheduler
+from ..sched.slots import Request, RequestKey, TokenSampler
+from ..sched.think_budget import ThinkBudget
 
 NO_IMAGES = "this model reads no images: its worker has no vision projector (--mmproj)"
 NO_EMBEDDINGS = (

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import structlog
 
-from loomserve.worker.cache.ram_cache import RamEntry
-from loomserve.worker.engine.engine import Engine
-from loomserve.worker.sched.scheduler import Scheduler
-from loomserve.worker.sched.slots import Admission, Preemption
+from ..cache.ram_cache import RamEntry
+from ..engine.engine import Engine
+from ..sched.scheduler import Scheduler
+from ..sched.slots import Admission, Preemption
 
 log = structlog.get_logger("loomserve.worker.tick.loop")  # the logger these lines always had
 

@@ -26,20 +26,20 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from loomserve.protocol import (
+from ...protocol import (
     Accepted,
     Embed,
     ErrorCode,
     Generate,
     Rejected,
 )
-from loomserve.worker.cache.prefix_cache import AdvertisedPrefixes
-from loomserve.worker.config import WorkerConfig
-from loomserve.worker.engine.batch import Filled, fill_batch
-from loomserve.worker.engine.embeddings import Embedder
-from loomserve.worker.engine.engine import Engine
-from loomserve.worker.engine.media import EmbeddingBatch, EncodedPrompt, MediaEncoder
-from loomserve.worker.io.channels import (
+from ..cache.prefix_cache import AdvertisedPrefixes
+from ..config import WorkerConfig
+from ..engine.batch import Filled, fill_batch
+from ..engine.embeddings import Embedder
+from ..engine.engine import Engine
+from ..engine.media import EmbeddingBatch, EncodedPrompt, MediaEncoder
+from ..io.channels import (
     STOP,
     Abort,
     Compiled,
@@ -50,38 +50,38 @@ from loomserve.worker.io.channels import (
     StatsBoard,
     Submit,
 )
-from loomserve.worker.sampling.grammar_compiler import GrammarCompiler
-from loomserve.worker.sampling.guidance import GrammarState
-from loomserve.worker.sampling.logprobs import sampled, score_prompts
-from loomserve.worker.sampling.samplers import InvalidSampling, SamplingThreads, sample_rows
-from loomserve.worker.sched.media import rope_position
-from loomserve.worker.sched.preemption import GIB
-from loomserve.worker.sched.queueing import WaitingQueue
-from loomserve.worker.sched.records import (
+from ..sampling.grammar_compiler import GrammarCompiler
+from ..sampling.guidance import GrammarState
+from ..sampling.logprobs import sampled, score_prompts
+from ..sampling.samplers import InvalidSampling, SamplingThreads, sample_rows
+from ..sched.media import rope_position
+from ..sched.preemption import GIB
+from ..sched.queueing import WaitingQueue
+from ..sched.records import (
     finish_record,
     log_finish,
     log_tick,
     scheduler_stats,
     tick_record,
 )
-from loomserve.worker.sched.scheduler import PendingOutputs, Scheduler
-from loomserve.worker.sched.slots import Release, RequestKey, Sampled, Step
-from loomserve.worker.sched.strategies import load_strategy
-from loomserve.worker.sched.tick_cost import LatencyTarget, TickCostModel
-from loomserve.worker.stats import FinishRecord, MediaRecord, SchedulerStats, TickRecord
-from loomserve.worker.tick.drafting import Drafting, make_speculator
-from loomserve.worker.tick.faults import DecodeFaults
-from loomserve.worker.tick.intake import (
+from ..sched.scheduler import PendingOutputs, Scheduler
+from ..sched.slots import Release, RequestKey, Sampled, Step
+from ..sched.strategies import load_strategy
+from ..sched.tick_cost import LatencyTarget, TickCostModel
+from ..stats import FinishRecord, MediaRecord, SchedulerStats, TickRecord
+from .drafting import Drafting, make_speculator
+from .faults import DecodeFaults
+from .intake import (
     NO_EMBEDDINGS,
     NO_IMAGES,
     media_refusal,
     new_request,
     refusal,
 )
-from loomserve.worker.tick.kv_moves import KvMoves
+from .kv_moves import KvMoves
 
 if TYPE_CHECKING:  # imported by server.py only when tracing is on
-    from loomserve.worker.tick.tracing import RequestTracer
+    from .tracing import RequestTracer
 
 log = structlog.get_logger(__name__)
 

@@ -32,8 +32,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from loomserve.protocol import Embed, Finish, FinishReason
-from loomserve.worker.sched.slots import Request
+from ...protocol import Embed, Finish, FinishReason
+from ..sched.slots import Request
 
 log = structlog.get_logger(__name__)
 
