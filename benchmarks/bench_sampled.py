@@ -6,8 +6,8 @@ defaults and with `--backend-sampling` (its sampler chains in the graph). Every 
 alternating, so that the shared machine's moods spread over all of them. Loads (closed
 loops of `loomserve bench`, random prompts of 50 tokens, 64 tokens out with ignore_eos):
 
-  greedy c=4, c=16:       temperature 0
-  T=1 c=4, c=16:          temperature 1 and nothing else: loomserve samples the whole
+  greedy c=1, c=4, c=16:  temperature 0
+  T=1 c=1, c=4, c=16:     temperature 1 and nothing else: loomserve samples the whole
                           distribution (as OpenAI and vLLM do); llama-server adds its own
                           defaults (top-k 40, top-p 0.95, min-p 0.05)
   T=0.7 top_p c=4, c=16:  temperature 0.7, top_p 0.95 (a common client default)
@@ -61,6 +61,8 @@ class Load:
 
 
 LOADS = (
+    Load("greedy c=1", 1, 0.0),
+    Load("T=1 c=1", 1, 1.0),
     Load("greedy c=4", 4, 0.0),
     Load("greedy c=16", 16, 0.0),
     Load("T=1 c=4", 4, 1.0),
@@ -100,7 +102,7 @@ def run_load(base_url: str, load: Load, seed: int) -> float:
         load.name,
         "random",
         load.concurrency,
-        2 * load.concurrency,
+        max(2 * load.concurrency, 6),  # a single stream's run long enough to time
         "completions",
         INPUT_TOKENS,
         OUTPUT_TOKENS,

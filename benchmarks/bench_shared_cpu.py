@@ -163,7 +163,8 @@ def report(
     lines.append("")
     lines.append("worst busy repetition / quiet median (goal) | per server")
     for n_streams in streams:
-        for n_busy in (b for b in busy if b):
+        # Against the quiet cells, where this run measured them (--busy with 0).
+        for n_busy in (b for b in busy if b and 0 in busy):
             ratios = []
             for server in servers:
                 quiet = statistics.median(r.tok_s for r in cell(server, 0, n_streams))
