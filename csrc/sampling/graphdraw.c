@@ -12,9 +12,9 @@
  *
  * The operation's threads share the row's block maxima (a slice each; for a top-p alone, which
  * sums the row in its scan, a share of the scan's parts, folded as the host's one pass folds
- * them: the same sums), then the first thread finishes the draw. A row the draw leaves
- * (LS_NOT_SERVED: a NaN, a top-p cut in doubt) is copied to the sequence's spare row, for
- * draw.py to finish on the host.
+ * them: the same sums), then the first thread finishes the draw. Every row is drawn here
+ * (rowdraw.c serves every row: a NaN's gives its argmax, a top-p cut in doubt is summed again
+ * in float64), so no row is ever copied out for the host.
  *
  * Building a pass's graph, the sampler also runs the pass hook the worker set, if any: the
  * kernels library's ls_q0_swap_graph (csrc/kernels/q0swap.c), which swaps its matmuls for
@@ -32,12 +32,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "ggml_abi.h"
 
 #define BLOCK 256
-#define LS_NOT_SERVED (-1)
 
 /* rowscan.c's and rowdraw.c's */
 int ls_block_max(const float *row, int64_t n, float *block_max);
@@ -91,8 +89,7 @@ typedef struct {
     int64_t greedy;     /* 1: the argmax, settings unused */
     int64_t n;          /* the row's length */
     char *scratch;      /* ls_draw_scratch_bytes(n), shared: one operation runs at a time */
-    float *spare;       /* n floats: a row the draw left, for the host */
-    int64_t token;      /* out: the token, or LS_NOT_SERVED (the row is in spare) */
+    int64_t token;      /* out: the token */
     double found[2];    /* out: ls_draw's */
     atomic_int arrived; /* threads done with their slice of the block maxima */
     atomic_int nan;     /* whether a slice held a NaN */
@@ -154,7 +151,9 @@ static void draw_row(struct ggml_tensor *dst, int ith, int nth, void *userdata) 
         if (g->greedy) {
             token = ls_argmax_from(row, n, (const float *)g->scratch, nan);
         } else if (nan) {
-            token = LS_NOT_SERVED;
+            /* rowdraw.c's rule for a row with a NaN: its argmax (the first NaN), alone. */
+            token = ls_argmax_from(row, n, (const float *)g->scratch, nan);
+            g->found[0] = g->found[1] = 1.0;
         } else {
             double total = -1.0, weighted_depth = 0.0; /* not summed */
             if (summed)
@@ -164,10 +163,9 @@ static void draw_row(struct ggml_tensor *dst, int ith, int nth, void *userdata) 
                                       weighted_depth, g->found);
         }
     }
-    if (token == LS_NOT_SERVED) memcpy(g->spare, row, (size_t)n * sizeof(float));
     g->token = token;
     atomic_fetch_add(&rows_drawn, 1);
-    ((int32_t *)dst->data)[0] = (int32_t)(token < 0 ? 0 : token);
+    ((int32_t *)dst->data)[0] = (int32_t)token;
 }
 
 static const char *graph_draw_name(const struct llama_sampler *smpl) {

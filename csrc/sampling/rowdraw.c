@@ -9,10 +9,11 @@
  * threads then queue for the GIL instead of drawing side by side. Here a token is one ctypes
  * call, which lets go of the GIL for all of it.
  *
- * Left to draw.py (ls_draw returns LS_NOT_SERVED): a row whose best logit is not finite (a
- * NaN, or every token biased away), and the rare top-p cut that even the bounds from the
- * float32 exponentials leave in doubt (draw.py sums the row in float64), or that needs them on
- * a CPU without AVX-512.
+ * Every row is served here, on any CPU: a row whose best logit is not finite (a NaN, or every
+ * token biased away) gives its argmax, as draw.py's reference does, and the rare top-p cut
+ * that even the bounds from the float32 exponentials leave in doubt is settled by the row's
+ * mass summed in extended precision (float64_cut). The tests hold the draws to a numpy
+ * reference of the same steps (tests/worker/sampling/oracle.py).
  *
  * Random numbers come from splitmix64 seeded with one 64-bit number per token from the
  * request's own generator, so a seeded request draws the same tokens alone, batched and
@@ -24,12 +25,12 @@
 #include <stdlib.h>
 
 #define BLOCK 256
-#define LS_NOT_SERVED (-1)
 /* rowscan.c's: the most rows ls_block_max_rows reads side by side. */
 #define ROWS_AT_ONCE 4
 
 /* rowscan.c's */
 int ls_block_max(const float *row, int64_t n, float *block_max);
+int64_t ls_argmax_from(const float *row, int64_t n, const float *block_max, int nan);
 void ls_block_max_rows(const float *const *rows, int64_t count, int64_t n, float *block_max,
                        int *nan);
 int64_t ls_gather(const float *row, int64_t n, const float *block_max, float low, float high,
@@ -341,12 +342,24 @@ static int64_t settled_cut(const Draw *d, int64_t taken, double top_p, double le
     return -1;
 }
 
-/* The nucleus from the whole row's float32 exponentials, summed as `total` (negative where
- * the CPU lacks AVX-512 for them) to within `error`: draw.py's _summed_nucleus and
- * _mass_from_rest. How many tokens it keeps (in ids, best first), or LS_NOT_SERVED where its
- * cut is still in doubt, or there is no sum. */
+/* The nucleus from the row's mass summed in float64 terms with an 80-bit sum (long double:
+ * off by at most 262,144 roundings of 2^-64, far under float64's own): the reference's
+ * float64 sum, for the rare cut that the float32 sums' bounds leave in doubt (draw.py's
+ * _float64_cut). A few ms at Gemma's 262,144 tokens, taken by about one top-p row in a
+ * thousand. How many tokens it keeps (in ids, best first). */
+static int64_t float64_cut(Draw *d, double top_p) {
+    long double sum = 0.0L;
+    for (int64_t i = 0; i < d->n; i++) sum += exp((double)d->row[i] - (double)d->peak);
+    double total = (double)sum;
+    int64_t taken = take_best_first(d, NULL, 0, top_p * total);
+    int64_t last = first_reaching(d->weights, taken, top_p * total);
+    return (last < taken ? last : taken - 1) + 1;
+}
+
+/* The nucleus from the whole row's float32 exponentials, summed as `total` to within `error`:
+ * draw.py's _summed_nucleus and _mass_from_rest. How many tokens it keeps (in ids, best
+ * first). */
 static int64_t summed_nucleus(Draw *d, double top_p, double total, double error) {
-    if (total < 0.0) return LS_NOT_SERVED;
     double least_total = total - error, most_total = total + error;
     int64_t taken = take_best_first(d, NULL, 0, top_p * most_total);
     int64_t last = settled_cut(d, taken, top_p, least_total, most_total);
@@ -363,18 +376,18 @@ static int64_t summed_nucleus(Draw *d, double top_p, double total, double error)
     least_total = (taken_mass + rest - error) * (1.0 - SUM_SLACK);
     most_total = (taken_mass + rest + error) * (1.0 + SUM_SLACK);
     last = settled_cut(d, taken, top_p, least_total, most_total);
-    return last >= 0 ? last + 1 : LS_NOT_SERVED;
+    return last >= 0 ? last + 1 : float64_cut(d, top_p);
 }
 
-/* The nucleus from the row's exponentials summed again (rowscan.c's AVX-512 kernel), within
- * EXP_SUM_ERROR as for any row; LS_NOT_SERVED without AVX-512. */
+/* The nucleus from the row's exponentials summed again (rowscan.c's kernel), within
+ * EXP_SUM_ERROR as for any row. */
 static int64_t resummed_nucleus(Draw *d, double top_p) {
     double whole = ls_exp_sum_below(d->row, d->n, d->peak, INFINITY);
     return summed_nucleus(d, top_p, whole, whole * EXP_SUM_ERROR);
 }
 
 /* top-p without top-k: draw.py's _nucleus_candidates. How many tokens the nucleus keeps (in
- * ids, best first), or LS_NOT_SERVED. */
+ * ids, best first). */
 static int64_t nucleus(Draw *d, double top_p) {
     const float *row = d->row;
     float floor = (float)((double)d->peak - NUCLEUS_MASS_SPAN);
@@ -424,6 +437,17 @@ static int top_p_alone(int64_t n, int64_t top_k, double top_p) {
     return top_p < 1.0 && !(0 < top_k && top_k < n);
 }
 
+/* A row with a NaN (`nan`) or no finite best logit (every token biased away, or one at
+ * +inf): its argmax (numpy's: the first NaN, else the first largest logit), the one candidate,
+ * as draw.py's candidates() takes it: a broken forward pass gives a token, not an error. */
+static int64_t argmax_draw(Draw *d, int nan, double *found) {
+    int64_t token = ls_argmax_from(d->row, d->n, d->block_max, nan);
+    d->ids[0] = (int32_t)token;
+    found[0] = 1.0; /* the candidate's weight, in units of the best token's: its own */
+    found[1] = 1.0;
+    return token;
+}
+
 /* The rest of a draw once d->block_max holds its row's maxima (a row with no NaN) and, for a
  * top-p alone where the CPU could, `total` its mass within `error` (total < 0: not summed). */
 static int64_t finish(Draw *d, double temperature, int64_t top_k, double top_p, double min_p,
@@ -432,14 +456,13 @@ static int64_t finish(Draw *d, double temperature, int64_t top_k, double top_p, 
     d->peak = -INFINITY;
     for (int64_t b = 0; b < n_blocks; b++)
         if (d->block_max[b] > d->peak) d->peak = d->block_max[b];
-    if (!isfinite(d->peak)) return LS_NOT_SERVED;
+    if (!isfinite(d->peak)) return argmax_draw(d, 0, found);
     double least = min_p > 0.0 ? (double)d->peak + log(min_p) : -INFINITY;
     int64_t token;
     if (0 < top_k && top_k < d->n) token = draw_top_k(d, temperature, top_k, top_p, least);
     else if (top_p == 1.0) token = draw_tempered(d, temperature, least, span);
     else {
         int64_t kept = total >= 0.0 ? summed_nucleus(d, top_p, total, error) : nucleus(d, top_p);
-        if (kept < 0) return LS_NOT_SERVED;
         if (least > -INFINITY) kept = keep_over(d, kept, least);
         token = pick_head(d, kept, temperature);
     }
@@ -463,8 +486,7 @@ static double scan_error(double total, double weighted_depth) {
  * it). scratch: ls_draw_scratch_bytes(n) bytes, 64-byte aligned; the candidates' ids are left
  * ls_draw_ids_at(n) bytes in. found[0] gets the candidates' tempered weight in units of the
  * best token's (the hint for the request's next row), found[1] how many there are (-1 when the
- * tail was kept too: every token is a candidate). Returns the token, or LS_NOT_SERVED (see
- * the top of this file). */
+ * tail was kept too: every token is a candidate). Returns the token. */
 int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, double top_p,
                 double min_p, double span, uint64_t seed, char *scratch, double *found) {
     Draw d = start(row, n, seed, scratch);
@@ -475,7 +497,7 @@ int64_t ls_draw(const float *row, int64_t n, double temperature, int64_t top_k, 
                       ? ls_scan_exp_sum(row, n, d.block_max, &total, &weighted_depth)
                       : -1;
     if (has_nan < 0) has_nan = ls_block_max(row, n, d.block_max);
-    if (has_nan) return LS_NOT_SERVED;
+    if (has_nan) return argmax_draw(&d, 1, found);
     return finish(&d, temperature, top_k, top_p, min_p, span, total,
                   scan_error(total, weighted_depth), found);
 }
@@ -518,7 +540,7 @@ void ls_draw_group(const float *const *rows, int64_t count, int64_t n, const dou
         if (k < n_together && together[k] == i) {
             Draw d = start(rows[i], n, seeds[i], scratch);
             d.block_max = maxima + k * n_blocks;
-            tokens[i] = nan[k++] ? LS_NOT_SERVED
+            tokens[i] = nan[k++] ? argmax_draw(&d, 1, found + 2 * i)
                                  : finish(&d, s[0], (int64_t)s[1], s[2], s[3], s[4], -1.0, 0.0,
                                           found + 2 * i);
         } else {

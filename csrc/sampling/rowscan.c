@@ -9,10 +9,10 @@
  * maximum reaches them, which that pass has just left in the cache.
  *
  * AVX-512 or AVX2 where the CPU has them (chosen when called: one build runs on any x86-64);
- * plain C for a row's last, partial block, for what AVX2 has no version of, and where the tests
- * limit the instruction set. rowscan.py loads it with ctypes, which lets go of the GIL for each
- * call, and serves with numpy on a CPU with neither; the tests hold every version here to
- * numpy's answers. No Python API: it is a plain shared library, not an importable module.
+ * plain C for a row's last, partial block, for what AVX2 has no version of, on a CPU with
+ * neither, and where the tests limit the instruction set. rowscan.py loads it with ctypes,
+ * which lets go of the GIL for each call; the tests hold every version here to numpy's
+ * answers. No Python API: it is a plain shared library, not an importable module.
  */
 
 #include <math.h>
@@ -49,6 +49,20 @@ static int64_t band_plain(const float *row, int64_t len, int32_t first_id, float
         found++;
     }
     return found;
+}
+
+/* ls_exp_sum_below in plain C (for a CPU without AVX2, and a row's last few tokens): the
+ * kernels' float32 differences, each exponential by libm's expf (within an ulp, inside the 2
+ * ulps rowdraw.c's bounds allow) and summed in float64, so within those bounds too. */
+static double exp_sum_plain(const float *row, int64_t n, float peak, float below, float *out) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        float d = row[i] - peak;
+        float e = d >= -104.0f ? expf(d) : 0.0f; /* as the kernel: 0 for -inf (and NaN) */
+        if (out) out[i] = e;
+        if (row[i] < below) sum += e;
+    }
+    return sum;
 }
 
 #ifdef X86
@@ -183,6 +197,60 @@ __attribute__((target("avx512f"))) static inline __m512 exp_of_depth_avx512(__m5
     const __m512 deepest = _mm512_set1_ps(-104.0f);
     __mmask16 live = _mm512_cmp_ps_mask(d, deepest, _CMP_GE_OQ);
     return _mm512_maskz_mov_ps(live, exp_of_clamped_avx512(_mm512_max_ps(d, deepest)));
+}
+
+/* exp_of_clamped_avx512 for 8 floats with AVX2 and FMA: the same steps, and 2^k (k in
+ * [-150, 0]) applied as two factors 2^(k/2) and 2^(k - k/2), each a normal float, so that
+ * only the last product rounds, as scalef rounds once: the same bits. */
+__attribute__((target("avx2,fma"))) static inline __m256 exp_of_clamped_avx2(__m256 d) {
+    const __m256 shifter = _mm256_set1_ps(12582912.0f);
+    __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(d, _mm256_set1_ps(1.44269504088896341f), shifter),
+                             shifter);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), d);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 y = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i whole = _mm256_cvtps_epi32(k);
+    __m256i half = _mm256_srai_epi32(whole, 1), rest = _mm256_sub_epi32(whole, half);
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, first), second);
+}
+
+/* exp_sum_avx512 with AVX2 and FMA, 32 exponentials at a time summed in float32 as the same
+ * tree (two roundings), then in float64; the row's last few tokens in plain C. */
+__attribute__((target("avx2,fma"))) static double exp_sum_avx2(const float *row, int64_t n,
+                                                                float peak, float below,
+                                                                float *out) {
+    const __m256 peaks = _mm256_set1_ps(peak), bars = _mm256_set1_ps(below);
+    const __m256 deepest = _mm256_set1_ps(-104.0f);
+    __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256 e[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 x = _mm256_loadu_ps(row + i + 8 * j), d = _mm256_sub_ps(x, peaks);
+            /* 0 for -inf (and NaN): e^-104 rounds to 0 all the same. */
+            __m256 live = _mm256_cmp_ps(d, deepest, _CMP_GE_OQ);
+            e[j] = _mm256_and_ps(live, exp_of_clamped_avx2(_mm256_max_ps(d, deepest)));
+            if (out) _mm256_storeu_ps(out + i + 8 * j, e[j]);
+            e[j] = _mm256_and_ps(_mm256_cmp_ps(x, bars, _CMP_LT_OQ), e[j]);
+        }
+        __m256 sum = _mm256_add_ps(_mm256_add_ps(e[0], e[1]), _mm256_add_ps(e[2], e[3]));
+        low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(sum)));
+        high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(sum, 1)));
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(low, high));
+    double rest = exp_sum_plain(row + i, n - i, peak, below, out ? out + i : NULL);
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]) + rest;
 }
 
 /* The lanes of 16 floats added to two vectors of 8 doubles. */
@@ -377,6 +445,15 @@ static int cpu_has(int level) {
 }
 #endif
 
+/* Whether the AVX2 exponentials can run: AVX2 with FMA (every AVX2 CPU made has both). */
+static int has_avx2_fma(void) {
+#ifdef X86
+    return cpu_has(1) && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
 /* The level the functions below run at (within ls_limit_isa's). */
 int ls_isa(void) {
 #ifdef X86
@@ -568,22 +645,22 @@ int64_t ls_count(const float *row, int64_t n, const float *block_max, float low,
 }
 
 /* out[i] = e^(row[i] - peak) in float32 (peak: the row's largest logit), and their sum in
- * float64. Returns -1 where the CPU lacks AVX-512: ggml's kernel serves there (row_exp.py). */
+ * float64. */
 double ls_exp_sum(const float *row, int64_t n, float peak, float *out) {
 #ifdef X86
     if (cpu_has(2)) return exp_sum_avx512(row, n, peak, INFINITY, out);
+    if (has_avx2_fma()) return exp_sum_avx2(row, n, peak, INFINITY, out);
 #endif
-    (void)row, (void)n, (void)peak, (void)out;
-    return -1.0;
+    return exp_sum_plain(row, n, peak, INFINITY, out);
 }
 
 /* The same sum over the tokens whose logit is under `below`, and none stored. */
 double ls_exp_sum_below(const float *row, int64_t n, float peak, float below) {
 #ifdef X86
     if (cpu_has(2)) return exp_sum_avx512(row, n, peak, below, NULL);
+    if (has_avx2_fma()) return exp_sum_avx2(row, n, peak, below, NULL);
 #endif
-    (void)row, (void)n, (void)peak, (void)below;
-    return -1.0;
+    return exp_sum_plain(row, n, peak, below, NULL);
 }
 
 /* The sum, in float64, of values[i] over the tokens whose logit row[i] is under `below`. */

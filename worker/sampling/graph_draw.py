@@ -60,7 +60,6 @@ class DrawState(ctypes.Structure):
         ("greedy", ctypes.c_int64),
         ("n", ctypes.c_int64),
         ("scratch", ctypes.c_void_p),
-        ("spare", ctypes.c_void_p),
         ("token", ctypes.c_int64),
         ("found", ctypes.c_double * 2),
         ("arrived", ctypes.c_int),
@@ -88,7 +87,7 @@ class GraphDrawSampler:
     after (sample); where the pass ran without its sampler attached, it samples the copied
     row on the host."""
 
-    __slots__ = ("_host", "_prepared", "failure", "left")
+    __slots__ = ("_host", "_prepared", "failure")
 
     grammar_complete = False  # no grammar
     plain_greedy = False  # its row's logits may not be on the host at all
@@ -97,28 +96,26 @@ class GraphDrawSampler:
 
     def __init__(self, host: HostSampler) -> None:
         self._host = host
-        self._prepared: tuple[DrawState, np.ndarray] | None = None
+        self._prepared: DrawState | None = None
         self.failure: str | None = None
-        self.left = 0  # rows the C draw left to the host (a NaN, a top-p cut in doubt)
 
-    def prepare(self, state: DrawState, spare: np.ndarray, n_vocab: int) -> None:
+    def prepare(self, state: DrawState, n_vocab: int) -> None:
         """Before a pass that samples it: its next draw into its sequence's state."""
         inputs = self._host.graph_inputs(n_vocab)
         state.greedy = inputs is None
         if inputs is not None:
             state.settings[:], state.seed = inputs
         state.token = -1
-        self._prepared = state, spare
+        self._prepared = state
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token graphdraw.c drew in the last pass; from `logits` on the host where the
         pass ran without its sampler."""
         if self._prepared is None:
             return self._host.sample(batch_index, logits)
-        state, spare = self._prepared
+        state = self._prepared
         self._prepared = None
-        self.left += state.token < 0
-        return self._host.graph_drawn(state.token, state.found[0], spare)
+        return self._host.graph_drawn(state.token, state.found[0])
 
     def close(self) -> None:
         """Nothing to free: the sequence's sampler is the engine's (GraphDraws)."""
@@ -149,12 +146,9 @@ class GraphDraws:
         scratch = np.zeros(lib.ls_draw_scratch_bytes(n_vocab) + 64, dtype=np.uint8)
         offset = -scratch.ctypes.data % 64
         self._scratch = scratch
-        # A row the draw leaves is copied here (its pages are touched only then).
-        self._spare = np.empty((n_seqs, n_vocab), dtype=np.float32)
-        for seq, state in enumerate(self._states):
+        for state in self._states:
             state.n = n_vocab
             state.scratch = scratch.ctypes.data + offset
-            state.spare = self._spare[seq].ctypes.data
         self._chains: dict[int, Any] = {}  # attached: sequence -> llama.cpp chain
         self.refused = False  # llama.cpp would not take the sampler: everything on the host
         self.prepared = 0  # draws handed to the graph (for tests and benchmarks)
@@ -181,7 +175,7 @@ class GraphDraws:
             seq = run.slot.index
             sampler = run.slot.occupant.chain
             if isinstance(sampler, GraphDrawSampler) and self._attach(seq):
-                sampler.prepare(self._states[seq], self._spare[seq], self._n_vocab)
+                sampler.prepare(self._states[seq], self._n_vocab)
                 self.prepared += 1
             else:
                 self._detach(seq)

@@ -1,8 +1,9 @@
-"""One row of logits, read once: each block's largest logit, then the tokens whose logits lie
-in a band, from the blocks that reach it (rowscan.c, with AVX-512 or AVX2; numpy where that
-library is not built or the CPU has neither). Also the row's exponentials and their sum, and a
-masked sum, for top-p's mass (AVX-512 only; row_exp.py and draw.py fall back). And draw(): a
-whole token drawn in one call (rowdraw.c, which reads the row through this scan).
+"""csrc/sampling's library, loaded with ctypes: draw(), a whole token drawn in one call
+(rowdraw.c), and draw_rows(), a tick's rows in one; each row's argmax (argmax_rows); and the
+row scan they read the row through (rowscan.c: each block's largest logit, then the tokens whose
+logits lie in a band, from the blocks that reach it), with AVX-512, AVX2 or plain C, whichever
+the CPU has. RowScan, exp_sum and sum_below give the scan to the tests' numpy reference of the
+draw (tests/worker/sampling/oracle.py), with numpy where the C cannot read the row.
 
 Why: the host sampler's draw is bound by reading its row, 1 MB at Gemma's 262,144 tokens. A
 numpy max, then a compare and a nonzero over the whole row for the tokens near the best, read
@@ -86,10 +87,19 @@ _SCRATCH = threading.local()
 @functools.cache
 def library() -> Any | None:
     """csrc/sampling's library as built beside this package (pip builds it: pyproject.toml's
-    ext-modules); None where it is missing or the CPU has neither AVX-512 nor AVX2 (numpy is
-    then as fast)."""
-    found = load_native(Path(__file__).resolve().parent, "_sampling", _SIGNATURES)
-    return found if found is not None and found.ls_isa() > 0 else None
+    ext-modules), on any CPU (plain C where it has neither AVX-512 nor AVX2); None where it is
+    missing."""
+    return load_native(Path(__file__).resolve().parent, "_sampling", _SIGNATURES)
+
+
+def native() -> Any:
+    """library(), which the worker cannot sample without: the draw is the C's alone."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(
+            "loomserve's sampling library (csrc/sampling) is not built: pip install builds it"
+        )
+    return lib
 
 
 def load_native(
@@ -165,8 +175,8 @@ def _scratch(size: int) -> np.ndarray:
 
 
 def exp_sum(row: np.ndarray, peak: float, out: np.ndarray) -> float | None:
-    """out[i] = e^(row[i] - peak) in float32 and their sum in float64, by the AVX-512 kernel;
-    None where it cannot serve (no AVX-512, or a row that is not contiguous float32)."""
+    """out[i] = e^(row[i] - peak) in float32 and their sum in float64, by rowscan.c's kernel;
+    None where it cannot serve (a row that is not contiguous float32)."""
     lib = library()
     if lib is None or not _plain(row) or not _plain(out):
         return None
@@ -224,13 +234,12 @@ def draw(
     min_p: float,
     span: float,
     seed: int,
-) -> Drawn | None:
-    """A token drawn from the row (rowdraw.c: draw.py's candidates() and pick() in one call);
-    None where that cannot serve: no library, a row that is not contiguous float32, one whose
-    best logit is not finite, a top-p cut left in doubt."""
-    lib = library()
-    if lib is None or not _plain(row):
-        return None
+) -> Drawn:
+    """A token drawn from the row in one call (rowdraw.c), for any row: one that is not
+    contiguous float32 is copied into one first."""
+    lib = native()
+    if not _plain(row):
+        row = np.ascontiguousarray(row, dtype=np.float32)
     found = (ctypes.c_double * 2)()
     token = lib.ls_draw(
         row.ctypes.data,
@@ -244,13 +253,13 @@ def draw(
         _draw_scratch(lib, len(row))[0],
         found,
     )
-    return None if token < 0 else Drawn(int(token), found[0], int(found[1]))
+    return Drawn(int(token), found[0], int(found[1]))
 
 
 class DrawnRows(NamedTuple):
     """What ls_draw_rows_on found, a row each."""
 
-    tokens: np.ndarray  # int64, one a row; -1 where draw() would have given None
+    tokens: np.ndarray  # int64, one a row
     head_mass: np.ndarray  # float64, as Drawn's
 
 
@@ -305,10 +314,10 @@ def draw_candidates(
     row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
 ) -> np.ndarray | None:
     """The tokens rowdraw.c draws from (in its order: best first for a top-p), for the tests
-    to hold to the whole row's; None where it does not serve, or keeps a tail (every token)."""
+    to hold to the whole row's; None where it keeps a tail (every token is a candidate)."""
     drawn = draw(row, temperature, top_k, top_p, min_p, 1.0, 0)
-    lib = library()
-    if drawn is None or drawn.kept < 0 or lib is None:
+    lib = native()
+    if drawn.kept < 0:
         return None
     _, _, scratch, address, _ = _SCRATCH.draw
     start = address - scratch.ctypes.data + lib.ls_draw_ids_at(len(row))

@@ -47,7 +47,6 @@ from .backend_sampling import (
 )
 from .draw import (
     Truncation,
-    draw_left,
     draw_settings,
     draw_token,
     draw_tokens,
@@ -198,14 +197,10 @@ class HostSampler:
         seed = self._rng.bit_generator.random_raw()
         return draw_settings(self._cut, n_vocab, self._mass), seed
 
-    def graph_drawn(self, token: int, mass: float, left: np.ndarray) -> int:
-        """The token graphdraw.c drew after graph_inputs(), with its head mass; where it left
-        the row (token < 0), drawn from `left`, its copy of the row, as draw_rows would."""
-        if self._cut is None:  # greedy: the argmax, which the C always serves
-            return token
-        if token < 0:
-            token, mass = draw_left(left, self._cut, self._rng, self._mass)
-        self._mass = mass
+    def graph_drawn(self, token: int, mass: float) -> int:
+        """The token graphdraw.c drew after graph_inputs(), with its head mass."""
+        if self._cut is not None:  # greedy: the argmax, no hint to keep
+            self._mass = mass
         return token
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:

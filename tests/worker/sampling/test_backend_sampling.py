@@ -16,7 +16,6 @@ import pytest
 from loomserve.protocol import FinishReason, Generate, Outputs, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine, ModelDescription
-from loomserve.worker.sampling import rowscan
 from loomserve.worker.sampling.backend_sampling import BackendSampler
 from loomserve.worker.sampling.draw import Truncation
 from loomserve.worker.sampling.graph_draw import GraphDrawSampler
@@ -194,10 +193,7 @@ def test_grammar_and_logprobs_requests_share_the_pass_on_the_host(engine, config
     "mode",
     [
         "on",  # llama.cpp's chain: the request continues on a clone
-        pytest.param(  # the C draw (graph_draw.py): its host sampler's generator goes on
-            "draw",
-            marks=pytest.mark.skipif(rowscan.library() is None, reason="no C draw on this CPU"),
-        ),
+        "draw",  # the C draw (graph_draw.py): its host sampler's generator goes on
     ],
 )
 def test_a_preempted_request_resumes_its_draws(tiny_model_path, mode):
@@ -283,10 +279,7 @@ def draws(engine: Engine, params: SamplingParams, n_draws: int) -> tuple[np.ndar
     "mode",
     [
         "on",  # llama.cpp's chains
-        pytest.param(  # the C draw, the default on a CPU
-            "draw",
-            marks=pytest.mark.skipif(rowscan.library() is None, reason="no C draw on this CPU"),
-        ),
+        "draw",  # the C draw, the default on a CPU
     ],
 )
 def test_the_graph_draws_from_the_requested_distribution(tiny_model_path, fields, mode):

@@ -1,6 +1,8 @@
-"""draw.py: the host sampler's draws follow softmax(logits / T) over exactly the tokens that
-top-k, top-p and min-p keep (chi-square over 100,000 draws per path), whatever the head's
-span: a narrow one makes the rejection-sampled tail carry a tenth of the mass. Pure numpy."""
+"""draw.py and rowdraw.c: the host sampler's draws follow softmax(logits / T) over exactly the
+tokens that top-k, top-p and min-p keep (chi-square over 100,000 draws per path), whatever the
+head's span: a narrow one makes the rejection-sampled tail carry a tenth of the mass. First the
+numpy reference of the draw's steps (oracle.py), then the C draw, which serves every row, held
+to it."""
 
 from __future__ import annotations
 
@@ -12,15 +14,10 @@ import numpy as np
 import pytest
 
 import loomserve.worker.sampling.draw as draw_module
+import tests.worker.sampling.oracle as oracle
 from loomserve.worker.sampling import rowscan
-from loomserve.worker.sampling.draw import (
-    Candidates,
-    Truncation,
-    candidates,
-    draw,
-    draw_token,
-    exact_candidates,
-)
+from loomserve.worker.sampling.draw import Truncation, draw_token
+from tests.worker.sampling.oracle import Candidates, candidates, draw, exact_candidates
 
 DRAWS = 100_000
 N_VOCAB = 300
@@ -191,7 +188,7 @@ def test_a_temperature_alone_keeps_every_token():
     assert found.row is not None and len(found.ids) + found.n_tail == 262_144
     # The envelope is held to at most ENVELOPE_LIMIT times the head's weight (the head is
     # widened where it would weigh more): a draw takes a few tries at most on average.
-    assert found.n_tail * found.envelope <= draw_module.ENVELOPE_LIMIT * found.cumulative[-1]
+    assert found.n_tail * found.envelope <= oracle.ENVELOPE_LIMIT * found.cumulative[-1]
 
 
 def test_rows_without_a_finite_peak_give_a_token_not_an_error():
@@ -228,7 +225,7 @@ def test_a_peaked_row_is_cut_without_summing_the_whole_row(monkeypatch):
     def refused(*_args):
         raise AssertionError("summed the whole row")
 
-    monkeypatch.setattr(draw_module, "_summed_nucleus", refused)
+    monkeypatch.setattr(oracle, "_summed_nucleus", refused)
     rng = np.random.default_rng(4)  # like a model's: a few clear favourites over a broad tail
     row = rng.normal(0.0, 2.0, 262_144).astype(np.float32)
     row[rng.choice(262_144, 5, replace=False)] = rng.uniform(18.0, 22.0, 5).astype(np.float32)
@@ -247,9 +244,9 @@ def test_a_cut_the_bounds_leave_in_doubt_sums_the_whole_row(monkeypatch):
     total = 1.0 + math.exp(-1.0) + 200_000 * math.exp(-18.0) + 62_142 * math.exp(-50.0)
     cut = Truncation(1.0, top_p=1.0 / total + 2e-4)  # just over the best token's share
     summed = []
-    original = draw_module._summed_nucleus
+    original = oracle._summed_nucleus
     monkeypatch.setattr(
-        draw_module, "_summed_nucleus", lambda *args: summed.append(1) or original(*args)
+        oracle, "_summed_nucleus", lambda *args: summed.append(1) or original(*args)
     )
     found = candidates(row, cut)
     assert summed == [1]
@@ -259,8 +256,8 @@ def test_a_cut_the_bounds_leave_in_doubt_sums_the_whole_row(monkeypatch):
 def test_a_wide_nucleus_taken_band_by_band_keeps_what_the_whole_row_keeps(monkeypatch):
     """Thin bands, and the rest of the row taken at once past a shallow last band: the cut
     and the order of the kept tokens are still the whole row's (on flat and peaked rows)."""
-    monkeypatch.setattr(draw_module, "NUCLEUS_BAND", 0.5)
-    monkeypatch.setattr(draw_module, "NUCLEUS_LAST_BAND", 10.0)
+    monkeypatch.setattr(oracle, "NUCLEUS_BAND", 0.5)
+    monkeypatch.setattr(oracle, "NUCLEUS_LAST_BAND", 10.0)
     for spread in (1.0, 3.0, 6.0):
         for top_p in (0.9, 0.9999):
             row, cut = _spread_row(7, spread), Truncation(1.0, top_p=top_p)
@@ -287,17 +284,17 @@ def test_a_cut_is_exact_whatever_error_the_summed_mass_has_within_its_bound(monk
     off by nearly that much either way, on purpose, the cut is still the float64 one: where
     the error could move it (a cut 1e-7 or 1e-10 past the best token's weight, here) the
     doubt is settled by the rest's bounds or by a float64 sum."""
-    real_sum = draw_module.exp_sum
+    real_sum = oracle.exp_sum
 
     def off_sum(row, peak, out):
         total = real_sum(row, peak, out)
         # The sum by 9/10 of its bound, each exponential by 3/4 of its own: the kernel's
         # own error (an ulp or two) and the float32 product's rounding come on top.
         depth = (peak - row).astype(np.float32)
-        out *= 1.0 + sign * 0.75 * (draw_module.EXP_ERROR + draw_module.DEPTH_ERROR * depth)
-        return total * (1.0 + sign * 0.9 * draw_module.EXP_SUM_ERROR)
+        out *= 1.0 + sign * 0.75 * (oracle.EXP_ERROR + oracle.DEPTH_ERROR * depth)
+        return total * (1.0 + sign * 0.9 * oracle.EXP_SUM_ERROR)
 
-    monkeypatch.setattr(draw_module, "exp_sum", off_sum)
+    monkeypatch.setattr(oracle, "exp_sum", off_sum)
     row = np.full(262_144, -13.0, dtype=np.float32)  # a flat tail holding 37 % of the mass
     row[5] = 0.0
     total = float(np.exp(row.astype(np.float64)).sum())
@@ -317,7 +314,7 @@ def test_a_cut_in_doubt_is_settled_by_the_rest_without_a_float64_sum(monkeypatch
     def refused(*_args):
         raise AssertionError("summed the whole row in float64")
 
-    monkeypatch.setattr(draw_module, "_float64_cut", refused)
+    monkeypatch.setattr(oracle, "_float64_cut", refused)
     row, cut = _tiered_row(margin)
     found = candidates(row, cut)
     monkeypatch.undo()
@@ -337,10 +334,10 @@ def test_the_nucleus_order_is_a_stable_sort_best_first():
         values[rng.integers(n, size=n // 8)] = -0.0
         values[rng.integers(n, size=n // 8)] = rng.normal(0.0, 20.0, n // 8).astype(np.float32)
         expected = ids[np.argsort(-values, kind="stable")]
-        assert draw_module._best_first_order(ids, values).tolist() == expected.tolist()
+        assert oracle._best_first_order(ids, values).tolist() == expected.tolist()
 
 
-# rowdraw.c: the same draws in one C call (draw_token), for all but a top-p alone.
+# rowdraw.c: the same draws in one C call (draw_token).
 
 
 def _token_counts(logits: np.ndarray, cut: Truncation, margin: float | None = None) -> np.ndarray:
@@ -364,15 +361,18 @@ def test_draw_token_follows_the_tempered_softmax_over_the_kept_tokens(name):
 
 
 @pytest.mark.parametrize("name", list(CUTS))
-def test_the_c_draw_serves_every_cut(name):
+def test_the_c_draw_keeps_what_the_reference_keeps_under_every_instruction_set(isa, name):
+    """Every cut, on any CPU (plain C where it has neither AVX-512 nor AVX2): the tokens the
+    whole row's filters keep, in the reference's order for a top-p alone."""
     (cut, _), logits = CUTS[name], _logits()
-    lib = rowscan.library()
-    if lib is not None and _top_p_alone(cut) and lib.ls_isa() < 2:
-        # A top-p alone whose cut the first bounds leave in doubt sums the row again with
-        # AVX-512 (rowdraw.c's resummed_nucleus); on an AVX2 CPU draw.py finishes it.
-        pytest.skip("this top-p alone may need AVX-512's sums (an AVX2 CPU)")
-    served = rowscan.draw(logits, cut.temperature, cut.top_k, cut.top_p, cut.min_p, 5.0, 1)
-    assert (served is None) == (lib is None)
+    kept = _c_kept(logits, cut)
+    if cut.top_p == 1.0 and cut.top_k == 0:  # nothing cuts: a tail (every token) is kept
+        return
+    assert kept is not None
+    whole = exact_candidates(logits, cut).ids.tolist()
+    assert sorted(kept.tolist()) == sorted(whole)
+    if _top_p_alone(cut):
+        assert kept.tolist() == candidates(logits, cut).ids.tolist()
 
 
 def test_draw_token_top_k_ties_at_the_kth_token_go_to_the_lowest_ids():
@@ -420,8 +420,8 @@ def test_draw_token_is_the_same_from_the_same_generator_state():
 def test_draw_tokens_are_draw_token_row_by_row(strided):
     """draw_tokens (a tick's plain rows in one call) gives each row the token and head mass
     that draw_token gives it, from the same generator state, tick after tick: through
-    ls_draw_rows, through a call per row where the logits are not contiguous, and through
-    candidates() for a row the C leaves (NaN)."""
+    ls_draw_rows, through a call per row where the logits are not contiguous (each row copied
+    for the C), a row with a NaN among them."""
     cuts = [cut for cut, margin in CUTS.values() if margin is None]
     logits = np.stack([_logits(seed) for seed in range(len(cuts))])
     logits[2, 5] = np.nan
@@ -442,19 +442,44 @@ def test_draw_tokens_are_draw_token_row_by_row(strided):
         hints = [mass for _, mass in drawn]
 
 
-def test_draw_token_on_rows_without_a_finite_peak():
+def _rows_without_a_finite_peak(size: int) -> list[np.ndarray]:
+    """A NaN (a broken forward pass) late in a row, NaNs everywhere, every token biased away
+    (-inf), and a token at +inf: rows the reference answers with their argmax."""
+    late_nan = _logits(3) if size == N_VOCAB else _spread_row(3, 3.0)
+    late_nan[size - 7] = np.nan
+    late_nan[size - 2] = np.nan
+    infinite = np.full(size, -np.inf, np.float32)
+    infinite[size // 3] = infinite[size // 2] = np.inf
+    return [late_nan, np.full(size, np.nan, np.float32), np.full(size, -np.inf, np.float32),
+            infinite]  # fmt: skip
+
+
+NO_PEAK_CUTS = [
+    Truncation(1.0),
+    Truncation(0.7, top_k=5),
+    Truncation(1.0, top_p=0.9),  # a top-p alone: its row summed in the scan with AVX-512
+    Truncation(0.8, top_k=40, top_p=0.95, min_p=0.05),
+    Truncation(1.0, min_p=0.1),
+]
+
+
+@pytest.mark.parametrize("size", [N_VOCAB, 262_144])
+def test_a_row_without_a_finite_peak_gives_the_references_token(isa, size):
+    """The rows the C once left to numpy (a NaN, no finite best logit) are drawn in C on any
+    CPU, token for token as the reference draws them (their argmax, numpy's: the first NaN,
+    else the first largest), weighing 1, for every cut; through ls_draw and ls_draw_rows (a
+    tick's rows, four at a time) alike."""
+    rows = _rows_without_a_finite_peak(size)
     rng = np.random.default_rng(0)
-    for row in (np.full(N_VOCAB, np.nan, np.float32), np.full(N_VOCAB, -np.inf, np.float32)):
-        for cut in (Truncation(1.0), Truncation(1.0, top_k=5)):
-            assert 0 <= draw_token(row, cut, rng)[0] < N_VOCAB
-
-
-# A top-p alone whose nucleus the counts leave open sums the row's exponentials with AVX-512
-# (rowdraw.c); on an AVX2 CPU the C draw leaves that row to draw.py.
-C_SUMS = pytest.mark.skipif(
-    rowscan.library() is None or rowscan.library().ls_isa() < 2,
-    reason="the C top-p alone sums with AVX-512 (an AVX2 CPU leaves it to draw.py)",
-)
+    for row in rows:
+        expected = int(row.argmax())
+        for cut in NO_PEAK_CUTS:
+            assert candidates(row, cut).ids.tolist() == [expected]  # the reference's
+            assert draw_token(row, cut, rng) == (expected, 1.0)
+    logits = np.stack(rows)
+    cuts = NO_PEAK_CUTS[: len(rows)]
+    drawn = draw_module.draw_tokens(logits, range(len(rows)), cuts, [rng] * len(rows), [1.0] * 4)
+    assert drawn == [(int(row.argmax()), 1.0) for row in rows]
 
 
 def _top_p_alone(cut: Truncation) -> bool:
@@ -469,10 +494,7 @@ C_CUTS_262K = {**CUTS_262K, "wide top-k": Truncation(1.0, top_k=3000, min_p=0.00
 
 
 @pytest.mark.parametrize("cut", list(C_CUTS_262K.values()), ids=list(C_CUTS_262K))
-def test_the_c_draw_keeps_what_the_whole_row_keeps_at_a_262k_vocabulary(cut):
-    lib = rowscan.library()
-    if lib is not None and lib.ls_isa() < 2 and _top_p_alone(cut):
-        pytest.skip("the C top-p alone sums with AVX-512 (an AVX2 CPU leaves it to draw.py)")
+def test_the_c_draw_keeps_what_the_whole_row_keeps_at_a_262k_vocabulary(isa, cut):
     row = _peaked_262k()
     kept, whole = _c_kept(row, cut), exact_candidates(row, cut).ids
     assert kept is not None
@@ -481,17 +503,15 @@ def test_the_c_draw_keeps_what_the_whole_row_keeps_at_a_262k_vocabulary(cut):
     assert sorted(kept.tolist()) == sorted(whole.tolist())
 
 
-@C_SUMS
 @pytest.mark.parametrize("spread", [1.0, 3.0, 6.0, 45.0])
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.999])
-def test_the_c_top_p_alone_keeps_what_the_whole_row_keeps_at_any_spread(spread, top_p):
+def test_the_c_top_p_alone_keeps_what_the_whole_row_keeps_at_any_spread(isa, spread, top_p):
     for seed in range(3):
         row, cut = _spread_row(seed, spread), Truncation(0.7, top_p=top_p)
         assert _c_kept(row, cut).tolist() == exact_candidates(row, cut).ids.tolist()
 
 
-@C_SUMS
-def test_the_c_top_p_sums_the_row_where_the_counts_leave_the_cut_in_doubt():
+def test_the_c_top_p_sums_the_row_where_the_counts_leave_the_cut_in_doubt(isa):
     """The row of test_a_cut_the_bounds_leave_in_doubt_sums_the_whole_row: two tokens."""
     row = np.full(262_144, -50.0, dtype=np.float32)
     row[:200_000] = -18.0
@@ -501,51 +521,89 @@ def test_the_c_top_p_sums_the_row_where_the_counts_leave_the_cut_in_doubt():
     assert _c_kept(row, cut).tolist() == [200_000, 200_001]
 
 
-@C_SUMS
 @pytest.mark.parametrize("margin", [1e-7, -1e-7, 1e-10, -1e-10])
-def test_the_c_top_p_cut_is_exact_or_left_to_the_float64_sum(margin):
-    """Cuts 1e-7 from a token's edge are settled in C (the rest's sum narrows the float32
-    bound); at 1e-10 only a float64 sum can tell, so C leaves them to draw.py, which does."""
+def test_the_c_top_p_cut_is_exact_however_close(isa, margin):
+    """Cuts 1e-7 from a token's edge are settled by the rest's sum, which narrows the float32
+    bound; at 1e-10 only a sum more exact than float32's can tell, and the C sums the row
+    again (float64 terms, an 80-bit sum): the whole row's cut either way, and seeded draws
+    token for token the reference's (where the C once left the row to numpy)."""
     row, cut = _tiered_row(margin)
-    kept = _c_kept(row, cut)
-    if abs(margin) < 1e-9:
-        assert kept is None
-    else:
-        assert kept.tolist() == exact_candidates(row, cut).ids.tolist()
+    assert _c_kept(row, cut).tolist() == exact_candidates(row, cut).ids.tolist()
     rng = np.random.default_rng(5)
-    assert {draw_token(row, cut, rng)[0] for _ in range(200)} <= set(
-        exact_candidates(row, cut).ids.tolist()
-    )
+    for _ in range(20):
+        seed = _next_seed(rng)
+        assert draw_token(row, cut, rng)[0] == oracle.c_token(row, cut, seed)
+
+
+def _next_seed(rng: np.random.Generator) -> int:
+    """The seed draw_token will take from `rng` next (from a copy of its state)."""
+    copy = np.random.PCG64()
+    copy.state = rng.bit_generator.state
+    return int(copy.random_raw())
+
+
+def _doubtful_row(margin: float, size: int = 4_096) -> tuple[np.ndarray, Truncation]:
+    """A flat row whose top-p cut falls `margin` (of the best token's weight) past its three
+    best tokens (0, -0.5, -1: a real distribution to draw from) into a tier of tokens at -13
+    holding a third of the mass: so four tokens, or three, by a margin no float32 sum's bound
+    can settle."""
+    row = np.full(size, -20.0, dtype=np.float32)
+    row[: size * 3 // 8] = -13.0
+    row[[size - 3, size - 2, size - 1]] = [0.0, -0.5, -1.0]
+    total = float(np.exp(row.astype(np.float64)).sum())
+    best = 1.0 + math.exp(-0.5) + math.exp(-1.0)
+    return row, Truncation(0.9, top_p=(best + margin) / total)
+
+
+@pytest.mark.parametrize("margin", [1e-10, -1e-10])
+def test_draws_from_a_cut_in_doubt_follow_the_softmax_over_the_kept_tokens(isa, margin):
+    """A cut only a float64 sum settles, drawn in C: the whole row's tokens (three, or the
+    tier's first as a fourth), seeded draws the reference's token for token, and 20,000 of
+    them distributed as the tempered softmax over those tokens (chi-square)."""
+    row, cut = _doubtful_row(margin)
+    whole = exact_candidates(row, cut).ids.tolist()
+    assert len(whole) == (4 if margin > 0 else 3)
+    summed = []
+    original = oracle._float64_cut
+    with pytest.MonkeyPatch.context() as patch:  # the reference needs its float64 sum too
+        patch.setattr(oracle, "_float64_cut", lambda *args: summed.append(1) or original(*args))
+        candidates(row, cut)
+    assert summed == [1]
+    assert _c_kept(row, cut).tolist() == candidates(row, cut).ids.tolist()
+    assert sorted(_c_kept(row, cut).tolist()) == sorted(whole)
+    rng = np.random.default_rng(8)
+    for _ in range(20):
+        seed = _next_seed(rng)
+        assert draw_token(row, cut, rng)[0] == oracle.c_token(row, cut, seed)
+    draws = 20_000
+    counts = np.zeros(len(row))
+    for _ in range(draws):
+        counts[draw_token(row, cut, rng)[0]] += 1
+    expected = _expected(row, cut)
+    assert counts[expected == 0].sum() == 0
+    assert _chi_square_p(counts, expected * draws) > 1e-3
 
 
 @pytest.mark.parametrize("spread", [1.0, 6.0, 45.0])
-def test_without_avx512_the_c_top_p_counts_bounds_or_leaves_the_row(spread):
-    """With AVX2 alone the C has no exponential kernel: a peaked row's cut comes from the
-    counted bounds (exactly the whole row's), a flat one is left to draw.py."""
-    library = rowscan.library()
-    library.ls_limit_isa(1)
-    try:
-        found = [
-            (
-                _c_kept(_spread_row(seed, spread), cut),
-                exact_candidates(_spread_row(seed, spread), cut),
-            )
-            for seed in range(3)
-            for cut in (Truncation(0.7, top_p=0.95), Truncation(1.0, top_p=0.5))
-        ]
-    finally:
-        library.ls_limit_isa(2)
-    for kept, whole in found:
-        assert kept is None or kept.tolist() == whole.ids.tolist()
-    served = sum(kept is not None for kept, _ in found)
-    if spread == 45.0:  # peaked: every cut settled by counts
-        assert served == len(found)
-    if spread == 1.0:  # flat: every row left to draw.py
-        assert served == 0
+def test_without_avx512_the_c_top_p_cuts_every_row(isa, spread):
+    """Without AVX-512 the scan does not sum the row: a peaked row's cut comes from the
+    counted bounds, a flat one's from the row summed by AVX2's kernel or plain C's, exactly the
+    whole row's either way."""
+    for seed in range(3):
+        row = _spread_row(seed, spread)
+        for cut in (Truncation(0.7, top_p=0.95), Truncation(1.0, top_p=0.5)):
+            assert _c_kept(row, cut).tolist() == exact_candidates(row, cut).ids.tolist()
+
+
+def test_without_the_library_the_worker_cannot_draw_and_says_why(monkeypatch):
+    """No numpy draw serves in its place: a missing build fails by name."""
+    monkeypatch.setattr(rowscan, "library", lambda: None)
+    with pytest.raises(RuntimeError, match="not built"):
+        draw_token(_logits(), Truncation(1.0), np.random.default_rng(0))
 
 
 def test_the_c_draw_has_draw_pys_constants():
-    """rowdraw.c keeps its own copies of draw.py's constants: the two must not drift."""
+    """rowdraw.c keeps its own copies of the reference's constants: the two must not drift."""
     source = (Path(__file__).resolve().parents[3] / "csrc" / "sampling" / "rowdraw.c").read_text()
     names = (
         "ENVELOPE_LIMIT NUCLEUS_SPAN NUCLEUS_BAND NUCLEUS_LAST_BAND NUCLEUS_MASS_SPAN "
@@ -554,6 +612,6 @@ def test_the_c_draw_has_draw_pys_constants():
     for name in names:
         found = re.search(rf"\b{name} = ([0-9.e-]+)", source)
         assert found, name
-        assert float(found.group(1)) == getattr(draw_module, name), name
+        assert float(found.group(1)) == getattr(oracle, name), name
     bands = re.search(r"NUCLEUS_BANDS\[\] = \{([^}]*)\}", source)
-    assert bands and tuple(map(float, bands.group(1).split(","))) == draw_module.NUCLEUS_BANDS
+    assert bands and tuple(map(float, bands.group(1).split(","))) == oracle.NUCLEUS_BANDS

@@ -1,8 +1,8 @@
 """The C draw inside llama_decode (worker/sampling/graph_draw.py, graphdraw.c) on the real
 llama.cpp and the tiny model: every request gets the tokens the host path gives it, seeded
 or greedy, beside host-sampled requests and after a restart (across preemption:
-test_backend_sampling.py); rows the draw leaves are finished on the host; the engine refuses
-the mode where it cannot run."""
+test_backend_sampling.py), on any instruction set; the engine refuses the mode where it
+cannot run."""
 
 from __future__ import annotations
 
@@ -38,14 +38,8 @@ ON_HOST = [
     {"temperature": 1.0, "prompt_logprobs": 1},  # its prompt scored: a pass of many outputs
 ]
 
-# Only a CPU without AVX2 has no C draw (test_rowscan.py holds the library to that); where it
-# has one, the draw in the graph must bind (test_the_draw_binds_wherever_the_c_draw_runs).
-pytestmark = pytest.mark.skipif(
-    rowscan.library() is None, reason="this CPU has no C draw (x86-64 with AVX2 or AVX-512)"
-)
 
-
-def test_the_draw_binds_wherever_the_c_draw_runs():
+def test_the_draw_binds_on_any_cpu():
     """ggml's calls are found and its tensor is laid out as graphdraw.c declares it, for the
     llama.cpp this project pins: a llama.cpp that moved them fails here, not in a skip."""
     assert graph_draw_library() is not None
@@ -187,20 +181,23 @@ def test_seeded_requests_repeat_after_a_restart(config):
     assert len(first["x"]) == 24 and first["drawn1"] != first["x"]
 
 
-def test_rows_the_draw_leaves_are_finished_on_the_host(config):
-    """Without AVX-512 the C has no exponential kernel, and leaves a flat row's top-p cut to
-    draw.py (test_draw.py): the graph copies those rows out, the host draws them, and the
-    tokens are the host path's."""
+@pytest.mark.parametrize("level", [1, 0], ids=["AVX2", "plain C"])
+def test_without_avx512_the_graph_draws_every_row_as_the_host_does(config, level):
+    """Without AVX-512 the scan does not sum a top-p alone's row, so one thread draws it
+    whole (ls_draw), summing a flat row by AVX2's kernel or plain C's: every row is drawn in
+    the graph (none is left to the host), the host path's tokens. (On a CPU with less than
+    `level`, the library runs at what it has: the same tokens all the same.)"""
     requests = [request(f"p{i}", i, temperature=1.0, top_p=0.5) for i in range(6)]
     library = rowscan.library()
-    library.ls_limit_isa(1)
+    library.ls_limit_isa(level)
     try:
         on_host, _, _ = run(replace(config, backend_sampling="off"), requests)
-        drawn, samplers, _ = run(config, requests)
+        drawn, samplers, prepared = run(config, requests)
     finally:
         library.ls_limit_isa(2)
     assert drawn == on_host
-    assert sum(s.left for s in samplers) > 0
+    assert all(isinstance(s, GraphDrawSampler) for s in samplers)
+    assert prepared == 6 * 24
 
 
 def test_the_engine_refuses_the_draw_where_the_logits_are_on_a_gpu(tiny_model_path):
