@@ -413,7 +413,11 @@ class Engine:
         batch.struct.n_tokens = batch.n_tokens
         self.last_outputs = 0
         self._govern_threads()
+        if self.threads is not None:
+            self.threads.pass_started()
         code = llama.llama_decode(self.ctx, batch.struct)
+        if self.threads is not None:
+            self.threads.pass_ended()
         if code == 0:  # the rows of logits output_logits may read
             self.last_outputs = int(np.count_nonzero(batch.logits[: batch.n_tokens]))
         return code

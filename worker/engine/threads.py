@@ -12,9 +12,13 @@ So four times a second a thread of the governor's reads how busy the worker's CP
 mask) were (/proc/stat) and how much of that was the worker itself (/proc/self/stat): what is
 left is the other processes' use, and the CPUs they leave free are the threads worth running,
 at least one and at most --threads. Fewer threads need two windows in a row that agree, so a
-burst does not take one away; more come after one window, and an idle worker (under a tenth
-of a CPU of its own) starts its next passes on all of them. It reads while the worker idles
-too, and never waits for a pass (a collapsed one may take seconds). `llama_set_n_threads`
+burst does not take one away; more come after one window, and an idle worker (no pass ran in
+the window, none is running) starts its next passes on all of them. Idle is read from the
+passes, not from the worker's own CPU time: a worker starved by its neighbours uses little CPU
+too, and taking that for idle gave it back every thread in the middle of a run, each spinning
+at the barriers for a partner without a core, until two windows took them away again. It
+reads while the worker idles too, and never waits for a pass (a collapsed one may take
+seconds). `llama_set_n_threads`
 applies a change from the next pass. Alone on its CPUs the
 worker keeps all its threads, and its passes run as before: the count of threads does not
 change a row's arithmetic (each row is one thread's work), so outputs are the same.
@@ -35,10 +39,6 @@ log = structlog.get_logger(__name__)
 
 WINDOW_SECONDS = 0.25  # how often the CPUs' use is read (/proc counts in 10 ms ticks)
 AGREEING_WINDOWS = 2  # windows in a row that must ask for fewer threads
-# Below this share of a CPU used by the worker itself, it is idle: what the others do then
-# says nothing of how its next passes will fare (another server's run on the same CPUs ends
-# when this one's begins), so it starts its next passes on all its threads.
-IDLE_CPUS = 0.1
 PROC_STAT = Path("/proc/stat")
 PROC_SELF_STAT = Path("/proc/self/stat")
 
@@ -93,6 +93,12 @@ class ThreadGovernor:
         self._last = read()
         self._wanted: int | None = None  # a change asked for by the windows so far
         self._agreeing = 0
+        # The passes, counted as each starts and ends (pass_started, pass_ended), and whether
+        # one runs now: a window in which none ran is idle. Written by the tick's thread,
+        # read by the governor's (ints and a bool: no lock).
+        self._pass_events = 0
+        self._in_pass = False
+        self._last_pass_events = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -130,6 +136,16 @@ class ThreadGovernor:
         """The threads the next pass should use."""
         return self.threads
 
+    def pass_started(self) -> None:
+        """A pass begins (the engine's decode)."""
+        self._in_pass = True
+        self._pass_events += 1
+
+    def pass_ended(self) -> None:
+        """The pass is over."""
+        self._in_pass = False
+        self._pass_events += 1
+
     def observe(self) -> int:
         """Read one window: the CPUs other processes used since the last reading, and the
         threads they leave room for. Fewer threads after AGREEING_WINDOWS windows in a row
@@ -141,12 +157,15 @@ class ThreadGovernor:
         if elapsed <= 0:
             return self.threads
         others = (times.busy - self._last.busy) - (times.own - self._last.own)
-        previous_own = self._last.own
         self._last, self._last_at = times, now
         others_cpus = max(0.0, others / self._ticks_per_second / elapsed)
-        own_cpus = (times.own - previous_own) / self._ticks_per_second / elapsed
+        events = self._pass_events
+        idle = events == self._last_pass_events and not self._in_pass
+        self._last_pass_events = events
+        # Idle, what the others do says nothing of how the next passes will fare (another
+        # server's run on the same CPUs ends when this one's begins): all threads.
         free = self._cpus - others_cpus
-        wanted = self.most if own_cpus < IDLE_CPUS else max(1, min(self.most, int(free + 0.5)))
+        wanted = self.most if idle else max(1, min(self.most, int(free + 0.5)))
         if wanted == self.threads:
             self._wanted, self._agreeing = None, 0
             return self.threads

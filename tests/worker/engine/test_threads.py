@@ -66,48 +66,73 @@ def governor(cpus: FakeCpus, most: int = 2) -> ThreadGovernor:
     return ThreadGovernor(most, frozenset(range(2)), cpus.times, cpus.TICKS, lambda: cpus.now)
 
 
+def window(threads: ThreadGovernor, cpus: FakeCpus, others: float, own: float) -> int:
+    """One window in which the worker runs passes (own CPUs > 0) or idles; its reading."""
+    cpus.run(WINDOW_SECONDS, others=others, own=own)
+    if own > 0:
+        threads.pass_started()
+        threads.pass_ended()
+    return threads.observe()
+
+
 def test_alone_the_worker_keeps_all_its_threads() -> None:
     cpus = FakeCpus()
     threads = governor(cpus)
     for _ in range(10):
-        cpus.run(WINDOW_SECONDS, others=0.2, own=1.8)  # a gateway's bit beside it
-        assert threads.observe() == 2
+        assert window(threads, cpus, others=0.2, own=1.8) == 2  # a gateway's bit beside it
 
 
 def test_busy_neighbours_take_threads_away_and_give_them_back() -> None:
     cpus = FakeCpus()
     threads = governor(cpus)
-    cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)  # two busy loops share the cores
-    assert threads.observe() == 2  # one window is not enough: a burst must not flip it
+    # two busy loops share the cores; one window is not enough: a burst must not flip it
+    assert window(threads, cpus, others=1.0, own=1.0) == 2
     for _ in range(AGREEING_WINDOWS - 1):
-        cpus.run(WINDOW_SECONDS, others=1.0, own=1.0)
-        threads.observe()
+        window(threads, cpus, others=1.0, own=1.0)
     assert threads.threads == 1
-    cpus.run(WINDOW_SECONDS, others=1.33, own=0.67)  # one thread's fair share
-    assert threads.observe() == 1
-    cpus.run(WINDOW_SECONDS, others=0.05, own=1.0)  # the neighbours are gone
-    assert threads.observe() == 2  # more threads at once
+    assert window(threads, cpus, others=1.33, own=0.67) == 1  # one thread's fair share
+    # the neighbours are gone: more threads at once
+    assert window(threads, cpus, others=0.05, own=1.0) == 2
 
 
 def test_an_idle_worker_starts_its_next_passes_on_all_its_threads() -> None:
-    """Idle, the worker reads nothing of how its passes fare (another server's run on the
-    same CPUs ends when its own begins): all its threads, at once."""
+    """Idle (no pass in the window), the worker reads nothing of how its passes fare
+    (another server's run on the same CPUs ends when its own begins): all its threads, at
+    once."""
     cpus = FakeCpus()
     threads = governor(cpus)
     for _ in range(AGREEING_WINDOWS):
-        cpus.run(WINDOW_SECONDS, others=1.2, own=0.8)
-        threads.observe()
+        window(threads, cpus, others=1.2, own=0.8)
     assert threads.threads == 1
-    cpus.run(WINDOW_SECONDS, others=2.0, own=0.0)  # idle, the CPUs full of others' work
-    assert threads.observe() == 2
+    assert window(threads, cpus, others=2.0, own=0.0) == 2  # idle, the CPUs full of others'
+
+
+def test_a_starved_worker_is_not_taken_for_idle() -> None:
+    """Starved by its neighbours, the worker uses little CPU, as an idle one does; but its
+    passes go on (or one runs the whole window), so it keeps its one thread. Taken for idle,
+    it got both back in the middle of a run, each spinning for a partner without a core."""
+    cpus = FakeCpus()
+    threads = governor(cpus)
+    for _ in range(AGREEING_WINDOWS):
+        window(threads, cpus, others=1.6, own=0.4)
+    assert threads.threads == 1
+    assert window(threads, cpus, others=1.98, own=0.02) == 1  # passes, barely any CPU
+    threads.pass_started()  # a pass that lasts the next windows
+    for _ in range(3):
+        cpus.run(WINDOW_SECONDS, others=2.0, own=0.0)
+        assert threads.observe() == 1
+    cpus.run(WINDOW_SECONDS, others=2.0, own=0.0)
+    threads.pass_ended()
+    assert threads.observe() == 1  # it ended in this window: not idle yet
+    cpus.run(WINDOW_SECONDS, others=2.0, own=0.0)
+    assert threads.observe() == 2  # no pass in the window: idle
 
 
 def test_a_window_that_disagrees_starts_the_count_again() -> None:
     cpus = FakeCpus()
     threads = governor(cpus)
     for others in (1.2, 0.0, 1.2, 0.0):
-        cpus.run(WINDOW_SECONDS, others=others, own=0.8)
-        assert threads.observe() == 2
+        assert window(threads, cpus, others=others, own=0.8) == 2
 
 
 def test_a_worker_of_one_thread_has_nothing_to_govern() -> None:
@@ -123,7 +148,17 @@ def test_this_process_is_read_on_a_thread_until_closed() -> None:
     assert governor._thread is not None and not governor._thread.is_alive()
 
 
-class Alternating:
+class FixedCount:
+    """A stand-in for the governor that decides without reading the passes."""
+
+    def pass_started(self) -> None:
+        """Not read."""
+
+    def pass_ended(self) -> None:
+        """Not read."""
+
+
+class Alternating(FixedCount):
     """A governor that changes the passes' threads at every pass: 1, 2, 1, 2, ..."""
 
     def __init__(self) -> None:
@@ -165,7 +200,7 @@ def test_the_passes_threads_do_not_change_the_tokens(config: WorkerConfig) -> No
     assert greedy_tokens(config, alternate=True) == greedy_tokens(config, alternate=False)
 
 
-class SetElsewhere:
+class SetElsewhere(FixedCount):
     """A governor whose count another thread sets, as the real one's reading thread does."""
 
     threads = 2
