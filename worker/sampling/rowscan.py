@@ -2,8 +2,8 @@
 (rowdraw.c), and draw_rows(), a tick's rows in one; each row's argmax (argmax_rows); and the
 row scan they read the row through (rowscan.c: each block's largest logit, then the tokens whose
 logits lie in a band, from the blocks that reach it), with AVX-512, AVX2 or plain C, whichever
-the CPU has. RowScan, exp_sum and sum_below give the scan to the tests' numpy reference of the
-draw (tests/worker/sampling/oracle.py), with numpy where the C cannot read the row.
+the CPU has. The tests' numpy reference of the draw reads rows through the same scan
+(tests/worker/sampling/row_scan.py).
 
 Why: the host sampler's draw is bound by reading its row, 1 MB at Gemma's 262,144 tokens. A
 numpy max, then a compare and a nonzero over the whole row for the tokens near the best, read
@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
-import math
 import threading
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -117,80 +116,6 @@ def load_native(
             function.argtypes, function.restype = arguments, result
         return found
     return None
-
-
-class RowScan:
-    """A row of logits (float32) and its blocks' maxima: `peak` is the row's largest logit
-    (NaN if it holds one, as numpy's max), `band` the tokens between two values."""
-
-    __slots__ = ("_lib", "block_max", "peak", "row")
-
-    def __init__(self, row: np.ndarray) -> None:
-        self.row = row
-        n_blocks = -(-len(row) // BLOCK)
-        self._lib = lib = library() if _plain(row) else None
-        if lib is None:
-            padded = np.full(n_blocks * BLOCK, -np.inf, dtype=np.float32)
-            padded[: len(row)] = row
-            self.block_max = padded.reshape(n_blocks, BLOCK).max(axis=1)
-            self.peak = float(row.max())
-            return
-        self.block_max = np.empty(n_blocks, dtype=np.float32)
-        has_nan = lib.ls_block_max(row.ctypes.data, len(row), self.block_max.ctypes.data)
-        self.peak = math.nan if has_nan else float(self.block_max.max())
-
-    def band(self, low: float, high: float = math.inf) -> np.ndarray:
-        """The tokens whose logit x has low <= x < high (compared in float32, as the row
-        is), in order: np.flatnonzero((row >= low) & (row < high))."""
-        low32, high32 = np.float32(low), np.float32(high)
-        if self._lib is None:
-            return np.flatnonzero((self.row >= low32) & (self.row < high32))
-        ids = _scratch(len(self.row))
-        found = self._lib.ls_gather(*self._args(), low32, high32, ids.ctypes.data)
-        return ids[:found].astype(np.intp)
-
-    def count(self, low: float, high: float = math.inf) -> int:
-        """How many tokens band(low, high) holds, found without gathering them."""
-        if self._lib is None:
-            return len(self.band(low, high))
-        return int(self._lib.ls_count(*self._args(), np.float32(low), np.float32(high)))
-
-    def _args(self) -> tuple[int, int, int]:
-        return self.row.ctypes.data, len(self.row), self.block_max.ctypes.data
-
-    def kth_block_max(self, k: int) -> float:
-        """A value that at least k tokens reach: the k-th largest block maximum (each is a
-        token's logit), or -inf where there are fewer than k blocks."""
-        if k > len(self.block_max):
-            return -math.inf
-        return float(np.partition(self.block_max, -k)[-k])
-
-
-def _scratch(size: int) -> np.ndarray:
-    """This thread's buffer for a band's token ids (rows are scanned on several threads)."""
-    ids = getattr(_SCRATCH, "ids", None)
-    if ids is None or len(ids) < size:
-        ids = _SCRATCH.ids = np.empty(size, dtype=np.int32)
-    return ids
-
-
-def exp_sum(row: np.ndarray, peak: float, out: np.ndarray) -> float | None:
-    """out[i] = e^(row[i] - peak) in float32 and their sum in float64, by rowscan.c's kernel;
-    None where it cannot serve (a row that is not contiguous float32)."""
-    lib = library()
-    if lib is None or not _plain(row) or not _plain(out):
-        return None
-    total = float(lib.ls_exp_sum(row.ctypes.data, len(row), np.float32(peak), out.ctypes.data))
-    return total if total >= 0.0 else None
-
-
-def sum_below(values: np.ndarray, row: np.ndarray, below: float) -> float:
-    """The float64 sum of values[i] over the tokens whose logit row[i] < below (float32
-    compares): np.sum(values, where=row < below, dtype=np.float64), in one pass."""
-    lib = library()
-    if lib is None or not _plain(values) or not _plain(row):
-        return float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
-    return float(lib.ls_sum_below(values.ctypes.data, row.ctypes.data, len(row), np.float32(below)))
 
 
 def argmax_rows(rows: np.ndarray, threads: int = 1) -> np.ndarray:

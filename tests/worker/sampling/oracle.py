@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from loomserve.worker.sampling.draw import Truncation, _span
-from loomserve.worker.sampling.row_exp import exp_sum
-from loomserve.worker.sampling.rowscan import RowScan, sum_below
+from tests.worker.sampling.row_exp import exp_sum
+from tests.worker.sampling.row_scan import RowScan, sum_below
 
 # A head whose envelope still outweighs it this many times over is widened once.
 ENVELOPE_LIMIT = 4.0

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loomserve.worker.sampling import row_exp, rowscan
+from loomserve.worker.sampling import rowscan
+from tests.worker.sampling import row_exp, row_scan
 from tests.worker.sampling.oracle import EXP_SUM_ERROR
 
 SCAN_PART_BLOCKS = 64  # rowscan.c's: a top-p's scan sums the row in parts of this many blocks
@@ -28,10 +29,10 @@ def kernel_in_use(request, monkeypatch):
     """Each kernel in turn: the row scan's (at the `isa` fixture's instruction set, where the
     test takes it too), and ggml's."""
     if request.param == "ggml":
-        monkeypatch.setattr(rowscan, "exp_sum", lambda row, peak, out: None)
+        monkeypatch.setattr(row_scan, "exp_sum", lambda row, peak, out: None)
     else:
         probe = np.zeros(16, dtype=np.float32)
-        assert rowscan.exp_sum(probe, 0.0, np.empty_like(probe)) is not None
+        assert row_scan.exp_sum(probe, 0.0, np.empty_like(probe)) is not None
     return request.param
 
 

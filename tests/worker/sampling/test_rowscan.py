@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import loomserve.worker.sampling.rowscan as rowscan
-from loomserve.worker.sampling.rowscan import BLOCK, RowScan
+from loomserve.worker.sampling.rowscan import BLOCK
+from tests.worker.sampling import row_scan
+from tests.worker.sampling.row_scan import RowScan
 
 SIZES = [1, 15, 16, 255, 256, 257, 1000, 4096 + 17, 262_144]
 
@@ -123,7 +125,7 @@ def test_sum_below_is_numpys_masked_sum(isa):
         values = rng.random(size).astype(np.float32)
         for below in (-math.inf, float(np.median(row)), float(row.max()), math.inf):
             expected = float(np.sum(values, where=row < np.float32(below), dtype=np.float64))
-            assert rowscan.sum_below(values, row, below) == pytest.approx(expected, rel=1e-12)
+            assert row_scan.sum_below(values, row, below) == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.9])

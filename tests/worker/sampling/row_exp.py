@@ -1,6 +1,8 @@
-"""e^(x - peak) over a whole row of logits, and its sum: by the row scan's AVX-512 kernel where
-the CPU has it (rowscan.c), else by ggml's own vectorised kernel where this llama.cpp build
-exports it (ggml_vec_soft_max_f32, what ggml's softmax runs on a CPU), else by numpy.
+"""e^(x - peak) over a whole row of logits, and its sum, for the tests' numpy reference of the
+draw (oracle.py): by the row scan's kernel (rowscan.c: AVX-512, AVX2 or plain C), else by
+ggml's own vectorised kernel where this llama.cpp build exports it (ggml_vec_soft_max_f32,
+what ggml's softmax runs on a CPU), else by numpy. Once the worker's, when numpy finished the
+rows the C draw left (rowdraw.c now sums them itself, with the same kernels).
 
 Why: an exact top-p without a top-k needs the row's whole probability mass, an exponential per
 token, 262,144 of them a token at Gemma's vocabulary. On this project's CPUs numpy's float32
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import rowscan
+from tests.worker.sampling import row_scan
 
 _NAMES = ("libggml-cpu.so", "libggml-cpu.dylib", "ggml-cpu.dll")
 
@@ -54,7 +56,7 @@ def exp_sum(row: np.ndarray, peak: float, out: np.ndarray) -> float:
     `out` is a float32 array as long as the row. The row scan's AVX-512 kernel where the CPU
     has it (rowscan.c: its partial sums in vectors, where ggml's kernel adds each 16 to one
     float64 in turn; 90 against 110-140 us here), else ggml's."""
-    total = rowscan.exp_sum(row, peak, out)
+    total = row_scan.exp_sum(row, peak, out)
     if total is not None:
         return total
     vectorised = kernel()
