@@ -1,19 +1,19 @@
 /* A token drawn from one row of logits in one call: temperature, top-k, top-p and min-p,
- * exact, by the same steps as draw.py's candidates() and pick() (read that file's docstrings
- * first: the head, the tail drawn by rejection, the nucleus cut from bounds on the row's mass),
- * with no Python between them.
+ * exact, by the same steps as the tests' numpy reference, tests/worker/sampling/oracle.py's
+ * candidates() and pick() (read that file's docstrings first: the head, the tail drawn by
+ * rejection, the nucleus cut from bounds on the row's mass), with no Python between them.
  *
- * Why: draw.py's steps are numpy calls, each cheap, but a dozen of them a token, each taking
- * and giving back the GIL, cost as much as reading the row itself (~190 us a token at Gemma's
- * 262,144 tokens against ~90 us for the scan alone on this project's Xeon), and two sampling
- * threads then queue for the GIL instead of drawing side by side. Here a token is one ctypes
- * call, which lets go of the GIL for all of it.
+ * Why: those steps in numpy (the worker's draw once) are numpy calls, each cheap, but a dozen
+ * of them a token, each taking and giving back the GIL, cost as much as reading the row
+ * itself (~190 us a token at Gemma's 262,144 tokens against ~90 us for the scan alone on this
+ * project's Xeon), and two sampling threads then queue for the GIL instead of drawing side by
+ * side. Here a token is one ctypes call, which lets go of the GIL for all of it.
  *
  * Every row is served here, on any CPU: a row whose best logit is not finite (a NaN, or every
- * token biased away) gives its argmax, as draw.py's reference does, and the rare top-p cut
- * that even the bounds from the float32 exponentials leave in doubt is settled by the row's
- * mass summed in extended precision (float64_cut). The tests hold the draws to a numpy
- * reference of the same steps (tests/worker/sampling/oracle.py).
+ * token biased away) gives its argmax, as the reference does, and the rare top-p cut that even
+ * the bounds from the float32 exponentials leave in doubt is settled by the row's mass summed
+ * in extended precision (float64_cut). The tests hold the draws to the reference token set
+ * for token set, and token for token from the same seed on those rows.
  *
  * Random numbers come from splitmix64 seeded with one 64-bit number per token from the
  * request's own generator, so a seeded request draws the same tokens alone, batched and
@@ -21,6 +21,7 @@
  */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -42,7 +43,7 @@ int64_t ls_scan_parts(int64_t n);
 double ls_cumulative_weights(const float *row, const int32_t *ids, int64_t n, float peak,
                              double temperature, double start, double *weights);
 
-/* draw.py's constants, which say why each is what it is. */
+/* oracle.py's constants, which say why each is what it is. */
 static const double ENVELOPE_LIMIT = 4.0;
 static const double NUCLEUS_SPAN = 8.0, NUCLEUS_BAND = 2.0, NUCLEUS_LAST_BAND = 40.0;
 static const double NUCLEUS_MASS_SPAN = 16.0, NUCLEUS_BANDS[] = {20.0, 24.0};
@@ -152,7 +153,7 @@ static double cumulate(const Draw *d, int64_t n, double temperature) {
     return ls_cumulative_weights(d->row, d->ids, n, d->peak, temperature, 0.0, d->weights);
 }
 
-/* A token from ids[0..n) by their tempered weights (draw.py's pick without a tail). */
+/* A token from ids[0..n) by their tempered weights (oracle.py's pick without a tail). */
 static int32_t pick_head(Draw *d, int64_t n, double temperature) {
     double total = cumulate(d, n, temperature);
     d->head_mass = total;
@@ -160,7 +161,7 @@ static int32_t pick_head(Draw *d, int64_t n, double temperature) {
     return d->ids[interval_of(d->weights, n, uniform(&d->rng) * total)];
 }
 
-/* Drops the ids under `least` (min-p's bar, compared in float64 as draw.py's _kept does);
+/* Drops the ids under `least` (min-p's bar, compared in float64 as oracle.py's _kept does);
  * returns how many are left. */
 static int64_t keep_over(const Draw *d, int64_t n, double least) {
     int64_t kept = 0;
@@ -174,7 +175,7 @@ static int64_t gather(const Draw *d, float low, float high, int32_t *ids) {
     return ls_gather(d->row, d->n, d->block_max, low, high, ids);
 }
 
-/* temperature (and min-p) over the whole row: draw.py's candidates() without top-k or top-p,
+/* temperature (and min-p) over the whole row: oracle.py's candidates() without top-k or top-p,
  * then pick(). */
 static int32_t draw_tempered(Draw *d, double temperature, double least, double span) {
     const float *row = d->row;
@@ -213,7 +214,7 @@ static int32_t draw_tempered(Draw *d, double temperature, double least, double s
 }
 
 /* ids[0..n) best first: by logit, higher first, ties by id (what a stable argsort of -logits
- * gives), as draw.py's _best_first_order. The ids come in ascending order (every caller
+ * gives), as oracle.py's _best_first_order. The ids come in ascending order (every caller
  * gathers them so), so a stable sort by logit alone leaves ties in id order: a radix sort of
  * the logits' bits made to order as integers, a byte at a time, between keys and `spare` (room
  * for n each). qsort with a comparison function took 60-120 us for the 1,000-2,000 tokens of
@@ -266,7 +267,7 @@ static float kth_largest(float *values, int64_t n, int64_t k) {
     return values[want];
 }
 
-/* top-k, then top-p and min-p on what it keeps: draw.py's _top_k_candidates, then pick(). The
+/* top-k, then top-p and min-p on what it keeps: oracle.py's _top_k_candidates, then pick(). The
  * k best are among the tokens that reach the k-th largest block maximum (each block's maximum
  * is a token's logit). */
 static int32_t draw_top_k(Draw *d, double temperature, int64_t top_k, double top_p,
@@ -308,7 +309,7 @@ static int32_t draw_top_k(Draw *d, double temperature, int64_t top_k, double top
 
 /* The best tokens of the pool (pool NULL: of the whole row), best first into ids, their
  * (untempered) weights summed in that order into weights, until they weigh `wanted` or the
- * pool is spent; returns how many. draw.py's _best_first: band by band, each sorted alone. */
+ * pool is spent; returns how many. oracle.py's _best_first: band by band, each sorted alone. */
 static int64_t take_best_first(Draw *d, const int32_t *pool, int64_t pool_size, double wanted) {
     const float *row = d->row;
     int64_t taken = 0, size = pool ? pool_size : d->n;
@@ -334,7 +335,7 @@ static int64_t take_best_first(Draw *d, const int32_t *pool, int64_t pool_size, 
 }
 
 /* The last token the nucleus keeps, of `taken` summed best first, if the row's whole mass
- * known only to lie between the two totals settles it; else -1. draw.py's _settled_cut. */
+ * known only to lie between the two totals settles it; else -1. oracle.py's _settled_cut. */
 static int64_t settled_cut(const Draw *d, int64_t taken, double top_p, double least_total,
                            double most_total) {
     int64_t last = first_reaching(d->weights, taken, top_p * least_total);
@@ -344,10 +345,13 @@ static int64_t settled_cut(const Draw *d, int64_t taken, double top_p, double le
 
 /* The nucleus from the row's mass summed in float64 terms with an 80-bit sum (long double:
  * off by at most 262,144 roundings of 2^-64, far under float64's own): the reference's
- * float64 sum, for the rare cut that the float32 sums' bounds leave in doubt (draw.py's
+ * float64 sum, for the rare cut that the float32 sums' bounds leave in doubt (oracle.py's
  * _float64_cut). A few ms at Gemma's 262,144 tokens, taken by about one top-p row in a
  * thousand. How many tokens it keeps (in ids, best first). */
+static atomic_long float64_cuts; /* how many cuts were settled so, for tests */
+
 static int64_t float64_cut(Draw *d, double top_p) {
+    atomic_fetch_add(&float64_cuts, 1);
     long double sum = 0.0L;
     for (int64_t i = 0; i < d->n; i++) sum += exp((double)d->row[i] - (double)d->peak);
     double total = (double)sum;
@@ -356,8 +360,13 @@ static int64_t float64_cut(Draw *d, double top_p) {
     return (last < taken ? last : taken - 1) + 1;
 }
 
+/* How many top-p cuts float64_cut has settled so far (the tests check that it ran). */
+int64_t ls_float64_cuts(void) {
+    return (int64_t)atomic_load(&float64_cuts);
+}
+
 /* The nucleus from the whole row's float32 exponentials, summed as `total` to within `error`:
- * draw.py's _summed_nucleus and _mass_from_rest. How many tokens it keeps (in ids, best
+ * oracle.py's _summed_nucleus and _mass_from_rest. How many tokens it keeps (in ids, best
  * first). */
 static int64_t summed_nucleus(Draw *d, double top_p, double total, double error) {
     double least_total = total - error, most_total = total + error;
@@ -386,7 +395,7 @@ static int64_t resummed_nucleus(Draw *d, double top_p) {
     return summed_nucleus(d, top_p, whole, whole * EXP_SUM_ERROR);
 }
 
-/* top-p without top-k: draw.py's _nucleus_candidates. How many tokens the nucleus keeps (in
+/* top-p without top-k: oracle.py's _nucleus_candidates. How many tokens the nucleus keeps (in
  * ids, best first). */
 static int64_t nucleus(Draw *d, double top_p) {
     const float *row = d->row;
@@ -439,7 +448,7 @@ static int top_p_alone(int64_t n, int64_t top_k, double top_p) {
 
 /* A row with a NaN (`nan`) or no finite best logit (every token biased away, or one at
  * +inf): its argmax (numpy's: the first NaN, else the first largest logit), the one candidate,
- * as draw.py's candidates() takes it: a broken forward pass gives a token, not an error. */
+ * as oracle.py's candidates() takes it: a broken forward pass gives a token, not an error. */
 static int64_t argmax_draw(Draw *d, int nan, double *found) {
     int64_t token = ls_argmax_from(d->row, d->n, d->block_max, nan);
     d->ids[0] = (int32_t)token;

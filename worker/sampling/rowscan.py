@@ -70,6 +70,7 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_openmp": ([], ctypes.c_int),
     "ls_draw_scratch_bytes": ([_LENGTH], _LENGTH),
     "ls_draw_ids_at": ([_LENGTH], _LENGTH),
+    "ls_float64_cuts": ([], _LENGTH),  # top-p cuts settled by a float64 sum (for the tests)
     "ls_argmax_scratch_floats": ([_LENGTH], _LENGTH),
     # graphdraw.c's: the draw inside llama_decode (backend_sampling.py's GraphDraws)
     "ls_graph_iface": ([], ctypes.c_void_p),

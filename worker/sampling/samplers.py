@@ -2,7 +2,7 @@
 so grammar, penalty and RNG state never leak from one request to the next in a slot.
 
 A request without a grammar gets a HostSampler: its token is drawn on the host from the row
-of logits the loop hands it (draw.py: exact, at about the cost of an argmax; most mixes in one
+of logits the loop hands it (draw.py: exact, at about the cost of an argmax; every row in one
 call to rowdraw.c, which holds no GIL, so the sampling threads draw side by side), with the
 request's own random generator, so a seeded request gives the same text alone, batched and
 after a restart. Logit bias and penalties are applied first, as llama.cpp's samplers apply

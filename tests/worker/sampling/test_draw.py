@@ -528,7 +528,9 @@ def test_the_c_top_p_cut_is_exact_however_close(isa, margin):
     again (float64 terms, an 80-bit sum): the whole row's cut either way, and seeded draws
     token for token the reference's (where the C once left the row to numpy)."""
     row, cut = _tiered_row(margin)
+    cuts = rowscan.library().ls_float64_cuts()
     assert _c_kept(row, cut).tolist() == exact_candidates(row, cut).ids.tolist()
+    assert rowscan.library().ls_float64_cuts() - cuts == (abs(margin) < 1e-9)
     rng = np.random.default_rng(5)
     for _ in range(20):
         seed = _next_seed(rng)
@@ -544,10 +546,10 @@ def _next_seed(rng: np.random.Generator) -> int:
 
 def _doubtful_row(margin: float, size: int = 4_096) -> tuple[np.ndarray, Truncation]:
     """A flat row whose top-p cut falls `margin` (of the best token's weight) past its three
-    best tokens (0, -0.5, -1: a real distribution to draw from) into a tier of tokens at -13
-    holding a third of the mass: so four tokens, or three, by a margin no float32 sum's bound
-    can settle."""
-    row = np.full(size, -20.0, dtype=np.float32)
+    best tokens (0, -0.5, -1: a real distribution to draw from) into a tier of tokens at -13:
+    so four tokens, or three, by a margin no float32 sum's bound can settle, not even the
+    rest's under the taken tokens (the rest at -16 weighs 3e-4, its bound some 4e-10)."""
+    row = np.full(size, -16.0, dtype=np.float32)
     row[: size * 3 // 8] = -13.0
     row[[size - 3, size - 2, size - 1]] = [0.0, -0.5, -1.0]
     total = float(np.exp(row.astype(np.float64)).sum())
@@ -569,7 +571,9 @@ def test_draws_from_a_cut_in_doubt_follow_the_softmax_over_the_kept_tokens(isa, 
         patch.setattr(oracle, "_float64_cut", lambda *args: summed.append(1) or original(*args))
         candidates(row, cut)
     assert summed == [1]
+    cuts = rowscan.library().ls_float64_cuts()
     assert _c_kept(row, cut).tolist() == candidates(row, cut).ids.tolist()
+    assert rowscan.library().ls_float64_cuts() - cuts == 1  # the C's float64 sum, too
     assert sorted(_c_kept(row, cut).tolist()) == sorted(whole)
     rng = np.random.default_rng(8)
     for _ in range(20):
