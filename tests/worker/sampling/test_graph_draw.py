@@ -6,8 +6,11 @@ cannot run."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
+import gguf
+import numpy as np
 import pytest
 
 from loomserve.protocol import Generate, SamplingParams
@@ -198,6 +201,33 @@ def test_without_avx512_the_graph_draws_every_row_as_the_host_does(config, level
     assert drawn == on_host
     assert all(isinstance(s, GraphDrawSampler) for s in samplers)
     assert prepared == 6 * 24
+
+
+@pytest.fixture(scope="module")
+def nan_model_path(tmp_path_factory, tiny_model_path):
+    """The tiny model with the output layer's rows for tokens 45 and 47 made NaN: every row of
+    logits it gives holds those two NaNs (a broken forward pass, in miniature)."""
+    path = tmp_path_factory.mktemp("nan") / "tiny-nan.gguf"
+    shutil.copyfile(tiny_model_path, path)
+    reader = gguf.GGUFReader(path, "r+")
+    (output,) = [tensor for tensor in reader.tensors if tensor.name == "output.weight"]
+    output.data[[45, 47]] = np.nan
+    reader.data.flush()
+    return path
+
+
+def test_rows_with_a_nan_are_drawn_in_the_graph_as_on_the_host(nan_model_path):
+    """A row with a NaN gives its first NaN (numpy's argmax) for every mix, greedy or
+    sampled: in the graph (graphdraw.c's own NaN branch, and ls_draw's for a top-p alone
+    without AVX-512) as on the host, and no row leaves the graph."""
+    config = replace(graph_config(nan_model_path, "draw"), threads=2)
+    requests = [request(f"d{i}", 50 + i, **fields) for i, fields in enumerate(DRAWN)]
+    on_host, _, _ = run(replace(config, backend_sampling="off"), requests)
+    drawn, samplers, prepared = run(config, requests)
+    assert drawn == on_host
+    assert all(tokens == [45] * 24 for tokens in drawn.values())
+    assert all(isinstance(s, GraphDrawSampler) for s in samplers)
+    assert prepared == len(DRAWN) * 24
 
 
 def test_the_engine_refuses_the_draw_where_the_logits_are_on_a_gpu(tiny_model_path):
