@@ -89,8 +89,8 @@ class WorkerConfig:
             "tokens as the host sampler, docs/sampling.md). on: llama.cpp's own sampler chains "
             "(backend sampling), on the device. off: the host sampler. auto: draw where the "
             "output layer runs on the CPU and slots do not draft (--spec-ngram); where the whole "
-            "model runs on a GPU, on if the host has no C draw (x86-64 with AVX2 or AVX-512), "
-            "else the host sampler, the faster there (docs/gpu.md); otherwise the host sampler."
+            "model runs on a GPU, the host sampler, the faster there (docs/gpu.md); otherwise "
+            "the host sampler."
         ),
         choices=BACKEND_SAMPLING_MODES,
     )

@@ -33,7 +33,7 @@ from ..sampling.backend_sampling import (
     GraphChains,
     backend_sampling_available,
 )
-from ..sampling.graph_draw import GraphDraws, GraphDrawSampler
+from ..sampling.graph_draw import GraphDraws
 from ..sampling.guidance import GrammarState, GrammarVocab
 from ..sampling.samplers import HostSampler, build_sampler
 from ..sched.media import MediaSpan, rope_position
@@ -165,9 +165,12 @@ class Engine:
         self.slot_context = min(config.ctx_size, self.description.context_train)
         self.n_slots = config.slots
         self._eval_callback = eval_callback  # held: the C side keeps only a pointer
-        self.sampling = self._sampling_place(
-            config, self.description, rowscan.library() is not None
-        )
+        if rowscan.library() is None:
+            raise EngineError(
+                "loomserve's sampling library (csrc/sampling) is not built beside "
+                "worker/sampling/: install loomserve with pip, which builds it"
+            )
+        self.sampling = self._sampling_place(config, self.description)
         self.ctx = self._new_context(config, self.sampling != "host")
         # Which sampler chain each sequence has in the graph (llama.cpp's chains).
         self.graph_chains = GraphChains(self.ctx) if self.sampling == "graph" else None
@@ -228,7 +231,7 @@ class Engine:
         return 999 if config.gpu_layers < 0 else config.gpu_layers
 
     @staticmethod
-    def _sampling_place(config: WorkerConfig, model: ModelDescription, draws_in_c: bool) -> str:
+    def _sampling_place(config: WorkerConfig, model: ModelDescription) -> str:
         """Where eligible requests are sampled: "host" (sampling/samplers.py), "graph" (llama.cpp's
         chains inside llama_decode, backend_sampling.py) or "draw" (the host's C draw inside
         llama_decode, graph_draw.py).
@@ -237,9 +240,8 @@ class Engine:
         and slots do not draft: the same tokens as the host sampler's, without llama.cpp's
         copy of every row's logits (docs/sampling.md); drafts are verified row by row on the
         host, so a drafting worker keeps the host sampler. Where the whole model runs on a
-        GPU, "graph" if the host has no C draw (rowscan.c: x86-64 with AVX2 or AVX-512), else
-        the host: on an H100 at 64 slots the C draw beat the graph at every mix, numpy's draw
-        did not (docs/gpu.md)."""
+        GPU, the host too: on an H100 at 64 slots the host's C draw beat llama.cpp's chains in
+        the graph at every mix (docs/gpu.md)."""
         mode = config.backend_sampling
         output_on_gpu = model.gpu_layers > model.n_layers
         if mode == "draw":
@@ -250,18 +252,17 @@ class Engine:
                 )
             if graph_native() is None:
                 raise EngineError(
-                    "this build cannot draw inside llama_decode: it needs the C draw "
-                    "(x86-64 with AVX2 or AVX-512), llama.cpp's backend sampling and a "
-                    "llama.cpp whose layout loomserve has verified (the warning above says "
-                    "which part is missing; docs/sampling.md)"
+                    "this build cannot draw inside llama_decode: it needs llama.cpp's "
+                    "backend sampling and a llama.cpp whose layout loomserve has verified "
+                    "(the warning above says which part is missing; docs/sampling.md)"
                 )
             return "draw"
         if mode == "off":
             return "host"
         if mode == "auto" and not output_on_gpu:
-            drawable = draws_in_c and graph_native() is not None
+            drawable = graph_native() is not None
             return "draw" if drawable and not config.speculates else "host"
-        if mode == "auto" and draws_in_c:
+        if mode == "auto":
             return "host"
         if not backend_sampling_available():
             if mode == "on":
@@ -338,7 +339,7 @@ class Engine:
 
     def new_sampler(
         self, params: SamplingParams, grammar: GrammarState | None = None
-    ) -> HostSampler | BackendSampler | GraphDrawSampler:
+    ) -> HostSampler | BackendSampler:
         """A fresh sampler for one request, with its grammar if it was compiled already;
         raises InvalidSampling on a bad grammar or bias."""
         return build_sampler(

@@ -8,8 +8,8 @@ same reason). With backend sampling the sampler chain runs in the graph and only
 comes back; when every output of a pass is sampled this way llama.cpp copies no logits at all.
 On a CPU it is the other way round: the graph's sampler sorts and sums the whole vocabulary
 where the host sampler looks at its head only. On an H100 the host's C draw (rowdraw.c) beat
-the graph too, at every mix, so `--backend-sampling auto` turns it on only where the whole
-model runs on a GPU and the host has no C draw (docs/sampling.md, docs/gpu.md).
+the graph too, at every mix, so `--backend-sampling auto` leaves it off: only `on` samples in
+the graph (docs/sampling.md, docs/gpu.md).
 
 Which requests: those the graph samples exactly as the host sampler does, and no slower —
 greedy, or temperature with top-k, top-p and min-p (llama.cpp's chain order, as the host

@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llama_cpp as llama
 import numpy as np
@@ -44,9 +44,7 @@ from .backend_sampling import (
     sampler_chain,
     set_sampler,
 )
-
-if TYPE_CHECKING:
-    from .samplers import HostSampler
+from .samplers import HostSampler
 
 log = structlog.get_logger(__name__)
 
@@ -79,46 +77,6 @@ def graph_draw_library() -> Any | None:
     if lib.ls_graph_draw_bytes() != ctypes.sizeof(DrawState):
         return None
     return lib
-
-
-class GraphDrawSampler:
-    """A request whose tokens graphdraw.c draws inside llama_decode: the request's
-    HostSampler gives the seed and settings before each pass (prepare) and takes the token
-    after (sample); where the pass ran without its sampler attached, it samples the copied
-    row on the host."""
-
-    __slots__ = ("_host", "_prepared", "failure")
-
-    grammar_complete = False  # no grammar
-    plain_greedy = False  # its row's logits may not be on the host at all
-    # Verifying drafts samples each row in turn on the host (speculation.py).
-    verifies_drafts = False
-
-    def __init__(self, host: HostSampler) -> None:
-        self._host = host
-        self._prepared: DrawState | None = None
-        self.failure: str | None = None
-
-    def prepare(self, state: DrawState, n_vocab: int) -> None:
-        """Before a pass that samples it: its next draw into its sequence's state."""
-        inputs = self._host.graph_inputs(n_vocab)
-        state.greedy = inputs is None
-        if inputs is not None:
-            state.settings[:], state.seed = inputs
-        state.token = -1
-        self._prepared = state
-
-    def sample(self, batch_index: int, logits: np.ndarray) -> int:
-        """The token graphdraw.c drew in the last pass; from `logits` on the host where the
-        pass ran without its sampler."""
-        if self._prepared is None:
-            return self._host.sample(batch_index, logits)
-        state = self._prepared
-        self._prepared = None
-        return self._host.graph_drawn(state.token, state.found[0])
-
-    def close(self) -> None:
-        """Nothing to free: the sequence's sampler is the engine's (GraphDraws)."""
 
 
 def outputs_of(run: Run) -> int:
@@ -174,7 +132,7 @@ class GraphDraws:
                 continue
             seq = run.slot.index
             sampler = run.slot.occupant.chain
-            if isinstance(sampler, GraphDrawSampler) and self._attach(seq):
+            if isinstance(sampler, HostSampler) and sampler.graph_draw and self._attach(seq):
                 sampler.prepare(self._states[seq], self._n_vocab)
                 self.prepared += 1
             else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeGuard
 
 import numpy as np
 
@@ -51,7 +52,6 @@ from .draw import (
     draw_token,
     draw_tokens,
 )
-from .graph_draw import GraphDrawSampler
 from .guidance import (
     GrammarFailed,
     GrammarState,
@@ -59,6 +59,9 @@ from .guidance import (
     request_grammar,
 )
 from .logprobs import adjusted_logits, logit_adjustments
+
+if TYPE_CHECKING:
+    from .graph_draw import DrawState
 
 # Fewer rows than this in a tick, sampled or greedy, for Python helper threads (where there
 # are no OpenMP threads to draw on, and for rows drawn one by one): the tick's own thread
@@ -89,6 +92,12 @@ class HostSampler:
     (draw.py), with the request's own random generator, then checked against its grammar, if
     it has one.
 
+    With `graph_draw` (a request without a grammar, bias or penalties, on a worker that draws
+    inside llama_decode: graph_draw.py), graphdraw.c draws the same token inside the pass
+    where its sequence's sampler is attached: the sampler writes its settings and the seed
+    its generator gives into the sequence's DrawState before the pass (prepare), and reads the
+    token after (sample); a pass that ran without it attached leaves the row to the host.
+
     After a token: `failure` says why the request must end with an error (its grammar grew
     too complex, or allows none of the tokens the request may produce; the token is then
     meaningless), and `grammar_complete` whether its grammar allows nothing more but an
@@ -98,6 +107,7 @@ class HostSampler:
         "_adjusts",
         "_context",
         "_cut",
+        "_drawn",
         "_generated",
         "_grammar",
         "_mass",
@@ -105,12 +115,15 @@ class HostSampler:
         "_rng",
         "failure",
         "grammar_complete",
+        "graph_draw",
     )
 
-    verifies_drafts = True
-
     def __init__(
-        self, params: SamplingParams, slot_context: int, grammar: GrammarState | None = None
+        self,
+        params: SamplingParams,
+        slot_context: int,
+        grammar: GrammarState | None = None,
+        graph_draw: bool = False,
     ) -> None:
         self._params = params
         self._context = slot_context
@@ -127,11 +140,40 @@ class HostSampler:
         self._grammar = grammar  # checked after the draw, never before it
         self.failure: str | None = None
         self.grammar_complete = False
+        self.graph_draw = graph_draw
+        self._drawn: DrawState | None = None  # the state graphdraw.c draws into this pass
 
     @property
     def plain_greedy(self) -> bool:
-        """Whether the token is the logits' argmax and nothing else (no state to update)."""
-        return self._cut is None and not self._adjusts and self._grammar is None
+        """Whether the token is the logits' argmax and nothing else (no state to update); not
+        for a request drawn in the graph, whose row may never reach the host."""
+        return (
+            self._cut is None
+            and not self._adjusts
+            and self._grammar is None
+            and not self.graph_draw
+        )
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether it may verify drafted tokens (speculation.py samples each row in turn on
+        the host): not a request drawn in the graph, which does not draft."""
+        return not self.graph_draw
+
+    @property
+    def drawn_in_graph(self) -> bool:
+        """Whether graphdraw.c drew its token in the last pass (prepare() before it)."""
+        return self._drawn is not None
+
+    def prepare(self, state: DrawState, n_vocab: int) -> None:
+        """Before a pass that draws its token in the graph: its next draw into its
+        sequence's state."""
+        inputs = self.graph_inputs(n_vocab)
+        state.greedy = inputs is None
+        if inputs is not None:
+            state.settings[:], state.seed = inputs
+        state.token = -1
+        self._drawn = state
 
     @property
     def greedy(self) -> bool:
@@ -204,7 +246,11 @@ class HostSampler:
         return token
 
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
-        """The token for this row of logits (batch_index is not needed: the row is given)."""
+        """The token for this row of logits (batch_index is not needed: the row is given),
+        or the one graphdraw.c drew in the last pass, where it did."""
+        if self._drawn is not None:
+            state, self._drawn = self._drawn, None
+            return self.graph_drawn(state.token, state.found[0])
         scores = logits
         if self._adjusts:
             scores = adjusted_logits(logits, self._params, self._generated, self._context)
@@ -329,7 +375,7 @@ def _sample_rows(
 
     argmaxed = [
         sampler.greedy and (not sampler.adjusts or row in adjusted)
-        if isinstance(sampler, HostSampler)
+        if _on_host(sampler)
         else sampler.plain_greedy
         for row, sampler in enumerate(samplers)
     ]
@@ -344,7 +390,7 @@ def _sample_rows(
     copied: list[int] = []  # a bias or penalties on read-only logits: sample() on a copy
     for row in rest:
         sampler = samplers[row]
-        if not isinstance(sampler, HostSampler):
+        if not _on_host(sampler):
             continue
         if sampler.adjusts and row not in adjusted:
             copied.append(row)
@@ -375,7 +421,7 @@ def _sample_rows(
     futures = [pool.submit(sample, share) for share in range(1, n_shares)] if pool else []
     sample(0)
     for row in rest:  # the graph's rows: read on the tick's thread
-        if not isinstance(samplers[row], HostSampler):
+        if not _on_host(samplers[row]):
             tokens[row] = samplers[row].sample(batch_indices[row], logits[row])
     for future in futures:
         future.result()
@@ -385,6 +431,12 @@ def _sample_rows(
         if isinstance(sampler, HostSampler) and sampler.constrained and row not in copied:
             tokens[row] = sampler.constrain(tokens[row], logits[row])
     return tokens
+
+
+def _on_host(sampler: TokenSampler) -> TypeGuard[HostSampler]:
+    """Whether the sampler's row is drawn here, on the host: a host sampler whose token the
+    graph did not draw in the last pass."""
+    return isinstance(sampler, HostSampler) and not sampler.drawn_in_graph
 
 
 def _argmax_rows(logits: np.ndarray, threads: SamplingThreads | None) -> list[int]:
@@ -412,11 +464,11 @@ def build_sampler(
     graph_chains: GraphChains | None = None,
     graph_draws: bool = False,
     compiled: GrammarState | None = None,
-) -> HostSampler | BackendSampler | GraphDrawSampler:
+) -> HostSampler | BackendSampler:
     """A fresh sampler for one request; raises InvalidSampling for a bad grammar or bias.
     With `graph_chains` (backend sampling on), a request the graph samples exactly gets a
     BackendSampler (backend_sampling.py); with `graph_draws` (the C draw in the graph), a
-    request the C draw serves gets a GraphDrawSampler (graph_draw.py).
+    request the C draw serves gets a HostSampler that graphdraw.c draws for (graph_draw.py).
 
     The worker checks what it is sent itself, as the gateway did: a peer that speaks the
     protocol directly must not be able to crash a grammar parser. `grammars`: the model's
@@ -429,7 +481,7 @@ def build_sampler(
         if token_id >= n_vocab:
             raise InvalidSampling(f"logit_bias names token {token_id}, beyond the vocabulary")
     if graph_draws and draws_plain_rows(params):
-        return GraphDrawSampler(HostSampler(params, slot_context))
+        return HostSampler(params, slot_context, graph_draw=True)
     if graph_chains is not None and backend_eligible(params, n_vocab):
         host = HostSampler(params, slot_context)
         return BackendSampler(sampler_chain(drawing_stages(params, n_vocab)), graph_chains, host)

@@ -29,14 +29,17 @@ KEEPS_CACHE = (FinishReason.STOP, FinishReason.LENGTH)  # the slot's KV is sound
 
 
 class TokenSampler(Protocol):
-    """What the loop asks of a request's sampler (sampling/samplers.py's HostSampler or Sampler,
-    sampling/backend_sampling.py's BackendSampler);
-    the scheduler only carries it."""
+    """What the loop asks of a request's sampler (sampling/samplers.py's HostSampler,
+    sampling/backend_sampling.py's BackendSampler); the scheduler only carries it."""
 
     failure: str | None  # after sample(): why the request must end with an error
     grammar_complete: bool  # after sample(): the grammar allows only an end-of-generation
-    # Whether it can verify drafted tokens (speculation.py): it samples each row in turn.
-    verifies_drafts: bool
+
+    @property
+    def verifies_drafts(self) -> bool:
+        """Whether it can verify drafted tokens (speculation.py): it samples each row in
+        turn."""
+        ...
 
     @property
     def plain_greedy(self) -> bool: ...

@@ -13,13 +13,10 @@ import pytest
 from loomserve.worker.engine import kernels, native_fence
 from loomserve.worker.engine.engine import Engine, EngineError
 from loomserve.worker.engine.kernels import graph_native
-from loomserve.worker.sampling import graph_draw, rowscan
+from loomserve.worker.sampling import rowscan
+from loomserve.worker.sampling.samplers import HostSampler
 from tests.worker.sampling.test_backend_sampling import graph_config
 from tests.worker.sampling.test_graph_draw import mixed_requests, run
-
-pytestmark = pytest.mark.skipif(
-    rowscan.library() is None, reason="this CPU has no C draw (x86-64 with AVX2 or AVX-512)"
-)
 
 
 def declared() -> dict[str, int]:
@@ -103,7 +100,7 @@ def test_a_refused_install_serves_the_same_tokens_on_the_host(
     requests = mixed_requests()
     tokens, samplers, prepared = run(config, requests)
     assert prepared == 0
-    assert not any(isinstance(s, graph_draw.GraphDrawSampler) for s in samplers)
+    assert not any(isinstance(s, HostSampler) and s.graph_draw for s in samplers)
     assert lib.ls_graph_rows_drawn() == drawn_before
     assert kernel_lib.ls_q0_swapped() == swapped_before
     assert all(len(tokens[r.request_id]) == 24 for r in requests)

@@ -18,7 +18,6 @@ from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine, ModelDescription
 from loomserve.worker.sampling.backend_sampling import BackendSampler
 from loomserve.worker.sampling.draw import Truncation
-from loomserve.worker.sampling.graph_draw import GraphDrawSampler
 from loomserve.worker.sampling.samplers import HostSampler
 from loomserve.worker.sched.slots import Run
 from tests.worker.engine.test_engine import (
@@ -73,37 +72,34 @@ def test_auto_draws_inside_llama_decode_on_a_cpu_unless_slots_draft(tiny_model_p
     tokens without llama.cpp's copy of the logits; with drafting, whose verification samples
     on the host, the host sampler."""
     config = WorkerConfig(model_path=tiny_model_path, slots=2, ctx_size=64, threads=1)
-    for spec_ngram, place, sampler in (
-        (None, "draw", GraphDrawSampler),
-        (True, "host", HostSampler),
-    ):
+    for spec_ngram, place, in_graph in ((None, "draw", True), (True, "host", False)):
         engine = Engine(replace(config, spec_ngram=spec_ngram))
         try:
             assert engine.sampling == place
-            assert isinstance(engine.new_sampler(SamplingParams(temperature=1.0)), sampler)
+            sampler = engine.new_sampler(SamplingParams(temperature=1.0))
+            assert isinstance(sampler, HostSampler) and sampler.graph_draw == in_graph
         finally:
             engine.close()
 
 
 @pytest.mark.parametrize(
-    ("mode", "gpu_layers", "draws_in_c", "expected"),
+    ("mode", "gpu_layers", "expected"),
     [
-        ("auto", 0, False, "host"),  # a CPU without the C draw
-        ("auto", 0, True, "draw"),  # a CPU with it: drawn inside llama_decode
-        ("auto", 3, True, "draw"),  # part of the model offloaded: the output stays on the CPU
-        ("auto", 5, False, "graph"),  # every layer and the output (n_layers + 1), numpy's draw
-        ("auto", 5, True, "host"),  # the same, but the host draws in C: faster than the graph
-        ("on", 0, True, "graph"),
-        ("off", 5, False, "host"),
-        ("draw", 0, True, "draw"),  # the C draw in the graph (graph_draw.py)
+        ("auto", 0, "draw"),  # on a CPU: the C draw inside llama_decode
+        ("auto", 3, "draw"),  # part of the model offloaded: the output stays on the CPU
+        ("auto", 5, "host"),  # every layer and the output (n_layers + 1): the host's C draw,
+        # faster than llama.cpp's chains in the graph
+        ("on", 0, "graph"),
+        ("off", 5, "host"),
+        ("draw", 0, "draw"),  # the C draw in the graph (graph_draw.py)
     ],
 )
 def test_auto_samples_in_the_graph_only_where_the_graph_is_the_faster(
-    tiny_model_path, mode, gpu_layers, draws_in_c, expected
+    tiny_model_path, mode, gpu_layers, expected
 ):
     model = ModelDescription("m", "llama", "", 0, 0, 4, 300, 256, gpu_layers)
     config = WorkerConfig(model_path=tiny_model_path, backend_sampling=mode)
-    assert Engine._sampling_place(config, model, draws_in_c) == expected
+    assert Engine._sampling_place(config, model) == expected
 
 
 @pytest.mark.parametrize(
@@ -247,7 +243,7 @@ def draws(engine: Engine, params: SamplingParams, n_draws: int) -> tuple[np.ndar
             if isinstance(sampler, BackendSampler):
                 assert sampler.attach(seq)
             else:
-                assert isinstance(sampler, GraphDrawSampler)
+                assert isinstance(sampler, HostSampler) and sampler.graph_draw
         drawn: list[int] = []
         while len(drawn) < n_draws:
             engine.bind_graph_samplers(runs)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from loomserve.protocol import Generate, SamplingParams
 from loomserve.worker.config import WorkerConfig
 from loomserve.worker.engine.engine import Engine, EngineError, ModelDescription
 from loomserve.worker.sampling import rowscan
-from loomserve.worker.sampling.graph_draw import GraphDrawSampler, graph_draw_library
+from loomserve.worker.sampling.graph_draw import graph_draw_library
 from loomserve.worker.sampling.samplers import HostSampler
 from tests.tiny_model import ModelShape, write_tiny_model
 from tests.worker.engine.test_engine import GW, drain, new_loop, run_staggered
@@ -40,6 +40,11 @@ ON_HOST = [
     {"temperature": 0.9, "grammar": 'start: "ab" /[a-c]*/'},
     {"temperature": 1.0, "prompt_logprobs": 1},  # its prompt scored: a pass of many outputs
 ]
+
+
+def drawn_in_graph(sampler: object) -> bool:
+    """Whether the request's sampler is one graphdraw.c draws for."""
+    return isinstance(sampler, HostSampler) and sampler.graph_draw
 
 
 def test_the_draw_binds_on_any_cpu():
@@ -93,9 +98,9 @@ def test_drawn_requests_get_the_host_paths_tokens_beside_host_sampled_ones(confi
     assert drawn == on_host
     assert all(len(drawn[r.request_id]) == 24 for r in requests)
     # Which path each took, and that the graph drew every token of the drawn ones.
-    in_graph = [s for s in samplers if isinstance(s, GraphDrawSampler)]
+    in_graph = [s for s in samplers if drawn_in_graph(s)]
     assert len(in_graph) == 13  # the 12 drawn and the long prompt
-    assert sum(isinstance(s, HostSampler) for s in samplers) == 5  # the grammar's among them
+    assert sum(not drawn_in_graph(s) for s in samplers) == 5  # the grammar's among them
     # The graph drew all but the drawn rows of the passes that scored a prompt.
     assert 12 * 24 < prepared < 13 * 24
 
@@ -169,7 +174,7 @@ def test_settings_at_their_extremes_draw_the_host_paths_tokens(config):
     drawn, samplers, prepared = run(config, requests)
     assert drawn == on_host
     assert all(len(tokens) == 24 for tokens in drawn.values())
-    assert all(isinstance(s, GraphDrawSampler) for s in samplers)
+    assert all(drawn_in_graph(s) for s in samplers)
     assert prepared == len(EXTREMES) * 24
 
 
@@ -199,7 +204,7 @@ def test_without_avx512_the_graph_draws_every_row_as_the_host_does(config, level
     finally:
         library.ls_limit_isa(2)
     assert drawn == on_host
-    assert all(isinstance(s, GraphDrawSampler) for s in samplers)
+    assert all(drawn_in_graph(s) for s in samplers)
     assert prepared == 6 * 24
 
 
@@ -226,7 +231,7 @@ def test_rows_with_a_nan_are_drawn_in_the_graph_as_on_the_host(nan_model_path):
     drawn, samplers, prepared = run(config, requests)
     assert drawn == on_host
     assert all(tokens == [45] * 24 for tokens in drawn.values())
-    assert all(isinstance(s, GraphDrawSampler) for s in samplers)
+    assert all(drawn_in_graph(s) for s in samplers)
     assert prepared == len(DRAWN) * 24
 
 
@@ -234,7 +239,7 @@ def test_the_engine_refuses_the_draw_where_the_logits_are_on_a_gpu(tiny_model_pa
     model = ModelDescription("m", "llama", "", 0, 0, 4, 300, 256, gpu_layers=5)
     config = WorkerConfig(model_path=tiny_model_path, backend_sampling="draw")
     with pytest.raises(EngineError, match="output layer runs on a GPU"):
-        Engine._sampling_place(config, model, draws_in_c=True)
+        Engine._sampling_place(config, model)
 
 
 def start_drawn(loop, n: int, ticks: int) -> None:
