@@ -413,6 +413,83 @@ __attribute__((target("avx512f"))) static double cumulative_avx512(const float *
     return n ? weights[n - 1] : start;
 }
 
+/* exp_of_depth_pd_avx512 for 4 doubles with AVX2 and FMA: the same steps, and 2^k applied as
+ * two factors 2^(k/2) and 2^(k - k/2), each a normal double, so that only the last product
+ * rounds, as scalef rounds once. */
+__attribute__((target("avx2,fma"))) static inline __m256d exp_of_depth_pd_avx2(__m256d d) {
+    static const double inverse_factorials[] = {
+        1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+        1.0 / 5040,      1.0 / 720,      1.0 / 120,     1.0 / 24,     1.0 / 6,
+        1.0 / 2,         1.0,            1.0};
+    __m256d live = _mm256_cmp_pd(d, _mm256_set1_pd(-745.2), _CMP_GE_OQ);
+    d = _mm256_and_pd(live, d); /* -inf and NaN out of the arithmetic: their lanes end 0 */
+    __m256d k = _mm256_round_pd(_mm256_mul_pd(d, _mm256_set1_pd(0x1.71547652b82fep0)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(0x1.62e42fefa39efp-1), d);
+    r = _mm256_fnmadd_pd(k, _mm256_set1_pd(0x1.abc9e3b39803fp-56), r);
+    __m256d p = _mm256_set1_pd(inverse_factorials[0]);
+    for (int i = 1; i < 13; i++) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(inverse_factorials[i]));
+    /* k's halves as int64s (|k| < 2^31): a whole double added to 1.5 * 2^52 has the bits of
+     * 1.5 * 2^52 plus itself. */
+    const __m256d shifter = _mm256_set1_pd(0x1.8p52);
+    __m256d k_half = _mm256_round_pd(_mm256_mul_pd(k, _mm256_set1_pd(0.5)),
+                                     _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __m256i half = _mm256_sub_epi64(_mm256_castpd_si256(_mm256_add_pd(k_half, shifter)),
+                                    _mm256_castpd_si256(shifter));
+    __m256i rest = _mm256_sub_epi64(
+        _mm256_castpd_si256(_mm256_add_pd(_mm256_sub_pd(k, k_half), shifter)),
+        _mm256_castpd_si256(shifter));
+    const __m256i bias = _mm256_set1_epi64x(1023);
+    __m256d first = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(half, bias), 52));
+    __m256d second = _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_add_epi64(rest, bias), 52));
+    return _mm256_and_pd(live, _mm256_mul_pd(_mm256_mul_pd(p, first), second));
+}
+
+/* running_sum_pd for 4 float64 terms: lane i gets carry + terms[0..i], the terms added as
+ * the AVX-512 version adds them in its first four lanes. */
+__attribute__((target("avx2"))) static inline __m256d running_sum_pd_avx2(__m256d terms,
+                                                                         __m256d carry) {
+    const __m256d zero = _mm256_setzero_pd();
+    terms = _mm256_add_pd(
+        terms, _mm256_blend_pd(_mm256_permute4x64_pd(terms, _MM_SHUFFLE(2, 1, 0, 0)), zero, 0x1));
+    terms = _mm256_add_pd(
+        terms, _mm256_blend_pd(_mm256_permute4x64_pd(terms, _MM_SHUFFLE(1, 0, 0, 0)), zero, 0x3));
+    return _mm256_add_pd(terms, carry);
+}
+
+/* ls_cumulative_weights with AVX2: 8 tokens at a time, gathered by id, each half's
+ * exponentials in float64 and summed onto the running total; the last few in plain C. */
+__attribute__((target("avx2,fma"))) static double cumulative_avx2(const float *row,
+                                                                  const int32_t *ids, int64_t n,
+                                                                  float peak, double temperature,
+                                                                  double start, double *weights) {
+    const __m256d peaks = _mm256_set1_pd((double)peak), temperatures = _mm256_set1_pd(temperature);
+    const __m256i steps = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256d carry = _mm256_set1_pd(start);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        /* 8 ids that follow each other (most of a flat row's head) are loaded, not
+         * gathered: AMD's gathers cost more than the exponentials. */
+        __m256i at = _mm256_loadu_si256((const __m256i *)(ids + i));
+        __m256i run = _mm256_add_epi32(_mm256_set1_epi32(ids[i]), steps);
+        __m256 x = _mm256_movemask_epi8(_mm256_cmpeq_epi32(at, run)) == -1
+                       ? _mm256_loadu_ps(row + ids[i])
+                       : _mm256_i32gather_ps(row, at, 4);
+        __m256d halves[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(x)),
+                             _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))};
+        for (int half = 0; half < 2; half++) {
+            __m256d depth = _mm256_div_pd(_mm256_sub_pd(halves[half], peaks), temperatures);
+            __m256d sums = running_sum_pd_avx2(exp_of_depth_pd_avx2(depth), carry);
+            _mm256_storeu_pd(weights + i + 4 * half, sums);
+            carry = _mm256_permute4x64_pd(sums, _MM_SHUFFLE(3, 3, 3, 3));
+        }
+    }
+    double sum = i ? weights[i - 1] : start;
+    for (; i < n; i++)
+        weights[i] = sum += exp(((double)row[ids[i]] - (double)peak) / temperature);
+    return sum;
+}
+
 /* ls_sum_below: each term converted to float64 before it is added, as numpy's sum does. */
 __attribute__((target("avx512f"))) static double sum_below_avx512(const float *values,
                                                                     const float *row, int64_t n,
@@ -683,6 +760,7 @@ double ls_cumulative_weights(const float *row, const int32_t *ids, int64_t n, fl
 #ifdef X86
     if (cpu_has(2)) return cumulative_avx512(row, ids, n, peak, temperature, start, weights);
 #endif
+    if (has_avx2_fma()) return cumulative_avx2(row, ids, n, peak, temperature, start, weights);
     double sum = start;
     for (int64_t i = 0; i < n; i++)
         weights[i] = sum += exp(((double)row[ids[i]] - (double)peak) / temperature);

@@ -136,15 +136,24 @@ def test_cumulative_weights_are_numpys_cumsum_of_the_exponentials(isa, temperatu
     rng = np.random.default_rng(int(temperature * 10))
     for size in SIZES:
         row = _row(size, size) * np.float32(8.0)  # depths to ~100: some weights underflow
-        ids = np.sort(rng.choice(size, min(size, 3000), replace=False)).astype(np.int32)
-        peak = np.float32(row.max())
-        weights = np.empty(len(ids))
-        last = library.ls_cumulative_weights(
-            row.ctypes.data, ids.ctypes.data, len(ids), peak, temperature, 2.5, weights.ctypes.data
-        )
-        exact = 2.5 + np.cumsum(np.exp((row[ids].astype(np.float64) - float(peak)) / temperature))
-        assert weights == pytest.approx(exact, rel=1e-14)
-        assert last == weights[-1]
+        scattered = np.sort(rng.choice(size, min(size, 3000), replace=False)).astype(np.int32)
+        # ids that follow each other (a flat row's head) are read as a run, the others gathered
+        following = np.arange(size, dtype=np.int32)
+        for ids in (scattered, following):
+            peak = np.float32(row.max())
+            weights = np.empty(len(ids))
+            last = library.ls_cumulative_weights(
+                row.ctypes.data,
+                ids.ctypes.data,
+                len(ids),
+                peak,
+                temperature,
+                2.5,
+                weights.ctypes.data,
+            )
+            depths = (row[ids].astype(np.float64) - float(peak)) / temperature
+            assert weights == pytest.approx(2.5 + np.cumsum(np.exp(depths)), rel=1e-14)
+            assert last == weights[-1]
     nothing = library.ls_cumulative_weights(row.ctypes.data, ids.ctypes.data, 0, peak, 1.0, 2.5, 0)
     assert nothing == 2.5
 
@@ -155,12 +164,18 @@ def test_the_float64_exponentials_are_within_two_ulps(isa):
     library = rowscan.library()
     depths = np.concatenate([-np.geomspace(1e-12, 708.0, 5000), [0.0, -1e-300]])
     row = np.concatenate([depths, [-np.inf, -746.0, -800.0]]).astype(np.float32)
-    ids = np.arange(len(row), dtype=np.int32)
     weights = np.empty(len(row))
+    # Each token first of eight, the other seven the -inf one (weight 0): the vector kernels'
+    # first lane, whose running sum is the weight itself.
+    ids = np.full(8, len(depths), dtype=np.int32)
+    sums = np.empty(8)
     for i in range(len(row)):
+        ids[0] = i
         library.ls_cumulative_weights(
-            row.ctypes.data, ids[i:].ctypes.data, 1, 0.0, 1.0, 0.0, weights[i:].ctypes.data
+            row.ctypes.data, ids.ctypes.data, 8, 0.0, 1.0, 0.0, sums.ctypes.data
         )
+        weights[i] = sums[0]
+        assert (sums == sums[0]).all()
     exact = np.exp(row.astype(np.float64))
     assert (np.abs(weights - exact) <= 4.5e-16 * exact).all()
     assert (weights[-3:] == 0.0).all()
