@@ -48,6 +48,8 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     && ls /wheels/llama_cpp_python-*.whl \
        | sed -E 's#.*/llama_cpp_python-([^-]+)-.*#llama-cpp-python==\1#' > /wheels/constraints.txt
 COPY protocol ./protocol
+# The worker's C sources, which pyproject.toml's ext-modules build beside worker/.
+COPY csrc ./csrc
 COPY worker ./worker
 COPY gateway ./gateway
 COPY cli ./cli

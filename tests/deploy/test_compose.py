@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,6 +130,16 @@ def test_image_builds_without_docker_hub_or_a_public_index() -> None:
     assert dockerfile.count("--mount=type=secret,id=pip_cert") == 2  # both pip steps
     assert SERVICES["lb"]["image"].startswith("${NGINX_IMAGE:-")
     assert (ROOT / "deploy/nginx.Dockerfile").exists()
+
+
+def test_the_image_copies_every_file_the_build_compiles() -> None:
+    """pip builds the worker's C libraries in the image: every source and include folder
+    pyproject.toml's ext-modules name must be under a folder the Dockerfile copies."""
+    copied = re.findall(r"^COPY (\S+) \./", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for extension in project["tool"]["setuptools"]["ext-modules"]:
+        for path in [*extension["sources"], *extension.get("include-dirs", [])]:
+            assert any(path == folder or path.startswith(f"{folder}/") for folder in copied), path
 
 
 def test_end_to_end_script_is_valid_bash() -> None:
