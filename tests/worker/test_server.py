@@ -384,9 +384,9 @@ def worker_process(model: Path, **config) -> Iterator[tuple[subprocess.Popen, st
     settings = ", ".join(f"{key}={value!r}" for key, value in config.items())
     script = (
         "from pathlib import Path\n"
-        "from cli.logs import configure_logging\n"
-        "from worker.config import WorkerConfig\n"
-        "from worker.server import run_worker\n"
+        "from loomserve.cli.logs import configure_logging\n"
+        "from loomserve.worker.config import WorkerConfig\n"
+        "from loomserve.worker.server import run_worker\n"
         "configure_logging(json=True)\n"
         f"run_worker(WorkerConfig(Path({str(model)!r}), bind={endpoint!r}, {settings}))\n"
     )
