@@ -15,9 +15,11 @@ Without it all slots share one cache, and a copied prefix shares the source's ce
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -409,16 +411,26 @@ class Engine:
             llama.llama_set_n_threads(self.ctx, wanted, wanted)
             self._passes_threads = wanted
 
+    @contextlib.contextmanager
+    def pass_running(self) -> Iterator[None]:
+        """Around every llama_decode on the context, of tokens or of an image's embeddings:
+        the governor reads from the passes whether the worker is idle (threads.py)."""
+        if self.threads is None:
+            yield
+            return
+        self.threads.pass_started()
+        try:
+            yield
+        finally:
+            self.threads.pass_ended()
+
     def decode(self, batch: TokenBatch) -> int:
         """One forward pass over the batch; llama_decode's return code (0 is success)."""
         batch.struct.n_tokens = batch.n_tokens
         self.last_outputs = 0
         self._govern_threads()
-        if self.threads is not None:
-            self.threads.pass_started()
-        code = llama.llama_decode(self.ctx, batch.struct)
-        if self.threads is not None:
-            self.threads.pass_ended()
+        with self.pass_running():
+            code = llama.llama_decode(self.ctx, batch.struct)
         if code == 0:  # the rows of logits output_logits may read
             self.last_outputs = int(np.count_nonzero(batch.logits[: batch.n_tokens]))
         return code

@@ -469,7 +469,10 @@ class TickLoop:
                 rope = None
                 if span.rope is not None:  # M-RoPE: each row's (t, y, x, z) from `first`
                     rope = (span.rope[0] + first * span.rope[1])[offset : offset + len(rows)]
-                code = self.media_batch.decode(rows, first + offset, slot.index, non_causal, rope)
+                with self.engine.pass_running():
+                    code = self.media_batch.decode(
+                        rows, first + offset, slot.index, non_causal, rope
+                    )
                 if code != 0:
                     log.error("image decode failed", code=code, slot=slot.index)
                     scheduler.media_failed(

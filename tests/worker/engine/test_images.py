@@ -139,6 +139,51 @@ def test_an_image_request_runs_and_counts_its_image_tokens(engine, loop):
     assert finish.prompt_tokens == len(encoded.tokens) >= len(request.prompt_tokens) + 4
 
 
+class CountedPasses:
+    """A stand-in for the thread governor that counts the passes it is told of."""
+
+    def __init__(self, most: int) -> None:
+        self.most, self.started, self.ended, self.running = most, 0, 0, False
+
+    def update(self) -> int:
+        return self.most
+
+    def pass_started(self) -> None:
+        assert not self.running
+        self.started, self.running = self.started + 1, True
+
+    def pass_ended(self) -> None:
+        assert self.running
+        self.ended, self.running = self.ended + 1, False
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+def test_an_images_passes_are_passes_to_the_thread_governor(engine, loop, monkeypatch):
+    """An image's embedding passes tell the governor a pass runs, as token passes do: a
+    long one is not an idle worker (threads.py)."""
+    tick_loop, collector = loop
+    calls = {"tokens": 0, "image": 0}
+
+    def counting(method, kind):
+        def call(*args, **kwargs):
+            calls[kind] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(engine, "decode", counting(engine.decode, "tokens"))
+    media_batch = tick_loop.media_batch
+    monkeypatch.setattr(media_batch, "decode", counting(media_batch.decode, "image"))
+    counted = CountedPasses(engine.config.n_threads)
+    monkeypatch.setattr(engine, "threads", counted)
+    run(tick_loop, collector, image_request(engine, "img", [png_bytes(40, 24, seed=3)]))
+    assert calls["image"] >= 1 and calls["tokens"] >= 12
+    assert counted.started == counted.ended == calls["tokens"] + calls["image"]
+    assert not counted.running
+
+
 def test_two_images_give_two_answers_and_no_prefix_hit_across_them(engine, loop):
     tick_loop, collector = loop
     first = image_request(engine, "a", [png_bytes(32, 32, seed=1)])
