@@ -254,8 +254,10 @@ def test_cli_sweep(server, tmp_path) -> None:
     assert [p["value"] for p in sweep["points"]] == [1.0, 4.0]
     one, four = (p["summary"] for p in sweep["points"])
     assert one["completed"] == four["completed"] == 4
+    # That the second point ran four at once is read from the requests' own times, not from
+    # its throughput: on a busy machine four short requests at once can take as long as one
+    # after another (it failed that way beside the rest of the suite).
     assert one["max_concurrent_requests"] == 1 and four["max_concurrent_requests"] == 4
-    assert four["request_throughput"] > 2 * one["request_throughput"]
     assert plot.read_bytes().startswith(PNG_MAGIC)
     # Each point draws its own prompts, so a prompt cache cannot favour the later one.
     prompts = [json.dumps(body["messages"]) for body in fake.bodies[1:]]  # after the warm-up
