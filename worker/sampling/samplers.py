@@ -167,11 +167,12 @@ class HostSampler:
 
     def prepare(self, state: DrawState, n_vocab: int) -> None:
         """Before a pass that draws its token in the graph: its next draw into its
-        sequence's state."""
-        inputs = self.graph_inputs(n_vocab)
-        state.greedy = inputs is None
-        if inputs is not None:
-            state.settings[:], state.seed = inputs
+        sequence's state, the settings and the seed draw_rows would hand rowdraw.c (the seed
+        taken from its generator now); a greedy request's is the argmax."""
+        state.greedy = self._cut is None
+        if self._cut is not None:
+            state.settings[:] = draw_settings(self._cut, n_vocab, self._mass)
+            state.seed = self._rng.bit_generator.random_raw()
         state.token = -1
         self._drawn = state
 
@@ -229,28 +230,14 @@ class HostSampler:
             sampler._mass = mass
         return [token for token, _ in drawn]
 
-    def graph_inputs(self, n_vocab: int) -> tuple[tuple[float, ...], int] | None:
-        """What graphdraw.c needs to draw its next token inside llama_decode: the settings and
-        the seed draw_rows would hand rowdraw.c (the seed taken from its generator now);
-        None for a greedy request (the argmax). Only for requests without a bias or
-        penalties (backend_sampling.draws_plain_rows)."""
-        if self._cut is None:
-            return None
-        seed = self._rng.bit_generator.random_raw()
-        return draw_settings(self._cut, n_vocab, self._mass), seed
-
-    def graph_drawn(self, token: int, mass: float) -> int:
-        """The token graphdraw.c drew after graph_inputs(), with its head mass."""
-        if self._cut is not None:  # greedy: the argmax, no hint to keep
-            self._mass = mass
-        return token
-
     def sample(self, batch_index: int, logits: np.ndarray) -> int:
         """The token for this row of logits (batch_index is not needed: the row is given),
         or the one graphdraw.c drew in the last pass, where it did."""
         if self._drawn is not None:
             state, self._drawn = self._drawn, None
-            return self.graph_drawn(state.token, state.found[0])
+            if self._cut is not None:  # its head's mass, the next draw's hint (not greedy's)
+                self._mass = state.found[0]
+            return int(state.token)
         scores = logits
         if self._adjusts:
             scores = adjusted_logits(logits, self._params, self._generated, self._context)

@@ -42,7 +42,7 @@ ON_HOST = [
 ]
 
 
-def drawn_in_graph(sampler: object) -> bool:
+def graph_drawn(sampler: object) -> bool:
     """Whether the request's sampler is one graphdraw.c draws for."""
     return isinstance(sampler, HostSampler) and sampler.graph_draw
 
@@ -98,9 +98,9 @@ def test_drawn_requests_get_the_host_paths_tokens_beside_host_sampled_ones(confi
     assert drawn == on_host
     assert all(len(drawn[r.request_id]) == 24 for r in requests)
     # Which path each took, and that the graph drew every token of the drawn ones.
-    in_graph = [s for s in samplers if drawn_in_graph(s)]
+    in_graph = [s for s in samplers if graph_drawn(s)]
     assert len(in_graph) == 13  # the 12 drawn and the long prompt
-    assert sum(not drawn_in_graph(s) for s in samplers) == 5  # the grammar's among them
+    assert sum(not graph_drawn(s) for s in samplers) == 5  # the grammar's among them
     # The graph drew all but the drawn rows of the passes that scored a prompt.
     assert 12 * 24 < prepared < 13 * 24
 
@@ -174,7 +174,7 @@ def test_settings_at_their_extremes_draw_the_host_paths_tokens(config):
     drawn, samplers, prepared = run(config, requests)
     assert drawn == on_host
     assert all(len(tokens) == 24 for tokens in drawn.values())
-    assert all(drawn_in_graph(s) for s in samplers)
+    assert all(graph_drawn(s) for s in samplers)
     assert prepared == len(EXTREMES) * 24
 
 
@@ -204,7 +204,7 @@ def test_without_avx512_the_graph_draws_every_row_as_the_host_does(config, level
     finally:
         library.ls_limit_isa(2)
     assert drawn == on_host
-    assert all(drawn_in_graph(s) for s in samplers)
+    assert all(graph_drawn(s) for s in samplers)
     assert prepared == 6 * 24
 
 
@@ -231,7 +231,7 @@ def test_rows_with_a_nan_are_drawn_in_the_graph_as_on_the_host(nan_model_path):
     drawn, samplers, prepared = run(config, requests)
     assert drawn == on_host
     assert all(tokens == [45] * 24 for tokens in drawn.values())
-    assert all(drawn_in_graph(s) for s in samplers)
+    assert all(graph_drawn(s) for s in samplers)
     assert prepared == len(DRAWN) * 24
 
 
