@@ -148,6 +148,10 @@ class WorkerMetrics:
         self.image_pass_seconds = counter(
             "image_pass_seconds_total", "Seconds of the image passes (the ticks wait for them)."
         )
+        self.image_rows_in_token_passes = counter(
+            "image_rows_in_token_passes_total",
+            "Image rows that went in the ticks' token passes, beside the streams' tokens.",
+        )
         self._tenant_labels = TenantLabels(tenant_labels)
         self._decode = self.batch_tokens.labels(kind="decode")
         self._prefill = self.batch_tokens.labels(kind="prefill")
@@ -228,6 +232,7 @@ class WorkerMetrics:
         self.image_encode_seconds.inc(record.encode_seconds)
         self.image_passes.inc(record.passes)
         self.image_pass_seconds.inc(record.pass_seconds)
+        self.image_rows_in_token_passes.inc(record.shared_rows)
 
     def on_reject(self, code: str) -> None:
         self.rejected.labels(reason=code).inc()

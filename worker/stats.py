@@ -115,14 +115,16 @@ class SchedulerStats:
 @dataclass(frozen=True, slots=True)
 class MediaRecord:
     """Images the loop took in: a Generate's images encoded (on the encoder's thread), or a
-    tick's image passes (embedding-only llama_decode calls), for the metrics."""
+    tick's image rows (in embedding-only llama_decode calls, or in its token pass), for the
+    metrics."""
 
     images: int = 0  # images of one Generate, encoded or from the encoded cache
     cached_images: int = 0  # of those, found in the encoded cache
     image_tokens: int = 0  # the positions they take in its prompt
     encode_seconds: float = 0.0
-    passes: int = 0  # images put in the cache this tick, each in its own pass(es)
-    pass_seconds: float = 0.0
+    passes: int = 0  # images whose last rows went in the cache this tick
+    pass_seconds: float = 0.0  # of passes of images' rows alone (the streams wait for them)
+    shared_rows: int = 0  # image rows that went in the tick's token pass, beside its tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..sched.media import rope_position
 from ..sched.slots import Run, Slot, Step
+from .token_rows import TokenRows
 
 
 class TokenBatch:
@@ -39,9 +40,37 @@ class TokenBatch:
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
         self.n_tokens = 0
+        # The same rows as embeddings (carry_embeddings): a pass with an image's rows.
+        self.embd: np.ndarray | None = None
+        self.embd_struct: llama.llama_batch | None = None
+        self.embedded = False  # this pass goes in as embeddings (embed_rows)
+
+    def carry_embeddings(self, n_embd: int) -> None:
+        """Make room for the batch's rows as embeddings: a second llama_batch over the same
+        positions, sequences and logits flags, with rows of n_embd floats for tokens."""
+        int32_p = ctypes.POINTER(ctypes.c_int32)
+        self.embd = np.zeros((self.capacity, n_embd), dtype=np.float32)
+        self.embd_struct = llama.llama_batch(
+            n_tokens=0,
+            token=None,
+            embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos=self.pos.ctypes.data_as(int32_p),
+            n_seq_id=self._n_seq_id.ctypes.data_as(int32_p),
+            seq_id=self._seq_ptrs,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    @property
+    def active(self) -> llama.llama_batch:
+        """The llama_batch the next pass decodes: of tokens, or of the same rows embedded."""
+        struct = self.embd_struct if self.embedded else self.struct
+        assert struct is not None
+        struct.n_tokens = self.n_tokens
+        return struct
 
     def clear(self) -> None:
         self.n_tokens = 0
+        self.embedded = False
 
     def add(self, token: int, pos: int, seq: int, want_logits: bool) -> int:
         """Append one token; return its index in the batch."""
@@ -115,3 +144,33 @@ def fill_batch(batch: TokenBatch, step: Step) -> Filled:
         if run.sample:
             filled.sampled.append((run.slot, last))
     return filled
+
+
+def holds_image_rows(step: Step) -> bool:
+    """Whether a run of the step takes an image's positions (their placeholders are below
+    zero, sched/media.py): the pass must then go in as embeddings."""
+    return any(run.tokens and min(run.tokens) < 0 for run in step.runs if not run.pad)
+
+
+def embed_rows(batch: TokenBatch, step: Step, token_rows: TokenRows) -> None:
+    """Write the filled batch's rows as embeddings (carry_embeddings): a token as its input
+    row, an image's position as its embedding; the next pass decodes them (`active`)."""
+    assert batch.embd is not None
+    n = batch.n_tokens
+    tokens = batch.token[:n]
+    text = np.flatnonzero(tokens >= 0)
+    batch.embd[text] = token_rows.rows(tokens[text])
+    placed, first = 0, 0
+    for run in step.runs:  # fill_batch put each run's tokens next, in step order
+        end = run.start + len(run.tokens)
+        media = run.slot.request.media if run.slot.request is not None and not run.pad else ()
+        for span in media:
+            lo, hi = max(run.start, span.start), min(end, span.end)
+            if lo < hi:
+                at = first + lo - run.start
+                batch.embd[at : at + hi - lo] = span.embeddings[lo - span.start : hi - span.start]
+                placed += hi - lo
+        first += len(run.tokens)
+    if placed != n - len(text):
+        raise RuntimeError("a placeholder outside its request's images")
+    batch.embedded = True

@@ -45,6 +45,7 @@ from .batch import TokenBatch
 from .kernels import graph_native
 from .llama_logs import LoadProgress, route_llama_logs
 from .threads import ThreadGovernor
+from .token_rows import TokenRows
 
 log = structlog.get_logger(__name__)
 
@@ -223,6 +224,9 @@ class Engine:
         # llguidance's tokenizer builds on a thread from here (seconds for a large vocabulary);
         # the first grammar waits for it.
         self.grammars = GrammarVocab(self.vocab, self.n_vocab)
+        # With a vision projector: tokens as embedding rows, so an image's rows share the
+        # streams' pass (token_rows.py); None where they would not give the same logits.
+        self.token_rows = self._token_rows(config) if config.mmproj is not None else None
 
     # --- set-up -------------------------------------------------------------------
 
@@ -271,6 +275,44 @@ class Engine:
                 raise EngineError("this llama.cpp build has no backend sampling")
             return "host"
         return "graph"
+
+    def _token_rows(self, config: WorkerConfig) -> TokenRows | None:
+        rows = TokenRows.load(config.model_path, self.model)
+        if rows is None:
+            return None
+        self.batch.carry_embeddings(rows.n_embd)
+        if not self.embeds_exactly(rows):
+            log.info(
+                "tokens written as embeddings do not give the tokens' logits: images go in "
+                "passes of their own",
+                model=config.model_path.name,
+            )
+            return None
+        return rows
+
+    def embeds_exactly(self, rows: TokenRows) -> bool:
+        """Decode a few tokens as tokens, then as their rows, in sequence 0 (empty at start):
+        whether the logits are the same, bit for bit."""
+        tokens = [min(token, self.n_vocab - 1) for token in (1, 2, 30, 300, 3_000, 30_000)]
+        logits = []
+        for embedded in (False, True):
+            self.batch.clear()
+            self.batch.add_run(tokens, 0, 0, False, logits_on_all=True)
+            if embedded:
+                assert self.batch.embd is not None
+                self.batch.embd[: len(tokens)] = rows.rows(np.array(tokens))
+                self.batch.embedded = True
+            code = self.decode(self.batch)
+            if code == 0:
+                logits.append(self.output_logits(len(tokens)).copy())
+            self.keep_prefix(0, 0)
+            if code != 0:
+                break
+        self.batch.clear()
+        self.last_outputs = 0
+        return len(logits) == 2 and bool(
+            np.array_equal(logits[0].view(np.uint32), logits[1].view(np.uint32))
+        )
 
     def _load_model(self, config: WorkerConfig) -> llama.llama_model_p:
         params = llama.llama_model_default_params()
@@ -426,11 +468,10 @@ class Engine:
 
     def decode(self, batch: TokenBatch) -> int:
         """One forward pass over the batch; llama_decode's return code (0 is success)."""
-        batch.struct.n_tokens = batch.n_tokens
         self.last_outputs = 0
         self._govern_threads()
         with self.pass_running():
-            code = llama.llama_decode(self.ctx, batch.struct)
+            code = llama.llama_decode(self.ctx, batch.active)
         if code == 0:  # the rows of logits output_logits may read
             self.last_outputs = int(np.count_nonzero(batch.logits[: batch.n_tokens]))
         return code

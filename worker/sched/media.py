@@ -5,9 +5,13 @@ each position of it holds a placeholder, a negative id made from its content has
 position's offset in it, so the prefix cache and its keys treat an image as its hash at its
 position: another image differs at its first position already (a 2**-31 chance that it
 does not, and then at the next). The
-scheduler plans token runs up to the next image only (Slot.prompt_remaining); the loop puts
-each image's embeddings in the cache in passes of their own (a llama_batch is all tokens or
-all embeddings) before the tick's token pass.
+scheduler plans an image's positions as prompt rows like any other where the worker can
+write tokens as embedding rows (engine/token_rows.py): the tick's one pass then carries them
+beside the other tokens, as embeddings (`in_token_pass`). Otherwise (a non-causal image,
+which must go whole into one pass; M-RoPE's positions; a model whose token rows are not
+exact) token runs stop at the next image, and the loop puts each image's embeddings in the
+cache in passes of their own (a llama_batch is all tokens or all embeddings) before the
+tick's token pass.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class MediaSpan:
     # further adds (worker/engine/media.py); None for 1-D positions.
     n_pos: int = 0
     rope: Any = None
+    # Its rows go in the ticks' token passes, planned as prompt rows (the loop's choice);
+    # False: in passes of their own.
+    in_token_pass: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -86,5 +93,9 @@ def media_at(media: tuple[MediaSpan, ...], position: int) -> MediaSpan | None:
 
 
 def text_until(media: tuple[MediaSpan, ...], position: int, end: int) -> int:
-    """Where the text that starts at `position` ends: the next image's start, else `end`."""
-    return min((span.start for span in media if span.start >= position), default=end)
+    """Where the token runs that start at `position` end: the next image that goes in passes
+    of its own, else `end`."""
+    return min(
+        (span.start for span in media if span.start >= position and not span.in_token_pass),
+        default=end,
+    )

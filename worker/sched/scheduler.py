@@ -270,7 +270,7 @@ class Scheduler:
             if slot.request is None or slot.finish_reason or slot.phase is not SlotPhase.PREFILLING:
                 continue
             span = media_at(slot.request.media, slot.n_in_cache)
-            if span is not None:
+            if span is not None and not span.in_token_pass:
                 due.append((slot, span))
         return sorted(due, key=lambda item: (item[0].admitted_tick, item[0].index))
 

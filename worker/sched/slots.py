@@ -137,14 +137,15 @@ class Slot:
 
     @property
     def prompt_remaining(self) -> int:
-        """Prompt tokens a token run may take next: up to the next image, whose positions
-        the loop fills with its embeddings instead (Scheduler.media_due)."""
+        """Prompt positions a token run may take next: up to the next image that goes in
+        passes of its own, whose positions the loop fills instead (Scheduler.media_due)."""
         if self.phase is not SlotPhase.PREFILLING:
             return 0
         media = self.request.media if self.request is not None else ()
         if not media:
             return self.n_prompt - self.n_in_cache
-        if media_at(media, self.n_in_cache) is not None:
+        span = media_at(media, self.n_in_cache)
+        if span is not None and not span.in_token_pass:
             return 0
         return text_until(media, self.n_in_cache, self.n_prompt) - self.n_in_cache
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import structlog
@@ -35,7 +36,7 @@ from ...protocol import (
 )
 from ..cache.prefix_cache import AdvertisedPrefixes
 from ..config import WorkerConfig
-from ..engine.batch import Filled, fill_batch
+from ..engine.batch import Filled, embed_rows, fill_batch, holds_image_rows
 from ..engine.embeddings import Embedder
 from ..engine.engine import Engine
 from ..engine.media import EmbeddingBatch, EncodedPrompt, MediaEncoder
@@ -136,6 +137,16 @@ class TickLoop:
         self.media = media  # None: this worker reads no images
         self.media_batch = (
             EmbeddingBatch(engine.ctx, config.batch_tokens, media.n_embd) if media else None
+        )
+        # An image's rows ride in the ticks' token passes, planned as prompt rows, where the
+        # engine writes tokens as exact embedding rows and the image needs nothing more than
+        # its positions (a non-causal one goes whole into a pass of its own, M-RoPE takes
+        # four positions a row).
+        self.images_in_token_passes = (
+            media is not None
+            and engine.token_rows is not None
+            and not media.non_causal
+            and not media.mrope
         )
         # Generates whose images are being encoded, and when they went to the encoder.
         self._encoding: dict[RequestKey, float] = {}
@@ -242,6 +253,8 @@ class TickLoop:
         # 3b. Generating slots may draft tokens that ride in the same pass (drafting.py).
         self.drafting.speculate(step)
         filled = fill_batch(self.engine.batch, step)
+        if self.images_in_token_passes:  # an image's rows in the pass: all go as embeddings
+            self._embed_image_rows(step)
         self.engine.bind_graph_samplers(step.runs)  # backend sampling: chains onto their sequences
         # 4. One forward pass; the scheduler advances each slot's cache.
         # 5. Each slot samples at its own batch index (and verifies its drafts).
@@ -380,6 +393,9 @@ class TickLoop:
                     encode_seconds=encoded.encode_seconds,
                 )
             )
+        if self.images_in_token_passes:
+            shared = tuple(replace(span, in_token_pass=True) for span in encoded.media)
+            encoded = replace(encoded, media=shared)
         self._accept(item.gateway, item.message, encoded, time.monotonic() - submitted)
 
     def _compiled(self, item: Compiled) -> None:
@@ -488,6 +504,23 @@ class TickLoop:
         if taken and self._on_media:  # partial passes took their seconds too
             self._on_media(MediaRecord(passes=passes, pass_seconds=seconds))
         return seconds
+
+    def _embed_image_rows(self, step: Step) -> None:
+        """Where runs take an image's positions, write the batch as embedding rows (tokens
+        as their rows); count the image rows and the images whose last rows go in."""
+        if not holds_image_rows(step):
+            return
+        assert self.engine.token_rows is not None
+        embed_rows(self.engine.batch, step, self.engine.token_rows)
+        if self._on_media:
+            rows = images = 0
+            for run in step.runs:
+                media = () if run.pad or run.slot.request is None else run.slot.request.media
+                end = run.start + len(run.tokens)
+                for span in media:
+                    rows += max(0, min(end, span.end) - max(run.start, span.start))
+                    images += run.start < span.end <= end
+            self._on_media(MediaRecord(passes=images, shared_rows=rows))
 
     # --- 4: forward --------------------------------------------------------------------
 

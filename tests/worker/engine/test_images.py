@@ -179,7 +179,13 @@ def test_an_images_passes_are_passes_to_the_thread_governor(engine, loop, monkey
     counted = CountedPasses(engine.config.n_threads)
     monkeypatch.setattr(engine, "threads", counted)
     run(tick_loop, collector, image_request(engine, "img", [png_bytes(40, 24, seed=3)]))
-    assert calls["image"] >= 1 and calls["tokens"] >= 12
+    # A causal image's rows ride in the token passes (token_rows.py); Gemma 3's go in
+    # passes of their own.
+    assert tick_loop.images_in_token_passes == (
+        engine.config.mmproj.name != "mmproj-tiny-gemma3.gguf"
+    )
+    assert calls["image"] == (0 if tick_loop.images_in_token_passes else 1)
+    assert calls["tokens"] >= 12
     assert counted.started == counted.ended == calls["tokens"] + calls["image"]
     assert not counted.running
 
@@ -346,7 +352,8 @@ def test_under_a_latency_target_a_generating_stream_waits_for_one_image_a_tick(e
         alone_records: list[MediaRecord] = []
         alone_loop, alone = new_loop(engine, config, made, alone_records.append)
         expected = run(alone_loop, alone, *requests)
-        if not alone_loop.media.non_causal:  # four images in a row: one tick takes them all
+        media = alone_loop.media
+        if not (alone_loop.images_in_token_passes or media.non_causal):  # one tick takes all
             assert max(record.passes for record in alone_records) >= 4
 
         records: list[MediaRecord] = []
@@ -358,8 +365,15 @@ def test_under_a_latency_target_a_generating_stream_waits_for_one_image_a_tick(e
         out = run(tick_loop, collector, *requests)
         passes = [record.passes for record in records if record.passes]
         assert len(out["t"]) == 200  # long enough to generate beside every image pass
-        assert sum(passes) == 5 and max(passes) == 1
         assert {key: out[key] for key in expected} == expected
+        if tick_loop.images_in_token_passes:  # prompt rows, in the stream's passes
+            encoded = [made[0].encode(request).media for request in requests]
+            image_rows = sum(span.n_tokens for media in encoded for span in media)
+            shared = sum(record.shared_rows for record in records)
+            assert sum(passes) == 5 and shared == image_rows
+            assert not any(record.pass_seconds for record in records)
+        else:  # passes of their own: one image a tick
+            assert sum(passes) == 5 and max(passes) == 1
     finally:
         for media in made:
             media.close()
@@ -480,7 +494,8 @@ def test_under_a_tight_latency_target_a_causal_image_goes_in_over_several_ticks(
         mmproj = write_tiny_mmproj(tmp_path / "mmproj-64.gguf", shape=VisionShape(image_size=64))
     else:
         model_path, mmproj = write_tiny_qwen2vl(tmp_path)
-    base = replace(vision_config(model_path, mmproj), slots=4, max_queue=8, batch_tokens=128)
+    config = vision_config(model_path, mmproj)
+    base = replace(config, slots=4, max_queue=8, batch_tokens=128, prefill_chunk=128)
     engine = Engine(base)
     made: list[MediaEncoder] = []
     try:
@@ -491,7 +506,10 @@ def test_under_a_tight_latency_target_a_causal_image_goes_in_over_several_ticks(
         assert made[0].encode(request).media[0].n_tokens == 64
 
         tight = replace(base, itl_target_ms=0.001)  # every tick over: the fewest rows
-        tick_loop, collector = new_loop(engine, tight, made)
+        shared: list[int] = []  # image rows in each tick's token pass
+        tick_loop, collector = new_loop(
+            engine, tight, made, lambda record: shared.append(record.shared_rows)
+        )
         passes: list[int] = []
         decode = tick_loop.media_batch.decode
 
@@ -510,9 +528,16 @@ def test_under_a_tight_latency_target_a_causal_image_goes_in_over_several_ticks(
             tick_loop.tick_cost.observe(1, prefill, 0.01 + 0.001 * prefill)
         assert tick_loop.scheduler.media_rows_cap() == 16
         tick_loop.scheduler.media_rows_cap = lambda: 16  # the run's ticks re-price it
+        latency = tick_loop.scheduler.latency
+        assert latency is not None
+        latency.prefill_cap = lambda generating: 16  # the same for prompt rows
         out = run(tick_loop, collector, request)
         assert out["img"] == expected and len(out["t"]) == 120
-        assert sum(passes) == 64 and max(passes) == 16
+        if projector == "mlp":  # prompt rows in the stream's passes (token_rows.py)
+            assert tick_loop.images_in_token_passes and not passes
+            assert sum(shared) == 64 and max(shared) == 16
+        else:  # M-RoPE: passes of their own
+            assert sum(passes) == 64 and max(passes) == 16
     finally:
         for media in made:
             media.close()
