@@ -74,7 +74,8 @@ class Phase:
     image_ttft_ms: list[float] = field(default_factory=list)
     errors: int = 0
     encode_ms: float | None = None  # loomserve's metrics: per image, this phase
-    pass_ms: float | None = None
+    pass_ms: float | None = None  # of passes of the image's rows alone
+    rows_per_pass: float | None = None  # image rows a token pass carried, where they shared one
 
     def p99_gap(self) -> float | None:
         return percentile(self.gaps_ms, 99)
@@ -161,7 +162,10 @@ def text_stream(url: str, index: int, until: float, phase: Phase, lock: threadin
     prompt = f"stream {index}: tell me a long story about the river and the house"
     with httpx.Client(timeout=120) as client:
         while time.perf_counter() < until:
-            times = stream_chat(client, url, chat_body(prompt, TEXT_TOKENS))
+            try:
+                times = stream_chat(client, url, chat_body(prompt, TEXT_TOKENS))
+            except httpx.HTTPError:  # a dropped connection counts as an error, not the end
+                times = []
             with lock:
                 phase.gaps_ms += [1000 * (b - a) for a, b in itertools.pairwise(times)]
                 phase.errors += not times
@@ -177,7 +181,10 @@ def image_request(url: str, image: bytes, phase: Phase, lock: threading.Lock) ->
     ]
     with httpx.Client(timeout=120) as client:
         sent = time.perf_counter()
-        times = stream_chat(client, url, chat_body(content, IMAGE_TOKENS))
+        try:
+            times = stream_chat(client, url, chat_body(content, IMAGE_TOKENS))
+        except httpx.HTTPError:
+            times = []
     with lock:
         if times:
             phase.image_ttft_ms.append(1000 * (times[0] - sent))
@@ -213,7 +220,14 @@ def run_phase(
 
 def image_metrics(metrics_url: str | None) -> dict[str, float]:
     """loomserve's worker counters of images (zeros without a metrics URL)."""
-    names = ("images", "image_encode_seconds", "image_passes", "image_pass_seconds")
+    names = (
+        "images",
+        "image_encode_seconds",
+        "image_passes",
+        "image_pass_seconds",
+        "image_rows_in_token_passes",
+        "image_token_passes",
+    )
     found = dict.fromkeys(names, 0.0)
     if metrics_url is None:
         return found
@@ -229,7 +243,13 @@ def per_image_ms(before: dict[str, float], after: dict[str, float]) -> tuple:
     passes = after["image_passes"] - before["image_passes"]
     encode = after["image_encode_seconds"] - before["image_encode_seconds"]
     passed = after["image_pass_seconds"] - before["image_pass_seconds"]
-    return (1000 * encode / images if images else None, 1000 * passed / passes if passes else None)
+    rows = after["image_rows_in_token_passes"] - before["image_rows_in_token_passes"]
+    shared = after["image_token_passes"] - before["image_token_passes"]
+    return (
+        1000 * encode / images if images else None,
+        1000 * passed / images if passes and images else None,
+        rows / shared if shared else None,
+    )
 
 
 def median_of(values: list[float | None]) -> float | None:
@@ -245,8 +265,9 @@ def report(phases: dict[str, list[Phase]], servers: list[str]) -> list[str]:
     """The markdown table: medians over rounds of each phase's figures."""
     lines = [
         "| server | text p99 ITL ms | with images p99 ITL ms | ratio | image TTFT p50 ms "
-        "| image TTFT p99 ms | encode ms/image | image pass ms | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| image TTFT p99 ms | encode ms/image | image pass ms/image | image rows/token pass "
+        "| errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for server in servers:
         text, images = phases[f"{server}|text"], phases[f"{server}|images"]
@@ -257,10 +278,11 @@ def report(phases: dict[str, list[Phase]], servers: list[str]) -> list[str]:
         ttft99 = median_of([percentile(p.image_ttft_ms, 99) for p in images])
         encode = median_of([p.encode_ms for p in images])
         passed = median_of([p.pass_ms for p in images])
+        shared = median_of([p.rows_per_pass for p in images])
         errors = sum(p.errors for p in text + images)
         lines.append(
             f"| {server} | {shown(quiet)} | {shown(busy)} | {shown(ratio, 2)} | {shown(ttft50)} "
-            f"| {shown(ttft99)} | {shown(encode)} | {shown(passed)} | {errors} |"
+            f"| {shown(ttft99)} | {shown(encode)} | {shown(passed)} | {shown(shared)} | {errors} |"
         )
     return lines
 
@@ -332,7 +354,7 @@ def main(
                     before = image_metrics(metrics[server])
                     interval = image_interval if kind == "images" else None
                     phase = run_phase(servers[server], phase_seconds, interval, image_side, round_)
-                    phase.encode_ms, phase.pass_ms = per_image_ms(
+                    phase.encode_ms, phase.pass_ms, phase.rows_per_pass = per_image_ms(
                         before, image_metrics(metrics[server])
                     )
                     phases.setdefault(f"{server}|{kind}", []).append(phase)

@@ -152,6 +152,9 @@ class WorkerMetrics:
             "image_rows_in_token_passes_total",
             "Image rows that went in the ticks' token passes, beside the streams' tokens.",
         )
+        self.image_token_passes = counter(
+            "image_token_passes_total", "The ticks' token passes that carried image rows."
+        )
         self._tenant_labels = TenantLabels(tenant_labels)
         self._decode = self.batch_tokens.labels(kind="decode")
         self._prefill = self.batch_tokens.labels(kind="prefill")
@@ -233,6 +236,7 @@ class WorkerMetrics:
         self.image_passes.inc(record.passes)
         self.image_pass_seconds.inc(record.pass_seconds)
         self.image_rows_in_token_passes.inc(record.shared_rows)
+        self.image_token_passes.inc(record.shared_rows > 0)
 
     def on_reject(self, code: str) -> None:
         self.rejected.labels(reason=code).inc()
