@@ -157,10 +157,16 @@ def stream_chat(client: httpx.Client, url: str, body: dict) -> list[float]:
     return times
 
 
+def new_client() -> httpx.Client:
+    """A client that opens a connection a request: llama-server drops a kept-alive one now and
+    then ("Server disconnected without sending a response"), which cost its streams a retry."""
+    return httpx.Client(timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def text_stream(url: str, index: int, until: float, phase: Phase, lock: threading.Lock) -> None:
     """One closed-loop text stream until `until`: its gaps between chunks."""
     prompt = f"stream {index}: tell me a long story about the river and the house"
-    with httpx.Client(timeout=120) as client:
+    with new_client() as client:
         while time.perf_counter() < until:
             try:
                 times = stream_chat(client, url, chat_body(prompt, TEXT_TOKENS))
@@ -179,7 +185,7 @@ def image_request(url: str, image: bytes, phase: Phase, lock: threading.Lock) ->
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
         {"type": "text", "text": "what is in the picture?"},
     ]
-    with httpx.Client(timeout=120) as client:
+    with new_client() as client:
         sent = time.perf_counter()
         try:
             times = stream_chat(client, url, chat_body(content, IMAGE_TOKENS))
