@@ -62,7 +62,9 @@ class Run:
     unfinished: int
 
 
-def loomserve(model: Path, port: int, threads: int, env: dict[str, str]) -> subprocess.Popen:
+def loomserve(
+    model: Path, port: int, threads: int, env: dict[str, str], own_session: bool
+) -> subprocess.Popen:
     args = [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(model)]
     args += ["--port", str(port), "--slots", str(SLOTS), "--ctx-size", str(CTX_PER_SLOT)]
     args += ["--threads", str(threads)]
@@ -70,7 +72,7 @@ def loomserve(model: Path, port: int, threads: int, env: dict[str, str]) -> subp
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # serve's workers inherit it (a user's GOMP_* is kept)
     try:
-        return start(args, port, log)
+        return start(args, port, log, own_session)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -79,19 +81,22 @@ def loomserve(model: Path, port: int, threads: int, env: dict[str, str]) -> subp
                 os.environ[name] = value
 
 
-def llama_server(model: Path, port: int, threads: int, binary: Path) -> subprocess.Popen:
+def llama_server(
+    model: Path, port: int, threads: int, binary: Path, own_session: bool
+) -> subprocess.Popen:
     args = [str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1"]
     args += ["-t", str(threads), "-tb", str(threads), "-np", str(SLOTS)]
     args += ["-c", str(SLOTS * CTX_PER_SLOT), "--no-webui", *llama_server_cpu_args()]
-    return start(args, port, Path(tempfile.gettempdir()) / f"bench-shared-cpu-llama-{port}.log")
+    log = Path(tempfile.gettempdir()) / f"bench-shared-cpu-llama-{port}.log"
+    return start(args, port, log, own_session)
 
 
-def busy_loops(count: int) -> list[subprocess.Popen]:
-    """`count` processes that spin on a core each until stopped."""
+def busy_loops(count: int, own_sessions: bool) -> list[subprocess.Popen]:
+    """`count` processes that spin on a core each until stopped, each in a process group of
+    its own (ended whole), and in a session of its own or the bench's (own_sessions)."""
     code = "while True: pass"
-    return [
-        subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(count)
-    ]
+    group = {"start_new_session": True} if own_sessions else {"process_group": 0}
+    return [subprocess.Popen([sys.executable, "-c", code], **group) for _ in range(count)]
 
 
 def end_busy_loops(procs: list[subprocess.Popen]) -> None:
@@ -210,6 +215,15 @@ def report(
     help="Another loomserve in the rotation, with this environment, e.g. "
     "'GOMP_SPINCOUNT=10000' or 'OMP_WAIT_POLICY=PASSIVE'. Repeatable.",
 )
+@click.option(
+    "--busy-sessions",
+    type=click.Choice(["shared", "own"]),
+    default="shared",
+    help="The busy loops in the bench's session, as loops started from the servers' shell "
+    "(Linux's autogroup then shares the CPUs among threads), or each in a session of its "
+    "own, as other programs on a desktop or other containers (the CPUs are shared among "
+    "sessions first: the servers' gets 2/(n + 1) of 2 CPUs beside n loops).",
+)
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     model: str | None,
@@ -221,6 +235,7 @@ def main(
     run_seconds: float,
     binary: Path | None,
     variant: tuple[str, ...],
+    busy_sessions: str,
     json_out: Path | None,
 ) -> None:
     """Every server at every stream count and busy level, `repetitions` times; the table."""
@@ -228,6 +243,7 @@ def main(
     # sessions of their own and would otherwise spin on, disturbing whatever runs next.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     path = resolve_model(model)
+    own = busy_sessions == "own"  # the servers and loops each in a session of their own
     stream_counts = [int(n) for n in streams.split(",")]
     busy_levels = [int(n) for n in busy.split(",")]
     servers: dict[str, str] = {}
@@ -236,11 +252,11 @@ def main(
     try:
         for extra in ("", *variant):
             port = free_port()
-            procs.append(loomserve(path, port, threads, parse_variant(extra)))
+            procs.append(loomserve(path, port, threads, parse_variant(extra), own))
             servers[f"loomserve {extra}".strip()] = f"http://127.0.0.1:{port}"
         if binary is not None and Path(binary).exists():
             port = free_port()
-            procs.append(llama_server(path, port, threads, Path(binary)))
+            procs.append(llama_server(path, port, threads, Path(binary), own))
             servers["llama-server"] = f"http://127.0.0.1:{port}"
         else:
             click.echo("no llama-server binary (LOOMSERVE_LLAMA_SERVER): loomserve only", err=True)
@@ -250,7 +266,7 @@ def main(
         turn = 0
         for repetition in range(repetitions):
             for n_busy in busy_levels:
-                loops = busy_loops(n_busy)
+                loops = busy_loops(n_busy, own)
                 try:
                     time.sleep(0.5 if n_busy else 0)  # the loops take their cores first
                     for n_streams in stream_counts:

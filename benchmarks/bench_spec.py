@@ -76,9 +76,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(args: list[str], port: int, log: Path) -> subprocess.Popen:
+def start(args: list[str], port: int, log: Path, own_session: bool = True) -> subprocess.Popen:
+    """The server, healthy, in a process group of its own (stop ends it whole): in a session
+    of its own too unless own_session is False (Linux's autogroup shares the CPUs among
+    sessions first)."""
+    group = {"start_new_session": True} if own_session else {"process_group": 0}
     with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, **group)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
