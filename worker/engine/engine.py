@@ -277,6 +277,7 @@ class Engine:
         return "graph"
 
     def _token_rows(self, config: WorkerConfig) -> TokenRows | None:
+        assert self.model is not None  # loaded a moment ago, in __init__
         rows = TokenRows.load(config.model_path, self.model)
         if rows is None:
             return None

@@ -21,6 +21,7 @@ another way, a LoRA) and images keep passes of their own.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as llama
@@ -86,7 +87,7 @@ class TokenRows:
         self,
         table: np.ndarray,
         n_embd: int,
-        to_float: ctypes._CFuncPtr | None,
+        to_float: Callable[[int, int, int], None] | None,
         scale: float,
     ) -> None:
         self._table = table  # n_vocab rows of the file's bytes (or floats, for F32)
@@ -124,14 +125,14 @@ class TokenRows:
         arch = _architecture(model)
         scale = float(np.sqrt(np.float32(n_embd))) if arch in SQRT_SCALED else 1.0
         if ggml_type == GGML_TYPE_F32:
-            table = np.memmap(model_path, np.float32, "r", offset, (n_vocab, n_embd))
-            return cls(table, n_embd, None, scale)
+            floats = np.memmap(model_path, np.float32, "r", offset, (n_vocab, n_embd))
+            return cls(floats, n_embd, None, scale)
         traits = base.ggml_get_type_traits(ggml_type).contents
         if not traits.to_float:
             log.info("token rows: ggml has no to_float for the type", ggml_type=ggml_type)
             return None
-        table = np.memmap(model_path, np.uint8, "r", offset, (n_vocab, row_bytes))
-        return cls(table, n_embd, _ToFloat(traits.to_float), scale)
+        raw = np.memmap(model_path, np.uint8, "r", offset, (n_vocab, row_bytes))
+        return cls(raw, n_embd, _ToFloat(traits.to_float), scale)
 
     def rows(self, tokens: np.ndarray) -> np.ndarray:
         """Each token's input row (float32, len(tokens) x n_embd), as the graph's get_rows
