@@ -8,6 +8,9 @@ which runs inside the tick."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -136,6 +139,39 @@ def test_a_real_tick_slowed_by_work_that_uses_cpu_is_not_declared_dead(engine) -
     started = time.monotonic()
     fired, _ = watched_run(engine, slow, limit)
     assert time.monotonic() - started > 8 * limit  # the tick did outlast its limit, eightfold
+    assert fired == []
+
+
+def test_a_real_tick_starved_by_busy_processes_is_not_declared_dead(engine) -> None:
+    """Three processes busy-looping on the tick thread's core: the tick gets a share of it,
+    runs for several limits, and is slow, not dead."""
+    limit = 0.3
+    core = min(os.sched_getaffinity(0))
+    busy = (
+        f"import os, time\nos.sched_setaffinity(0, {{{core}}})\n"
+        "end = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
+    )
+    loops = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(3)]
+
+    def starved(_gave_up: threading.Event) -> None:  # two limits of CPU time, on that core
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {core})
+        try:
+            spent = time.thread_time()
+            while time.thread_time() - spent < 2 * limit:
+                sum(range(1000))
+        finally:
+            os.sched_setaffinity(0, before)
+
+    try:
+        started = time.monotonic()
+        fired, _ = watched_run(engine, starved, limit)
+        took = time.monotonic() - started
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert took > 4 * limit  # a quarter of a core or so: starved well past its limit
     assert fired == []
 
 
