@@ -152,15 +152,16 @@ def holds_image_rows(step: Step) -> bool:
     return any(run.tokens and min(run.tokens) < 0 for run in step.runs if not run.pad)
 
 
-def embed_rows(batch: TokenBatch, step: Step, token_rows: TokenRows) -> None:
+def embed_rows(batch: TokenBatch, step: Step, token_rows: TokenRows) -> tuple[int, int]:
     """Write the filled batch's rows as embeddings (carry_embeddings): a token as its input
-    row, an image's position as its embedding; the next pass decodes them (`active`)."""
+    row, an image's position as its embedding; the next pass decodes them (`active`).
+    Return the image rows, and the images whose last rows are among them."""
     assert batch.embd is not None
     n = batch.n_tokens
     tokens = batch.token[:n]
     text = np.flatnonzero(tokens >= 0)
     batch.embd[text] = token_rows.rows(tokens[text])
-    placed, first = 0, 0
+    placed = completed = first = 0
     for run in step.runs:  # fill_batch put each run's tokens next, in step order
         end = run.start + len(run.tokens)
         media = run.slot.request.media if run.slot.request is not None and not run.pad else ()
@@ -170,7 +171,9 @@ def embed_rows(batch: TokenBatch, step: Step, token_rows: TokenRows) -> None:
                 at = first + lo - run.start
                 batch.embd[at : at + hi - lo] = span.embeddings[lo - span.start : hi - span.start]
                 placed += hi - lo
+                completed += hi == span.end
         first += len(run.tokens)
     if placed != n - len(text):
         raise RuntimeError("a placeholder outside its request's images")
     batch.embedded = True
+    return placed, completed

@@ -511,15 +511,8 @@ class TickLoop:
         if not holds_image_rows(step):
             return
         assert self.engine.token_rows is not None
-        embed_rows(self.engine.batch, step, self.engine.token_rows)
+        rows, images = embed_rows(self.engine.batch, step, self.engine.token_rows)
         if self._on_media:
-            rows = images = 0
-            for run in step.runs:
-                media = () if run.pad or run.slot.request is None else run.slot.request.media
-                end = run.start + len(run.tokens)
-                for span in media:
-                    rows += max(0, min(end, span.end) - max(run.start, span.start))
-                    images += run.start < span.end <= end
             self._on_media(MediaRecord(passes=images, shared_rows=rows))
 
     # --- 4: forward --------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_the_fill_puts_each_row_where_its_run_put_its_position() -> None:
     batch.carry_embeddings(4)
     fill_batch(batch, step)
     assert holds_image_rows(step)
-    embed_rows(batch, step, Rows())  # type: ignore[arg-type]
+    assert embed_rows(batch, step, Rows()) == (3, 0)  # type: ignore[arg-type]
     assert batch.embedded and batch.active is batch.embd_struct
     assert batch.embd is not None
     assert batch.embd[:2].tolist() == [[42.0] * 4, [8.0] * 4]
