@@ -278,7 +278,7 @@ class Engine:
 
     def _token_rows(self, config: WorkerConfig) -> TokenRows | None:
         assert self.model is not None  # loaded a moment ago, in __init__
-        rows = TokenRows.load(config.model_path, self.model)
+        rows = TokenRows.load(config.model_path, self.model, self.description.architecture)
         if rows is None:
             return None
         self.batch.carry_embeddings(rows.n_embd)

@@ -97,8 +97,11 @@ class TokenRows:
         self._scale = np.float32(scale)
 
     @classmethod
-    def load(cls, model_path: Path, model: llama.llama_model_p) -> TokenRows | None:
-        """The rows of the model file's token_embd; None (and why, in the log) where they
+    def load(
+        cls, model_path: Path, model: llama.llama_model_p, architecture: str
+    ) -> TokenRows | None:
+        """The rows of the model file's token_embd (`architecture`: GGUF's
+        general.architecture, for the input scale); None (and why, in the log) where they
         cannot be read: no such tensor in this file (a split model), or a size that is not
         n_vocab rows of n_embd."""
         base = _ggml_base()
@@ -122,8 +125,7 @@ class TokenRows:
         if llama.llama_model_n_embd_inp(model) != n_embd or size != n_vocab * row_bytes:
             log.info("token rows: token_embd is not n_vocab rows of n_embd", size=size)
             return None
-        arch = _architecture(model)
-        scale = float(np.sqrt(np.float32(n_embd))) if arch in SQRT_SCALED else 1.0
+        scale = float(np.sqrt(np.float32(n_embd))) if architecture in SQRT_SCALED else 1.0
         if ggml_type == GGML_TYPE_F32:
             floats = np.memmap(model_path, np.float32, "r", offset, (n_vocab, n_embd))
             return cls(floats, n_embd, None, scale)
@@ -147,9 +149,3 @@ class TokenRows:
         if self._scale != 1.0:
             out *= self._scale
         return out
-
-
-def _architecture(model: llama.llama_model_p) -> str:
-    buf = ctypes.create_string_buffer(64)
-    n = llama.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
-    return buf.value.decode() if n > 0 else ""

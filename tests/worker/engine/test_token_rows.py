@@ -58,7 +58,7 @@ def test_gemma_3_token_rows_carry_its_input_scale(tiny_mmproj_path: Path) -> Non
     )
     engine = Engine(replace(config, mmproj=None))
     try:
-        rows = TokenRows.load(config.model_path, engine.model)
+        rows = TokenRows.load(config.model_path, engine.model, engine.description.architecture)
         assert rows is not None and rows._scale == np.float32(np.sqrt(np.float32(640)))
         engine.batch.carry_embeddings(rows.n_embd)
         assert engine.embeds_exactly(rows)
