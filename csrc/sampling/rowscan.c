@@ -350,15 +350,18 @@ __attribute__((target("avx512f"))) static int scan_exp_sum_avx512(const float *r
     return nan != 0;
 }
 
+/* 1/12!, 1/11!, ..., 1/1!, 1/0!: e^r's Taylor series to r^12 in Horner's order, for the
+ * float64 exponentials below (AVX-512 and AVX2 alike). */
+static const double inverse_factorials[] = {
+    1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+    1.0 / 5040,      1.0 / 720,      1.0 / 120,     1.0 / 24,     1.0 / 6,
+    1.0 / 2,         1.0,            1.0};
+
 /* e^d for 8 float64 d <= 0, within 2 ulps down to e^-708 (tests/worker/test_rowscan.py
  * holds it to that), 0 under e^-745 and for -inf: the float32 kernel's steps in float64, ln 2 in
  * two parts and e^r by its Taylor series to r^12 (|r| <= ln 2 / 2: the first term left out is
  * under 2e-16 of it). */
 __attribute__((target("avx512f"))) static inline __m512d exp_of_depth_pd_avx512(__m512d d) {
-    static const double inverse_factorials[] = {
-        1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
-        1.0 / 5040,      1.0 / 720,      1.0 / 120,     1.0 / 24,     1.0 / 6,
-        1.0 / 2,         1.0,            1.0};
     __mmask8 live = _mm512_cmp_pd_mask(d, _mm512_set1_pd(-745.2), _CMP_GE_OQ);
     __m512d k = _mm512_roundscale_pd(_mm512_mul_pd(d, _mm512_set1_pd(0x1.71547652b82fep0)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -417,10 +420,6 @@ __attribute__((target("avx512f"))) static double cumulative_avx512(const float *
  * two factors 2^(k/2) and 2^(k - k/2), each a normal double, so that only the last product
  * rounds, as scalef rounds once. */
 __attribute__((target("avx2,fma"))) static inline __m256d exp_of_depth_pd_avx2(__m256d d) {
-    static const double inverse_factorials[] = {
-        1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
-        1.0 / 5040,      1.0 / 720,      1.0 / 120,     1.0 / 24,     1.0 / 6,
-        1.0 / 2,         1.0,            1.0};
     __m256d live = _mm256_cmp_pd(d, _mm256_set1_pd(-745.2), _CMP_GE_OQ);
     d = _mm256_and_pd(live, d); /* -inf and NaN out of the arithmetic: their lanes end 0 */
     __m256d k = _mm256_round_pd(_mm256_mul_pd(d, _mm256_set1_pd(0x1.71547652b82fep0)),
