@@ -72,18 +72,23 @@ LOADS = (
 )
 
 
+def server_log(server: str, port: int) -> Path:
+    """Where the server ("loom" or "llama") on `port` writes its output."""
+    return Path(tempfile.gettempdir()) / f"bench-sampled-{server}-{port}.log"
+
+
 def loomserve(model: Path, port: int, threads: int, extra: list[str]) -> object:
     args = [sys.executable, "-m", "loomserve.cli.main", "serve", "--model", str(model)]
     args += ["--port", str(port), "--slots", str(SLOTS), "--ctx-size", str(CTX_PER_SLOT)]
     args += ["--threads", str(threads), *extra]
-    return start(args, port, Path(tempfile.gettempdir()) / f"bench-sampled-loom-{port}.log")
+    return start(args, port, server_log("loom", port))
 
 
 def llama_server(model: Path, port: int, threads: int, binary: Path, extra: list[str]) -> object:
     args = [str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1"]
     args += ["-t", str(threads), "-tb", str(threads), "-np", str(SLOTS)]
     args += ["-c", str(SLOTS * CTX_PER_SLOT), "--no-webui", *spec.llama_server_cpu_args(), *extra]
-    return start(args, port, Path(tempfile.gettempdir()) / f"bench-sampled-llama-{port}.log")
+    return start(args, port, server_log("llama", port))
 
 
 def prompt_seed(round_: int, load: Load) -> int:

@@ -26,7 +26,6 @@ import random
 import re
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,8 +104,13 @@ def cpu_between(before: dict, after: dict) -> dict[str, tuple[float, float]]:
 
 def stream(base_url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
     """One streamed completion: seconds to its first chunk, to its last, and its chunks."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-    body["ignore_eos"] = True
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,  # every token asked for comes, as in bench_sampled
+    }
     url = f"{base_url}/v1/completions"
     started, stamps = time.perf_counter(), []
     with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body) as response:
@@ -202,12 +206,11 @@ def main(
     try:
         port = free_port()
         proc = sampled.loomserve(path, port, threads, ["--log-ticks", *loomserve_args.split()])
-        log = Path(tempfile.gettempdir()) / f"bench-sampled-loom-{port}.log"
-        procs["loomserve"] = (proc, f"http://127.0.0.1:{port}", log)
+        procs["loomserve"] = (proc, f"http://127.0.0.1:{port}", sampled.server_log("loom", port))
         if binary.exists():
             port = free_port()
             proc = sampled.llama_server(path, port, threads, binary, [])
-            log = Path(tempfile.gettempdir()) / f"bench-sampled-llama-{port}.log"
+            log = sampled.server_log("llama", port)
             procs["llama-server"] = (proc, f"http://127.0.0.1:{port}", log)
         else:
             click.echo(f"no llama-server at {binary}: loomserve only", err=True)
