@@ -42,12 +42,7 @@ from ...protocol.messages import (
 )
 from ..config import GatewayConfig
 from ..metrics import GatewayMetrics
-from .dealer import (
-    gateway_identity,
-    open_dealer,
-    receive_now,
-    send_now,
-)
+from .dealer import Dealer, gateway_identity, open_dealer
 from .directory import ModelDirectory
 from .errors import (
     WorkerLost,
@@ -93,18 +88,18 @@ class WorkerClient:
         self._last_ping = -float("inf")
         self._owns_context = context is None
         self._context = context or zmq.asyncio.Context()
-        self._socket: zmq.asyncio.Socket | None = None
+        self._dealer: Dealer | None = None
         self._tasks: list[asyncio.Task] = []
         self._answered = asyncio.Event()  # set by the first ModelInfo
 
     # --- lifecycle -------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start the receive, heartbeat and connection-watch loops."""
+        """Connect, read the worker's messages as they come, and start the heartbeat and
+        connection-watch loops."""
         sock, monitor = open_dealer(self._context, self.config, self.endpoint, self.identity)
-        self._socket = sock
+        self._dealer = Dealer(sock, self._receive)
         self._tasks = [
-            asyncio.create_task(self._receive_loop(sock), name="worker-receive"),
             asyncio.create_task(self._heartbeat_loop(), name="worker-heartbeat"),
             asyncio.create_task(self._watch_connection(monitor), name="worker-monitor"),
         ]
@@ -121,17 +116,17 @@ class WorkerClient:
 
     async def close(self) -> None:
         """Stop the loops, end open requests, close the socket."""
-        if self._socket is not None:
+        if self._dealer is not None:
             # Before the watch task closes its end of the monitor pipe: libzmq's last monitor
             # event is a blocking send, which waits for ever once that end is gone.
             with contextlib.suppress(zmq.ZMQError):
-                self._socket.disable_monitor()
+                self._dealer.socket.disable_monitor()
         await stop_tasks([*self._tasks, *self._preparation.tasks])
         self._tasks = []
         self._open.fail_all(WorkerLost("the gateway is shutting down"))
-        if self._socket is not None:
-            self._socket.close(linger=0)
-            self._socket = None
+        if self._dealer is not None:
+            self._dealer.close()
+            self._dealer = None
         if self._owns_context:
             self._context.destroy(linger=0)
 
@@ -221,10 +216,6 @@ class WorkerClient:
 
     # --- loops -----------------------------------------------------------------
 
-    async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            self._receive(await sock.recv_multipart())
-
     def _receive(self, frames: list[bytes]) -> None:
         self._last_seen = time.monotonic()
         try:
@@ -236,14 +227,6 @@ class WorkerClient:
             self._dispatch(message)
         except Exception:
             log.exception("failed to handle a worker message", type=type(message).__name__)
-
-    def _receive_waiting(self) -> None:
-        """Handle every message already in the socket, now, ahead of the receive loop."""
-        while self._socket is not None:
-            frames = receive_now(self._socket)
-            if frames is None:
-                return
-            self._receive(frames)
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval
@@ -283,7 +266,8 @@ class WorkerClient:
                     # What it said last (its Finishes, an engine_dead) may still wait in the
                     # socket: hand that out first, so each request ends with its own error.
                     await asyncio.sleep(DISCONNECT_GRACE_SECONDS)
-                    self._receive_waiting()
+                    if self._dealer is not None:
+                        self._dealer.drain()
                     self._worker_lost("the connection to the worker closed")
         finally:
             monitor.close(linger=0)
@@ -381,7 +365,7 @@ class WorkerClient:
 
     def _send(self, message: Message) -> bool:
         """Send without waiting; False when the worker is not connected (nothing is queued)."""
-        return self._socket is not None and send_now(self._socket, message)
+        return self._dealer is not None and self._dealer.send(message)
 
 
 async def stop_tasks(tasks: list[asyncio.Task]) -> None:
