@@ -3,13 +3,22 @@
 Like vLLM's engine core, the tick loop never waits on the network, and neither side holds the
 other: they share channels made first (channels.py). Inbound frames go to the GatewayDesk
 (gateways.py), which decodes them, answers what the IO thread answers itself (Hello, Ping,
-SlotsQuery, VocabQuery) and puts work on the loop's Inbox. What the loop says is appended to
-this module's Outbox and a wake-up byte goes over an inproc PAIR, after which this thread
-encodes and sends (while the loop is inside llama_decode, which releases the GIL);
-heartbeats and SlotsReports read the SchedulerStats on the loop's StatsBoard, a frozen
-snapshot of its latest tick. Sends never block: a gateway that is gone (EHOSTUNREACH) loses
-its requests; a slow one (EAGAIN) loses that message, counted. This thread also heartbeats
-every gateway, so liveness and /slots never wait for a tick either.
+SlotsQuery, VocabQuery) and puts work on the loop's Inbox. What the loop says goes into
+this module's Outbox, and its flush sends it on the loop's own thread when the socket is free
+(a lock: the socket is never used by two threads at once); only when this thread holds the
+socket does a wake-up byte over an inproc PAIR leave the sending to it. Handing every tick's
+tokens to this thread instead cost it 0.32 ms of CPU a token on the 2-core VM (the wake-up,
+the poll, the GIL passed back and forth), on the cores the forward passes run on, against
+tens of microseconds to encode and send them where they are made. Heartbeats and
+SlotsReports read the SchedulerStats on the loop's StatsBoard, a frozen snapshot of its
+latest tick. Sends never block: a gateway that is gone (EHOSTUNREACH) loses its requests; a
+slow one (EAGAIN) loses that message, counted. This thread also heartbeats every gateway, so
+liveness and /slots never wait for a tick either.
+
+So that this thread can wait while another sends, it waits on the socket's file descriptor
+(ZMQ_FD), not on the socket: libzmq signals edges there, and any send or read may take the
+edge that says messages came, so after each turn with the socket ZMQ_EVENTS says whether any
+wait, and a flush that finds some wakes this thread.
 
 Whatever reaches the socket is bounded: frames by ZMQ_MAXMSGSIZE, frames buffered per
 connection by ZMQ_RCVHWM (then TCP pushes back), the cost of decoding one by the codec's
@@ -26,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 import structlog
 import zmq
@@ -69,12 +79,12 @@ BROADCAST = b""  # the outbox's address for "every gateway" (no ROUTER identity 
 
 class Outbox:
     """The Sink the loop sends through in a worker process (channels.Sink): messages wait
-    here for the IO thread, which `wake` stirs (never blocking). send and flush are the loop
-    thread's; broadcast any thread's."""
+    here until `flush` sends them (never blocking: on the calling thread when the socket is
+    free, else by the IO thread). send is the loop thread's; broadcast and post any thread's."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self, flush: Callable[[], None]) -> None:
         self.messages: deque[tuple[bytes, Message]] = deque()
-        self._wake = wake
+        self._flush = flush
 
     def send(self, gateway: bytes, message: Message) -> None:
         self.messages.append((gateway, message))
@@ -90,8 +100,8 @@ class Outbox:
         self.flush()
 
     def flush(self) -> None:
-        """Wake the IO thread to send the outbox."""
-        self._wake()
+        """Send what the outbox holds, now or as soon as the IO thread's turn ends."""
+        self._flush()
 
 
 class WorkerIO:
@@ -153,7 +163,8 @@ class WorkerIO:
         self._wake_out.setsockopt(zmq.SNDHWM, 1)
         self._wake_out.setsockopt(zmq.LINGER, 0)
         self._wake_out.connect(wake_address)
-        self.outbox = Outbox(self._wake)  # the loop's Sink
+        self._lock = threading.Lock()  # the ROUTER and the desk: one thread at a time
+        self.outbox = Outbox(self._flush)  # the loop's Sink
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="worker-io", daemon=True)
 
@@ -169,13 +180,32 @@ class WorkerIO:
     def close(self) -> None:
         """Send what is queued, stop the thread, close the sockets."""
         self._closing = True
-        self.outbox.flush()
+        self._wake()  # the IO thread sends what is left, and returns
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._wake_out.close(linger=0)
         self._wake_in.close(linger=0)
         # The last Finish messages get a moment to leave; a dead gateway cannot hold us.
         self._close_sockets(linger=CLOSE_LINGER_MS)
+
+    def _flush(self) -> None:
+        """Send the outbox on this thread if the socket is free; else the IO thread, which
+        holds it, sends it when its turn ends (it always does). A send may take the edge
+        that tells the IO thread a message came: then it is woken."""
+        if not self._lock.acquire(blocking=False):
+            self._wake()
+            return
+        try:
+            self._send_outbox()
+            readable = self._readable()
+        finally:
+            self._lock.release()
+        if readable:
+            self._wake()
+
+    def _readable(self) -> bool:
+        """Whether messages wait in the ROUTER (with the lock held)."""
+        return bool(cast(int, self._router.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
     def _wake(self) -> None:
         """One byte to the IO thread's poll, never blocking: on EAGAIN a wake-up is already
@@ -194,7 +224,7 @@ class WorkerIO:
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._router.FD, zmq.POLLIN)  # the descriptor: see the docstring
         poller.register(self._wake_in, zmq.POLLIN)
         interval = self.config.heartbeat_interval
         # Silence is checked ten times per gateway_timeout, so a stalled gateway's slots are
@@ -202,23 +232,25 @@ class WorkerIO:
         check_every = min(interval, self.config.gateway_timeout / 10)
         started = time.monotonic()
         next_beat, next_check = started + interval, started + check_every
+        more = True  # messages may wait that no edge will announce (the first turn, a cut one)
         while True:
-            wait_ms = max(0.0, min(next_beat, next_check) - time.monotonic()) * 1000
-            events = dict(poller.poll(timeout=int(wait_ms)))  # pyzmq truncates a float too
+            wait_ms = 0.0 if more else max(0.0, min(next_beat, next_check) - time.monotonic())
+            events = dict(poller.poll(timeout=int(wait_ms * 1000)))  # pyzmq truncates floats
             if self._wake_in in events:
                 self._drain_wakes()
-            if self._router in events:
-                self._receive()
-            self._send_outbox()
-            if self._closing:
-                return
             now = time.monotonic()
-            if now >= next_check:
-                self._desk.expire_silent(now, self.config.gateway_timeout)
-                next_check = now + check_every
-            if now >= next_beat:
-                self._heartbeat()
-                next_beat = now + interval
+            with self._lock:
+                self._receive()
+                self._send_outbox()
+                if self._closing:
+                    return
+                if now >= next_check:
+                    self._desk.expire_silent(now, self.config.gateway_timeout)
+                    next_check = now + check_every
+                if now >= next_beat:
+                    self._heartbeat()
+                    next_beat = now + interval
+                more = self._readable()
 
     def _drain_wakes(self) -> None:
         while True:
