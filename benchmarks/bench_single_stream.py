@@ -37,13 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import bench_sampled as sampled
 from benchmarks.bench_spec import free_port, stop
+from benchmarks.procfs import processes
 from loomserve.cli.default_model import resolve_model
 
 WORDS = (
     "river stone market window lantern harbor meadow copper signal garden orchard valley "
     "engine letter winter thread compass island bridge candle"
 ).split()
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -59,19 +59,12 @@ class Served:
 
 def process_tree_cpu(root: int) -> dict[int, tuple[str, float, float]]:
     """Each process under root (root included): its command's role, user and system CPU
-    seconds so far (/proc/PID/stat's utime and stime)."""
-    parents, stats = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-            command = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()
-        parents[int(entry)] = int(fields[1])
-        stats[int(entry)] = (role(command), int(fields[11]) / TICKS, int(fields[12]) / TICKS)
+    seconds so far."""
+    listed = processes()
+    parents = {process.pid: process.parent for process in listed}
+    stats = {
+        process.pid: (role(process.command), process.user_s, process.system_s) for process in listed
+    }
     tree, frontier = {}, [root]
     while frontier:
         pid = frontier.pop()
@@ -81,15 +74,14 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, float, float]]:
     return tree
 
 
-def role(command: list[bytes]) -> str:
+def role(command: list[str]) -> str:
     """What a server process is: llama-server, or loomserve's supervisor, gateway or worker."""
-    words = [part.decode(errors="replace") for part in command]
-    if words and words[0].endswith("llama-server"):
+    if command and command[0].endswith("llama-server"):
         return "llama-server"
     for name in ("gateway", "worker", "serve"):
-        if name in words:
+        if name in command:
             return "loomserve " + ("supervisor" if name == "serve" else name)
-    return Path(words[0]).name if words else "?"
+    return Path(command[0]).name if command else "?"
 
 
 def cpu_between(before: dict, after: dict) -> dict[str, tuple[float, float]]:

@@ -39,6 +39,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.procfs import processes
+
 PROMPTS = [
     "once upon a time",
     "the quick brown fox",
@@ -78,22 +80,13 @@ class Sample:
 def children_of(pid: int) -> dict[int, str]:
     """Direct children of pid: {pid: 'worker' | 'gateway'}, from /proc."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for process in processes():
+        if process.parent != pid:
             continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid != pid:
-            continue
-        words = [w.decode(errors="replace") for w in cmdline]
-        if "worker" in words:
-            found[int(entry)] = "worker"
-        elif "gateway" in words:
-            found[int(entry)] = "gateway"
+        if "worker" in process.command:
+            found[process.pid] = "worker"
+        elif "gateway" in process.command:
+            found[process.pid] = "gateway"
     return found
 
 

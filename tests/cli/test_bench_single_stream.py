@@ -57,11 +57,11 @@ def test_cpu_is_summed_by_role_between_two_readings() -> None:
 
 
 def test_roles_and_the_process_tree_of_this_process() -> None:
-    assert role([b"/opt/llama-server", b"-m", b"x"]) == "llama-server"
-    assert role([b"python", b"-m", b"loomserve.cli.main", b"gateway", b"--port", b"1"]) == (
+    assert role(["/opt/llama-server", "-m", "x"]) == "llama-server"
+    assert role(["python", "-m", "loomserve.cli.main", "gateway", "--port", "1"]) == (
         "loomserve gateway"
     )
-    assert role([b"python", b"-m", b"loomserve.cli.main", b"serve"]) == "loomserve supervisor"
+    assert role(["python", "-m", "loomserve.cli.main", "serve"]) == "loomserve supervisor"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         tree = process_tree_cpu(os.getpid())
