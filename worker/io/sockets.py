@@ -234,8 +234,8 @@ class WorkerIO:
         next_beat, next_check = started + interval, started + check_every
         more = True  # messages may wait that no edge will announce (the first turn, a cut one)
         while True:
-            wait_ms = 0.0 if more else max(0.0, min(next_beat, next_check) - time.monotonic())
-            events = dict(poller.poll(timeout=int(wait_ms * 1000)))  # pyzmq truncates floats
+            wait_s = 0.0 if more else max(0.0, min(next_beat, next_check) - time.monotonic())
+            events = dict(poller.poll(timeout=int(wait_s * 1000)))  # pyzmq truncates floats
             if self._wake_in in events:
                 self._drain_wakes()
             now = time.monotonic()
