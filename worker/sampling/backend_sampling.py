@@ -160,6 +160,11 @@ class BackendSampler:
         return token
 
     @property
+    def drawn_in_graph(self) -> bool:
+        """Whether the last pass drew its token: its chain was attached to a sequence."""
+        return self.seq is not None
+
+    @property
     def in_graph(self) -> bool:
         """Whether it samples in the graph (False once llama.cpp refused its chain)."""
         return self._chain is not None

@@ -86,6 +86,10 @@ if TYPE_CHECKING:  # imported by server.py only when tracing is on
 
 log = structlog.get_logger(__name__)
 
+# Between changes of the load, the stats other threads read (/slots, heartbeats, metrics) are
+# at most this old: their per-token counters.
+STATS_EVERY = 0.05  # seconds
+
 
 class TickLoop:
     """The continuous-batching loop over one engine."""
@@ -129,6 +133,8 @@ class TickLoop:
         # Other threads read the scheduler only through the stats published here (stats.py).
         self.board = board if board is not None else StatsBoard(config.slots)
         self._prefixes = AdvertisedPrefixes(config.heartbeat_interval)
+        self._published_load: tuple[int, int] | None = None  # (queued, free slots) published
+        self._published_at = -float("inf")
         self._on_tick = on_tick
         self._on_finish = on_finish
         self._on_reject = on_reject
@@ -546,13 +552,22 @@ class TickLoop:
             return []
         if filled.verified:
             return self.drafting.sample_verified(sampling, filled.verified)
-        # Logits were asked for exactly where a token is sampled, so output row i belongs to
-        # sampling[i]: one view of them all instead of one per slot. Unless a prompt was
-        # scored: then its rows are picked out.
-        logits = self.engine.output_logits(len(sampling)) if scored is None else scored
         samplers = [slot.occupant.chain for slot, _ in sampling]
         indices = [index for _, index in sampling]
-        tokens = sample_rows(samplers, indices, logits, self.sampling_threads)
+        if scored is None and all(sampler.drawn_in_graph for sampler in samplers):
+            # Every token was drawn inside the pass (graph_draw.py, backend_sampling.py):
+            # llama.cpp copied no logits and none is read (no such request asks logprobs).
+            # The view alone cost 50-70 µs a tick, a tenth of the loop's time around a pass.
+            logits = self.engine.output_logits(0)  # no rows
+            tokens = [
+                sampler.sample(i, logits) for sampler, i in zip(samplers, indices, strict=True)
+            ]
+        else:
+            # Logits were asked for exactly where a token is sampled, so output row i belongs
+            # to sampling[i]: one view of them all instead of one per slot. Unless a prompt
+            # was scored: then its rows are picked out.
+            logits = self.engine.output_logits(len(sampling)) if scored is None else scored
+            tokens = sample_rows(samplers, indices, logits, self.sampling_threads)
         for i, (slot, _) in enumerate(sampling):
             if slot.occupant.think is not None:  # a thinking budget may close the block
                 tokens[i] = slot.occupant.think.steer(tokens[i])
@@ -572,10 +587,22 @@ class TickLoop:
 
     def _send_outputs(self) -> None:
         # The stats first: a heartbeat that follows these Outputs must not predate them.
+        self._publish_stats()
+        self.outputs.send(self.sink)
+
+    def _publish_stats(self) -> None:
+        """The stats for other threads, when the load changed (a request queued, admitted,
+        ended, preempted) and otherwise at most every STATS_EVERY: at one stream, building
+        them each tick was a sixth of the loop's time around the pass, for counters (a
+        slot's tokens, the KV cells used) that nobody reads that often."""
         scheduler = self.scheduler
+        load = (scheduler.queue_depth, scheduler.free_slots)
+        now = time.monotonic()
+        if load == self._published_load and now - self._published_at < STATS_EVERY:
+            return
+        self._published_load, self._published_at = load, now
         prefixes = self._prefixes.keys(scheduler.slots, scheduler.ram)
         self.board.publish(scheduler_stats(scheduler, self.tick_cost.coefficients(), prefixes))
-        self.outputs.send(self.sink)
 
     def _after_tick(self, step: Step, n_sampled: int, started: float) -> None:
         self.tick_count += 1

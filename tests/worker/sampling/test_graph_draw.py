@@ -300,3 +300,33 @@ def test_a_pass_of_many_outputs_runs_with_no_sampler_attached(config):
     many = [attached for outputs, attached in seen if outputs > config.slots]
     assert many and not any(many)
     assert any(attached for outputs, attached in seen if outputs <= config.slots)
+
+
+def test_a_pass_whose_tokens_were_all_drawn_reads_no_logits(config):
+    """Where the graph drew every token of a pass, the loop reads the tokens and no row of
+    logits (a view of them cost a tenth of the loop's time around a pass); a pass with a
+    host-sampled request reads its rows, and the drawn tokens are the host path's."""
+    engine = Engine(config)
+    rows_read: list[int] = []
+    output_logits = engine.output_logits
+
+    def counted(n_outputs: int):
+        rows_read.append(n_outputs)
+        return output_logits(n_outputs)
+
+    engine.output_logits = counted  # type: ignore[method-assign]
+    requests = [request("drawn", 4, temperature=1.0), request("greedy", None, temperature=0.0)]
+    try:
+        loop, collector = new_loop(engine, config)
+        for generate in requests:
+            loop.inbox.submit(GW, generate)
+        drain(loop)
+        drawn_only = list(rows_read)
+        loop.inbox.submit(GW, request("host", 5, temperature=1.0, logprobs=1))
+        drain(loop)
+    finally:
+        engine.close()
+    assert drawn_only and not any(drawn_only)
+    assert any(rows_read[len(drawn_only) :])
+    on_host, _, _ = run(replace(config, backend_sampling="off"), requests)
+    assert {name: collector.tokens()[name] for name in on_host} == on_host
