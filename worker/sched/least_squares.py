@@ -4,16 +4,18 @@
 Each observation (x, y) moves the coefficients theta toward explaining y as theta . x, with
 older observations weighing `forgetting` less per newer one, so the fit follows a machine
 whose speed changes. P, the coefficients' scaled covariance, is kept symmetric and bounded:
-roundoff leaves it slightly asymmetric, dividing by the forgetting factor grows that part a
-few percent per update, and within some thousands of updates P stopped being positive
-definite, the fit went wild and an update divided by zero (the failed ticks of the second
-fault audit). Directions the data never excites would grow the same way without the bound.
+an update that let roundoff make it slightly asymmetric saw dividing by the forgetting factor
+grow that part a few percent per update, and within some thousands of updates P stopped being
+positive definite, the fit went wild and an update divided by zero (the failed ticks of the
+second fault audit). Directions the data never excites would grow the same way without the
+bound.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import mul
 
 
 class RecursiveLeastSquares:
@@ -38,22 +40,29 @@ class RecursiveLeastSquares:
         self.observations = 0
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+        return sum(map(mul, self.theta, x))
 
     def observe(self, x: Sequence[float], y: float) -> None:
+        # Written for the tick loop, which observes every tick: no index loops.
         if not math.isfinite(y):
             return
-        n, p = self.n, self.p
-        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        p = self.p
+        px = [sum(map(mul, row, x)) for row in p]  # P x
         # Past the bound, stop forgetting: P then shrinks (or stays) instead of growing.
-        lam = self.forgetting if sum(p[i][i] for i in range(n)) <= self.max_trace else 1.0
-        denominator = lam + sum(x[i] * px[i] for i in range(n))
+        trace = sum(row[i] for i, row in enumerate(p))
+        lam = self.forgetting if trace <= self.max_trace else 1.0
+        denominator = lam + sum(map(mul, x, px))
         if not denominator > 0.0:  # P lost definiteness after all: start the fit's doubt anew
+            n = self.n
             self.p = [[self.max_trace / n if i == j else 0.0 for j in range(n)] for i in range(n)]
             return
-        gain = [value / denominator for value in px]
-        error = y - self.predict(x)
-        self.theta = [self.theta[i] + gain[i] * error for i in range(n)]
-        new = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
-        self.p = [[(new[i][j] + new[j][i]) / 2 for j in range(n)] for i in range(n)]
+        step = (y - self.predict(x)) / denominator
+        self.theta = [t + v * step for t, v in zip(self.theta, px, strict=True)]
+        # (P - (P x)(P x)^T / d) / lam: each product is made once for (i, j) and (j, i), the
+        # same two floats in either order, so P stays exactly symmetric.
+        scale = 1.0 / lam
+        self.p = [
+            [(p_ij - a * b / denominator) * scale for p_ij, b in zip(row, px, strict=True)]
+            for row, a in zip(p, px, strict=True)
+        ]
         self.observations += 1
