@@ -29,6 +29,8 @@ from .handshake import HANDSHAKE_FAILED
 log = structlog.get_logger(__name__)
 
 DRAIN_TURN = 256  # messages handled in one turn of the event loop, at most
+# As plain ints: pyzmq makes an enum of each flag it is given, twice a message.
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def gateway_identity() -> str:
@@ -91,7 +93,7 @@ class Dealer:
             if not self._readable():
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 return
             self._on_message(frames)
@@ -123,7 +125,7 @@ class Dealer:
     def _readable(self) -> bool:
         """Whether messages wait in the socket (ZMQ_EVENTS, not the descriptor)."""
         sock = self.socket
-        return not sock.closed and bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        return not sock.closed and bool(cast(int, sock.getsockopt(_EVENTS)) & _POLLIN)
 
 
 def _set_curve(sock: zmq.Socket, config: GatewayConfig) -> None:

@@ -117,8 +117,11 @@ class OpenRequests:
         self._sent_since_heartbeat.clear()
 
     def pop(self, request_id: str) -> RequestHandle | None:
-        """Stop routing a request's messages; its handle, if it was open."""
-        return self.handles.pop(request_id, None)
+        """Stop routing a request's messages; its handle, if it was open (now closed)."""
+        handle = self.handles.pop(request_id, None)
+        if handle is not None:
+            handle.close()
+        return handle
 
     def cancel(self, handle: RequestHandle, reason: str = FinishReason.CANCELLED) -> None:
         """Ask the worker to stop a request; its Finish still arrives and is routed as usual."""
@@ -174,7 +177,7 @@ class OpenRequests:
                 if handle is not None and not handle.accepted.done():
                     handle.accepted.set_result(message)
             case Rejected() | Embeddings():
-                handle = self.handles.pop(message.request_id, None)
+                handle = self.pop(message.request_id)
                 if handle is not None and not handle.accepted.done():
                     handle.accepted.set_result(message)
             case SlotsReport():
@@ -202,21 +205,25 @@ class OpenRequests:
         for handle in handles.values():
             if not handle.accepted.done():
                 handle.accepted.set_exception(error)
-            handle.events.put_nowait(error)
+            if not handle.closed:  # a deadline's error came first
+                handle.events.put_nowait(error)
+            handle.close()
 
     def _on_outputs(self, outputs: Outputs) -> None:
         limit = self.stream_buffer_tokens
         for chunk in outputs.tokens:
             handle = self.handles.get(chunk.request_id)
-            if handle is not None:
+            if handle is not None and not handle.closed:
                 handle.events.put_nowait(chunk)
                 handle.buffered += len(chunk.token_ids)
                 if handle.buffered > limit and not handle.reading:
                     self._reader_too_slow(handle, limit)
         for finish in outputs.finishes:
-            handle = self.handles.pop(finish.request_id, None)
+            handle = self.handles.get(finish.request_id)
             if handle is not None:
-                handle.events.put_nowait(finish)
+                if not handle.closed:  # past its deadline, its reader has had its error
+                    handle.events.put_nowait(finish)
+                self.pop(finish.request_id)
 
     def _reader_too_slow(self, handle: RequestHandle, limit: int) -> None:
         """Its client stopped reading (its connection is full, so the gateway stopped taking

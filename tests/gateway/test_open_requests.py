@@ -165,3 +165,37 @@ def test_a_lost_connection_fails_every_request_and_slot_query() -> None:
         assert not requests.slot_queries and not requests.route(Cancel("a"))
 
     asyncio.run(scenario())
+
+
+def test_a_reader_past_its_deadline_gets_the_tokens_before_it_then_the_timeout() -> None:
+    """One timer a request: at the deadline WorkerTimeout follows what came before it, and
+    nothing the worker sends after is read; a request that ends in time leaves no timer."""
+
+    async def scenario() -> None:
+        wire = Wire()
+        requests = OpenRequests(CONFIG, "tcp://w:1", wire.send)
+        handle = await accepted(requests, wire, generate("a"), Accepted("a", 0))
+        handle.deadline = time.monotonic() + 0.05
+        requests.route(Outputs([TokenChunk("a", [1])], []))
+        assert await handle.next_events() == [TokenChunk("a", [1])]
+        requests.route(Outputs([TokenChunk("a", [2], seq=1)], []))
+        assert await handle.next_events() == [TokenChunk("a", [2], seq=1)]
+        with pytest.raises(WorkerTimeout):
+            await handle.next_events()
+        requests.route(
+            Outputs([TokenChunk("a", [3], seq=2)], [Finish("a", "cancelled", 2, 3, 0, 0.0)])
+        )
+        assert handle.events.empty() and "a" not in requests
+
+        on_time = await accepted(requests, wire, generate("b"), Accepted("b", 0))
+        requests.route(Outputs([TokenChunk("b", [1])], []))
+        assert await on_time.next_events() == [TokenChunk("b", [1])]
+        waiting = asyncio.create_task(on_time.next_events())
+        await asyncio.sleep(0)
+        assert on_time.reading and on_time._deadline_timer is not None
+        finish = Finish("b", "length", 2, 1, 0, 0.0)
+        requests.route(Outputs([], [finish]))
+        assert await waiting == [finish]
+        assert on_time.closed and on_time._deadline_timer is None
+
+    asyncio.run(scenario())
