@@ -85,6 +85,7 @@ class EagerSampler:
     failure = None
     plain_greedy = False
     verifies_drafts = True
+    drawn_in_graph = False  # its row is on the host
 
     def __init__(self, params: SamplingParams, engine: Engine) -> None:
         assert params.grammar is not None
