@@ -133,7 +133,8 @@ class TickLoop:
         # Other threads read the scheduler only through the stats published here (stats.py).
         self.board = board if board is not None else StatsBoard(config.slots)
         self._prefixes = AdvertisedPrefixes(config.heartbeat_interval)
-        self._published_load: tuple[int, int] | None = None  # (queued, free slots) published
+        # (queued, free slots, preemptions) when the stats were last published
+        self._published_load: tuple[int, int, int] | None = None
         self._published_at = -float("inf")
         self._on_tick = on_tick
         self._on_finish = on_finish
@@ -596,7 +597,7 @@ class TickLoop:
         them each tick was a sixth of the loop's time around the pass, for counters (a
         slot's tokens, the KV cells used) that nobody reads that often."""
         scheduler = self.scheduler
-        load = (scheduler.queue_depth, scheduler.free_slots)
+        load = (scheduler.queue_depth, scheduler.free_slots, scheduler.preemptions)
         now = time.monotonic()
         if load == self._published_load and now - self._published_at < STATS_EVERY:
             return
