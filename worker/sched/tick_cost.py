@@ -51,9 +51,11 @@ class TickCostModel:
         return TickCost(base, decode, prefill)
 
     def predict(self, decode_tokens: int, prefill_tokens: int) -> float:
-        base, decode, prefill = self.fit.theta  # as coefficients(), without making a TickCost
+        cost = self.coefficients()
         return (
-            max(0.0, base) + max(0.0, decode) * decode_tokens + max(0.0, prefill) * prefill_tokens
+            cost.base
+            + cost.per_decode_token * decode_tokens
+            + (cost.per_prefill_token * prefill_tokens)
         )
 
     def observe(self, decode_tokens: int, prefill_tokens: int, seconds: float) -> None:
