@@ -4,11 +4,10 @@
 Each observation (x, y) moves the coefficients theta toward explaining y as theta . x, with
 older observations weighing `forgetting` less per newer one, so the fit follows a machine
 whose speed changes. P, the coefficients' scaled covariance, is kept symmetric and bounded:
-an update that let roundoff make it slightly asymmetric saw dividing by the forgetting factor
-grow that part a few percent per update, and within some thousands of updates P stopped being
-positive definite, the fit went wild and an update divided by zero (the failed ticks of the
-second fault audit). Directions the data never excites would grow the same way without the
-bound.
+where roundoff once left it slightly asymmetric, dividing by the forgetting factor grew that
+part a few percent per update, and within some thousands of updates P stopped being positive
+definite, the fit went wild and an update divided by zero (the failed ticks of the second
+fault audit). Directions the data never excites would grow the same way without the bound.
 """
 
 from __future__ import annotations
@@ -58,8 +57,8 @@ class RecursiveLeastSquares:
             return
         step = (y - self.predict(x)) / denominator
         self.theta = [t + v * step for t, v in zip(self.theta, px, strict=True)]
-        # (P - (P x)(P x)^T / d) / lam: each product is made once for (i, j) and (j, i), the
-        # same two floats in either order, so P stays exactly symmetric.
+        # (P - (P x)(P x)^T / d) / lam: entries (i, j) and (j, i) multiply the same two floats
+        # (in either order, the same product) from a symmetric P, so P stays exactly symmetric.
         scale = 1.0 / lam
         self.p = [
             [(p_ij - a * b / denominator) * scale for p_ij, b in zip(row, px, strict=True)]
