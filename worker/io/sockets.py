@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import threading
 import time
 from collections import deque
@@ -235,7 +236,10 @@ class WorkerIO:
         more = True  # messages may wait that no edge will announce (the first turn, a cut one)
         while True:
             wait_s = 0.0 if more else max(0.0, min(next_beat, next_check) - time.monotonic())
-            events = dict(poller.poll(timeout=int(wait_s * 1000)))  # pyzmq truncates floats
+            # Whole milliseconds (pyzmq truncates floats), rounded up: truncated, the poll
+            # came back a fraction of a millisecond early, and the thread then turned on
+            # zero-timeout polls until the deadline, a dozen turns each time.
+            events = dict(poller.poll(timeout=math.ceil(wait_s * 1000)))
             if self._wake_in in events:
                 self._drain_wakes()
             now = time.monotonic()
