@@ -30,9 +30,8 @@ def processes() -> list[Process]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        fields = stat[
-            stat.rindex(")") + 2 :
-        ].split()  # after the command's name, which may hold spaces
+        # The fields after the command's name, which may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2 :].split()
         command = [part.decode(errors="replace") for part in cmdline.split(b"\0") if part]
         found.append(
             Process(
