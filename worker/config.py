@@ -290,9 +290,10 @@ class WorkerConfig:
         "loomserve",
         help=(
             "Whose kernels multiply the quantized weights (Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K) "
-            "in passes that draw inside llama_decode: loomserve, its AVX-512 VNNI kernels, "
-            "ggml's numbers to the bit, sooner (where the CPU has VNNI and the llama.cpp is "
-            "one loomserve has verified); ggml, ggml's own (docs/sampling.md)."
+            "in passes that draw inside llama_decode: loomserve, its kernels, ggml's numbers "
+            "to the bit, sooner (with AVX-512 VNNI, every type from two rows up; with AVX2, "
+            "Q8_0 by one row, a decode of one sequence; on a llama.cpp loomserve has "
+            "verified); ggml, ggml's own (docs/sampling.md)."
         ),
         choices=CPU_KERNELS,
     )

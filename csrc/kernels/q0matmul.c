@@ -23,6 +23,15 @@
  * one row 25 against 24 (so a matmul of one row keeps ggml's); the same outputs to the bit in
  * every case. In the tick loop on Gemma: decode 1.15x ggml's at 16 sequences, 1.06x at 4; a
  * prefill of 16 prompts 1.12x.
+ *
+ * Where the CPU has AVX2 but not AVX-512 VNNI, the kernel is ggml's dot product itself, a row
+ * at a time (the same instructions, so the same bits), that asks for each weight row's bytes
+ * PREFETCH_AHEAD ahead of where it reads: with a 34-byte block and a scale product each,
+ * ggml's loop reads too slowly for the hardware's prefetcher to keep ahead of it. Measured on
+ * this project's AMD EPYC (2 threads, Gemma's 262,144 x 640 Q8_0 matrix, one activation row,
+ * medians of 40): 6.50 ms against ggml's 8.14, the memory's limit about 6. Q5_0 and Q4_0
+ * unpack each block and are no faster so; there the kernel serves only the check and tests
+ * (ls_q0_sooner says which matmuls q0swap.c swaps).
  */
 
 #include <stdint.h>
@@ -37,6 +46,8 @@
 #define QK 32
 #define ROWS_AT_ONCE 16 /* activation rows a pass over a weight row pair keeps in registers */
 #define CHUNK_BYTES (256 * 1024) /* weight rows a group of activation rows passes over */
+
+#define PREFETCH_AHEAD 2048 /* bytes of a weight row asked for before they are read (AVX2) */
 
 #define TYPE_Q4_0 2 /* ggml's type numbers */
 #define TYPE_Q5_0 6
@@ -66,7 +77,8 @@ int64_t ls_q0_row_bytes(int type, int64_t nb) {
     return 0;
 }
 
-int ls_q0_matmul_supported(void) {
+/* Whether this CPU has AVX-512 VNNI (and F16C): the two-row kernels here and in qkmatmul.c. */
+int ls_avx512_vnni(void) {
 #ifdef X86
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -76,28 +88,121 @@ int ls_q0_matmul_supported(void) {
 #endif
 }
 
+/* Whether it has AVX2, FMA and F16C: ggml's own dot product with prefetching. */
+static int avx2(void) {
 #ifdef X86
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
 
+/* Whether ls_q0_matmul runs on this CPU (and so can be checked against ggml's). */
+int ls_q0_matmul_supported(void) {
+    return ls_avx512_vnni() || avx2();
+}
+
+/* Whether a matmul of `type` weights by `m` activation rows is sooner here than in ggml on
+ * this CPU, as measured: with AVX-512 VNNI, two rows and more (one is as fast in ggml's); with
+ * AVX2 alone, Q8_0 by one row (a decode of one sequence; ggml's tiled matmul does more rows
+ * sooner). */
+int ls_q0_sooner(int type, int64_t m) {
+    if (ls_avx512_vnni()) return m >= 2;
+    return avx2() && type == TYPE_Q8_0 && m == 1;
+}
+
+#ifdef X86
 #include "lane_sum.h"
 
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* The weights' blocks, unpacked as ggml unpacks them; the AVX-512 kernels inline these too. */
+
 /* Block b of a weight row as 32 signed bytes, and its scale. */
-TARGET static inline __m256i block_q8(const char *row, int64_t b, float *d) {
+TARGET_AVX2 static inline __m256i block_q8(const char *row, int64_t b, float *d) {
     const BlockQ8 *x = (const BlockQ8 *)row + b;
     *d = _cvtsh_ss(x->d);
     return _mm256_loadu_si256((const __m256i *)x->qs);
 }
 
 /* 16 bytes of 4-bit weights as ggml unpacks them: the low nibbles, then the high ones. */
-TARGET static inline __m256i nibbles(const uint8_t *qs) {
+TARGET_AVX2 static inline __m256i nibbles(const uint8_t *qs) {
     __m128i q = _mm_loadu_si128((const __m128i *)qs);
     return _mm256_and_si256(
         _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
         _mm256_set1_epi8(15));
 }
 
-/* A Q5_0 block as ggml's dot product unpacks it: its nibbles, each minus 16 unless its fifth
- * bit is set (0xF0 or'ed into the byte where it is clear). */
+/* A Q4_0 block as ggml unpacks it: its nibbles, each minus 8. */
+TARGET_AVX2 static inline __m256i block_q4(const char *row, int64_t b, float *d) {
+    const BlockQ4 *x = (const BlockQ4 *)row + b;
+    *d = _cvtsh_ss(x->d);
+    return _mm256_sub_epi8(nibbles(x->qs), _mm256_set1_epi8(8));
+}
+
+/* A Q5_0 block as ggml's AVX2 dot product unpacks it: each weight's fifth bit spread to a
+ * byte (ggml's bytes_from_bits_32), 0xF0 or'ed into the nibble where it is clear. */
+TARGET_AVX2 static inline __m256i block_q5_avx2(const char *row, int64_t b, float *d) {
+    const BlockQ5 *x = (const BlockQ5 *)row + b;
+    *d = _cvtsh_ss(x->d);
+    uint32_t high;
+    memcpy(&high, x->qh, sizeof high);
+    __m256i bits = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)high),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                             _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(nibbles(x->qs), _mm256_andnot_si256(bits, _mm256_set1_epi8((char)0xF0)));
+}
+
+/* ggml's mul_sum_i8_pairs_float: the products of signed bytes, summed in lanes of four. */
+TARGET_AVX2 static inline __m256 products_avx2(__m256i x, __m256i y) {
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+/* One weight row (nb blocks, `load` unpacking them) against m activation rows: ggml's dot
+ * product, block after block into eight lanes, asking for the row's bytes ahead. */
+#define ROW_AVX2(name, load, block_bytes)                                                      \
+    TARGET_AVX2 static void name(const char *row, int64_t nb, const BlockQ8 *acts, int64_t m, \
+                                 float *out, int64_t ldo) {                                   \
+        for (int64_t j = 0; j < m; j++) {                                                    \
+            const BlockQ8 *y = acts + j * nb;                                                \
+            __m256 sum = _mm256_setzero_ps();                                                \
+            for (int64_t b = 0; b < nb; b++) {                                               \
+                _mm_prefetch(row + b * (block_bytes) + PREFETCH_AHEAD, _MM_HINT_T0);         \
+                float d;                                                                     \
+                __m256i w = load(row, b, &d);                                                \
+                __m256 scale = _mm256_set1_ps(d * _cvtsh_ss(y[b].d));                        \
+                __m256i a = _mm256_loadu_si256((const __m256i *)y[b].qs);                    \
+                sum = _mm256_fmadd_ps(scale, products_avx2(w, a), sum);                      \
+            }                                                                                \
+            out[j * ldo] = lane_sum(sum);                                                    \
+        }                                                                                    \
+    }
+
+ROW_AVX2(row_q8_avx2, block_q8, (int64_t)sizeof(BlockQ8))
+ROW_AVX2(row_q5_avx2, block_q5_avx2, (int64_t)sizeof(BlockQ5))
+ROW_AVX2(row_q4_avx2, block_q4, (int64_t)sizeof(BlockQ4))
+
+static void matmul_avx2(const char *weights, int type, int64_t nb, int64_t first_row,
+                        int64_t end_row, const BlockQ8 *acts, int64_t m, float *out, int64_t ldo) {
+    int64_t row_bytes = ls_q0_row_bytes(type, nb);
+    for (int64_t r = first_row; r < end_row; r++) {
+        const char *row = weights + r * row_bytes;
+        if (type == TYPE_Q8_0)
+            row_q8_avx2(row, nb, acts, m, out + r, ldo);
+        else if (type == TYPE_Q5_0)
+            row_q5_avx2(row, nb, acts, m, out + r, ldo);
+        else
+            row_q4_avx2(row, nb, acts, m, out + r, ldo);
+    }
+}
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c,fma")))
+
+/* The same Q5_0 block in fewer instructions: the fifth bits as a byte mask. */
 TARGET static inline __m256i block_q5(const char *row, int64_t b, float *d) {
     const BlockQ5 *x = (const BlockQ5 *)row + b;
     *d = _cvtsh_ss(x->d);
@@ -105,13 +210,6 @@ TARGET static inline __m256i block_q5(const char *row, int64_t b, float *d) {
     memcpy(&high, x->qh, sizeof high);
     return _mm256_or_si256(nibbles(x->qs),
                            _mm256_maskz_mov_epi8(~high, _mm256_set1_epi8((char)0xF0)));
-}
-
-/* A Q4_0 block as ggml unpacks it: its nibbles, each minus 8. */
-TARGET static inline __m256i block_q4(const char *row, int64_t b, float *d) {
-    const BlockQ4 *x = (const BlockQ4 *)row + b;
-    *d = _cvtsh_ss(x->d);
-    return _mm256_sub_epi8(nibbles(x->qs), _mm256_set1_epi8(8));
 }
 
 /* Rows [first, first + count) of the activations against weight rows r0 and r1 (nb blocks
@@ -231,11 +329,15 @@ void *ls_q0_thread_buffer(int slot, size_t bytes) {
 /* out[j * ldo + r] for weight rows r in [first_row, end_row) of a Q8_0, Q5_0 or Q4_0 matrix
  * (`type`, ggml's number; nb blocks a row) and the m activation rows `acts` (Q8_0 blocks as ggml
  * quantized them): ggml's outputs to the bit. Returns 0 (nothing written) for another type,
- * where this CPU lacks AVX-512 VNNI, or where memory runs out. */
+ * where this CPU lacks AVX2, or where memory runs out. */
 int ls_q0_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,
                  const void *acts, int64_t m, float *out, int64_t ldo) {
 #ifdef X86
     if (!ls_q0_matmul_supported() || !ls_q0_row_bytes(type, nb)) return 0;
+    if (!ls_avx512_vnni()) {
+        matmul_avx2(weights, type, nb, first_row, end_row, acts, m, out, ldo);
+        return 1;
+    }
     uint8_t *au = ls_q0_thread_buffer(1, (size_t)(m * nb * QK));
     float *ad = ls_q0_thread_buffer(2, (size_t)(m * nb) * sizeof(float));
     if (!au || !ad) return 0;

@@ -1,6 +1,6 @@
 /* ggml's matmuls of Q8_0, Q5_0 and Q4_0 weights swapped for q0matmul.c's, and of Q4_K, Q5_K and
  * Q6_K weights for qkmatmul.c's (where ggml keeps its dot product for K-quants), which give the
- * same numbers to the bit, sooner, where the CPU has AVX-512 VNNI.
+ * same numbers to the bit, sooner: with AVX-512 VNNI, and with AVX2 a Q8_0 matmul by one row.
  *
  * The hook is graphdraw.c's sampler: llama.cpp builds every attached backend sampler into
  * each pass's graph, and the sampler hands the graph here, which turns each MUL_MAT that
@@ -27,6 +27,7 @@
 
 /* q0matmul.c's */
 int ls_q0_matmul_supported(void);
+int ls_q0_sooner(int type, int64_t m);
 int64_t ls_q0_row_bytes(int type, int64_t nb);
 int ls_q0_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,
                  const void *acts, int64_t m, float *out, int64_t ldo);
@@ -93,9 +94,10 @@ static void qk_matmul(struct ggml_tensor *dst, int ith, int nth, void *userdata)
     run_swapped(dst, ith, nth, quantize_q8k, QK_K, ls_q8k_block_bytes(), ls_qk_matmul);
 }
 
-/* Swap a MUL_MAT for q0_matmul where it is one of Q8_0 or Q5_0 weights in host memory, as
- * loaded (not repacked: no extra), by floats in plain rows, two rows or more (one row is as
- * fast in ggml's own). A matmul whose weights are on a GPU is left to it. */
+/* Swap a MUL_MAT for q0_matmul where it is one of Q8_0, Q5_0 or Q4_0 weights in host memory,
+ * as loaded (not repacked: no extra), by floats in plain rows, as many as ls_q0_sooner says
+ * are sooner on this CPU; and for qk_matmul (AVX-512 VNNI) by two rows or more (one row is
+ * as fast in ggml's own). A matmul whose weights are on a GPU is left to it. */
 static int swap_matmul(struct ggml_tensor *t) {
     const struct ggml_tensor *w = t->src[0], *x = t->src[1];
     if (t->op != GGML_OP_MUL_MAT || !w || !x || !w->buffer || !buffer_is_host(w->buffer) ||
@@ -118,10 +120,11 @@ static int swap_matmul(struct ggml_tensor *t) {
         return 0;
     }
     if (w->nb[1] != row_bytes || w->ne[2] != 1 || w->ne[3] != 1 || x->type != GGML_TYPE_F32 ||
-        x->ne[0] != k || x->nb[0] != sizeof(float) || x->ne[1] < 2 || x->ne[2] != 1 ||
+        x->ne[0] != k || x->nb[0] != sizeof(float) || x->ne[2] != 1 ||
         x->ne[3] != 1 || t->type != GGML_TYPE_F32 || t->nb[0] != sizeof(float) ||
         t->ne[1] != x->ne[1])
         return 0;
+    if (kernel == q0_matmul ? !ls_q0_sooner(w->type, x->ne[1]) : x->ne[1] < 2) return 0;
     struct custom_op_params params = {kernel, GGML_N_TASKS_MAX, NULL};
     memcpy(t->op_params, &params, sizeof params);
     t->op = GGML_OP_CUSTOM;
@@ -203,8 +206,8 @@ int ls_q0_swappable(int type) {
 }
 
 /* ggml's calls from the libraries at ggml_base and ggml_cpu (llama.cpp loaded them already):
- * the graph's, and ggml-cpu's quantizer for the activations; then the matmuls of Q8_0 and
- * Q5_0 weights are swapped (ls_q0_swap) where the CPU has AVX-512 VNNI. Returns whether they
+ * the graph's, and ggml-cpu's quantizer for the activations; then the matmuls that are sooner
+ * in q0matmul.c's and qkmatmul.c's kernels are swapped (ls_q0_swap) where the CPU runs them. Returns whether they
  * will be: not where a call is missing or an operation's number is not the one declared. */
 int ls_q0_bind(const char *ggml_base, const char *ggml_cpu) {
     void *base = dlopen(ggml_base, RTLD_NOW), *cpu = dlopen(ggml_cpu, RTLD_NOW);

@@ -61,7 +61,12 @@ typedef struct {
     int16_t bsums[QK_K / 16]; /* sums of each 16 qs */
 } __attribute__((packed)) BlockQ8K;
 
-int ls_q0_matmul_supported(void);
+int ls_avx512_vnni(void); /* q0matmul.c's */
+
+/* Whether ls_qk_matmul runs on this CPU: it needs AVX-512 VNNI. */
+int ls_qk_matmul_supported(void) {
+    return ls_avx512_vnni();
+}
 
 #define TYPE_Q4_K 12 /* ggml's type numbers */
 #define TYPE_Q5_K 13
@@ -335,7 +340,7 @@ TARGET static void matmul_avx512(const char *weights, int type, int64_t nb, int6
 int ls_qk_matmul(const void *weights, int type, int64_t nb, int64_t first_row, int64_t end_row,
                  const void *acts, int64_t m, float *out, int64_t ldo) {
 #ifdef X86
-    if (!ls_q0_matmul_supported() || !ls_qk_row_bytes(type, nb)) return 0;
+    if (!ls_qk_matmul_supported() || !ls_qk_row_bytes(type, nb)) return 0;
     matmul_avx512(weights, type, nb, first_row, end_row, acts, m, out, ldo);
     return 1;
 #else

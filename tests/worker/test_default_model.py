@@ -179,7 +179,7 @@ def test_the_swapped_matmuls_give_ggmls_tokens(engine: Engine):
     native = graph_native()
     lib = native.kernels if native is not None else None
     if lib is None or not lib.ls_q0_matmul_supported():
-        pytest.skip("no AVX-512 VNNI: ggml's matmul runs")
+        pytest.skip("neither AVX2 nor AVX-512 VNNI: ggml's matmul runs")
     mixes = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.95}]
     texts = [*PROMPTS, *OTHER_NEIGHBOURS]
     requests = [
@@ -208,9 +208,50 @@ def test_the_swapped_matmuls_give_ggmls_tokens(engine: Engine):
         finally:
             drawing.close()
             lib.ls_q0_swap(1)
-    assert swapped["all"] > swapped["q0"] > 0 and swapped["none"] == 0
+    # The K-quants' kernels run with AVX-512 VNNI; without it they are ggml's.
+    kquants_swapped = swapped["all"] > swapped["q0"]
+    assert kquants_swapped == bool(lib.ls_qk_matmul_supported())
+    assert swapped["q0"] > 0 and swapped["none"] == 0
     assert tokens["all"] == tokens["q0"] == tokens["none"]
     assert all(len(tokens["all"][r.request_id]) == 12 for r in requests)
+
+
+Q8_0 = 8  # ggml's number for the output matrix's type
+
+
+def test_one_sequence_decodes_with_the_swapped_output_matrix_where_sooner(engine: Engine):
+    """A decode of one sequence multiplies Gemma's Q8_0 output matrix by one row. Where the
+    kernel is sooner there (AVX2 without AVX-512 VNNI: ls_q0_sooner), a request alone runs it
+    in every pass and gets ggml's tokens, greedy and seeded; elsewhere nothing of one row is
+    swapped."""
+    native = graph_native()
+    lib = native.kernels if native is not None else None
+    if lib is None:
+        pytest.skip("the swap cannot bind with this llama.cpp: ggml's matmuls run")
+    config = replace(engine.config, backend_sampling="draw")
+    tokens, swapped = {}, {}
+    for kernels in ("loomserve", "ggml"):
+        drawing = Engine(replace(config, cpu_kernels=kernels))
+        try:
+            before = lib.ls_q0_swapped()
+            tokens[kernels] = [
+                run_alone(drawing, config, Generate(f"r{i}", tokenize(drawing, text), params))
+                for i, (text, params) in enumerate(
+                    [
+                        (PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.0)),
+                        (PROMPTS[2], SamplingParams(max_tokens=16, temperature=1.0, seed=4)),
+                    ]
+                )
+            ]
+            swapped[kernels] = lib.ls_q0_swapped() - before
+        finally:
+            drawing.close()
+            lib.ls_q0_swap(1)
+    assert tokens["loomserve"] == tokens["ggml"]
+    assert [len(t) for t in tokens["ggml"]] == [16, 16]
+    assert swapped["ggml"] == 0
+    # Only the output matrix is Q8_0; passes of one row swap it where it is sooner.
+    assert (swapped["loomserve"] > 0) == bool(lib.ls_q0_sooner(Q8_0, 1))
 
 
 def test_the_default_model_streams_through_the_loop_in_order(engine: Engine):

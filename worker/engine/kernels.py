@@ -36,6 +36,8 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_q0_swappable": ([ctypes.c_int], ctypes.c_int),
     "ls_q0_check": ([ctypes.c_int, ctypes.c_void_p], ctypes.c_int),
     "ls_q0_matmul_supported": ([], ctypes.c_int),
+    "ls_q0_sooner": ([ctypes.c_int, _LENGTH], ctypes.c_int),  # weight type, activation rows
+    "ls_qk_matmul_supported": ([], ctypes.c_int),
     # weights, their type, blocks a row, first row, end row, activations, rows, out, stride
     "ls_q0_matmul": (
         [_ROW, ctypes.c_int, _LENGTH, _LENGTH, _LENGTH, _ROW, _LENGTH, _ROW, _LENGTH],
@@ -50,8 +52,10 @@ _SIGNATURES: dict[str, tuple[list[Any], Any]] = {
     "ls_abi_declared": ([_ROW], _LENGTH),
 }
 
-# ggml's numbers of the weight types whose matmuls q0swap.c can swap (q0matmul.c, qkmatmul.c).
-SWAPPED_TYPES = {8: "Q8_0", 6: "Q5_0", 2: "Q4_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+# ggml's numbers of the weight types whose matmuls q0swap.c can swap: q0matmul.c's (AVX2 and
+# AVX-512 VNNI), and qkmatmul.c's K-quants (AVX-512 VNNI).
+Q0_TYPES = {8: "Q8_0", 6: "Q5_0", 2: "Q4_0"}
+SWAPPED_TYPES = {**Q0_TYPES, 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 @functools.cache
@@ -104,7 +108,10 @@ def graph_native() -> GraphNative | None:
     ):
         draw.ls_graph_set_pass_hook(None)
         return GraphNative(draw, None)
-    differing = [name for kind, name in SWAPPED_TYPES.items() if not kernels.ls_q0_swappable(kind)]
+    # A type whose kernel this CPU cannot run is ggml's without a word; one that ran and
+    # disagreed with this ggml is worth one.
+    runs = SWAPPED_TYPES if kernels.ls_qk_matmul_supported() else Q0_TYPES
+    differing = [name for kind, name in runs.items() if not kernels.ls_q0_swappable(kind)]
     if differing:
         log.warning(
             "this ggml's dot product differs from loomserve's kernel for these weights; "

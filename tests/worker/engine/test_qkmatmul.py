@@ -43,7 +43,7 @@ GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K = 12, 13, 14
 TYPES = {GGML_TYPE_Q4_K: Q4_K, GGML_TYPE_Q5_K: Q5_K, GGML_TYPE_Q6_K: Q6_K}
 
 pytestmark = pytest.mark.skipif(
-    kernels.library() is None or not kernels.library().ls_q0_matmul_supported(),
+    kernels.library() is None or not kernels.library().ls_qk_matmul_supported(),
     reason="qkmatmul.c needs AVX-512 VNNI",
 )
 
