@@ -292,7 +292,7 @@ class WorkerConfig:
             "Whose kernels multiply the quantized weights (Q8_0, Q5_0, Q4_0, Q4_K, Q5_K, Q6_K) "
             "in passes that draw inside llama_decode: loomserve, its kernels, ggml's numbers "
             "to the bit, sooner (with AVX-512 VNNI, every type from two rows up; with AVX2, "
-            "Q8_0 by one row, a decode of one sequence; on a llama.cpp loomserve has "
+            "Q8_0 by up to 8 rows, decodes of up to 8 sequences; on a llama.cpp loomserve has "
             "verified); ggml, ggml's own (docs/sampling.md)."
         ),
         choices=CPU_KERNELS,

@@ -24,14 +24,17 @@
  * every case. In the tick loop on Gemma: decode 1.15x ggml's at 16 sequences, 1.06x at 4; a
  * prefill of 16 prompts 1.12x.
  *
- * Where the CPU has AVX2 but not AVX-512 VNNI, the kernel is ggml's dot product itself, a row
- * at a time (the same instructions, so the same bits), that asks for each weight row's bytes
- * PREFETCH_AHEAD ahead of where it reads: with a 34-byte block and a scale product each,
- * ggml's loop reads too slowly for the hardware's prefetcher to keep ahead of it. Measured on
- * this project's AMD EPYC (2 threads, Gemma's 262,144 x 640 Q8_0 matrix, one activation row,
- * medians of 40): 6.50 ms against ggml's 8.14, the memory's limit about 6. Q5_0 and Q4_0
- * unpack each block and are no faster so; there the kernel serves only the check and tests
- * (ls_q0_sooner says which matmuls q0swap.c swaps).
+ * Where the CPU has AVX2 but not AVX-512 VNNI, the kernel is ggml's dot product itself (the
+ * same instructions for each output, so the same bits), a weight row at a time against up to
+ * eight activation rows, asking for the row's bytes PREFETCH_AHEAD ahead of where it reads:
+ * with a 34-byte block and a scale product each, ggml's loop reads too slowly for the
+ * hardware's prefetcher to keep ahead of it. Measured on this project's AMD EPYC (Gemma's
+ * 262,144 x 640 Q8_0 matrix): one activation row, 2 threads, medians of 40, 6.50 ms against
+ * ggml's dot product's 8.14 (the memory's limit about 6); one thread against llamafile's
+ * sgemm, 2 rows 17.7 ms against 34.4, 4 rows 30.0 against 44.8, 8 rows 57.1 against 68.7,
+ * 12 rows 114 against 100. Q5_0 and Q4_0 cost their unpacking and are slower than sgemm (Q5_0,
+ * 4 rows: 15.0 against 13.0); there the kernel serves only the check and tests (ls_q0_sooner
+ * says which matmuls q0swap.c swaps).
  */
 
 #include <stdint.h>
@@ -48,6 +51,7 @@
 #define CHUNK_BYTES (256 * 1024) /* weight rows a group of activation rows passes over */
 
 #define PREFETCH_AHEAD 2048 /* bytes of a weight row asked for before they are read (AVX2) */
+#define ROWS_AVX2 8 /* activation rows whose sums a pass over a weight row keeps (AVX2) */
 
 #define TYPE_Q4_0 2 /* ggml's type numbers */
 #define TYPE_Q5_0 6
@@ -105,11 +109,11 @@ int ls_q0_matmul_supported(void) {
 
 /* Whether a matmul of `type` weights by `m` activation rows is sooner here than in ggml on
  * this CPU, as measured: with AVX-512 VNNI, two rows and more (one is as fast in ggml's); with
- * AVX2 alone, Q8_0 by one row (a decode of one sequence; ggml's tiled matmul does more rows
- * sooner). */
+ * AVX2 alone, Q8_0 by up to ROWS_AVX2 rows (decodes of up to 8 sequences; from 12 rows
+ * llamafile's tiled sgemm is the sooner, and for Q5_0 and Q4_0 at every count). */
 int ls_q0_sooner(int type, int64_t m) {
     if (ls_avx512_vnni()) return m >= 2;
-    return avx2() && type == TYPE_Q8_0 && m == 1;
+    return avx2() && type == TYPE_Q8_0 && m >= 1 && m <= ROWS_AVX2;
 }
 
 #ifdef X86
@@ -156,29 +160,47 @@ TARGET_AVX2 static inline __m256i block_q5_avx2(const char *row, int64_t b, floa
     return _mm256_or_si256(nibbles(x->qs), _mm256_andnot_si256(bits, _mm256_set1_epi8((char)0xF0)));
 }
 
-/* ggml's mul_sum_i8_pairs_float: the products of signed bytes, summed in lanes of four. */
-TARGET_AVX2 static inline __m256 products_avx2(__m256i x, __m256i y) {
-    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-/* One weight row (nb blocks, `load` unpacking them) against m activation rows: ggml's dot
- * product, block after block into eight lanes, asking for the row's bytes ahead. */
+/* One weight row (nb blocks, `load` unpacking them) against activation rows [first, first +
+ * count), count <= ROWS_AVX2: ggml's dot product for each, block after block into eight lanes,
+ * the products as its mul_sum_i8_pairs_float makes them (the weights' signs moved onto the
+ * activations, pairs summed twice into lanes of four); a block is unpacked once for all the
+ * rows, and the weight row's bytes are asked for ahead. */
 #define ROW_AVX2(name, load, block_bytes)                                                      \
-    TARGET_AVX2 static void name(const char *row, int64_t nb, const BlockQ8 *acts, int64_t m, \
-                                 float *out, int64_t ldo) {                                   \
-        for (int64_t j = 0; j < m; j++) {                                                    \
-            const BlockQ8 *y = acts + j * nb;                                                \
-            __m256 sum = _mm256_setzero_ps();                                                \
-            for (int64_t b = 0; b < nb; b++) {                                               \
-                _mm_prefetch(row + b * (block_bytes) + PREFETCH_AHEAD, _MM_HINT_T0);         \
-                float d;                                                                     \
-                __m256i w = load(row, b, &d);                                                \
-                __m256 scale = _mm256_set1_ps(d * _cvtsh_ss(y[b].d));                        \
-                __m256i a = _mm256_loadu_si256((const __m256i *)y[b].qs);                    \
-                sum = _mm256_fmadd_ps(scale, products_avx2(w, a), sum);                      \
+    TARGET_AVX2 static inline __attribute__((always_inline)) void name##_rows(               \
+        const char *row, int64_t nb, const BlockQ8 *acts, int64_t first, const int count,     \
+        float *out, int64_t ldo) {                                                           \
+        const __m256i ones = _mm256_set1_epi16(1);                                           \
+        __m256 sum[ROWS_AVX2];                                                               \
+        _Pragma("GCC unroll 8") for (int j = 0; j < count; j++) sum[j] = _mm256_setzero_ps(); \
+        for (int64_t b = 0; b < nb; b++) {                                                   \
+            _mm_prefetch(row + b * (block_bytes) + PREFETCH_AHEAD, _MM_HINT_T0);             \
+            float d;                                                                         \
+            __m256i w = load(row, b, &d);                                                    \
+            __m256i w_abs = _mm256_sign_epi8(w, w);                                          \
+            _Pragma("GCC unroll 8") for (int j = 0; j < count; j++) {                        \
+                const BlockQ8 *y = acts + (first + j) * nb + b;                              \
+                __m256 scale = _mm256_set1_ps(d * _cvtsh_ss(y->d));                          \
+                __m256i a = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y->qs), w); \
+                __m256i pairs = _mm256_maddubs_epi16(w_abs, a);                              \
+                __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));        \
+                sum[j] = _mm256_fmadd_ps(scale, products, sum[j]);                           \
             }                                                                                \
-            out[j * ldo] = lane_sum(sum);                                                    \
+        }                                                                                    \
+        _Pragma("GCC unroll 8") for (int j = 0; j < count; j++) out[(first + j) * ldo] =      \
+            lane_sum(sum[j]);                                                                \
+    }                                                                                        \
+    /* The sums stay in registers only where the count is known as the loop is compiled. */  \
+    TARGET_AVX2 static void name(const char *row, int64_t nb, const BlockQ8 *acts,           \
+                                 int64_t first, int count, float *out, int64_t ldo) {        \
+        switch (count) {                                                                     \
+        case 1: name##_rows(row, nb, acts, first, 1, out, ldo); break;                       \
+        case 2: name##_rows(row, nb, acts, first, 2, out, ldo); break;                       \
+        case 3: name##_rows(row, nb, acts, first, 3, out, ldo); break;                       \
+        case 4: name##_rows(row, nb, acts, first, 4, out, ldo); break;                       \
+        case 5: name##_rows(row, nb, acts, first, 5, out, ldo); break;                       \
+        case 6: name##_rows(row, nb, acts, first, 6, out, ldo); break;                       \
+        case 7: name##_rows(row, nb, acts, first, 7, out, ldo); break;                       \
+        default: name##_rows(row, nb, acts, first, ROWS_AVX2, out, ldo); break;              \
         }                                                                                    \
     }
 
@@ -186,17 +208,22 @@ ROW_AVX2(row_q8_avx2, block_q8, (int64_t)sizeof(BlockQ8))
 ROW_AVX2(row_q5_avx2, block_q5_avx2, (int64_t)sizeof(BlockQ5))
 ROW_AVX2(row_q4_avx2, block_q4, (int64_t)sizeof(BlockQ4))
 
+/* Weight rows [first_row, end_row) against the m activation rows, ROWS_AVX2 of those at a
+ * time: a row's blocks are unpacked once for all of them. */
 static void matmul_avx2(const char *weights, int type, int64_t nb, int64_t first_row,
                         int64_t end_row, const BlockQ8 *acts, int64_t m, float *out, int64_t ldo) {
     int64_t row_bytes = ls_q0_row_bytes(type, nb);
-    for (int64_t r = first_row; r < end_row; r++) {
-        const char *row = weights + r * row_bytes;
-        if (type == TYPE_Q8_0)
-            row_q8_avx2(row, nb, acts, m, out + r, ldo);
-        else if (type == TYPE_Q5_0)
-            row_q5_avx2(row, nb, acts, m, out + r, ldo);
-        else
-            row_q4_avx2(row, nb, acts, m, out + r, ldo);
+    for (int64_t j = 0; j < m; j += ROWS_AVX2) {
+        int count = m - j < ROWS_AVX2 ? (int)(m - j) : ROWS_AVX2;
+        for (int64_t r = first_row; r < end_row; r++) {
+            const char *row = weights + r * row_bytes;
+            if (type == TYPE_Q8_0)
+                row_q8_avx2(row, nb, acts, j, count, out + r, ldo);
+            else if (type == TYPE_Q5_0)
+                row_q5_avx2(row, nb, acts, j, count, out + r, ldo);
+            else
+                row_q4_avx2(row, nb, acts, j, count, out + r, ldo);
+        }
     }
 }
 

@@ -1,6 +1,6 @@
 /* ggml's matmuls of Q8_0, Q5_0 and Q4_0 weights swapped for q0matmul.c's, and of Q4_K, Q5_K and
  * Q6_K weights for qkmatmul.c's (where ggml keeps its dot product for K-quants), which give the
- * same numbers to the bit, sooner: with AVX-512 VNNI, and with AVX2 a Q8_0 matmul by one row.
+ * same numbers to the bit, sooner: with AVX-512 VNNI, and with AVX2 a Q8_0 matmul of 1-8 rows.
  *
  * The hook is graphdraw.c's sampler: llama.cpp builds every attached backend sampler into
  * each pass's graph, and the sampler hands the graph here, which turns each MUL_MAT that

@@ -160,7 +160,7 @@ def assert_the_same_bits(kernel, kind: int, w: np.ndarray, acts: np.ndarray, exp
 
 
 @pytest.mark.parametrize("kind", list(TYPES), ids=["Q8_0", "Q5_0", "Q4_0"])
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 40])
 @pytest.mark.parametrize("n_blocks", [20, 3])
 def test_the_outputs_are_ggmls_to_the_bit(ggml_cpu, kind, m, n_blocks):
     rng = np.random.default_rng(m * 100 + n_blocks + kind)
