@@ -207,8 +207,9 @@ int ls_q0_swappable(int type) {
 
 /* ggml's calls from the libraries at ggml_base and ggml_cpu (llama.cpp loaded them already):
  * the graph's, and ggml-cpu's quantizer for the activations; then the matmuls that are sooner
- * in q0matmul.c's and qkmatmul.c's kernels are swapped (ls_q0_swap) where the CPU runs them. Returns whether they
- * will be: not where a call is missing or an operation's number is not the one declared. */
+ * in q0matmul.c's and qkmatmul.c's kernels are swapped (ls_q0_swap) where the CPU runs them.
+ * Returns whether they will be: not where a call is missing or an operation's number is not
+ * the one declared. */
 int ls_q0_bind(const char *ggml_base, const char *ggml_cpu) {
     void *base = dlopen(ggml_base, RTLD_NOW), *cpu = dlopen(ggml_cpu, RTLD_NOW);
     if (!base || !cpu) return 0;
